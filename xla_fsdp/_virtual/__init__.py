@@ -1,0 +1,1 @@
+"""Virtual XLA:CPU devices: N devices as N threads of one process (used by ``launch``)."""

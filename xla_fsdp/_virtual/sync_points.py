@@ -1,0 +1,255 @@
+"""Routes every torch_xla call that compiles or waits through the turn ring.
+
+Installed only in the process that hosts virtual CPU devices; nothing here runs on a TPU or
+Trainium host. Calls made outside a device thread go straight to torch_xla.
+
+What is routed:
+* ``torch_xla.sync()`` / ``xm.mark_step()`` (the step marker),
+* ``_xla_sync_multi`` (used by ``xm.save`` and friends) when the tensors' pending graph holds
+  a collective,
+* implicit syncs in user code: ``.item()``, ``print(t)``, ``bool(t)``, ``.cpu()``, ... of a
+  tensor whose pending graph holds a collective,
+* ``xm.rendezvous`` / ``xm.xla_rendezvous``: exchanged through the ring (the XLA version
+  builds rank-specific graphs),
+* ``xm.wait_device_ops()``: waits for this rank's device only (waiting on all devices from
+  one thread while holding the GIL deadlocks the others).
+"""
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .turn_ring import TurnRing
+
+_COLLECTIVE_IR = re.compile(
+    r"xla::(cross_replica_sum|all_reduce|all_gather|reduce_scatter|all_to_all|"
+    r"collective_permute|send|recv)")
+_COLLECTIVE_BINDINGS = (
+    "_xla_all_reduce", "_xla_all_reduce_inplace", "_xla_all_gather", "_xla_all_gather_out",
+    "_xla_all_gather_coalesced", "_xla_all_gather_coalesced_out", "_xla_reduce_scatter",
+    "_xla_reduce_scatter_out", "_xla_reduce_scatter_coalesced",
+    "_xla_reduce_scatter_coalesced_out", "_xla_all_to_all", "_xla_collective_permute",
+    "_xla_send", "_xla_recv")
+# Tensor methods and functions that hand a value to Python and so force execution.
+_MATERIALIZING = frozenset((
+    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
+    "__complex__", "__repr__", "__str__", "__format__", "__array__", "__reduce_ex__",
+    "is_nonzero", "equal", "allclose", "to", "copy_"))
+_CPU_TARGET_ONLY = frozenset(("to", "copy_"))
+
+
+class DivergentGraphs(RuntimeError):
+    """Ranks traced different graphs that contain collectives."""
+
+
+class _RankContext(threading.local):
+    rank: Optional[int] = None
+    collectives_traced: bool = False
+
+
+class SyncPoints:
+    """The patched entry points of one virtual-device process."""
+
+    def __init__(self, ring: TurnRing, devices: List[str]) -> None:
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        self._ring = ring
+        self._devices = devices
+        self._xlac = torch_xla._XLAC
+        self._xm = xm
+        self._local = _RankContext()
+        self._board: Dict[int, bytes] = {}
+        self._any_collective_this_round = False
+        self._orig: Dict[str, Callable] = {}
+
+    # -- install ---------------------------------------------------------------------------
+    def install(self) -> None:
+        xlac, xm = self._xlac, self._xm
+        self._orig["step_marker"] = xlac._xla_step_marker
+        self._orig["sync_multi"] = xlac._xla_sync_multi
+        self._orig["wait_device_ops"] = xlac._xla_wait_device_ops
+        self._orig["xla_rendezvous"] = xm.xla_rendezvous
+        xlac._xla_step_marker = self._step_marker
+        xlac._xla_sync_multi = self._sync_multi
+        xlac._xla_wait_device_ops = self._wait_device_ops
+        xm.xla_rendezvous = self._rendezvous
+        for name in _COLLECTIVE_BINDINGS:
+            if hasattr(xlac, name):
+                setattr(xlac, name, self._noting_collective(getattr(xlac, name)))
+
+    def bind_rank(self, rank: int) -> "MaterializeGuard":
+        """Marks the calling thread as ``rank``'s device thread."""
+        self._local.rank = rank
+        return MaterializeGuard(self)
+
+    @property
+    def _rank(self) -> Optional[int]:
+        return self._local.rank
+
+    def _noting_collective(self, binding: Callable) -> Callable:
+        def traced(*args, **kwargs):
+            if self._local.rank is not None:
+                self._local.collectives_traced = True
+            return binding(*args, **kwargs)
+        return traced
+
+    # -- the collective point with the divergence check -------------------------------------
+    def _collective(self, kind: str, dispatch: Callable[[], Any]) -> Any:
+        rank = self._rank
+
+        def audited_dispatch():
+            if rank == 0:
+                self._any_collective_this_round = False
+            if self._local.collectives_traced:
+                self._any_collective_this_round = True
+            before = self._xlac._xla_get_num_cached_compilation_graph()
+            result = dispatch()
+            compiled = self._xlac._xla_get_num_cached_compilation_graph() > before
+            self._local.collectives_traced = False
+            if rank != 0 and compiled and self._any_collective_this_round:
+                raise DivergentGraphs(
+                    f"rank {rank} traced a different graph from rank 0 at {kind}, and the "
+                    f"ranks' graphs contain collectives, which would never meet. Usual "
+                    f"causes: a value that depends on the rank baked into the graph (e.g. "
+                    f"`t * xr.global_ordinal()`; pass rank-dependent data in as a tensor "
+                    f"instead), xm.all_gather(..., pin_layout=True) (it builds a "
+                    f"rank-specific graph; use pin_layout=False), or a Python branch that "
+                    f"differs between ranks.")
+            return result
+
+        return self._ring.collective(rank, kind, _user_site(), audited_dispatch)
+
+    # -- patched entry points --------------------------------------------------------------
+    def _step_marker(self, device: str, devices: List[str], wait: bool = False,
+                     reset_scope: bool = True) -> None:
+        if self._rank is None:
+            return self._orig["step_marker"](device, devices, wait=wait, reset_scope=reset_scope)
+        self._collective("torch_xla.sync()", lambda: self._orig["step_marker"](
+            device, devices, wait=False, reset_scope=reset_scope))
+        if wait:
+            self._wait_own_device()
+
+    def _sync_multi(self, tensors: List[torch.Tensor], devices: List[str], wait: bool = True,
+                    sync_xla_data: bool = True) -> None:
+        orig = self._orig["sync_multi"]
+        if self._rank is None or not has_pending_collective(tensors):
+            return orig(tensors, devices, wait=wait, sync_xla_data=sync_xla_data)
+        self._collective("a sync of tensors that depend on a collective", lambda: orig(
+            tensors, devices, wait=False, sync_xla_data=sync_xla_data))
+        if wait:
+            self._wait_own_device()
+
+    def _wait_device_ops(self, devices: Iterable[str] = ()) -> None:
+        if self._rank is None:
+            return self._orig["wait_device_ops"](devices=list(devices))
+        # Every peer's work was dispatched at a completed collective point, so this rank
+        # can wait for its own device without starving anybody.
+        self._wait_own_device()
+
+    def _wait_own_device(self) -> None:
+        own = self._xlac._xla_real_devices([self._devices[self._rank]])
+        self._orig["wait_device_ops"](devices=own)
+
+    def _rendezvous(self, payload: bytes = b"", ordinals: Optional[List[int]] = None,
+                    tag: Optional[str] = None) -> List[bytes]:
+        if self._rank is None:
+            return self._orig["xla_rendezvous"](payload, ordinals, tag=tag)
+        world = self._ring.world_size
+        if ordinals and sorted(ordinals) != list(range(world)):
+            raise ValueError("Only global rendezvous is supported")
+        if not isinstance(payload, bytes):
+            raise TypeError(f"`payload` must be bytes, not {type(payload)}")
+        import torch_xla
+        torch_xla.sync()  # as torch_xla's rendezvous does: pending work goes first
+        rank = self._rank
+
+        def post():
+            self._board[rank] = payload
+
+        self._collective("xm.rendezvous()", post)
+        return [self._board[r] for r in range(world)]
+
+    # -- implicit syncs --------------------------------------------------------------------
+    def materialize(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Syncs, as a collective point, XLA tensors that ``func`` is about to read back."""
+        name = getattr(func, "__name__", "")
+        if name not in _MATERIALIZING or self._rank is None:
+            return
+        if name in _CPU_TARGET_ONLY and not _targets_cpu(args, kwargs):
+            return
+        pending = [t for t in _xla_tensors((args, kwargs))]
+        if not has_pending_collective(pending):
+            return
+        orig = self._orig["sync_multi"]
+        self._collective(f"reading a tensor value ({name})", lambda: orig(
+            pending, [], wait=False, sync_xla_data=True))
+
+
+class MaterializeGuard(TorchFunctionMode):
+    """Thread-local mode that turns implicit syncs into collective points."""
+
+    def __init__(self, points: SyncPoints) -> None:
+        super().__init__()
+        self._points = points
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._points.materialize(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def has_pending_collective(tensors: List[torch.Tensor]) -> bool:
+    import torch_xla
+    xla = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    if not xla:
+        return False
+    return bool(_COLLECTIVE_IR.search(torch_xla._XLAC._get_xla_tensors_text(xla)))
+
+
+def _xla_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "xla":
+            yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _xla_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _xla_tensors(item)
+
+
+def _targets_cpu(args: tuple, kwargs: dict) -> bool:
+    def is_cpu(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.device.type == "cpu"
+        if isinstance(x, (str, torch.device)):
+            return torch.device(x).type == "cpu" if _is_device_like(x) else False
+        return False
+    return any(is_cpu(a) for a in list(args) + list(kwargs.values()))
+
+
+def _is_device_like(x: Any) -> bool:
+    if isinstance(x, torch.device):
+        return True
+    try:
+        torch.device(x)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _user_site() -> str:
+    """The innermost stack frame outside torch, torch_xla and this package."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in ("/torch/", "/torch_xla/", "/xla_fsdp/_virtual/",
+                                                  "/contextlib.py")):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
