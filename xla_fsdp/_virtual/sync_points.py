@@ -35,6 +35,10 @@ _COLLECTIVE_BINDINGS = (
     "_xla_reduce_scatter_out", "_xla_reduce_scatter_coalesced",
     "_xla_reduce_scatter_coalesced_out", "_xla_all_to_all", "_xla_collective_permute",
     "_xla_send", "_xla_recv")
+# xm's own wrappers too: with default arguments some of them lower through
+# torch.ops._c10d_functional and never touch the bindings above.
+_COLLECTIVE_XM_FUNCTIONS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                            "collective_permute", "collective_broadcast", "send", "recv")
 # Tensor methods and functions that hand a value to Python and so force execution.
 _MATERIALIZING = frozenset((
     "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
@@ -78,9 +82,10 @@ class SyncPoints:
         xlac._xla_sync_multi = self._sync_multi
         xlac._xla_wait_device_ops = self._wait_device_ops
         xm.xla_rendezvous = self._rendezvous
-        for name in _COLLECTIVE_BINDINGS:
-            if hasattr(xlac, name):
-                setattr(xlac, name, self._noting_collective(getattr(xlac, name)))
+        for module, names in ((xlac, _COLLECTIVE_BINDINGS), (xm, _COLLECTIVE_XM_FUNCTIONS)):
+            for name in names:
+                if hasattr(module, name):
+                    setattr(module, name, self._noting_collective(getattr(module, name)))
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
         """Marks the calling thread as ``rank``'s device thread."""

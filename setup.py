@@ -1,0 +1,13 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="xla_fsdp",
+    version="0.1.0",
+    description="Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices, with "
+                "streaming checkpoint consolidation",
+    packages=find_packages(include=["xla_fsdp", "xla_fsdp.*", "consolidate", "consolidate.*"]),
+    python_requires=">=3.10,<3.14",
+    # torch_xla 2.9.0 declares no torch pin, but its C++ ABI needs torch 2.9.x.
+    install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
+    extras_require={"test": ["pytest>=7"]},
+)

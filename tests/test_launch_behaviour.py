@@ -1,0 +1,128 @@
+"""What user code may do inside ``launch``, and the clear errors it gets when it breaks a rule.
+
+Each misuse costs one short launch at N = 2; everything that must work is batched into one.
+"""
+import pickle
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from xla_fsdp import LaunchError, launch
+
+
+def everyday_calls(rank: int) -> dict:
+    """Things real training code does that sync implicitly or wait on devices."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    out = {"rank": xr.global_ordinal(), "world": xr.world_size()}
+    # Unseeded draws: each rank has its own RNG, starting where a fresh process would.
+    out["draws"] = (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+    torch.manual_seed(123)
+    out["init"] = torch.nn.Linear(4, 4).weight.detach().clone()
+    x = torch.full((4,), float(rank + 1)).to(device)
+    total = xm.all_reduce(xm.REDUCE_SUM, x, pin_layout=False)
+    out["item"] = total.sum().item()          # implicit sync of a pending collective
+    out["branch"] = bool(total[0] > 0)        # data-dependent Python branch
+    out["repr"] = repr(total * 2)             # printing a pending collective
+    out["float"] = float(xm.all_reduce(xm.REDUCE_MAX, x, pin_layout=False)[0])
+    out["cpu"] = (total + 1).cpu().tolist()
+    out["gathered"] = xm.all_gather(x, pin_layout=False).cpu().tolist()
+    torch_xla.sync(wait=True)
+    xm.wait_device_ops()
+    out["payloads"] = xm.rendezvous("exchange", f"hello from {rank}".encode())
+    xm.mark_step()
+    return out
+
+
+def test_everyday_calls_work():
+    results = launch(everyday_calls, num_devices=2)
+    r0, r1 = results[0], results[1]
+    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
+    assert r0["draws"] == r1["draws"]
+    assert torch.equal(r0["init"], r1["init"])
+    for r in (r0, r1):
+        assert r["item"] == 12.0
+        assert r["branch"] is True
+        assert "6." in r["repr"]
+        assert r["float"] == 2.0
+        assert r["cpu"] == [4.0] * 4
+        assert r["gathered"] == [1.0] * 4 + [2.0] * 4
+        assert r["payloads"] == [b"hello from 0", b"hello from 1"]
+
+
+def fails_on_rank_one(rank: int) -> None:
+    import torch_xla
+    for step in range(5):
+        if rank == 1 and step == 2:
+            raise ValueError(f"boom on rank {rank} at step {step}")
+        torch_xla.sync()
+
+
+def test_rank_failure_releases_everyone_and_names_the_rank():
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(fails_on_rank_one, num_devices=4)
+    assert time.monotonic() - start < 120
+    assert info.value.rank == 1
+    assert "boom on rank 1 at step 2" in str(info.value)
+    assert "fails_on_rank_one" in str(info.value)  # the remote traceback
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def extra_sync_on_rank_zero(rank: int) -> None:
+    import torch_xla
+    torch_xla.sync()
+    if rank == 0:
+        torch_xla.sync()
+
+
+def test_unmatched_sync_is_reported():
+    with pytest.raises(LaunchError) as info:
+        launch(extra_sync_on_rank_zero, num_devices=2)
+    text = str(info.value)
+    assert "ranks reached different collective points" in text
+    assert "rank 0: torch_xla.sync()" in text
+    assert "rank 1: return from the launched function" in text
+
+
+def rank_baked_into_graph(rank: int) -> float:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    x = torch.ones(4).to(torch_xla.device()) * (rank + 1)  # a rank-dependent constant
+    y = xm.all_reduce(xm.REDUCE_SUM, x, pin_layout=False)
+    torch_xla.sync()
+    return y.sum().item()
+
+
+def pinned_all_gather(rank: int) -> list:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    x = torch.full((2,), float(rank)).to(torch_xla.device())
+    y = xm.all_gather(x)  # pin_layout=True builds a rank-specific graph
+    torch_xla.sync()
+    return y.cpu().tolist()
+
+
+@pytest.mark.parametrize("fn", [rank_baked_into_graph, pinned_all_gather])
+def test_divergent_graphs_are_reported(fn):
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(fn, num_devices=2)
+    assert time.monotonic() - start < 120
+    assert "traced a different graph from rank 0" in str(info.value)
+
+
+def test_unpicklable_function_is_refused_before_starting():
+    with pytest.raises(TypeError, match="picklable"):
+        launch(lambda rank: rank, num_devices=2)
+
+
+def test_bad_device_count():
+    with pytest.raises(ValueError, match="num_devices"):
+        launch(everyday_calls, num_devices=0)
