@@ -1,0 +1,67 @@
+"""The only place that calls XLA collectives and optimization barriers.
+
+All-gathers always use torch_xla's list form. For a single tensor with ``pin_layout=True``,
+``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
+``world_size`` times the data and bakes the rank into the graph. The list form lowers to a
+native all-gather with the requested layout pinning.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+
+class Collectives:
+    """Collectives over one sharding group, as FSDP uses them."""
+
+    def __init__(self, world_size: int, groups: Optional[List[List[int]]],
+                 pin_layout: bool) -> None:
+        self.world_size = world_size
+        self.groups = groups
+        self.pin_layout = pin_layout
+
+    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
+        """Concatenations along dim 0 of every rank's shard, one per input."""
+        import torch_xla.core.xla_model as xm
+        if not shards:
+            return []
+        if coalesce:
+            return list(xm.all_gather(list(shards), dim=0, groups=self.groups,
+                                      pin_layout=self.pin_layout))
+        return [xm.all_gather([s], dim=0, groups=self.groups, pin_layout=self.pin_layout)[0]
+                for s in shards]
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float,
+                       coalesce: bool) -> List[torch.Tensor]:
+        """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input."""
+        import torch_xla.core.xla_model as xm
+        if not tensors:
+            return []
+
+        def call(batch):
+            return xm.reduce_scatter(xm.REDUCE_SUM, batch, scale=scale, scatter_dim=0,
+                                     shard_count=self.world_size, groups=self.groups,
+                                     pin_layout=self.pin_layout)
+        if coalesce and len(tensors) > 1:
+            return list(call(list(tensors)))
+        return [call(t) for t in tensors]
+
+    def all_reduce_sum(self, tensor: torch.Tensor,
+                       groups: Optional[List[List[int]]] = None) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=groups, pin_layout=self.pin_layout)
+
+    def all_reduce_max(self, tensor: torch.Tensor,
+                       groups: Optional[List[List[int]]] = None) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        return xm.all_reduce(xm.REDUCE_MAX, tensor, groups=groups, pin_layout=self.pin_layout)
+
+
+def optimization_barrier(tensors: Sequence[torch.Tensor]) -> None:
+    """Stops XLA from fusing or reordering work across this point (e.g. merging a unit's
+    forward and backward all-gathers, which keeps its full parameters alive in between)."""
+    import torch_xla.core.xla_model as xm
+    tensors = [t for t in tensors if t is not None]
+    if tensors:
+        xm.optimization_barrier_(list(tensors))

@@ -1,0 +1,638 @@
+"""XlaFullyShardedDataParallel: ZeRO-3 sharding of an ``nn.Module`` on XLA devices.
+
+Each unit keeps only this rank's shard of its parameters. The original parameters stay in
+their modules as *full-parameter placeholders*: leaf tensors whose XLA data is swapped
+between the all-gathered full value (just before the unit computes) and a one-element
+dummy (right after). Autograd still sees one leaf per original parameter, so gradients
+arrive per parameter; they are reduce-scattered into the shard's ``.grad`` once every
+parameter of a shard group has its gradient.
+
+Hook order in one training step:
+forward: gather -> module.forward -> free (if resharding) -> hooks on outputs
+backward: output hook: gather again (if resharded) -> ... -> per-parameter hook: when a
+group is complete, free it and reduce-scatter its gradients -> root's final callback:
+flush, free leftovers, reset state.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+
+from . import shard_layout
+from ._tensor_tree import cast_floating, collect_tensors, map_tensors
+from .collectives import Collectives, optimization_barrier
+from .options import FsdpOptions
+from .patched_linear import patch_linear_layers
+from .safety import install_optimizer_guard, validate_module
+from .shard_layout import Dim0Layout, FlatLayout
+
+_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
+
+
+class TrainingState(Enum):
+    IDLE = auto()
+    FORWARD = auto()
+    BACKWARD_PRE = auto()
+    BACKWARD_POST = auto()
+
+
+@dataclass
+class ShardGroup:
+    """Parameters sharded as one tensor: their full placeholders and this rank's shard."""
+    layout: shard_layout.Layout
+    shard: nn.Parameter
+    params: List[torch.Tensor]            # full-parameter placeholders
+    names: List[str]                      # names relative to the wrapped module
+    pending_grads: int = 0                # grads still to arrive in this backward
+    hooks: List[Any] = field(default_factory=list)
+
+
+class XlaFullyShardedDataParallel(nn.Module):
+    """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
+
+    Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
+    same defaults, same checkpoint format. Differences, each a fix:
+
+    * auto-wrapped children receive every option, including ``reduce_scatter_bucket_size_mb``
+      and ``coalesce_all_gather_ops`` (torch_xla drops them);
+    * ``coalesce_all_gather_ops`` works in every mode, flattened included (torch_xla crashes);
+    * ``get_original_names_and_sharded_parameters`` covers nested units (torch_xla repeats
+      the root's parameters);
+    * ``clip_grad_norm_`` reduces over the sharding groups by default (torch_xla sums over all
+      replicas, which with ``sharding_groups`` counts every shard once per group);
+    * parameters are padded only to what the collectives need (a multiple of the world size),
+      not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
+    * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;
+    * the full parameters are never copied to the device while sharding;
+    * an optimizer built before wrapping, or ``xm.optimizer_step`` on sharded gradients, is
+      an error at the optimizer step instead of silently wrong training.
+
+    Parameters must be float32 (they are the master copy); ``compute_dtype`` sets the dtype
+    of the gathered full parameters.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        reshard_after_forward: bool = True,
+        flatten_parameters: bool = False,
+        execute_sharding_on_init: bool = True,
+        optimization_barrier_in_forward: bool = True,
+        optimization_barrier_in_backward: bool = True,
+        sync_on_finalization: bool = False,
+        disable_reshard_on_root: bool = True,
+        compute_dtype: Optional[torch.dtype] = None,
+        buffer_dtype: Optional[torch.dtype] = None,
+        fp32_reduce_scatter: bool = False,
+        sharding_groups: Optional[List[List[int]]] = None,
+        sharding_rank: Optional[int] = None,
+        sharding_world_size: Optional[int] = None,
+        shard_param_on_dim_0: bool = False,
+        pin_layout_in_collective_ops: bool = True,
+        reduce_scatter_bucket_size_mb: Optional[int] = 0,
+        coalesce_all_gather_ops: bool = False,
+        auto_wrap_policy: Optional[Callable] = None,
+        auto_wrapper_callable: Optional[Callable] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        mark_step_on_finalization: Optional[bool] = None,
+        _shard_size_multiple: int = 1,
+        _use_xla_patched_linear: bool = True,
+    ) -> None:
+        validate_module(module, XlaFullyShardedDataParallel)
+        options = FsdpOptions.build(
+            reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
+            execute_sharding_on_init=execute_sharding_on_init,
+            optimization_barrier_in_forward=optimization_barrier_in_forward,
+            optimization_barrier_in_backward=optimization_barrier_in_backward,
+            sync_on_finalization=(sync_on_finalization if mark_step_on_finalization is None
+                                  else mark_step_on_finalization),
+            disable_reshard_on_root=disable_reshard_on_root, compute_dtype=compute_dtype,
+            buffer_dtype=buffer_dtype, fp32_reduce_scatter=fp32_reduce_scatter,
+            sharding_groups=sharding_groups, sharding_rank=sharding_rank,
+            sharding_world_size=sharding_world_size, shard_param_on_dim_0=shard_param_on_dim_0,
+            pin_layout_in_collective_ops=pin_layout_in_collective_ops,
+            reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb or 0,
+            coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
+            shard_size_multiple=_shard_size_multiple,
+            use_xla_patched_linear=_use_xla_patched_linear)
+        super().__init__()
+        if auto_wrap_policy is not None:
+            from .wrap import recursive_wrap
+            recursive_wrap(module, auto_wrap_policy,
+                           wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
+                           only_wrap_children=True, **options.as_kwargs())
+        self._options = options
+        self.rank, self.world_size = options.rank, options.world_size
+        self.sharding_groups = options.sharding_groups
+        self.flatten_parameters = options.flatten_parameters
+        self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
+        self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
+        self._collectives = Collectives(self.world_size, self.sharding_groups,
+                                        options.pin_layout_in_collective_ops)
+        self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
+        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
+
+        _materialize_meta(module, param_init_fn)
+        if options.use_xla_patched_linear:
+            patch_linear_layers(module)
+        self._fsdp_wrapped_module = module
+        import torch_xla
+        self.xla_device = torch_xla.device()
+        self._groups: List[ShardGroup] = []
+        self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names of tied params
+        self._shard_parameters()
+        self._cast_buffers()
+
+        self.training_state = TrainingState.IDLE
+        self.has_full_params = False
+        self._is_root: Optional[bool] = None
+        self._require_backward_grad_sync = True
+        self._pre_backward_hook_has_run = False
+        self._reduce_queue: List[Tuple[ShardGroup, torch.Tensor]] = []
+        self._reduce_queue_bytes = 0
+        install_optimizer_guard()
+        if options.execute_sharding_on_init:
+            torch_xla.sync()
+
+    # -- public surface ---------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (its parameters are full-parameter placeholders)."""
+        return self._fsdp_wrapped_module
+
+    @property
+    def sharded_params(self) -> List[nn.Parameter]:
+        return [g.shard for g in self._groups]
+
+    @property
+    def full_params(self) -> List[torch.Tensor]:
+        return [p for g in self._groups for p in g.params]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key: int) -> nn.Module:
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+    def extra_repr(self) -> str:
+        padded = [n for g in self._groups if isinstance(g.layout, Dim0Layout)
+                  and g.layout.pad_rows for n in g.names]
+        text = (f"world_size={self.world_size}, rank={self.rank}, "
+                f"compute_dtype={self.compute_dtype}, flatten_parameters="
+                f"{self.flatten_parameters}, reshard_after_forward={self.reshard_after_forward}, "
+                f"sharding_groups={self.sharding_groups}")
+        if padded:
+            text += f", dim0_padded={padded}"
+        return text
+
+    def units(self) -> Iterator["XlaFullyShardedDataParallel"]:
+        """This unit and every unit nested in it."""
+        for m in self.modules():
+            if isinstance(m, XlaFullyShardedDataParallel):
+                yield m
+
+    def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
+        """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it
+        (defaults: a power of two near sqrt(N), and N / pre)."""
+        self._assert_state(TrainingState.IDLE)
+        for unit in (self.units() if recursive else [self]):
+            unit.gradient_predivide_factor = pre
+            unit.gradient_postdivide_factor = post
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulates full, unreduced gradients until the first backward after the context.
+
+        Costs the memory of full gradients for every unit; saves one reduce-scatter per
+        accumulation step."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("no_sync() must be called on the root FSDP unit")
+        self._assert_state(TrainingState.IDLE)
+        saved = [(u, u._require_backward_grad_sync) for u in self.units()]
+        for unit, _ in saved:
+            unit._require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            for unit, flag in saved:
+                unit._require_backward_grad_sync = flag
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
+                        groups: Optional[List[List[int]]] = None) -> torch.Tensor:
+        """Clips the gradients of all units by their total norm, as if unsharded.
+
+        ``groups`` are the replica groups to reduce the norm over; by default the sharding
+        groups, whose ranks together hold every shard exactly once."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                f"clip_grad_norm_() must be called on the root FSDP unit, not on a nested unit "
+                f"({type(self.module).__name__}); call it on the outermost wrapper")
+        self._assert_state(TrainingState.IDLE)
+        groups = self.sharding_groups if groups is None else groups
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm_type = float(norm_type)
+        if not grads:
+            return torch.tensor(0.0, device=self.xla_device)
+        if norm_type == math.inf:
+            local = torch.stack([g.abs().max() for g in grads]).max()
+            total = self._collectives.all_reduce_max(local, groups)
+        else:
+            local = torch.stack([g.norm(norm_type) for g in grads]).norm(norm_type)
+            total = self._collectives.all_reduce_sum(local ** norm_type, groups) ** (1.0 / norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
+        """(name in the unwrapped model, shard) for every shard of every unit in this tree.
+
+        A flattened group is named after its first parameter's module path with
+        ``flat_param_<i>``."""
+        out = []
+        for path, unit in self._named_units():
+            prefix = _clean_name(path + "." if path else "")
+            for g in unit._groups:
+                out.append((prefix + _clean_name(g.shard._orig_name), g.shard))
+        return out
+
+    def get_shard_metadata(self) -> Dict[str, Any]:
+        """What consolidation needs, in torch_xla's format (plus ``shared_info`` for tied
+        parameters, which torch_xla's consolidation ignores)."""
+        shard_info, flatten_info, shared_info = {}, {}, {}
+        for path, unit in self._named_units():
+            shard_info[path] = {
+                g.shard._name: {"_orig_size": g.shard._orig_size, "_orig_name": g.shard._orig_name}
+                for g in unit._groups}
+            for g in unit._groups:
+                if unit.flatten_parameters:
+                    key = (path + "." if path else "") + g.shard._orig_name
+                    flatten_info[key] = (list(g.names), list(g.layout.shapes),
+                                         list(g.layout.numels))
+            if unit._shared_params:
+                shared_info[path] = list(unit._shared_params)
+        buffer_info = {name: {"_orig_dtype": buf._orig_dtype}
+                       for name, buf in self.named_buffers() if hasattr(buf, "_orig_dtype")}
+        return {"shard_info": shard_info, "flatten_info": flatten_info,
+                "buffer_info": buffer_info, "shared_info": shared_info,
+                "world_size": self.world_size, "rank": self.rank}
+
+    # -- sharding at construction ------------------------------------------------------------
+    def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
+        for path, m in self.named_modules():
+            if isinstance(m, XlaFullyShardedDataParallel):
+                yield path, m
+
+    @torch.no_grad()
+    def _shard_parameters(self) -> None:
+        owners: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
+        order: List[nn.Parameter] = []
+        for mod_path, m in self._fsdp_wrapped_module.named_modules():
+            for attr, p in list(m._parameters.items()):
+                if p is None or getattr(p, "_is_sharded", False):
+                    continue
+                name = f"{mod_path}.{attr}" if mod_path else attr
+                if hasattr(p, "_fsdp_owner_name"):
+                    raise ValueError(
+                        f"parameter '{name}' is shared with '{p._fsdp_owner_name}', which an "
+                        f"inner FSDP unit already sharded. Tied parameters must belong to one "
+                        f"unit: wrap the modules that share it together (or leave them to the "
+                        f"outer unit).")
+                if not p.is_floating_point() or p.dtype != torch.float32:
+                    raise TypeError(
+                        f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "
+                        f"shards float32 parameters only (set compute_dtype for bf16/fp16 "
+                        f"compute, and keep integer state in buffers)")
+                if id(p) not in owners:
+                    owners[id(p)] = []
+                    order.append(p)
+                owners[id(p)].append((m, attr, name))
+        trainable = [p for p in order if p.requires_grad]
+        frozen = [p for p in order if not p.requires_grad]
+        if self.flatten_parameters:
+            batches = [b for b in (trainable, frozen) if b]
+        else:
+            batches = [[p] for p in order]
+        for index, batch in enumerate(batches):
+            self._add_group(batch, [owners[id(p)] for p in batch], index)
+
+    def _add_group(self, params: List[nn.Parameter], owners: List[List[Tuple[nn.Module, str, str]]],
+                   index: int) -> None:
+        opts = self._options
+        shapes = tuple(p.shape for p in params)
+        if opts.shard_param_on_dim_0 and not self.flatten_parameters:
+            layout = Dim0Layout(shapes[0], self.world_size)
+        else:
+            layout = FlatLayout(shapes, self.world_size, opts.shard_size_multiple)
+        names = [o[0][2] for o in owners]
+        orig_name = ("_fsdp_wrapped_module." +
+                     (f"flat_param_{index}" if self.flatten_parameters else names[0]))
+        shard_data = layout.shard([p.detach() for p in params], self.rank)
+        shard = nn.Parameter(shard_data.to(self.xla_device), requires_grad=params[0].requires_grad)
+        shard._is_sharded = True
+        shard._orig_size = (torch.Size([layout.numel]) if self.flatten_parameters
+                            else params[0].shape)
+        shard._orig_name = orig_name
+        shard._name = ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR)
+        self.register_parameter(shard._name, shard)
+        placeholders = []
+        for p, param_owners in zip(params, owners):
+            p._fsdp_owner_name = param_owners[0][2]  # marks the original as taken
+            full = torch.zeros(1, dtype=self.compute_dtype, device=self.xla_device)
+            full.requires_grad_(p.requires_grad)
+            full._fsdp_owner_name = param_owners[0][2]
+            full._has_full_param = False
+            for m, attr, alias in param_owners:
+                del m._parameters[attr]
+                object.__setattr__(m, attr, full)
+                if alias != param_owners[0][2]:
+                    self._shared_params.append((alias, param_owners[0][2]))
+            placeholders.append(full)
+        self._groups.append(ShardGroup(layout, shard, placeholders, names))
+
+    @torch.no_grad()
+    def _cast_buffers(self) -> None:
+        for m in self._fsdp_wrapped_module.modules():
+            if isinstance(m, XlaFullyShardedDataParallel):
+                continue  # an inner unit has cast its own buffers
+            for name, buf in list(m._buffers.items()):
+                if buf is None or getattr(buf, "_fsdp_cast", False):
+                    continue
+                new = buf
+                if buf.is_floating_point() and buf.dtype != self.buffer_dtype:
+                    new = buf.to(self.buffer_dtype)
+                new = new.to(self.xla_device)
+                if new.dtype != buf.dtype:
+                    new._orig_dtype = buf.dtype
+                new._fsdp_cast = True
+                m._buffers[name] = new
+
+    # -- root and lazy init ------------------------------------------------------------------
+    def _lazy_init(self) -> None:
+        if self._is_root is None:
+            self._is_root = True
+            self._assert_state(TrainingState.IDLE)
+            self._backward_barrier_tensors: List[torch.Tensor] = []
+            for unit in self.units():
+                if unit is not self:
+                    unit._is_root = False
+                    unit._backward_barrier_tensors = self._backward_barrier_tensors
+        if self._is_root and self._options.disable_reshard_on_root:
+            self.reshard_after_forward = False
+
+    def _assert_state(self, states: Union[TrainingState, Sequence[TrainingState]]) -> None:
+        states = [states] if isinstance(states, TrainingState) else list(states)
+        if self.training_state not in states:
+            raise RuntimeError(
+                f"FSDP unit around {type(self.module).__name__} is in state "
+                f"{self.training_state.name}, expected {[s.name for s in states]}. This happens "
+                f"when a nested unit is called outside its parent's forward, or when "
+                f"backward runs twice over the same forward.")
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._lazy_init()
+        self.training_state = TrainingState.FORWARD
+        opts = self._options
+        if self.compute_dtype != torch.float32:
+            args, kwargs = cast_floating(self.compute_dtype, (args, kwargs))
+        inputs = collect_tensors((args, kwargs))
+        self._rebuild_full_params(inputs if opts.optimization_barrier_in_forward else [],
+                                  opts.optimization_barrier_in_forward)
+        self._register_post_backward_hooks()
+        outputs = self._fsdp_wrapped_module(*args, **kwargs)
+        if self.reshard_after_forward and not _in_checkpoint_recompute():
+            deps = collect_tensors(outputs) if opts.optimization_barrier_in_forward else []
+            self._free_full_params(self._groups, deps, opts.optimization_barrier_in_forward)
+        outputs = self._register_pre_backward_hooks(outputs)
+        if opts.optimization_barrier_in_backward and torch.is_grad_enabled():
+            for t in inputs:
+                if t.requires_grad:
+                    t.register_hook(self._input_grad_barrier)
+        self.training_state = TrainingState.IDLE
+        return outputs
+
+    @torch.no_grad()
+    def _rebuild_full_params(self, deps: List[torch.Tensor], barrier: bool) -> None:
+        if self.has_full_params or not self._groups:
+            self.has_full_params = True
+            return
+        shards = [g.shard for g in self._groups]
+        if barrier:
+            optimization_barrier(shards + list(deps))
+        shards = [s.to(self.compute_dtype) if s.dtype != self.compute_dtype else s for s in shards]
+        gathered = self._collectives.all_gather(shards, self._options.coalesce_all_gather_ops)
+        if barrier:
+            optimization_barrier(gathered)
+        import torch_xla
+        for g, full in zip(self._groups, gathered):
+            for p, value in zip(g.params, g.layout.unshard(full)):
+                with torch.autograd._unsafe_preserve_version_counter(p):
+                    torch_xla._XLAC._replace_xla_tensor(p, value)
+                p._has_full_param = True
+        self.has_full_params = True
+
+    @torch.no_grad()
+    def _free_full_params(self, groups: Sequence[ShardGroup], deps: List[torch.Tensor],
+                          barrier: bool) -> None:
+        import torch_xla
+        freed = False
+        for g in groups:
+            for p in g.params:
+                if p._has_full_param:
+                    with torch.autograd._unsafe_preserve_version_counter(p):
+                        torch_xla._XLAC._replace_xla_tensor(p, self._placeholder())
+                    p._has_full_param = False
+                    freed = True
+        self.has_full_params = any(p._has_full_param for g in self._groups for p in g.params)
+        if barrier and (freed or deps):
+            optimization_barrier([g.shard for g in groups] + list(deps))
+
+    def _placeholder(self) -> torch.Tensor:
+        if not hasattr(self, "_dummy"):
+            self._dummy = torch.zeros(1, dtype=self.compute_dtype, device=self.xla_device)
+        return self._dummy
+
+    # -- backward --------------------------------------------------------------------------
+    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return outputs
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            return self._pre_backward(grad)
+
+        def attach(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                t.register_hook(hook)
+            return t
+
+        return map_tensors(attach, outputs)
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if self._is_root and not getattr(self, "_final_callback_queued", False):
+            self._final_callback_queued = True
+            Variable._execution_engine.queue_callback(self._finalize_backward)
+        opts = self._options
+        barrier = opts.optimization_barrier_in_backward
+        if barrier:
+            self._backward_barrier_tensors.append(grad)
+        if not self.has_full_params:
+            self._rebuild_full_params(list(self._backward_barrier_tensors) if barrier else [],
+                                      barrier)
+            self._backward_barrier_tensors.clear()
+        if self.training_state == TrainingState.IDLE:
+            self.training_state = TrainingState.BACKWARD_PRE
+        self._pre_backward_hook_has_run = True
+        if barrier:
+            optimization_barrier([grad])
+            grad = grad.view(grad.size())
+        return grad
+
+    def _input_grad_barrier(self, grad: torch.Tensor) -> torch.Tensor:
+        self._backward_barrier_tensors.append(grad)
+        optimization_barrier([grad])
+        return grad.view(grad.size())
+
+    def _register_post_backward_hooks(self) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for g in self._groups:
+            if g.hooks or not g.shard.requires_grad:
+                continue
+            g.pending_grads = len(g.params)
+            for p in g.params:
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                g.hooks.append(accumulator.register_hook(
+                    functools.partial(self._post_backward, g)))
+
+    @torch.no_grad()
+    def _post_backward(self, group: ShardGroup, *unused: Any) -> None:
+        self._assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
+        self.training_state = TrainingState.BACKWARD_POST
+        group.pending_grads -= 1
+        if group.pending_grads == 0:
+            self._group_grads_ready(group)
+
+    def _group_grads_ready(self, group: ShardGroup) -> None:
+        opts = self._options
+        barrier = opts.optimization_barrier_in_backward
+        grads = [p.grad for p in group.params]
+        if any(g is not None and g.requires_grad for g in grads):
+            raise RuntimeError("FSDP does not support gradients that require grad "
+                               "(create_graph=True)")
+        if not self._require_backward_grad_sync:  # no_sync: keep the full gradients
+            if self.reshard_after_forward:
+                self._free_full_params([group], [g for g in grads if g is not None], barrier)
+            return
+        if all(g is None for g in grads):
+            self._free_full_params([group], [], barrier)
+            return
+        full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, group.params)]
+        for p in group.params:
+            p.grad = None
+        flat = group.layout.pad(full)
+        if self.gradient_predivide_factor != 1:
+            flat = flat / self.gradient_predivide_factor
+        if opts.fp32_reduce_scatter and flat.dtype != torch.float32:
+            flat = flat.float()
+        self._free_full_params([group], [flat], barrier)
+        self._reduce_queue.append((group, flat))
+        self._reduce_queue_bytes += flat.numel() * flat.element_size()
+        limit = opts.reduce_scatter_bucket_size_mb * 1024 * 1024
+        if self._reduce_queue_bytes > limit:
+            self._flush_reductions()
+
+    @torch.no_grad()
+    def _flush_reductions(self) -> None:
+        if not self._reduce_queue:
+            return
+        barrier = self._options.optimization_barrier_in_backward
+        queue, self._reduce_queue, self._reduce_queue_bytes = self._reduce_queue, [], 0
+        inputs = [flat for _, flat in queue]
+        if barrier:
+            optimization_barrier(inputs)
+        outputs = self._collectives.reduce_scatter(
+            inputs, scale=1.0 / self.gradient_postdivide_factor, coalesce=True)
+        for (group, _), reduced in zip(queue, outputs):
+            if reduced.dtype != torch.float32:
+                reduced = reduced.float()
+            reduced = reduced.view(group.layout.shard_shape)
+            if barrier:
+                optimization_barrier([reduced])
+                self._backward_barrier_tensors.append(reduced)
+            shard = group.shard
+            shard.grad = reduced if shard.grad is None else shard.grad + reduced
+
+    @torch.no_grad()
+    def _finalize_backward(self) -> None:
+        barrier = self._options.optimization_barrier_in_backward
+        for unit in self.units():
+            for g in unit._groups:
+                if g.pending_grads and g.shard.requires_grad and unit._pre_backward_hook_has_run:
+                    # some parameters of the group took no part in this backward
+                    g.pending_grads = 0
+                    unit._group_grads_ready(g)
+                for handle in g.hooks:
+                    handle.remove()
+                g.hooks.clear()
+                g.pending_grads = 0
+            unit._flush_reductions()
+            keep = not unit._require_backward_grad_sync and not unit.reshard_after_forward
+            if not keep:
+                unit._free_full_params(unit._groups, [], barrier)
+            unit.training_state = TrainingState.IDLE
+            unit._pre_backward_hook_has_run = False
+        self._final_callback_queued = False
+        if barrier:
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            optimization_barrier(grads + list(self._backward_barrier_tensors))
+        self._backward_barrier_tensors.clear()
+        if self._options.sync_on_finalization:
+            import torch_xla
+            torch_xla.sync()
+
+
+def _default_predivide_factor(world_size: int) -> float:
+    """The largest power of two that divides ``world_size`` and is at most its square root:
+    dividing by it before the reduction keeps low-precision sums in range."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)
+
+
+def _clean_name(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "")
+
+
+def _in_checkpoint_recompute() -> bool:
+    from torch_xla.utils.checkpoint import chkpt_status
+    return bool(chkpt_status.in_chkpt_bwd)
+
+
+def _materialize_meta(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
+    """Gives parameters created on the meta device real storage and values."""
+    if not any(p.is_meta for p in module.parameters()) and \
+            not any(b.is_meta for b in module.buffers()):
+        return
+    if param_init_fn is not None:
+        param_init_fn(module)
+        return
+    module.to_empty(device="cpu", recurse=True)
+    for m in module.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()

@@ -1,0 +1,66 @@
+"""Checks that turn silent mis-training into errors naming what is at fault."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+_GUARD_INSTALLED = False
+
+
+def validate_module(module: Any, wrapper_cls: type) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
+    if isinstance(module, wrapper_cls):
+        raise ValueError(
+            "this module is already wrapped with FSDP; wrap inner modules first, then the "
+            "outer one, and never the same module twice")
+    forward = getattr(type(module), "forward", None)
+    if forward is None or forward is nn.Module.forward:
+        raise ValueError(
+            f"cannot wrap {type(module).__name__}: it has no forward() of its own, so FSDP "
+            f"could not gather its parameters before use. Wrap the modules inside it (or the "
+            f"module that calls them) instead.")
+
+
+def install_optimizer_guard() -> None:
+    """Makes every optimizer step check that it is not updating FSDP's stale full parameters
+    or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks."""
+    global _GUARD_INSTALLED
+    if not _GUARD_INSTALLED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        register_optimizer_step_pre_hook(_check_step)
+        _GUARD_INSTALLED = True
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stale, sharded = [], False
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_is_sharded", False):
+                sharded = True
+            elif hasattr(p, "_fsdp_owner_name"):
+                stale.append(p._fsdp_owner_name)
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
+            f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
+            f"after wrapping, from the wrapped model's parameters().")
+    if sharded and _called_from_xm_optimizer_step():
+        raise RuntimeError(
+            "xm.optimizer_step() averages gradients across all replicas, but FSDP gradients "
+            "are already reduced and each rank holds a different shard. Call "
+            "optimizer.step() instead.")
+
+
+def _called_from_xm_optimizer_step() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "optimizer_step" and code.co_filename.endswith(
+                "torch_xla/core/xla_model.py"):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,151 @@
+"""How a group of parameters is laid out across ranks. Pure tensor arithmetic; no XLA.
+
+Every FSDP unit owns one or more *shard groups*. A group is sharded as one tensor:
+
+* ``FlatLayout``: the group's tensors are flattened, concatenated and zero-padded to
+  ``world_size * multiple`` elements, then cut into ``world_size`` equal 1-D shards. With
+  ``flatten_parameters=False`` each parameter is a group of one; with ``True`` all
+  trainable parameters of a unit form one group (and the frozen ones another).
+* ``Dim0Layout``: one tensor, padded along dim 0 to a multiple of ``world_size`` and cut
+  into row blocks, never flattened (``shard_param_on_dim_0=True``, for compilers such as
+  AWS Neuron that mishandle flattened parameters).
+
+Only the padding a collective needs is added: a multiple of ``world_size`` elements (or
+rows), not of ``128 * world_size`` as torch_xla does.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple, Union
+
+import torch
+
+
+def _ceil_to(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    shapes: Tuple[torch.Size, ...]
+    world_size: int
+    multiple: int = 1  # elements per shard are a multiple of this
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.multiple < 1:
+            raise ValueError(f"world_size and multiple must be >= 1: {self}")
+
+    @property
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded_numel(self) -> int:
+        return _ceil_to(max(self.numel, 1), self.world_size * self.multiple)
+
+    @property
+    def shard_shape(self) -> torch.Size:
+        return torch.Size([self.padded_numel // self.world_size])
+
+    @property
+    def offsets(self) -> Tuple[int, ...]:
+        out, at = [], 0
+        for n in self.numels:
+            out.append(at)
+            at += n
+        return tuple(out)
+
+    def shard_range(self, rank: int) -> Tuple[int, int]:
+        """[start, end) of ``rank``'s shard in the padded flat tensor."""
+        size = self.shard_shape[0]
+        return rank * size, (rank + 1) * size
+
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The group as one padded 1-D tensor (what reduce-scatter consumes)."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
+            else tensors[0].reshape(-1)
+        extra = self.padded_numel - self.numel
+        if extra:
+            flat = torch.cat([flat, flat.new_zeros(extra)])
+        return flat
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        start, end = self.shard_range(rank)
+        return self.pad(tensors)[start:end].clone()
+
+    def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        """Views of the full tensors inside an all-gathered padded flat tensor."""
+        return [gathered[o:o + n].view(s)
+                for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+
+
+@dataclass(frozen=True)
+class Dim0Layout:
+    shape: torch.Size
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1: {self}")
+
+    @property
+    def shapes(self) -> Tuple[torch.Size, ...]:
+        return (self.shape,)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if len(self.shape) else 1  # a 0-dim tensor is one row
+
+    @property
+    def padded_rows(self) -> int:
+        return _ceil_to(self.rows, self.world_size)
+
+    @property
+    def pad_rows(self) -> int:
+        return self.padded_rows - self.rows
+
+    @property
+    def shard_shape(self) -> torch.Size:
+        tail = tuple(self.shape[1:]) if len(self.shape) else ()
+        return torch.Size((self.padded_rows // self.world_size,) + tail)
+
+    def shard_range(self, rank: int) -> Tuple[int, int]:
+        size = self.shard_shape[0]
+        return rank * size, (rank + 1) * size
+
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        (t,) = tensors
+        t = t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
+        if self.pad_rows:
+            t = torch.cat([t, t.new_zeros((self.pad_rows,) + tuple(t.shape[1:]))])
+        return t
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        start, end = self.shard_range(rank)
+        return self.pad(tensors)[start:end].clone()
+
+    def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        return [gathered[:self.rows].view(self.shape)]
+
+
+Layout = Union[FlatLayout, Dim0Layout]
+
+
+def consolidate(layout: Layout, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """The full tensors of a group from all ranks' shards, in rank order."""
+    if len(shards) != layout.world_size:
+        raise ValueError(f"expected {layout.world_size} shards, got {len(shards)}")
+    for rank, s in enumerate(shards):
+        if s.shape != layout.shard_shape:
+            raise ValueError(f"shard of rank {rank} has shape {tuple(s.shape)}, "
+                             f"expected {tuple(layout.shard_shape)}")
+    return [t.clone() for t in layout.unshard(torch.cat(list(shards)))]

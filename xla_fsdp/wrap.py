@@ -1,0 +1,92 @@
+"""Auto-wrap policies and the recursive wrapper, with torch_xla's signatures.
+
+A policy is called as ``policy(module, recurse, unwrapped_params)``. With ``recurse=True``
+it answers "should the walk descend into this module's children?"; with ``recurse=False``,
+"should this module become its own FSDP unit?". ``unwrapped_params`` counts the parameters
+below ``module`` that no inner unit has taken yet.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Set, Tuple, Type
+
+import torch.nn as nn
+
+
+def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
+    """Wraps every module (and descends into every module)."""
+    return True
+
+
+def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
+                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
+    """Wraps the modules for which ``lambda_fn(module)`` is true."""
+    return True if recurse else bool(lambda_fn(module))
+
+
+def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
+                                 transformer_layer_cls: Iterable[Type[nn.Module]]) -> bool:
+    """Wraps every instance of the given layer classes (e.g. a transformer block)."""
+    return True if recurse else isinstance(module, tuple(transformer_layer_cls))
+
+
+FORCE_LEAF_MODULES = {nn.MultiheadAttention}
+EXCLUDE_WRAP_MODULES = {nn.ModuleList, nn.ModuleDict}
+
+
+def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
+                                min_num_params: int = int(1e8),
+                                force_leaf_modules: Optional[Set[Type[nn.Module]]] = None,
+                                exclude_wrap_modules: Optional[Set[Type[nn.Module]]] = None
+                                ) -> bool:
+    """Wraps a module once its not-yet-wrapped parameters reach ``min_num_params``.
+
+    Does not descend into ``force_leaf_modules`` and never wraps ``exclude_wrap_modules``
+    (containers without a forward)."""
+    leaves = FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
+    excluded = EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
+    if recurse:
+        return not isinstance(module, tuple(leaves))
+    return unwrapped_params >= min_num_params and not isinstance(module, tuple(excluded))
+
+
+def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: Callable,
+                   ignored_modules: Iterable[nn.Module] = (), ignored_params: Iterable = (),
+                   only_wrap_children: bool = False, **wrapper_kwargs: Any
+                   ) -> Tuple[nn.Module, int]:
+    """Wraps ``module``'s subtree bottom-up as the policy says.
+
+    Returns the (possibly wrapped) module and the number of parameters that are now inside
+    units created here. With ``only_wrap_children`` the module itself is never wrapped (the
+    caller wraps it as the root), but its children are replaced in place."""
+    ignored_modules = set(ignored_modules)
+    ignored_ids = {id(p) for p in ignored_params}
+    return _wrap(module, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_ids,
+                 only_wrap_children, wrapper_kwargs)
+
+
+def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
+    from .fully_sharded import XlaFullyShardedDataParallel
+    total = 0
+    for p in module.parameters():
+        if id(p) not in ignored_ids and not getattr(p, "_is_sharded", False):
+            total += p.numel()
+    return total if not isinstance(module, XlaFullyShardedDataParallel) else 0
+
+
+def _wrap(module, policy, wrapper_cls, ignored_modules, ignored_ids, only_children, kwargs):
+    if module in ignored_modules:
+        return module, 0
+    if not policy(module=module, recurse=True,
+                  unwrapped_params=_unwrapped_numel(module, ignored_ids)):
+        return module, 0
+    wrapped_total = 0
+    for name, child in module.named_children():
+        new_child, count = _wrap(child, policy, wrapper_cls, ignored_modules, ignored_ids,
+                                 False, kwargs)
+        if new_child is not child:
+            setattr(module, name, new_child)
+        wrapped_total += count
+    remaining = _unwrapped_numel(module, ignored_ids)
+    if not only_children and policy(module=module, recurse=False, unwrapped_params=remaining):
+        return wrapper_cls(module, **kwargs), wrapped_total + remaining
+    return module, wrapped_total
