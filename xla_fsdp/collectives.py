@@ -1,9 +1,10 @@
 """The only place that calls XLA collectives and optimization barriers.
 
-All-gathers always use torch_xla's list form. For a single tensor with ``pin_layout=True``,
+All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
-``world_size`` times the data and bakes the rank into the graph. The list form lowers to a
-native all-gather with the requested layout pinning.
+``world_size`` times the data and bakes the rank into the graph. Given an ``output``
+buffer, the same call lowers to a native all-gather with its layout pinned. torch_xla has
+no pinned form of the coalesced (list) all-gather, so coalesced gathers are never pinned.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ class Collectives:
         import torch_xla.core.xla_model as xm
         if not shards:
             return []
-        if coalesce:
-            return list(xm.all_gather(list(shards), dim=0, groups=self.groups,
-                                      pin_layout=self.pin_layout))
-        return [xm.all_gather([s], dim=0, groups=self.groups, pin_layout=self.pin_layout)[0]
+        if coalesce and len(shards) > 1 or not self.pin_layout:
+            return list(xm.all_gather(list(shards), dim=0, groups=self.groups, pin_layout=False))
+        return [xm.all_gather(s, dim=0, groups=self.groups, pin_layout=True,
+                              output=s.new_empty((s.shape[0] * self.world_size,) + s.shape[1:]))
                 for s in shards]
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float,

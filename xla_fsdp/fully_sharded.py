@@ -438,24 +438,20 @@ class XlaFullyShardedDataParallel(nn.Module):
         gathered = self._collectives.all_gather(shards, self._options.coalesce_all_gather_ops)
         if barrier:
             optimization_barrier(gathered)
-        import torch_xla
         for g, full in zip(self._groups, gathered):
             for p, value in zip(g.params, g.layout.unshard(full)):
-                with torch.autograd._unsafe_preserve_version_counter(p):
-                    torch_xla._XLAC._replace_xla_tensor(p, value)
+                _swap_value(p, value)
                 p._has_full_param = True
         self.has_full_params = True
 
     @torch.no_grad()
     def _free_full_params(self, groups: Sequence[ShardGroup], deps: List[torch.Tensor],
                           barrier: bool) -> None:
-        import torch_xla
         freed = False
         for g in groups:
             for p in g.params:
                 if p._has_full_param:
-                    with torch.autograd._unsafe_preserve_version_counter(p):
-                        torch_xla._XLAC._replace_xla_tensor(p, self._placeholder())
+                    _swap_value(p, self._placeholder())
                     p._has_full_param = False
                     freed = True
         self.has_full_params = any(p._has_full_param for g in self._groups for p in g.params)
@@ -604,6 +600,15 @@ class XlaFullyShardedDataParallel(nn.Module):
         if self._options.sync_on_finalization:
             import torch_xla
             torch_xla.sync()
+
+
+def _swap_value(p: torch.Tensor, value: torch.Tensor) -> None:
+    """Points the placeholder leaf ``p`` at ``value``, keeping its autograd identity.
+
+    Not ``torch_xla._XLAC._replace_xla_tensor`` (torch_xla's choice): it updates the shape
+    but leaves ``numel()`` stale, which breaks ops that check it (e.g. BatchNorm's weight)."""
+    with torch.autograd._unsafe_preserve_version_counter(p):
+        p.data = value
 
 
 def _default_predivide_factor(world_size: int) -> float:

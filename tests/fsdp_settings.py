@@ -1,0 +1,210 @@
+"""Models, data and wrapping for the FSDP parity settings, shared by the tests.
+
+Every setting trains the same model twice: unsharded on one device with the global batch
+(the reference), and wrapped in FSDP at N ranks, each with its slice of the global batch.
+"""
+import functools
+
+import torch
+import torch.nn as nn
+
+STEPS = 10
+GLOBAL_BATCH = 16
+DIM, HIDDEN, CLASSES, VOCAB = 32, 70, 5, 50  # 70 and 5 divide neither by N nor by 128
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm=False):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM) if batchnorm else nn.Identity()
+        self.b1, self.b2 = Block(), Block()
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.bn(self.inp(x)))))
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.b1, self.b2 = Block(), Block()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.b2(self.b1(self.emb(tokens))))
+
+
+SETTINGS = {
+    # name: (model kind, fsdp kwargs, optimizer, extra)
+    "nested": ("net", {}, "sgd", {}),
+    "flattened": ("net", {"flatten_parameters": True}, "sgd", {}),
+    "flattened_coalesced": ("net", {"flatten_parameters": True,
+                                    "coalesce_all_gather_ops": True}, "sgd", {}),
+    "dim0": ("net", {"shard_param_on_dim_0": True}, "sgd", {}),
+    "adamw": ("net", {}, "adamw", {}),
+    "frozen": ("net", {}, "sgd", {"freeze": ("b1.up", "inp.bias")}),
+    "tied": ("tied", {}, "sgd", {}),
+    "accumulate": ("net", {}, "sgd", {"micro": 2}),
+    "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
+    "clip": ("net", {}, "sgd", {"clip": 0.05}),
+    "bf16": ("net", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True}, "sgd", {}),
+    "checkpointed": ("net", {}, "sgd", {"auto_wrap_checkpoint": True}),
+    # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
+    "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
+    "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
+}
+
+
+def build_model(kind):
+    return TiedLM() if kind == "tied" else Net(batchnorm=(kind == "bn"))
+
+
+def batch(kind, step):
+    g = torch.Generator().manual_seed(10_000 + step)
+    if kind == "tied":
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, 6), generator=g)
+        return tokens, torch.roll(tokens, -1, dims=1)
+    x = torch.randn(GLOBAL_BATCH, DIM, generator=g)
+    teacher = torch.randn(DIM, CLASSES, generator=torch.Generator().manual_seed(1))
+    return x, (x @ teacher).argmax(-1)
+
+
+def loss_fn(kind, out, target):
+    if kind == "tied":
+        return nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(), target.reshape(-1))
+    return nn.functional.cross_entropy(out.float(), target)
+
+
+def make_optimizer(name, params):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def wrap(model, kind, fsdp_kwargs, extra, world):
+    from xla_fsdp import FSDP, checkpoint_module
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    kw = dict(fsdp_kwargs, pin_layout_in_collective_ops=True)
+    if extra.get("groups", 0) > 1:
+        size = extra["groups"]
+        groups = [list(range(i, i + size)) for i in range(0, world, size)]
+        import torch_xla.runtime as xr
+        me = xr.global_ordinal()
+        kw.update(sharding_groups=groups, sharding_rank=me % size, sharding_world_size=size)
+    if extra.get("auto_wrap_checkpoint"):
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        return FSDP(model, auto_wrap_policy=policy,
+                    auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k),
+                    **kw)
+    model.b1 = FSDP(model.b1, **kw)
+    model.b2 = FSDP(model.b2, **kw)
+    return FSDP(model, **kw)
+
+
+def full_parameters(model):
+    """{name in the unwrapped model: full value on CPU} from a wrapped model."""
+    out = {}
+    for path, unit in model._named_units():
+        unit._rebuild_full_params([], False)
+        prefix = path.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
+        for group in unit._groups:
+            for name, p in zip(group.names, group.params):
+                out[(prefix + "." if prefix else "") + name] = p.detach().float().cpu()
+        for alias, source in unit._shared_params:
+            out[(prefix + "." if prefix else "") + alias] = out[(prefix + "." if prefix else "")
+                                                                + source]
+    return out
+
+
+def train(rank, names, sharded):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    world = xr.world_size() if sharded else 1
+    results = {}
+    for name in names:
+        kind, fsdp_kwargs, opt_name, extra = SETTINGS[name]
+        torch.manual_seed(0)
+        model = build_model(kind)
+        for prefix in extra.get("freeze", ()):
+            for pname, p in model.named_parameters():
+                if pname.startswith(prefix):
+                    p.requires_grad_(False)
+        # data-parallel replicas: within a sharding group the batch is split; every group
+        # trains on the whole global batch
+        split = min(extra.get("groups", world), world) if sharded else 1
+        part = rank % split if sharded else 0
+        if sharded:
+            model = wrap(model, kind, fsdp_kwargs, extra, world)
+        else:
+            model = model.to(device)
+            if kind == "tied":
+                model.head.weight = model.emb.weight  # moving to XLA unties
+        opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
+        micro = extra.get("micro", 1)
+        losses = []
+        for step in range(STEPS):
+            x, y = batch(kind, step)
+            local = GLOBAL_BATCH // split
+            x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
+            opt.zero_grad()
+            total = 0.0
+            for m in range(micro):
+                n = local // micro
+                xs, ys = x[m * n:(m + 1) * n].to(device), y[m * n:(m + 1) * n].to(device)
+                skip_sync = sharded and extra.get("no_sync") and m < micro - 1
+                with (model.no_sync() if skip_sync else _nothing()):
+                    loss = loss_fn(kind, model(xs), ys) / micro
+                    loss.backward()
+                total = total + loss.detach()
+            if "clip" in extra:
+                if sharded:
+                    model.clip_grad_norm_(extra["clip"])
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), extra["clip"])
+            opt.step()
+            if sharded and split > 1:
+                groups = [list(range(i, i + split)) for i in range(0, world, split)]
+                total = xm.all_reduce(xm.REDUCE_SUM, total, scale=1.0 / split, groups=groups)
+            torch_xla.sync()
+            losses.append(total.item())
+            if step == 2:
+                graphs_at_step_2 = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+        new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs_at_step_2
+        if sharded:
+            params = full_parameters(model)
+            buffers = {k.replace("_fsdp_wrapped_module.", ""): v.float().cpu()
+                       for k, v in model.named_buffers()}
+        else:
+            params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
+            if kind == "tied":
+                params["head.weight"] = params["emb.weight"]
+            buffers = {k: v.float().cpu() for k, v in model.named_buffers()}
+        torch_xla.sync()
+        results[name] = {"losses": losses, "params": params, "buffers": buffers,
+                         "new_graphs": new_graphs}
+    return results
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
