@@ -606,7 +606,10 @@ def _swap_value(p: torch.Tensor, value: torch.Tensor) -> None:
     """Points the placeholder leaf ``p`` at ``value``, keeping its autograd identity.
 
     Not ``torch_xla._XLAC._replace_xla_tensor`` (torch_xla's choice): it updates the shape
-    but leaves ``numel()`` stale, which breaks ops that check it (e.g. BatchNorm's weight)."""
+    but leaves ``numel()`` at the old value. torch_xla's placeholders keep the original
+    parameter's numel, so the stale value happens to match whenever the parameter is
+    gathered. Ours start as one element (nothing full-size ever reaches the device), and
+    ops that check numel, such as BatchNorm's weight, would see 1."""
     with torch.autograd._unsafe_preserve_version_counter(p):
         p.data = value
 
