@@ -3,6 +3,7 @@
 Every setting trains the same model twice: unsharded on one device with the global batch
 (the reference), and wrapped in FSDP at N ranks, each with its slice of the global batch.
 """
+import contextlib
 import functools
 
 import torch
@@ -169,7 +170,7 @@ def train(rank, names, sharded):
                 n = local // micro
                 xs, ys = x[m * n:(m + 1) * n].to(device), y[m * n:(m + 1) * n].to(device)
                 skip_sync = sharded and extra.get("no_sync") and m < micro - 1
-                with (model.no_sync() if skip_sync else _nothing()):
+                with (model.no_sync() if skip_sync else contextlib.nullcontext()):
                     loss = loss_fn(kind, model(xs), ys) / micro
                     loss.backward()
                 total = total + loss.detach()
@@ -201,10 +202,3 @@ def train(rank, names, sharded):
                          "new_graphs": new_graphs}
     return results
 
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -2,7 +2,6 @@
 
 Each misuse costs one short launch at N = 2; everything that must work is batched into one.
 """
-import pickle
 import random
 import time
 

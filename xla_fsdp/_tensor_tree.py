@@ -40,8 +40,7 @@ def collect_tensors(obj: Any) -> List[torch.Tensor]:
             found.append(t)
         return t
 
-    if isinstance(obj, (list, tuple, dict, torch.Tensor, PackedSequence)) or hasattr(obj, "items"):
-        _walk(visit, obj)
+    _walk(visit, obj)
     return found
 
 

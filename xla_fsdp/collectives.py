@@ -33,9 +33,9 @@ class Collectives:
                               output=s.new_empty((s.shape[0] * self.world_size,) + s.shape[1:]))
                 for s in shards]
 
-    def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float,
-                       coalesce: bool) -> List[torch.Tensor]:
-        """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input."""
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
+        """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.
+        Several inputs go out as one coalesced reduce-scatter."""
         import torch_xla.core.xla_model as xm
         if not tensors:
             return []
@@ -44,7 +44,7 @@ class Collectives:
             return xm.reduce_scatter(xm.REDUCE_SUM, batch, scale=scale, scatter_dim=0,
                                      shard_count=self.world_size, groups=self.groups,
                                      pin_layout=self.pin_layout)
-        if coalesce and len(tensors) > 1:
+        if len(tensors) > 1:
             return list(call(list(tensors)))
         return [call(t) for t in tensors]
 

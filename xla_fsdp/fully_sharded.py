@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -26,33 +25,21 @@ import torch
 import torch.nn as nn
 from torch.autograd import Variable
 
-from . import shard_layout
 from ._tensor_tree import cast_floating, collect_tensors, map_tensors
 from .collectives import Collectives, optimization_barrier
+from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_parameters,
+                            materialize_meta, shard_group, swap_value)
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
 from .safety import install_optimizer_guard, validate_module
-from .shard_layout import Dim0Layout, FlatLayout
-
-_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
-
+from .shard_layout import Dim0Layout
+from .shard_metadata import original_names_and_shards, shard_metadata
 
 class TrainingState(Enum):
     IDLE = auto()
     FORWARD = auto()
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
-
-
-@dataclass
-class ShardGroup:
-    """Parameters sharded as one tensor: their full placeholders and this rank's shard."""
-    layout: shard_layout.Layout
-    shard: nn.Parameter
-    params: List[torch.Tensor]            # full-parameter placeholders
-    names: List[str]                      # names relative to the wrapped module
-    pending_grads: int = 0                # grads still to arrive in this backward
-    hooks: List[Any] = field(default_factory=list)
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -140,7 +127,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
-        _materialize_meta(module, param_init_fn)
+        materialize_meta(module, param_init_fn)
         if options.use_xla_patched_linear:
             patch_linear_layers(module)
         self._fsdp_wrapped_module = module
@@ -149,7 +136,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._groups: List[ShardGroup] = []
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names of tied params
         self._shard_parameters()
-        self._cast_buffers()
+        cast_buffers(self._fsdp_wrapped_module, self.buffer_dtype, self.xla_device)
 
         self.training_state = TrainingState.IDLE
         self.has_full_params = False
@@ -259,37 +246,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         return total
 
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
-        """(name in the unwrapped model, shard) for every shard of every unit in this tree.
-
-        A flattened group is named after its first parameter's module path with
-        ``flat_param_<i>``."""
-        out = []
-        for path, unit in self._named_units():
-            prefix = _clean_name(path + "." if path else "")
-            for g in unit._groups:
-                out.append((prefix + _clean_name(g.shard._orig_name), g.shard))
-        return out
+        """(name in the unwrapped model, shard) for every shard of every unit in this tree."""
+        return original_names_and_shards(self._named_units())
 
     def get_shard_metadata(self) -> Dict[str, Any]:
-        """What consolidation needs, in torch_xla's format (plus ``shared_info`` for tied
-        parameters, which torch_xla's consolidation ignores)."""
-        shard_info, flatten_info, shared_info = {}, {}, {}
-        for path, unit in self._named_units():
-            shard_info[path] = {
-                g.shard._name: {"_orig_size": g.shard._orig_size, "_orig_name": g.shard._orig_name}
-                for g in unit._groups}
-            for g in unit._groups:
-                if unit.flatten_parameters:
-                    key = (path + "." if path else "") + g.shard._orig_name
-                    flatten_info[key] = (list(g.names), list(g.layout.shapes),
-                                         list(g.layout.numels))
-            if unit._shared_params:
-                shared_info[path] = list(unit._shared_params)
-        buffer_info = {name: {"_orig_dtype": buf._orig_dtype}
-                       for name, buf in self.named_buffers() if hasattr(buf, "_orig_dtype")}
-        return {"shard_info": shard_info, "flatten_info": flatten_info,
-                "buffer_info": buffer_info, "shared_info": shared_info,
-                "world_size": self.world_size, "rank": self.rank}
+        """What consolidation needs, in torch_xla's format (see ``shard_metadata``)."""
+        return shard_metadata(self, self._named_units())
 
     # -- sharding at construction ------------------------------------------------------------
     def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
@@ -297,89 +259,18 @@ class XlaFullyShardedDataParallel(nn.Module):
             if isinstance(m, XlaFullyShardedDataParallel):
                 yield path, m
 
-    @torch.no_grad()
     def _shard_parameters(self) -> None:
-        owners: Dict[int, List[Tuple[nn.Module, str, str]]] = {}
-        order: List[nn.Parameter] = []
-        for mod_path, m in self._fsdp_wrapped_module.named_modules():
-            for attr, p in list(m._parameters.items()):
-                if p is None or getattr(p, "_is_sharded", False):
-                    continue
-                name = f"{mod_path}.{attr}" if mod_path else attr
-                if hasattr(p, "_fsdp_owner_name"):
-                    raise ValueError(
-                        f"parameter '{name}' is shared with '{p._fsdp_owner_name}', which an "
-                        f"inner FSDP unit already sharded. Tied parameters must belong to one "
-                        f"unit: wrap the modules that share it together (or leave them to the "
-                        f"outer unit).")
-                if not p.is_floating_point() or p.dtype != torch.float32:
-                    raise TypeError(
-                        f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "
-                        f"shards float32 parameters only (set compute_dtype for bf16/fp16 "
-                        f"compute, and keep integer state in buffers)")
-                if id(p) not in owners:
-                    owners[id(p)] = []
-                    order.append(p)
-                owners[id(p)].append((m, attr, name))
-        trainable = [p for p in order if p.requires_grad]
-        frozen = [p for p in order if not p.requires_grad]
-        if self.flatten_parameters:
-            batches = [b for b in (trainable, frozen) if b]
-        else:
-            batches = [[p] for p in order]
-        for index, batch in enumerate(batches):
-            self._add_group(batch, [owners[id(p)] for p in batch], index)
-
-    def _add_group(self, params: List[nn.Parameter], owners: List[List[Tuple[nn.Module, str, str]]],
-                   index: int) -> None:
         opts = self._options
-        shapes = tuple(p.shape for p in params)
-        if opts.shard_param_on_dim_0 and not self.flatten_parameters:
-            layout = Dim0Layout(shapes[0], self.world_size)
-        else:
-            layout = FlatLayout(shapes, self.world_size, opts.shard_size_multiple)
-        names = [o[0][2] for o in owners]
-        orig_name = ("_fsdp_wrapped_module." +
-                     (f"flat_param_{index}" if self.flatten_parameters else names[0]))
-        shard_data = layout.shard([p.detach() for p in params], self.rank)
-        shard = nn.Parameter(shard_data.to(self.xla_device), requires_grad=params[0].requires_grad)
-        shard._is_sharded = True
-        shard._orig_size = (torch.Size([layout.numel]) if self.flatten_parameters
-                            else params[0].shape)
-        shard._orig_name = orig_name
-        shard._name = ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR)
-        self.register_parameter(shard._name, shard)
-        placeholders = []
-        for p, param_owners in zip(params, owners):
-            p._fsdp_owner_name = param_owners[0][2]  # marks the original as taken
-            full = torch.zeros(1, dtype=self.compute_dtype, device=self.xla_device)
-            full.requires_grad_(p.requires_grad)
-            full._fsdp_owner_name = param_owners[0][2]
-            full._has_full_param = False
-            for m, attr, alias in param_owners:
-                del m._parameters[attr]
-                object.__setattr__(m, attr, full)
-                if alias != param_owners[0][2]:
-                    self._shared_params.append((alias, param_owners[0][2]))
-            placeholders.append(full)
-        self._groups.append(ShardGroup(layout, shard, placeholders, names))
-
-    @torch.no_grad()
-    def _cast_buffers(self) -> None:
-        for m in self._fsdp_wrapped_module.modules():
-            if isinstance(m, XlaFullyShardedDataParallel):
-                continue  # an inner unit has cast its own buffers
-            for name, buf in list(m._buffers.items()):
-                if buf is None or getattr(buf, "_fsdp_cast", False):
-                    continue
-                new = buf
-                if buf.is_floating_point() and buf.dtype != self.buffer_dtype:
-                    new = buf.to(self.buffer_dtype)
-                new = new.to(self.xla_device)
-                if new.dtype != buf.dtype:
-                    new._orig_dtype = buf.dtype
-                new._fsdp_cast = True
-                m._buffers[name] = new
+        found = find_parameters(self._fsdp_wrapped_module)
+        for index, members in enumerate(group_parameters(found, self.flatten_parameters)):
+            group, shared = shard_group(
+                members, index, flatten=self.flatten_parameters,
+                dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
+                multiple=opts.shard_size_multiple, device=self.xla_device,
+                compute_dtype=self.compute_dtype)
+            self.register_parameter(group.shard._name, group.shard)
+            self._groups.append(group)
+            self._shared_params.extend(shared)
 
     # -- root and lazy init ------------------------------------------------------------------
     def _lazy_init(self) -> None:
@@ -440,7 +331,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             optimization_barrier(gathered)
         for g, full in zip(self._groups, gathered):
             for p, value in zip(g.params, g.layout.unshard(full)):
-                _swap_value(p, value)
+                swap_value(p, value)
                 p._has_full_param = True
         self.has_full_params = True
 
@@ -451,7 +342,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         for g in groups:
             for p in g.params:
                 if p._has_full_param:
-                    _swap_value(p, self._placeholder())
+                    swap_value(p, self._placeholder())
                     p._has_full_param = False
                     freed = True
         self.has_full_params = any(p._has_full_param for g in self._groups for p in g.params)
@@ -562,7 +453,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         if barrier:
             optimization_barrier(inputs)
         outputs = self._collectives.reduce_scatter(
-            inputs, scale=1.0 / self.gradient_postdivide_factor, coalesce=True)
+            inputs, scale=1.0 / self.gradient_postdivide_factor)
         for (group, _), reduced in zip(queue, outputs):
             if reduced.dtype != torch.float32:
                 reduced = reduced.float()
@@ -602,18 +493,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             torch_xla.sync()
 
 
-def _swap_value(p: torch.Tensor, value: torch.Tensor) -> None:
-    """Points the placeholder leaf ``p`` at ``value``, keeping its autograd identity.
-
-    Not ``torch_xla._XLAC._replace_xla_tensor`` (torch_xla's choice): it updates the shape
-    but leaves ``numel()`` at the old value. torch_xla's placeholders keep the original
-    parameter's numel, so the stale value happens to match whenever the parameter is
-    gathered. Ours start as one element (nothing full-size ever reaches the device), and
-    ops that check numel, such as BatchNorm's weight, would see 1."""
-    with torch.autograd._unsafe_preserve_version_counter(p):
-        p.data = value
-
-
 def _default_predivide_factor(world_size: int) -> float:
     """The largest power of two that divides ``world_size`` and is at most its square root:
     dividing by it before the reduction keeps low-precision sums in range."""
@@ -623,24 +502,6 @@ def _default_predivide_factor(world_size: int) -> float:
     return float(factor)
 
 
-def _clean_name(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "")
-
-
 def _in_checkpoint_recompute() -> bool:
     from torch_xla.utils.checkpoint import chkpt_status
     return bool(chkpt_status.in_chkpt_bwd)
-
-
-def _materialize_meta(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
-    """Gives parameters created on the meta device real storage and values."""
-    if not any(p.is_meta for p in module.parameters()) and \
-            not any(b.is_meta for b in module.buffers()):
-        return
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    module.to_empty(device="cpu", recurse=True)
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()

@@ -146,11 +146,11 @@ def _collect(process, receiver, tail) -> Dict[int, Any]:
             break  # the failure is known; the process is stuck tearing down
     process.join(timeout=5)
     if first_error is not None:
-        _raise_rank_error(first_error, tail.text())
+        _raise_rank_error(first_error)
     raise LaunchError(_death_message(process.exitcode, tail.text()))
 
 
-def _raise_rank_error(message, log_text: str):
+def _raise_rank_error(message):
     _, rank, exc_blob, formatted = message
     who = "the device process" if rank is None else f"rank {rank}"
     original = None

@@ -66,11 +66,10 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
 
 def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
     from .fully_sharded import XlaFullyShardedDataParallel
-    total = 0
-    for p in module.parameters():
-        if id(p) not in ignored_ids and not getattr(p, "_is_sharded", False):
-            total += p.numel()
-    return total if not isinstance(module, XlaFullyShardedDataParallel) else 0
+    if isinstance(module, XlaFullyShardedDataParallel):
+        return 0
+    return sum(p.numel() for p in module.parameters()
+               if id(p) not in ignored_ids and not getattr(p, "_is_sharded", False))
 
 
 def _wrap(module, policy, wrapper_cls, ignored_modules, ignored_ids, only_children, kwargs):

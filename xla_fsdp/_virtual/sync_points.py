@@ -187,7 +187,7 @@ class SyncPoints:
             return
         if name in _CPU_TARGET_ONLY and not _targets_cpu(args, kwargs):
             return
-        pending = [t for t in _xla_tensors((args, kwargs))]
+        pending = list(_xla_tensors((args, kwargs)))
         if not has_pending_collective(pending):
             return
         orig = self._orig["sync_multi"]
