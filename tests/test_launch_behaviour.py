@@ -12,7 +12,7 @@ import torch
 from xla_fsdp import LaunchError, launch
 
 
-def everyday_calls(rank: int) -> dict:
+def everyday_calls(rank: int, save_path: str) -> dict:
     """Things real training code does that sync implicitly or wait on devices."""
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -35,12 +35,16 @@ def everyday_calls(rank: int) -> dict:
     torch_xla.sync(wait=True)
     xm.wait_device_ops()
     out["payloads"] = xm.rendezvous("exchange", f"hello from {rank}".encode())
+    # xm.save moves a pending collective's result to the CPU and rendezvouses
+    xm.save({"total": xm.all_reduce(xm.REDUCE_SUM, x * 2, pin_layout=False)}, save_path)
     xm.mark_step()
     return out
 
 
-def test_everyday_calls_work():
-    results = launch(everyday_calls, num_devices=2)
+def test_everyday_calls_work(tmp_path):
+    saved = tmp_path / "saved.pt"
+    results = launch(everyday_calls, (str(saved),), num_devices=2)
+    assert torch.load(saved)["total"].tolist() == [6.0] * 4
     r0, r1 = results[0], results[1]
     assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
     assert r0["draws"] == r1["draws"]
@@ -124,4 +128,4 @@ def test_unpicklable_function_is_refused_before_starting():
 
 def test_bad_device_count():
     with pytest.raises(ValueError, match="num_devices"):
-        launch(everyday_calls, num_devices=0)
+        launch(everyday_calls, ("unused",), num_devices=0)
