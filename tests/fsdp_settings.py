@@ -58,6 +58,9 @@ SETTINGS = {
     "dim0": ("net", {"shard_param_on_dim_0": True}, "sgd", {}),
     "adamw": ("net", {}, "adamw", {}),
     "frozen": ("net", {}, "sgd", {"freeze": ("b1.up", "inp.bias")}),
+    "flattened_frozen": ("net", {"flatten_parameters": True}, "sgd",
+                         {"freeze": ("b1.up", "inp.bias")}),
+    "bucketed": ("net", {"reduce_scatter_bucket_size_mb": 1}, "sgd", {}),
     "tied": ("tied", {}, "sgd", {}),
     "accumulate": ("net", {}, "sgd", {"micro": 2}),
     "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
@@ -159,7 +162,7 @@ def train(rank, names, sharded):
                 model.head.weight = model.emb.weight  # moving to XLA unties
         opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
         micro = extra.get("micro", 1)
-        losses = []
+        losses, norms = [], []
         for step in range(STEPS):
             x, y = batch(kind, step)
             local = GLOBAL_BATCH // split
@@ -176,15 +179,17 @@ def train(rank, names, sharded):
                 total = total + loss.detach()
             if "clip" in extra:
                 if sharded:
-                    model.clip_grad_norm_(extra["clip"])
+                    norm = model.clip_grad_norm_(extra["clip"])
                 else:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), extra["clip"])
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), extra["clip"])
             opt.step()
             if sharded and split > 1:
                 groups = [list(range(i, i + split)) for i in range(0, world, split)]
                 total = xm.all_reduce(xm.REDUCE_SUM, total, scale=1.0 / split, groups=groups)
             torch_xla.sync()
             losses.append(total.item())
+            if "clip" in extra:
+                norms.append(norm.item())
             if step == 2:
                 graphs_at_step_2 = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
         new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs_at_step_2
@@ -198,7 +203,7 @@ def train(rank, names, sharded):
                 params["head.weight"] = params["emb.weight"]
             buffers = {k: v.float().cpu() for k, v in model.named_buffers()}
         torch_xla.sync()
-        results[name] = {"losses": losses, "params": params, "buffers": buffers,
+        results[name] = {"losses": losses, "norms": norms, "params": params, "buffers": buffers,
                          "new_graphs": new_graphs}
     return results
 

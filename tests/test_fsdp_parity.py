@@ -35,6 +35,10 @@ def _compare(name, got, ref):
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         if abs(a - b) > loss_bound * abs(b):
             problems.append(f"{name}: step {step} loss {a:.7g} vs {b:.7g}")
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        if abs(a - b) > loss_bound * abs(b):
+            problems.append(f"{name}: step {step} total grad norm {a:.7g} vs {b:.7g}")
+    assert len(got["norms"]) == len(ref["norms"])
     assert set(got["params"]) == set(ref["params"]), (name, set(got["params"]) ^ set(ref["params"]))
     for key, r in ref["params"].items():
         diff = (got["params"][key] - r).abs()

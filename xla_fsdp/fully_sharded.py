@@ -127,7 +127,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
-        materialize_meta(module, param_init_fn)
+        materialize_meta(module, param_init_fn, XlaFullyShardedDataParallel)
         if options.use_xla_patched_linear:
             patch_linear_layers(module)
         self._fsdp_wrapped_module = module

@@ -2,8 +2,9 @@
 full-parameter placeholders in their modules. Also: buffer casting, meta-device init."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -130,14 +131,43 @@ def swap_value(p: torch.Tensor, value: torch.Tensor) -> None:
         p.data = value
 
 
-def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable]) -> None:
-    """Gives parameters created on the meta device real storage and values."""
-    if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        return
-    if param_init_fn is not None:
-        param_init_fn(module)
-        return
-    module.to_empty(device="cpu", recurse=True)
-    for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable],
+                     unit_cls: type) -> None:
+    """Gives parameters created on the meta device real storage and values.
+
+    Inner units are already sharded on the device; they are hidden while ``param_init_fn``
+    (or the default ``to_empty`` + ``reset_parameters()``) runs, so a function written for
+    the whole module cannot move or overwrite their shards."""
+    with _inner_units_hidden(module, unit_cls):
+        if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+            return
+        if param_init_fn is not None:
+            param_init_fn(module)
+        else:
+            module.to_empty(device="cpu", recurse=True)
+            for m in module.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        still_meta = [n for n, t in list(module.named_parameters()) + list(module.named_buffers())
+                      if t.is_meta]
+        if still_meta:
+            raise ValueError(f"param_init_fn left {still_meta} on the meta device; it must give "
+                             f"every parameter and buffer of the module real storage")
+
+
+@contextlib.contextmanager
+def _inner_units_hidden(module: nn.Module, unit_cls: type) -> Iterator[None]:
+    hidden, stack = [], [module]
+    while stack:
+        m = stack.pop()
+        for name, child in list(m._modules.items()):
+            if isinstance(child, unit_cls):
+                m._modules[name] = nn.Module()
+                hidden.append((m, name, child))
+            elif child is not None:
+                stack.append(child)
+    try:
+        yield
+    finally:
+        for m, name, child in hidden:
+            m._modules[name] = child

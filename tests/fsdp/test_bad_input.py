@@ -40,6 +40,9 @@ def misuses(rank):
     shared[1].lin.weight = shared[0].lin.weight
     shared[0] = FSDP(shared[0])
     out["tied_across_units"] = _error(lambda: FSDP(shared))
+    with torch.device("meta"):
+        on_meta = Tiny()
+    out["init_fn_leaves_meta"] = _error(lambda: FSDP(on_meta, param_init_fn=lambda m: None))
     # optimizer created before wrapping
     early = Tiny()
     stale_opt = torch.optim.SGD(early.parameters(), lr=0.1)
@@ -69,3 +72,4 @@ def test_misuse_errors():
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
     assert "root FSDP unit" in out["clip_nested"]
+    assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
