@@ -35,18 +35,25 @@ class Collectives:
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
         """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.
-        Several inputs go out as one coalesced reduce-scatter."""
+
+        Several inputs go out as one reduce-scatter of a single buffer whose row ``r`` holds
+        rank ``r``'s block of every input. torch_xla's coalesced (list) reduce-scatter aborts
+        the process with ``pin_layout=True`` (torch_xla 2.9, any world size)."""
         import torch_xla.core.xla_model as xm
         if not tensors:
             return []
-
-        def call(batch):
-            return xm.reduce_scatter(xm.REDUCE_SUM, batch, scale=scale, scatter_dim=0,
-                                     shard_count=self.world_size, groups=self.groups,
-                                     pin_layout=self.pin_layout)
-        if len(tensors) > 1:
-            return list(call(list(tensors)))
-        return [call(t) for t in tensors]
+        n = self.world_size
+        if len(tensors) == 1:
+            buffer = tensors[0]
+        else:
+            buffer = torch.cat([t.reshape(n, -1) for t in tensors], dim=1).reshape(-1)
+        reduced = xm.reduce_scatter(xm.REDUCE_SUM, buffer, scale=scale, scatter_dim=0,
+                                    shard_count=n, groups=self.groups, pin_layout=self.pin_layout)
+        if len(tensors) == 1:
+            return [reduced]
+        sizes = [t.numel() // n for t in tensors]
+        return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:]))
+                for part, t in zip(reduced.split(sizes), tensors)]
 
     def all_reduce_sum(self, tensor: torch.Tensor,
                        groups: Optional[List[List[int]]] = None) -> torch.Tensor:

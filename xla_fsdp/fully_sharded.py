@@ -51,6 +51,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     * auto-wrapped children receive every option, including ``reduce_scatter_bucket_size_mb``
       and ``coalesce_all_gather_ops`` (torch_xla drops them);
     * ``coalesce_all_gather_ops`` works in every mode, flattened included (torch_xla crashes);
+    * ``reduce_scatter_bucket_size_mb > 0`` works with pinned layouts, the default (torch_xla's
+      coalesced reduce-scatter aborts the process there);
     * ``get_original_names_and_sharded_parameters`` covers nested units (torch_xla repeats
       the root's parameters);
     * ``clip_grad_norm_`` reduces over the sharding groups by default (torch_xla sums over all
