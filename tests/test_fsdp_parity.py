@@ -6,6 +6,9 @@ within 1e-5. With AdamW the loss is held to 1e-5, but a parameter may differ by 
 move a weight by anything up to lr in either run. The bound is 2 * lr * steps, and most
 weights must still agree to 1e-5. bf16 compute rounds every matmul input to 8 bits
 (relative 2^-8 = 3.9e-3), so it is held to 3e-2 on the loss and 5e-2 on the weights.
+
+Every rank compiles the same step graph: the launcher raises ``DivergentGraphs`` when a rank
+other than 0 compiles at a collective point, so a passing launch proves it.
 """
 import pytest
 import torch
