@@ -9,5 +9,8 @@ setup(
     python_requires=">=3.10,<3.14",
     # torch_xla 2.9.0 declares no torch pin, but its C++ ABI needs torch 2.9.x.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
-    extras_require={"test": ["pytest>=7"]},
+    extras_require={"test": ["pytest>=7", "safetensors"]},
+    entry_points={"console_scripts": [
+        "consolidate_sharded_ckpts = consolidate.cli:main",
+    ]},
 )

@@ -225,12 +225,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         ``groups`` are the replica groups to reduce the norm over; by default the sharding
         groups, whose ranks together hold every shard exactly once."""
-        self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError(
-                f"clip_grad_norm_() must be called on the root FSDP unit, not on a nested unit "
-                f"({type(self.module).__name__}); call it on the outermost wrapper")
-        self._assert_state(TrainingState.IDLE)
+        self._check_root_call("clip_grad_norm_")
         groups = self.sharding_groups if groups is None else groups
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norm_type = float(norm_type)
@@ -251,6 +246,20 @@ class XlaFullyShardedDataParallel(nn.Module):
         """(name in the unwrapped model, shard) for every shard of every unit in this tree."""
         return original_names_and_shards(self._named_units())
 
+    def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+        """The unwrapped model's state dict on the CPU (see ``full_state_dict.py``)."""
+        self._check_root_call("full_state_dict")
+        from .full_state_dict import full_state_dict
+        return full_state_dict(self, rank0_only)
+
+    def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
+                             strict: bool = True) -> Tuple[List[str], List[str]]:
+        """Loads an unwrapped model's state dict, e.g. a consolidated checkpoint, at any
+        world size: each rank keeps only its shard."""
+        self._check_root_call("load_full_state_dict")
+        from .full_state_dict import load_full_state_dict
+        return load_full_state_dict(self, state_dict, strict)
+
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs, in torch_xla's format (see ``shard_metadata``)."""
         return shard_metadata(self, self._named_units())
@@ -264,6 +273,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     def _shard_parameters(self) -> None:
         opts = self._options
         found = find_parameters(self._fsdp_wrapped_module)
+        self._param_order = [owners[0][2] for _, owners in found]
         for index, members in enumerate(group_parameters(found, self.flatten_parameters)):
             group, shared = shard_group(
                 members, index, flatten=self.flatten_parameters,
@@ -286,6 +296,14 @@ class XlaFullyShardedDataParallel(nn.Module):
                     unit._backward_barrier_tensors = self._backward_barrier_tensors
         if self._is_root and self._options.disable_reshard_on_root:
             self.reshard_after_forward = False
+
+    def _check_root_call(self, what: str) -> None:
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError(
+                f"{what}() must be called on the root FSDP unit, not on a nested unit "
+                f"({type(self.module).__name__}); call it on the outermost wrapper")
+        self._assert_state(TrainingState.IDLE)
 
     def _assert_state(self, states: Union[TrainingState, Sequence[TrainingState]]) -> None:
         states = [states] if isinstance(states, TrainingState) else list(states)

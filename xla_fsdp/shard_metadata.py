@@ -1,6 +1,9 @@
-"""The shard metadata a checkpoint needs, in torch_xla's format."""
+"""The shard metadata a checkpoint needs, in torch_xla's format, plus what resharding and
+optimizer consolidation need (torch_xla's consolidation ignores the extra keys)."""
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
@@ -24,12 +27,22 @@ def original_names_and_shards(units: Iterable[Tuple[str, Any]]) -> List[Tuple[st
 
 
 def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[str, Any]:
-    """torch_xla's ``get_shard_metadata`` format, plus ``shared_info`` for tied parameters
-    (torch_xla's consolidation ignores unknown keys)."""
-    shard_info, flatten_info, shared_info = {}, {}, {}
+    """torch_xla's ``get_shard_metadata`` format, plus:
+
+    * ``shared_info``: {unit path: [(alias, source)]} for tied parameters;
+    * ``layout_info``: {unit path: {shard name: {"kind": "flat" | "dim0", "multiple": m}}};
+    * ``param_order``: the unwrapped model's parameter names in ``parameters()`` order.
+    """
+    from .shard_layout import Dim0Layout
+    units = list(units)
+    shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
     for path, unit in units:
         shard_info[path] = {
             g.shard._name: {"_orig_size": g.shard._orig_size, "_orig_name": g.shard._orig_name}
+            for g in unit._groups}
+        layout_info[path] = {
+            g.shard._name: ({"kind": "dim0", "multiple": 1} if isinstance(g.layout, Dim0Layout)
+                            else {"kind": "flat", "multiple": g.layout.multiple})
             for g in unit._groups}
         if unit.flatten_parameters:
             for g in unit._groups:
@@ -41,4 +54,43 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
                    for name, buf in root.named_buffers() if hasattr(buf, "_orig_dtype")}
     return {"shard_info": shard_info, "flatten_info": flatten_info,
             "buffer_info": buffer_info, "shared_info": shared_info,
+            "layout_info": layout_info, "param_order": _plain_parameter_order(root, units),
             "world_size": root.world_size, "rank": root.rank}
+
+
+def _clean_path(path: str) -> str:
+    return ".".join(p for p in path.split(".") if p and p != "_fsdp_wrapped_module")
+
+
+def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, Any]]) -> List[str]:
+    """Names in the order ``parameters()`` of the unwrapped model yields them: modules in
+    pre-order, each module's own parameters in registration order (as each unit found
+    them, before grouping)."""
+    module_rank: Dict[str, int] = {}
+    for path, _ in root.named_modules():
+        module_rank.setdefault(_clean_path(path), len(module_rank))
+    keyed = []
+    for path, unit in units:
+        prefix = _clean_path(path)
+        for position, name in enumerate(unit._param_order):
+            full = f"{prefix}.{name}" if prefix else name
+            owner = full.rsplit(".", 1)[0] if "." in full else ""
+            keyed.append(((module_rank[owner], position), full))
+    return [name for _, name in sorted(keyed)]
+
+
+def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:
+    """Identifies how a model was sharded (names, shapes, layouts, world size), not the
+    values nor the rank: files of one checkpoint share it, and a model wrapped the same
+    way at the same world size computes the same one."""
+    keys = ("shard_info", "flatten_info", "shared_info", "layout_info", "world_size")
+    canonical = json.dumps({k: metadata.get(k) for k in keys}, sort_keys=True, default=_jsonable)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    if hasattr(value, "__iter__"):  # torch.Size
+        return list(value)
+    return str(value)

@@ -1,0 +1,100 @@
+"""Rewrites a sharded checkpoint for another number of ranks, one shard group at a time."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from xla_fsdp.files import CheckpointError, TensorRef, TorchFileWriter
+from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, Layout
+from xla_fsdp.shard_metadata import wrapping_fingerprint
+
+from .optimizer import reshard_optimizer_state, why_not_consolidated
+from .plan import GroupSpec, ModelPlan, read_range
+from .shard_set import ShardSet
+
+
+def new_layout(spec: GroupSpec, world_size: int) -> Layout:
+    shapes = tuple(torch.Size(p.shape) for p in spec.params)
+    if spec.kind == "dim0":
+        return Dim0Layout(shapes[0], world_size)
+    return FlatLayout(shapes, world_size, spec.multiple)
+
+
+def _split(content: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
+    """Every rank's shard of a group, from its unpadded flat content."""
+    size = layout.shard_shape.numel()
+    pieces = []
+    for r in range(layout.world_size):
+        piece = content[r * size:(r + 1) * size]
+        if piece.numel() < size:
+            piece = torch.cat([piece, piece.new_zeros(size - piece.numel())])
+        pieces.append(piece.view(layout.shard_shape))
+    return pieces
+
+
+def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str],
+            progress: Callable[[int], None]) -> None:
+    """Writes ``paths[r]`` for every new rank ``r``; each loads with ``load_sharded`` into the
+    same model wrapped at ``world_size`` ranks."""
+    if not shards.written_by_xla_fsdp or not shards.metadata.get("layout_info"):
+        raise CheckpointError(
+            f"{shards.files[0].path} was not written by xla_fsdp.checkpoint.save_sharded, so its "
+            f"shard layouts are unknown and it cannot be resharded; consolidate it and load the "
+            f"result with model.load_full_state_dict() instead")
+    head0 = shards.files[0].tree
+    writers = [TorchFileWriter(p) for p in paths]
+    adds = [w.add for w in writers]
+    models: List[Dict[str, Any]] = [{} for _ in paths]
+    with_optimizer = why_not_consolidated(shards) is None
+    keys = head0["xla_fsdp"]["optimizer_param_keys"] if with_optimizer else []
+    opt_states: List[Dict[int, Any]] = [{} for _ in paths]
+    for key, value in head0["model"].items():
+        if key in plan.buffers:
+            tensor = value.read()
+            for r in range(world_size):
+                models[r][key] = adds[r](tensor)
+            progress(tensor.numel())
+    for spec in plan.groups:
+        layout = new_layout(spec, world_size)
+
+        def full_group(per_rank: List[TensorRef], layout: Layout = layout,
+                       spec: GroupSpec = spec) -> List[torch.Tensor]:
+            return _split(read_range(per_rank, 0, spec.numel), layout)
+
+        for r, piece in enumerate(full_group([f.tree["model"][spec.key] for f in shards.files])):
+            models[r][spec.key] = adds[r](piece)
+        progress(spec.numel)
+        for index, k in enumerate(keys):
+            if k == spec.key and index in head0["optimizer"]["state"]:
+                for r, st in enumerate(reshard_optimizer_state(shards, spec, index, full_group,
+                                                               adds)):
+                    opt_states[r][index] = st
+    for r, writer in enumerate(writers):
+        tree = {"model": models[r], "shard_metadata": _metadata_for(shards.metadata, world_size, r)}
+        ours = dict(head0["xla_fsdp"], world_size=world_size, rank=r,
+                    fingerprint=wrapping_fingerprint(tree["shard_metadata"]))
+        tree["xla_fsdp"] = ours
+        if with_optimizer:
+            tree["optimizer"] = {"state": opt_states[r],
+                                 "param_groups": copy.deepcopy(head0["optimizer"]["param_groups"])}
+        if "extra" in head0:
+            tree["extra"] = _materialize(head0["extra"])
+        writer.finish(tree)
+
+
+def _metadata_for(metadata: Dict[str, Any], world_size: int, rank: int) -> Dict[str, Any]:
+    out = copy.deepcopy(metadata)
+    out["world_size"], out["rank"] = world_size, rank
+    return out
+
+
+def _materialize(tree: Any) -> Any:
+    if isinstance(tree, TensorRef):
+        return tree.read()
+    if isinstance(tree, dict):
+        return type(tree)((k, _materialize(v)) for k, v in tree.items())
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_materialize(v) for v in tree)
+    return tree

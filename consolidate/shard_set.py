@@ -1,0 +1,108 @@
+"""Finds and validates the per-rank files of one sharded checkpoint."""
+from __future__ import annotations
+
+import glob
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from xla_fsdp.files import CheckpointError, CheckpointFile
+
+
+@dataclass
+class ShardSet:
+    files: List[CheckpointFile]          # index = rank
+    metadata: Dict[str, Any]             # rank 0's shard_metadata
+    pattern: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.files)
+
+    @property
+    def written_by_xla_fsdp(self) -> bool:
+        return "xla_fsdp" in self.files[0].tree
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
+                   verify: bool = True) -> ShardSet:
+    """Opens ``prefix + suffix`` (a glob) and checks the files form one complete checkpoint.
+
+    Refuses, naming the files at fault: no match, a match that is one of ``outputs``, files
+    that are not sharded checkpoints, duplicate or missing ranks, mixed world sizes, mixed
+    wrappings or saves, and (with ``verify``) any record failing its CRC-32."""
+    pattern = prefix + suffix
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise CheckpointError(f"no files match {pattern!r}")
+    outputs = {os.path.abspath(p) for p in outputs}
+    clashes = [p for p in paths if os.path.abspath(p) in outputs]
+    if clashes:
+        raise CheckpointError(
+            f"the output {clashes[0]} matches the input pattern {pattern!r}: it would overwrite "
+            f"an input, or be read as one next time. Choose another --save_path or a narrower "
+            f"--ckpt_suffix")
+    files = []
+    try:
+        for path in paths:
+            files.append(CheckpointFile(path))
+        by_rank = _check_set(files, pattern)
+        if verify:
+            for f in by_rank:
+                f.verify()
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return ShardSet(by_rank, by_rank[0].tree["shard_metadata"], pattern)
+
+
+def _check_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile]:
+    for f in files:
+        tree = f.tree
+        if not isinstance(tree, dict) or "shard_metadata" not in tree or "model" not in tree:
+            keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+            raise CheckpointError(
+                f"{f.path} is not a per-rank FSDP checkpoint (it has {keys}, not 'model' and "
+                f"'shard_metadata'); if it is a consolidated checkpoint, narrow --ckpt_suffix "
+                f"so that {pattern!r} matches only the per-rank files")
+    worlds = {f.path: f.tree["shard_metadata"]["world_size"] for f in files}
+    if len(set(worlds.values())) > 1:
+        raise CheckpointError(f"{pattern!r} mixes checkpoints of different world sizes: "
+                              + ", ".join(f"{p} (world size {w})" for p, w in worlds.items()))
+    world = next(iter(worlds.values()))
+    by_rank: Dict[int, CheckpointFile] = {}
+    for f in files:
+        rank = f.tree["shard_metadata"]["rank"]
+        if rank in by_rank:
+            raise CheckpointError(f"{by_rank[rank].path} and {f.path} both hold rank {rank}")
+        by_rank[rank] = f
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        raise CheckpointError(f"{pattern!r} matches {len(files)} files of a world of {world}; "
+                              f"the files of ranks {missing} are missing")
+    ordered = [by_rank[r] for r in range(world)]
+    _check_same(ordered, "wrapping", _wrapping_identity)
+    _check_same(ordered, "save", lambda f: (f.tree.get("xla_fsdp") or {}).get("save_index"))
+    return ordered
+
+
+def _wrapping_identity(f: CheckpointFile) -> Optional[str]:
+    ours = f.tree.get("xla_fsdp")
+    if ours:
+        return ours["fingerprint"]
+    from xla_fsdp.shard_metadata import wrapping_fingerprint
+    return wrapping_fingerprint(f.tree["shard_metadata"])
+
+
+def _check_same(files: List[CheckpointFile], what: str, key: Any) -> None:
+    first = key(files[0])
+    for f in files[1:]:
+        if key(f) != first:
+            raise CheckpointError(f"{files[0].path} and {f.path} come from different {what}s "
+                                  f"({first} vs {key(f)}); a checkpoint's files must all be "
+                                  f"written by the same save of the same model")

@@ -1,0 +1,126 @@
+"""Per-rank checkpoints of an FSDP model: ``save_sharded`` and ``load_sharded``.
+
+Each rank writes ``{prefix}_rank-{rank:08d}-of-{world:08d}.pth`` holding torch_xla's
+format, ``{'model', 'shard_metadata', 'optimizer'}``, plus an ``'xla_fsdp'`` record (world
+size, rank, a fingerprint of the wrapping, which optimizer index is which shard, and a save
+counter that ties the files of one save together) and the caller's ``'extra'``. Every
+record carries the CRC-32 ``torch.save`` computes; ``load_sharded`` checks it. Writes are
+atomic: a crash mid-save leaves the previous file whole.
+
+With ``sharding_groups`` only the first replica group writes: the others hold the same
+shards.
+"""
+from __future__ import annotations
+
+import glob
+import os
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from .files import CheckpointError, CheckpointFile, atomic_path
+from .shard_metadata import wrapping_fingerprint
+
+FORMAT_VERSION = 1
+
+
+def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
+    return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
+
+
+def _is_writer(model: Any) -> bool:
+    """With sharding groups, one replica of each shard is enough: the first group's."""
+    import torch_xla.runtime as xr
+    groups = model.sharding_groups
+    return groups is None or xr.global_ordinal() in groups[0]
+
+
+def _optimizer_param_keys(model: Any, optimizer: torch.optim.Optimizer) -> List[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    keys = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} "
+                                 f"that is not a shard of this model; create the optimizer "
+                                 f"from model.parameters() after wrapping")
+            keys.append(names[id(p)])
+    return keys
+
+
+def save_sharded(path_prefix: str, model: Any, optimizer: Optional[torch.optim.Optimizer] = None,
+                 extra: Any = None) -> Optional[str]:
+    """Writes this rank's checkpoint file; returns its path (None on a replica that does not
+    write). Every rank must call it: it synchronises the device first."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    _check_root(model, "save_sharded")
+    torch_xla.sync()
+    metadata = model.get_shard_metadata()
+    model._fsdp_save_count = getattr(model, "_fsdp_save_count", 0) + 1
+    if not _is_writer(model):
+        return None
+    checkpoint: Dict[str, Any] = {
+        "model": xm._maybe_convert_to_cpu(model.state_dict()),
+        "shard_metadata": metadata,
+        "xla_fsdp": {"format": FORMAT_VERSION, "world_size": metadata["world_size"],
+                     "rank": metadata["rank"], "fingerprint": wrapping_fingerprint(metadata),
+                     "save_index": model._fsdp_save_count,
+                     "optimizer_param_keys": (_optimizer_param_keys(model, optimizer)
+                                              if optimizer is not None else None)}}
+    if optimizer is not None:
+        checkpoint["optimizer"] = xm._maybe_convert_to_cpu(optimizer.state_dict())
+    if extra is not None:
+        checkpoint["extra"] = extra
+    path = sharded_checkpoint_path(path_prefix, metadata["rank"], metadata["world_size"])
+    with atomic_path(path) as tmp:
+        torch.save(checkpoint, tmp)
+    return path
+
+
+def load_sharded(path_prefix: str, model: Any,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Loads this rank's file into ``model`` (and ``optimizer``); returns the saved ``extra``.
+
+    The file must come from a model wrapped the same way at the same world size; for another
+    world size, reshard it first (``consolidate_sharded_ckpts --reshard N``)."""
+    import torch_xla
+    _check_root(model, "load_sharded")
+    metadata = model.get_shard_metadata()
+    path = sharded_checkpoint_path(path_prefix, metadata["rank"], metadata["world_size"])
+    if not os.path.exists(path):
+        others = sorted(glob.glob(f"{glob.escape(path_prefix)}_rank-*-of-*.pth"))
+        hint = (f"; found {others[0]} and others of another world size: reshard them with "
+                f"consolidate_sharded_ckpts --ckpt_prefix {path_prefix} --reshard "
+                f"{metadata['world_size']}" if others else "")
+        raise CheckpointError(f"{path}: no such checkpoint file{hint}")
+    with CheckpointFile(path) as f:
+        f.verify()
+        ours = f.tree.get("xla_fsdp") if isinstance(f.tree, dict) else None
+    if not ours:
+        raise CheckpointError(f"{path} was not written by save_sharded")
+    expected = wrapping_fingerprint(metadata)
+    if ours["fingerprint"] != expected:
+        raise CheckpointError(
+            f"{path} was saved from a model sharded differently (fingerprint {ours['fingerprint']}, "
+            f"this model's is {expected}): the wrapping, parameter shapes or options such as "
+            f"flatten_parameters/shard_param_on_dim_0 differ")
+    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    if optimizer is not None:
+        if "optimizer" not in checkpoint:
+            raise CheckpointError(f"{path} holds no optimizer state")
+        if ours["optimizer_param_keys"] != _optimizer_param_keys(model, optimizer):
+            raise CheckpointError(f"{path}: the optimizer's parameters are not the ones it was "
+                                  f"saved with (or not in the same order)")
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    model._fsdp_save_count = ours["save_index"]
+    torch_xla.sync()
+    return checkpoint.get("extra")
+
+
+def _check_root(model: Any, what: str) -> None:
+    from .fully_sharded import XlaFullyShardedDataParallel
+    if not isinstance(model, XlaFullyShardedDataParallel):
+        raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
+                        f"{type(model).__name__}")

@@ -1,0 +1,90 @@
+"""The unwrapped model's ordinary state dict, gathered from the shards, and back."""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Mapping, Tuple
+
+import torch
+
+from .shard_metadata import clean_name
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _unit_prefix(path: str) -> str:
+    return ".".join(p for p in path.split(".") if p and p != "_fsdp_wrapped_module")
+
+
+def _parameter_slots(root: Any) -> Iterator[Tuple[Any, Any, List[str]]]:
+    """(unit, shard group, unwrapped names of the group's parameters) for every group."""
+    for path, unit in root._named_units():
+        prefix = _unit_prefix(path)
+        for g in unit._groups:
+            yield unit, g, [_join(prefix, n) for n in g.names]
+
+
+def _aliases(root: Any) -> List[Tuple[str, str]]:
+    out = []
+    for path, unit in root._named_units():
+        prefix = _unit_prefix(path)
+        out += [(_join(prefix, a), _join(prefix, s)) for a, s in unit._shared_params]
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(root: Any, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    """Gathers one shard group at a time and copies it to the CPU, so the device holds at
+    most one group's full parameters beyond training's own. Every rank must call it; with
+    ``rank0_only`` only global rank 0 keeps the result (the others get ``{}``)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+    keep = not rank0_only or xr.global_ordinal() == 0
+    out: Dict[str, torch.Tensor] = {}
+    for unit, g, names in _parameter_slots(root):
+        (full,) = unit._collectives.all_gather([g.shard.detach()], coalesce=False)
+        torch_xla.sync()
+        if keep:
+            flat = full.cpu()
+            for name, value in zip(names, g.layout.unshard(flat)):
+                out[name] = value.clone()
+    if keep:
+        for alias, source in _aliases(root):
+            out[alias] = out[source]
+        for name, buf in root.named_buffers():
+            value = buf.detach().cpu()
+            out[clean_name(name)] = value.to(getattr(buf, "_orig_dtype", value.dtype))
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(root: Any, state_dict: Mapping[str, torch.Tensor],
+                         strict: bool = True) -> Tuple[List[str], List[str]]:
+    """Loads an ordinary (unwrapped) state dict; each rank copies only its shard to the
+    device. Returns (missing, unexpected) keys; with ``strict`` either is an error."""
+    import torch_xla
+    slots = list(_parameter_slots(root))
+    buffers = {clean_name(n): b for n, b in root.named_buffers()}
+    expected = {n for _, _, names in slots for n in names} | set(buffers)
+    expected |= {alias for alias, _ in _aliases(root)}
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                       f"{unexpected}")
+    for unit, g, names in slots:
+        if any(n not in state_dict for n in names):
+            continue
+        values = []
+        for name, shape in zip(names, g.layout.shapes):
+            value = state_dict[name]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"load_full_state_dict: '{name}' has shape "
+                                 f"{tuple(value.shape)}, the model's is {tuple(shape)}")
+            values.append(value.detach().to("cpu", torch.float32))
+        g.shard.copy_(g.layout.shard(values, unit.rank).to(g.shard.device))
+    for name, buf in buffers.items():
+        if name in state_dict:
+            buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))
+    torch_xla.sync()
+    return missing, unexpected
