@@ -1,6 +1,7 @@
 """Finds and validates the per-rank files of one sharded checkpoint."""
 from __future__ import annotations
 
+import fnmatch
 import glob
 import os
 from dataclasses import dataclass
@@ -39,13 +40,16 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise CheckpointError(f"no files match {pattern!r}")
-    outputs = {os.path.abspath(p) for p in outputs}
-    clashes = [p for p in paths if os.path.abspath(p) in outputs]
-    if clashes:
-        raise CheckpointError(
-            f"the output {clashes[0]} matches the input pattern {pattern!r}: it would overwrite "
-            f"an input, or be read as one next time. Choose another --save_path or a narrower "
-            f"--ckpt_suffix")
+    inputs = {os.path.abspath(p) for p in paths}
+    for out in outputs:
+        out = os.path.abspath(out)
+        if out in inputs:
+            raise CheckpointError(f"the output {out} would overwrite an input; choose another "
+                                  f"--save_path")
+        if fnmatch.fnmatchcase(out, os.path.abspath(pattern)):
+            raise CheckpointError(
+                f"the output {out} matches the input pattern {pattern!r}, so the next run would "
+                f"read it as a rank file; choose another --save_path or a narrower --ckpt_suffix")
     files = []
     try:
         for path in paths:

@@ -1,0 +1,47 @@
+"""Per-rank checkpoint files written without XLA, shaped like save_sharded's, for fast tests."""
+import torch
+
+from xla_fsdp.checkpoint import sharded_checkpoint_path
+from xla_fsdp.shard_layout import FlatLayout
+from xla_fsdp.shard_metadata import wrapping_fingerprint
+
+SEP = "_FSDP_SHARD_SEPARATOR_"
+SHAPES = {"lin.weight": (5, 3), "lin.bias": (5,)}
+
+
+def shard_key(name):
+    return ("_fsdp_shard._fsdp_wrapped_module." + name).replace(".", SEP)
+
+
+def full_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
+
+
+def write_set(prefix, world, full=None, save_index=1):
+    """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths."""
+    full = full or full_model()
+    metadata = {
+        "shard_info": {"": {shard_key(n): {"_orig_size": torch.Size(s),
+                                           "_orig_name": "_fsdp_wrapped_module." + n}
+                            for n, s in SHAPES.items()}},
+        "flatten_info": {}, "buffer_info": {}, "shared_info": {},
+        "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
+        "param_order": list(SHAPES), "world_size": world, "rank": 0}
+    paths = []
+    for rank in range(world):
+        model, state = {}, {}
+        for i, (name, shape) in enumerate(SHAPES.items()):
+            layout = FlatLayout((torch.Size(shape),), world)
+            model[shard_key(name)] = layout.shard([full[name]], rank)
+            state[i] = {"momentum_buffer": layout.shard([full[name] * 0.5], rank)}
+        md = dict(metadata, rank=rank)
+        tree = {"model": model, "shard_metadata": md,
+                "optimizer": {"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+                "xla_fsdp": {"format": 1, "world_size": world, "rank": rank,
+                             "fingerprint": wrapping_fingerprint(md), "save_index": save_index,
+                             "optimizer_param_keys": [shard_key(n) for n in SHAPES]}}
+        path = sharded_checkpoint_path(prefix, rank, world)
+        torch.save(tree, path)
+        paths.append(path)
+    return paths
