@@ -65,6 +65,16 @@ def resumed(rank, prefix, consolidated_path):
     world = xr.world_size()
     model = wrapped_net()
     opt = optimizer_for(model)
+    errors = {}
+    try:  # the N=4 files, at this world size
+        load_sharded(prefix.rsplit("_to", 1)[0], model, opt)
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        errors["world"] = str(exc)
+    from xla_fsdp import FSDP
+    try:  # the right world size, but a model wrapped differently
+        load_sharded(prefix, FSDP(Net()), None)
+    except Exception as exc:  # noqa: BLE001
+        errors["wrapping"] = str(exc)
     extra = load_sharded(prefix, model, opt)
     losses = train(model, opt, THEN, rank, world)
     # a consolidated checkpoint seeds a model at any world size, and reads back unchanged
@@ -73,7 +83,7 @@ def resumed(rank, prefix, consolidated_path):
     seeded.load_full_state_dict(consolidated)
     back = seeded.full_state_dict()
     same = rank != 0 or all(torch.equal(back[k], v) for k, v in consolidated.items())
-    return {"extra": extra, "losses": losses, "seeded_round_trip": same,
+    return {"extra": extra, "errors": errors, "losses": losses, "seeded_round_trip": same,
             "keys": sorted(back) == sorted(consolidated) if rank == 0 else True}
 
 
@@ -129,6 +139,9 @@ def test_reshard_and_resume(saved, world):
     expected = saved["at_four"][0]["continued"]
     for rank, result in out.items():
         assert result["extra"] == {"step": 5}
+        assert "reshard them with consolidate_sharded_ckpts" in result["errors"]["world"]
+        assert f"--reshard {world}" in result["errors"]["world"]
+        assert "sharded differently" in result["errors"]["wrapping"]
         assert result["seeded_round_trip"] and result["keys"]
         for step, (got, want) in enumerate(zip(result["losses"], expected)):
             assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)

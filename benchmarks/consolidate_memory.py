@@ -1,0 +1,152 @@
+"""Peak memory and time of consolidating a >= 1 GB sharded checkpoint: xla_fsdp's
+``consolidate_sharded_ckpts`` against torch_xla's ``consolidate_sharded_model_checkpoints``,
+side by side on the same files, each run in a fresh process (peak RSS from wait4).
+
+    python benchmarks/consolidate_memory.py [--gb 1.0] [--world 4] [--repeats 3]
+
+Writes benchmarks/results/consolidate_memory.md.
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from xla_fsdp.checkpoint import sharded_checkpoint_path  # noqa: E402
+from xla_fsdp.files import TorchFileWriter  # noqa: E402
+from xla_fsdp.shard_layout import FlatLayout  # noqa: E402
+from xla_fsdp.shard_metadata import wrapping_fingerprint  # noqa: E402
+
+SEP = "_FSDP_SHARD_SEPARATOR_"
+
+
+def model_shapes(total_bytes):
+    """A few large matrices (the largest is a quarter of the model) and many small tensors."""
+    big = total_bytes // 4 // 4            # float32 elements in the largest tensor
+    cols = 4096
+    shapes = {f"layers.{i}.weight": (big // cols, cols) for i in range(3)}
+    shapes["embed.weight"] = (big // cols - 1, cols)
+    for i in range(200):
+        shapes[f"layers.{i}.norm.weight"] = (cols + i,)
+    return shapes
+
+
+def write_checkpoint(prefix, shapes, world):
+    """Per-rank files in the shared (torch_xla-compatible) format, one tensor at a time."""
+    def key(name):
+        return ("_fsdp_shard._fsdp_wrapped_module." + name).replace(".", SEP)
+    metadata = {"shard_info": {"": {key(n): {"_orig_size": torch.Size(s),
+                                            "_orig_name": "_fsdp_wrapped_module." + n}
+                                    for n, s in shapes.items()}},
+                "flatten_info": {}, "buffer_info": {}, "shared_info": {},
+                "layout_info": {"": {key(n): {"kind": "flat", "multiple": 1} for n in shapes}},
+                "param_order": list(shapes), "world_size": world}
+    for rank in range(world):
+        writer = TorchFileWriter(sharded_checkpoint_path(prefix, rank, world))
+        model = {}
+        for i, (name, shape) in enumerate(shapes.items()):
+            g = torch.Generator().manual_seed(i)
+            full = torch.randn(shape, generator=g)
+            model[key(name)] = writer.add(FlatLayout((torch.Size(shape),), world).shard([full], rank))
+            del full
+        md = dict(metadata, rank=rank)
+        writer.finish({"model": model, "shard_metadata": md,
+                       "xla_fsdp": {"format": 1, "world_size": world, "rank": rank,
+                                    "fingerprint": wrapping_fingerprint(md), "save_index": 1,
+                                    "optimizer_param_keys": None}})
+
+
+def peak_rss(cmd):
+    """(peak resident set in bytes, wall seconds) of a child process."""
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.monotonic() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr.read().decode()[-2000:]}")
+    return usage.ru_maxrss * 1024, elapsed
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gb", type=float, default=1.0)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    shapes = model_shapes(int(args.gb * 2**30))
+    largest = max(torch.Size(s).numel() for s in shapes.values()) * 4
+    total = sum(torch.Size(s).numel() for s in shapes.values()) * 4
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as d:
+        prefix = os.path.join(d, "ckpt")
+        write_checkpoint(prefix, shapes, args.world)
+        ours_out, theirs_out = os.path.join(d, "ours.pth"), os.path.join(d, "theirs.pth")
+        runs = {
+            "xla_fsdp consolidate_sharded_ckpts": [
+                sys.executable, "-m", "consolidate", "--ckpt_prefix", prefix,
+                "--save_path", ours_out],
+            "torch_xla consolidate_sharded_model_checkpoints": [
+                sys.executable, "-c",
+                "import sys; from torch_xla.distributed.fsdp import "
+                "consolidate_sharded_model_checkpoints as c; c(sys.argv[1], sys.argv[2], "
+                "sys.argv[3])", prefix, "_rank-*-of-*.pth", theirs_out],
+        }
+        baselines = {
+            "xla_fsdp consolidate_sharded_ckpts": [
+                sys.executable, "-c", "import consolidate.cli"],
+            "torch_xla consolidate_sharded_model_checkpoints": [
+                sys.executable, "-c", "import torch_xla.distributed.fsdp"],
+        }
+        results = {name: {"rss": [], "time": []} for name in runs}
+        for _ in range(args.repeats):
+            for name, cmd in runs.items():   # interleaved, so drift hits both alike
+                rss, seconds = peak_rss(cmd)
+                results[name]["rss"].append(rss)
+                results[name]["time"].append(seconds)
+        base = {name: peak_rss(cmd)[0] for name, cmd in baselines.items()}
+        ours = torch.load(ours_out, mmap=True, weights_only=True)["model"]
+        theirs = torch.load(theirs_out, mmap=True, weights_only=True)["model"]
+        identical = sorted(ours) == sorted(theirs) and all(
+            torch.equal(ours[k], theirs[k]) for k in theirs)
+    lines = [
+        "# Consolidation memory: xla_fsdp vs torch_xla",
+        "",
+        f"Command: `python benchmarks/consolidate_memory.py --gb {args.gb} --world "
+        f"{args.world} --repeats {args.repeats}`",
+        "",
+        f"Checkpoint: {args.world} rank files, {total / 2**30:.2f} GiB of float32 parameters "
+        f"in {len(shapes)} tensors; the largest consolidated tensor is "
+        f"{largest / 2**20:.0f} MiB. Machine: {os.cpu_count()} cores. Peak RSS from `wait4`; "
+        f"'import only' is the same interpreter importing the tool and doing nothing.",
+        "",
+        "| tool | peak RSS (median) | import only | peak minus import | "
+        "(peak minus import) / largest tensor | time (median) |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in results.items():
+        rss, sec = statistics.median(r["rss"]), statistics.median(r["time"])
+        lines.append(f"| {name} | {rss / 2**20:,.0f} MiB | {base[name] / 2**20:,.0f} MiB | "
+                     f"{(rss - base[name]) / 2**20:,.0f} MiB | {(rss - base[name]) / largest:.2f} | "
+                     f"{sec:.1f} s |")
+    names = list(results)
+    ratio = statistics.median(results[names[1]]["rss"]) / statistics.median(results[names[0]]["rss"])
+    lines += ["", f"torch_xla's peak is {ratio:.1f}x ours. Outputs identical: {identical}.",
+              f"Raw peaks (MiB): " + "; ".join(
+                  f"{n}: {[round(x / 2**20) for x in r['rss']]}" for n, r in results.items()),
+              f"Raw times (s): " + "; ".join(
+                  f"{n}: {[round(x, 1) for x in r['time']]}" for n, r in results.items())]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(os.path.join(HERE, "results", "consolidate_memory.md"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
