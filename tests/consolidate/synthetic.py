@@ -34,7 +34,8 @@ def write_set(prefix, world, full=None, save_index=1):
         for i, (name, shape) in enumerate(SHAPES.items()):
             layout = FlatLayout((torch.Size(shape),), world)
             model[shard_key(name)] = layout.shard([full[name]], rank)
-            state[i] = {"momentum_buffer": layout.shard([full[name] * 0.5], rank)}
+            state[i] = {"momentum_buffer": layout.shard([full[name] * 0.5], rank),
+                        "step": torch.tensor(7.0)}  # not sharded: the same on every rank
         md = dict(metadata, rank=rank)
         tree = {"model": model, "shard_metadata": md,
                 "optimizer": {"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},

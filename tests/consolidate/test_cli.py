@@ -35,6 +35,8 @@ def test_consolidates_model_and_optimizer(tmp_path, capsys, world):
     opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
     opt.load_state_dict(result["optimizer"])
     assert torch.equal(opt.state[lin.weight]["momentum_buffer"], full["lin.weight"] * 0.5)
+    assert torch.equal(opt.state[lin.bias]["momentum_buffer"], full["lin.bias"] * 0.5)
+    assert opt.state[lin.bias]["step"] == 7.0
     assert result["optimizer_param_names"] == ["lin.weight", "lin.bias"]
 
 

@@ -1,0 +1,315 @@
+"""Train a small GPT-style language model with FSDP, end to end.
+
+    python examples/train_lm.py                      # 4 virtual CPU devices, a few minutes
+    python examples/train_lm.py --devices 2 --resume # continue on another device count
+
+The text is the Python standard library's own source, read as bytes (a 256-token vocabulary),
+so nothing is downloaded. Every transformer block is its own FSDP unit; the embedding is tied
+to the output head. Per-rank checkpoints go to OUT/ckpt every --checkpoint-every steps. At the
+end the last checkpoint is consolidated with the project's own tool, the result is loaded into
+the plain, unwrapped model on the CPU, and the evaluation loss is computed again there: the two
+numbers must agree. The loss curve is written to OUT/loss.csv (and OUT/loss.png when
+matplotlib is installed).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import glob
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from xla_fsdp import launch  # noqa: E402
+
+
+# -- data ---------------------------------------------------------------------------------
+def stdlib_bytes(limit: int = 3_000_000) -> torch.Tensor:
+    """Up to ``limit`` bytes of the standard library's .py files, in a fixed order."""
+    root = sysconfig.get_paths()["stdlib"]
+    chunks, size = [], 0
+    for path in sorted(glob.glob(os.path.join(root, "*.py"))):
+        with open(path, "rb") as f:
+            data = f.read()
+        chunks.append(data)
+        size += len(data)
+        if size >= limit:
+            break
+    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
+
+
+def batch_at(data: torch.Tensor, step: int, batch: int, seq: int, seed: int) -> tuple:
+    """The global batch of ``step``: the same on every rank and in every run."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+    x = torch.stack([data[s:s + seq] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + seq + 1] for s in starts.tolist()])
+    return x, y
+
+
+# -- model --------------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+        attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(attn)
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, dim: int, heads: int, seq: int, vocab: int = 256) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied
+        nn.init.normal_(self.embed.weight, std=0.02)  # N(0, 1) would make the first logits huge
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.pos[:tokens.shape[1]]
+        return self.head(self.ln(self.blocks(x)))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_model(args: argparse.Namespace) -> GPT:
+    torch.manual_seed(args.seed)
+    return GPT(args.layers, args.dim, args.heads, args.seq)
+
+
+# -- training on each rank ----------------------------------------------------------------
+def wrap(model: GPT, args: argparse.Namespace):
+    from xla_fsdp import FSDP, checkpoint_module
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    options = {}
+    if args.bf16:
+        options.update(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    if args.flatten:
+        options.update(flatten_parameters=True)
+    if args.dim0:  # the AWS Neuron setting: shard along dim 0, never flatten
+        options.update(shard_param_on_dim_0=True)
+    wrapper = FSDP
+    if args.activation_checkpointing:
+        def wrapper(m, *a, **kw):
+            return FSDP(checkpoint_module(m), *a, **kw)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    return FSDP(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **options)
+
+
+def evaluate(model, data: torch.Tensor, args: argparse.Namespace, rank: int, world: int,
+             device) -> float:
+    """Mean loss over fixed held-out batches, averaged across ranks."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for i in range(args.eval_batches):
+            x, y = batch_at(data, i, args.batch, args.seq, seed=-1)
+            local = args.batch // world
+            x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+            total = total + lm_loss(model(x.to(device)), y.to(device))
+    total = xm.all_reduce(xm.REDUCE_SUM, total, scale=1.0 / (world * args.eval_batches))
+    torch_xla.sync()
+    return total.item()
+
+
+def train(rank: int, args: argparse.Namespace) -> dict:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import load_sharded, save_sharded
+
+    device, world = torch_xla.device(), xr.world_size()
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} must divide by the {world} devices")
+    data = stdlib_bytes()
+    split = int(len(data) * 0.95)
+    train_data, eval_data = data[:split], data[split:]
+    model = wrap(build_model(args), args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    start, history = 0, []
+    if args.resume:
+        prefix = checkpoint_for(args, world, reshard=(rank == 0))
+        xm.rendezvous("checkpoint ready")  # the others wait while rank 0 reshards
+        extra = load_sharded(prefix, model, opt)
+        start, history = extra["step"], extra["history"]
+    local = args.batch // world
+    shown = rank == 0
+    began, tokens = time.monotonic(), 0
+    for step in range(start, args.steps):
+        x, y = batch_at(train_data, step, args.batch, args.seq, args.seed)
+        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        opt.zero_grad()
+        loss = lm_loss(model(x.to(device)), y.to(device))
+        loss.backward()
+        model.clip_grad_norm_(1.0)
+        opt.step()
+        loss = xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / world)
+        torch_xla.sync()
+        tokens += args.batch * args.seq
+        if step % args.log_every == 0 or step == args.steps - 1:
+            value = loss.item()
+            history.append((step, value))
+            if shown:
+                rate = tokens / (time.monotonic() - began)
+                done = (step + 1) / args.steps
+                bar = "#" * int(24 * done)
+                sys.stderr.write(f"\rstep {step + 1:>5}/{args.steps} [{bar:<24}] loss {value:.3f} "
+                                 f"{rate:,.0f} tokens/s")
+                sys.stderr.flush()
+        last = step == args.steps - 1
+        if (step + 1) % args.checkpoint_every == 0 or last:
+            prefix = os.path.join(args.out, "ckpt", f"step{step + 1:06d}")
+            save_sharded(prefix, model, opt, extra={"step": step + 1, "history": history})
+            xm.rendezvous("checkpoint saved")  # 'latest' names only complete checkpoints
+            if rank == 0:
+                _write_latest(args.out, prefix)
+    if shown:
+        sys.stderr.write("\n")
+    return {"eval_loss": evaluate(model, eval_data, args, rank, world, device),
+            "history": history}
+
+
+def _write_latest(out: str, prefix: str) -> None:
+    from xla_fsdp.files import atomic_path
+    with atomic_path(os.path.join(out, "ckpt", "latest")) as tmp:
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(prefix) + "\n")
+
+
+# -- the parent process -------------------------------------------------------------------
+def checkpoint_for(args: argparse.Namespace, world: int, reshard: bool) -> str:
+    """The latest checkpoint's prefix for ``world`` devices; if it was written at another
+    device count and ``reshard``, reshards it with the project's tool first."""
+    from consolidate import run
+    from consolidate.cli import parse_args as consolidate_args
+    latest = os.path.join(args.out, "ckpt", "latest")
+    if not os.path.exists(latest):
+        raise SystemExit(f"--resume: no checkpoint in {os.path.dirname(latest)}")
+    prefix = os.path.join(args.out, "ckpt", open(latest).read().strip())
+    if os.path.exists(f"{prefix}_rank-00000000-of-{world:08d}.pth"):
+        return prefix
+    target = f"{prefix}_as{world}"
+    if reshard and not os.path.exists(f"{target}_rank-00000000-of-{world:08d}.pth"):
+        print(f"resharding {prefix} for {world} devices", file=sys.stderr)
+        run(consolidate_args(["--ckpt_prefix", prefix, "--reshard", str(world),
+                              "--save_path", target]))
+    return target
+
+
+def consolidate_and_check(args: argparse.Namespace, sharded_eval: float) -> None:
+    """Consolidates the last checkpoint and recomputes the eval loss in plain PyTorch."""
+    from consolidate import run
+    from consolidate.cli import parse_args as consolidate_args
+    latest = open(os.path.join(args.out, "ckpt", "latest")).read().strip()
+    prefix = os.path.join(args.out, "ckpt", latest)
+    final = os.path.join(args.out, "model_consolidated.pth")
+    if os.path.exists(final):
+        os.remove(final)  # from an earlier run
+    run(consolidate_args(["--ckpt_prefix", prefix, "--save_path", final]))
+    model = build_model(args)
+    model.load_state_dict(torch.load(final, weights_only=True)["model"], strict=True)
+    model.eval()
+    data = stdlib_bytes()
+    eval_data = data[int(len(data) * 0.95):]
+    with torch.no_grad():
+        losses = [lm_loss(model(x), y).item() for x, y in
+                  (batch_at(eval_data, i, args.batch, args.seq, seed=-1)
+                   for i in range(args.eval_batches))]
+    plain = sum(losses) / len(losses)
+    print(f"eval loss: sharded on XLA {sharded_eval:.5f}, consolidated in plain PyTorch "
+          f"{plain:.5f} (difference {abs(plain - sharded_eval):.1e})")
+    if abs(plain - sharded_eval) > 1e-3 * max(1.0, abs(plain)):
+        raise SystemExit("the consolidated model does not reproduce the sharded model's loss")
+
+
+def write_curve(args: argparse.Namespace, history: list) -> None:
+    path = os.path.join(args.out, "loss.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["step", "loss"])
+        writer.writerows(history)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"loss curve: {path} (install matplotlib for a PNG)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s for s, _ in history], [v for _, v in history])
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_title("GPT on Python stdlib source, FSDP")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
+    print(f"loss curve: {path} and {os.path.join(args.out, 'loss.png')}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--devices", type=int, default=None,
+                   help="devices to use (default: all accelerators, else 4 virtual CPU devices)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="runs/train_lm")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/ckpt/latest (resharded if the device count changed)")
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce-scatter")
+    p.add_argument("--flatten", action="store_true", help="flatten_parameters=True")
+    p.add_argument("--dim0", action="store_true",
+                   help="shard_param_on_dim_0=True (the AWS Neuron setting)")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from xla_fsdp.launch import accelerator_type
+    world = args.devices or (None if accelerator_type() else 4)
+    began = time.monotonic()
+    results = launch(train, (args,), num_devices=world)
+    first = results[0]
+    history = first["history"]
+    print(f"trained to step {args.steps} on {len(results)} device(s) in "
+          f"{time.monotonic() - began:.0f}s: loss {history[0][1]:.3f} at step {history[0][0]} "
+          f"-> {history[-1][1]:.3f} at step {history[-1][0]}")
+    consolidate_and_check(args, first["eval_loss"])
+    write_curve(args, history)
+
+
+if __name__ == "__main__":
+    main()
