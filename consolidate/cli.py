@@ -22,6 +22,7 @@ import torch
 from xla_fsdp.checkpoint import sharded_checkpoint_path
 from xla_fsdp.files import CheckpointError, CheckpointFile, SafetensorsWriter, TorchFileWriter
 from xla_fsdp.files import atomic_path
+from xla_fsdp.files.writer import SAFETENSORS_DTYPES
 
 from .optimizer import consolidate_optimizer, why_not_consolidated
 from .plan import ModelPlan, plan_model, read_param
@@ -161,7 +162,7 @@ def verify_output(path: str, expected: Dict[str, tuple]) -> str:
         with safe_open(path, framework="pt") as f:
             got = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape()))
                    for k in f.keys()}
-        expected = {k: (_SAFE_NAMES[v[0]], tuple(v[1])) for k, v in expected.items()}
+        expected = {k: (SAFETENSORS_DTYPES[v[0]], tuple(v[1])) for k, v in expected.items()}
     else:
         with CheckpointFile(path) as f:
             f.verify()
@@ -175,11 +176,6 @@ def verify_output(path: str, expected: Dict[str, tuple]) -> str:
                               f"unexpected {extra}, wrong shape or dtype {wrong}")
     numel = sum(math.prod(s) for _, s in expected.values())
     return f"{len(expected)} tensors, {numel:,} elements"
-
-
-_SAFE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-               torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
-               torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
 def run(args: argparse.Namespace) -> List[str]:

@@ -15,14 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from xla_fsdp.files import CheckpointError, TensorRef
-
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module")
-
-
-def clean_name(name: str) -> str:
-    """A name in the wrapped model as it is in the unwrapped one."""
-    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_PARTS)
-
+from xla_fsdp.shard_metadata import clean_name, join_name
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -73,8 +66,7 @@ def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPla
                 member_prefix = clean_name(path)
                 params, at = [], 0
                 for n, s, k in zip(names, shapes, numels):
-                    full = f"{member_prefix}.{n}" if member_prefix else n
-                    params.append(ParamSpec(clean_name(full), tuple(s), at))
+                    params.append(ParamSpec(clean_name(join_name(member_prefix, n)), tuple(s), at))
                     at += k
             else:
                 params = [ParamSpec(clean_name(wrapped_name), tuple(info["_orig_size"]), 0)]
@@ -90,8 +82,7 @@ def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPla
     for path, pairs in metadata.get("shared_info", {}).items():
         prefix = clean_name(path)
         for alias, source in pairs:
-            aliases.append((f"{prefix}.{alias}" if prefix else alias,
-                            f"{prefix}.{source}" if prefix else source))
+            aliases.append((join_name(prefix, alias), join_name(prefix, source)))
     order = metadata.get("param_order") or [p.name for g in groups for p in g.params]
     return ModelPlan(groups, buffers, buffer_dtypes, aliases, list(order))
 

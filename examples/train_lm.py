@@ -112,10 +112,8 @@ def wrap(model: GPT, args: argparse.Namespace):
         options.update(flatten_parameters=True)
     if args.dim0:  # the AWS Neuron setting: shard along dim 0, never flatten
         options.update(shard_param_on_dim_0=True)
-    wrapper = FSDP
-    if args.activation_checkpointing:
-        def wrapper(m, *a, **kw):
-            return FSDP(checkpoint_module(m), *a, **kw)
+    def wrapper(m, *a, **kw):
+        return FSDP(checkpoint_module(m) if args.activation_checkpointing else m, *a, **kw)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     return FSDP(model, auto_wrap_policy=policy, auto_wrapper_callable=wrapper, **options)
 

@@ -5,30 +5,22 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
-from .shard_metadata import clean_name
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _unit_prefix(path: str) -> str:
-    return ".".join(p for p in path.split(".") if p and p != "_fsdp_wrapped_module")
+from .shard_metadata import clean_name, join_name
 
 
 def _parameter_slots(root: Any) -> Iterator[Tuple[Any, Any, List[str]]]:
     """(unit, shard group, unwrapped names of the group's parameters) for every group."""
     for path, unit in root._named_units():
-        prefix = _unit_prefix(path)
+        prefix = clean_name(path)
         for g in unit._groups:
-            yield unit, g, [_join(prefix, n) for n in g.names]
+            yield unit, g, [join_name(prefix, n) for n in g.names]
 
 
 def _aliases(root: Any) -> List[Tuple[str, str]]:
     out = []
     for path, unit in root._named_units():
-        prefix = _unit_prefix(path)
-        out += [(_join(prefix, a), _join(prefix, s)) for a, s in unit._shared_params]
+        prefix = clean_name(path)
+        out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in unit._shared_params]
     return out
 
 

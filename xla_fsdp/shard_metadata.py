@@ -9,9 +9,16 @@ from typing import Any, Dict, Iterable, List, Tuple
 import torch.nn as nn
 
 
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module")  # ours/torch_xla's, torch_xla's flattener
+
+
 def clean_name(name: str) -> str:
-    """A name in the wrapped model as it is in the unwrapped one."""
-    return name.replace("_fsdp_wrapped_module.", "")
+    """A name (or module path) in the wrapped model as it is in the unwrapped one."""
+    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_PARTS)
+
+
+def join_name(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def original_names_and_shards(units: Iterable[Tuple[str, Any]]) -> List[Tuple[str, nn.Parameter]]:
@@ -20,9 +27,9 @@ def original_names_and_shards(units: Iterable[Tuple[str, Any]]) -> List[Tuple[st
     A flattened group is named ``<unit path>.flat_param_<i>``."""
     out = []
     for path, unit in units:
-        prefix = clean_name(path + "." if path else "")
+        prefix = clean_name(path)
         for g in unit._groups:
-            out.append((prefix + clean_name(g.shard._orig_name), g.shard))
+            out.append((join_name(prefix, clean_name(g.shard._orig_name)), g.shard))
     return out
 
 
@@ -58,22 +65,18 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
             "world_size": root.world_size, "rank": root.rank}
 
 
-def _clean_path(path: str) -> str:
-    return ".".join(p for p in path.split(".") if p and p != "_fsdp_wrapped_module")
-
-
 def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, Any]]) -> List[str]:
     """Names in the order ``parameters()`` of the unwrapped model yields them: modules in
     pre-order, each module's own parameters in registration order (as each unit found
     them, before grouping)."""
     module_rank: Dict[str, int] = {}
     for path, _ in root.named_modules():
-        module_rank.setdefault(_clean_path(path), len(module_rank))
+        module_rank.setdefault(clean_name(path), len(module_rank))
     keyed = []
     for path, unit in units:
-        prefix = _clean_path(path)
+        prefix = clean_name(path)
         for position, name in enumerate(unit._param_order):
-            full = f"{prefix}.{name}" if prefix else name
+            full = join_name(prefix, name)
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             keyed.append(((module_rank[owner], position), full))
     return [name for _, name in sorted(keyed)]

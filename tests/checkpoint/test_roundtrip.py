@@ -4,7 +4,6 @@ checkpoints. One launch per world size; every check of that size runs inside it.
 Bounds: SGD with momentum in fp32, as in the parity suite: parameters and momentum within
 1e-5 of unsharded training, resumed losses within 1e-5 relative of continuing at N=4.
 """
-import os
 
 import pytest
 import torch

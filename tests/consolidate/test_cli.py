@@ -4,7 +4,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch

@@ -88,7 +88,7 @@ class TorchFileWriter:
         return tree
 
 
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
                        torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32",
                        torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -100,10 +100,10 @@ class SafetensorsWriter:
         at = 0
         self._order = []
         for name, dtype, shape in specs:
-            if dtype not in _SAFETENSORS_DTYPES:
+            if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"safetensors cannot hold {name} of dtype {dtype}")
             size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [at, at + size]}
             self._order.append((name, dtype, tuple(shape)))
             at += size
