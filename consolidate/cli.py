@@ -85,13 +85,18 @@ def _total_elements(plan: ModelPlan, shards: ShardSet) -> int:
     return sum(g.numel for g in plan.groups) + sum(model[k].numel for k in plan.buffers)
 
 
-def _model_entries(plan: ModelPlan, shards: ShardSet):
-    """(name, tensor) of the consolidated model state dict in the unwrapped model's order,
-    read one at a time."""
-    files = shards.files
+def _ordered_params(plan: ModelPlan) -> List[tuple]:
+    """(name, group, param) of every parameter in the unwrapped model's order."""
     by_name = {p.name: (g, p) for g in plan.groups for p in g.params}
-    for name in plan.param_order + [n for n in by_name if n not in set(plan.param_order)]:
-        group, param = by_name[name]
+    known = set(plan.param_order)
+    order = plan.param_order + [n for n in by_name if n not in known]
+    return [(n, *by_name[n]) for n in order]
+
+
+def _model_entries(plan: ModelPlan, shards: ShardSet):
+    """(name, tensor) of the consolidated model state dict, read one at a time."""
+    files = shards.files
+    for name, group, param in _ordered_params(plan):
         yield name, read_param([f.tree["model"][group.key] for f in files], param)
     for key, name in plan.buffers.items():
         tensor = files[0].tree["model"][key].read()
@@ -101,10 +106,9 @@ def _model_entries(plan: ModelPlan, shards: ShardSet):
 
 
 def _specs(plan: ModelPlan, shards: ShardSet) -> List[tuple]:
+    """(name, dtype, shape) of every entry ``_model_entries`` yields, then the aliases."""
     model = shards.files[0].tree["model"]
-    by_name = {p.name: (g, p) for g in plan.groups for p in g.params}
-    order = plan.param_order + [n for n in by_name if n not in set(plan.param_order)]
-    specs = [(n, model[by_name[n][0].key].dtype, by_name[n][1].shape) for n in order]
+    specs = [(n, model[g.key].dtype, p.shape) for n, g, p in _ordered_params(plan)]
     specs += [(n, plan.buffer_dtypes.get(k, model[k].dtype), model[k].shape)
               for k, n in plan.buffers.items()]
     source = {n: (d, s) for n, d, s in specs}

@@ -89,9 +89,9 @@ def _full_state(shards: ShardSet, spec: GroupSpec, param: ParamSpec, index: int,
 
 
 def reshard_optimizer_state(shards: ShardSet, spec: GroupSpec, index: int,
-                            full_group: Callable[[List[TensorRef]], List[torch.Tensor]],
+                            new_shards: Callable[[List[TensorRef]], List[torch.Tensor]],
                             adds: List[Callable[[torch.Tensor], Any]]) -> List[Dict[str, Any]]:
-    """Optimizer state of sharded index ``index`` for every new rank. ``full_group`` turns
+    """Optimizer state of sharded index ``index`` for every new rank. ``new_shards`` turns
     old per-rank shards into new per-rank shards; ``adds[r]`` writes to new rank ``r``."""
     old = shards.files[0].tree["optimizer"]["state"][index]
     shard0 = shards.files[0].tree["model"][spec.key]
@@ -99,7 +99,7 @@ def reshard_optimizer_state(shards: ShardSet, spec: GroupSpec, index: int,
     for name, value in old.items():
         if _is_sharded(value, shard0):
             per_rank = [f.tree["optimizer"]["state"][index][name] for f in shards.files]
-            for r, piece in enumerate(full_group(per_rank)):
+            for r, piece in enumerate(new_shards(per_rank)):
                 out[r][name] = adds[r](piece)
         elif isinstance(value, TensorRef):
             tensor = value.read()

@@ -22,18 +22,6 @@ def new_layout(spec: GroupSpec, world_size: int) -> Layout:
     return FlatLayout(shapes, world_size, spec.multiple)
 
 
-def _split(content: torch.Tensor, layout: Layout) -> List[torch.Tensor]:
-    """Every rank's shard of a group, from its unpadded flat content."""
-    size = layout.shard_shape.numel()
-    pieces = []
-    for r in range(layout.world_size):
-        piece = content[r * size:(r + 1) * size]
-        if piece.numel() < size:
-            piece = torch.cat([piece, piece.new_zeros(size - piece.numel())])
-        pieces.append(piece.view(layout.shard_shape))
-    return pieces
-
-
 def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str],
             progress: Callable[[int], None]) -> None:
     """Writes ``paths[r]`` for every new rank ``r``; each loads with ``load_sharded`` into the
@@ -50,37 +38,40 @@ def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str]
     with_optimizer = why_not_consolidated(shards) is None
     keys = head0["xla_fsdp"]["optimizer_param_keys"] if with_optimizer else []
     opt_states: List[Dict[int, Any]] = [{} for _ in paths]
-    for key, value in head0["model"].items():
-        if key in plan.buffers:
-            tensor = value.read()
-            for r in range(world_size):
-                models[r][key] = adds[r](tensor)
-            progress(tensor.numel())
+    indices: Dict[str, List[int]] = {}  # shard key -> optimizer indices holding state for it
+    for index, key in enumerate(keys):
+        if index in head0["optimizer"]["state"]:
+            indices.setdefault(key, []).append(index)
+    for key in plan.buffers:
+        tensor = head0["model"][key].read()
+        for r in range(world_size):
+            models[r][key] = adds[r](tensor)
+        progress(tensor.numel())
     for spec in plan.groups:
         layout = new_layout(spec, world_size)
 
-        def full_group(per_rank: List[TensorRef], layout: Layout = layout,
+        def new_shards(per_rank: List[TensorRef], layout: Layout = layout,
                        spec: GroupSpec = spec) -> List[torch.Tensor]:
-            return _split(read_range(per_rank, 0, spec.numel), layout)
+            content = read_range(per_rank, 0, spec.numel)
+            return [layout.shard([content], r) for r in range(world_size)]
 
-        for r, piece in enumerate(full_group([f.tree["model"][spec.key] for f in shards.files])):
+        for r, piece in enumerate(new_shards([f.tree["model"][spec.key] for f in shards.files])):
             models[r][spec.key] = adds[r](piece)
         progress(spec.numel)
-        for index, k in enumerate(keys):
-            if k == spec.key and index in head0["optimizer"]["state"]:
-                for r, st in enumerate(reshard_optimizer_state(shards, spec, index, full_group,
-                                                               adds)):
-                    opt_states[r][index] = st
+        for index in indices.get(spec.key, []):
+            for r, state in enumerate(reshard_optimizer_state(shards, spec, index, new_shards,
+                                                              adds)):
+                opt_states[r][index] = state
+    extra = _materialize(head0["extra"]) if "extra" in head0 else None
     for r, writer in enumerate(writers):
         tree = {"model": models[r], "shard_metadata": _metadata_for(shards.metadata, world_size, r)}
-        ours = dict(head0["xla_fsdp"], world_size=world_size, rank=r,
-                    fingerprint=wrapping_fingerprint(tree["shard_metadata"]))
-        tree["xla_fsdp"] = ours
+        tree["xla_fsdp"] = dict(head0["xla_fsdp"], world_size=world_size, rank=r,
+                                fingerprint=wrapping_fingerprint(tree["shard_metadata"]))
         if with_optimizer:
             tree["optimizer"] = {"state": opt_states[r],
                                  "param_groups": copy.deepcopy(head0["optimizer"]["param_groups"])}
         if "extra" in head0:
-            tree["extra"] = _materialize(head0["extra"])
+            tree["extra"] = extra
         writer.finish(tree)
 
 

@@ -120,21 +120,15 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
 
 
 def full_parameters(model):
-    """{name in the unwrapped model: full value on CPU} from a wrapped model."""
-    out = {}
-    for path, unit in model._named_units():
-        unit._rebuild_full_params([], False)
-        prefix = path.replace("_fsdp_wrapped_module.", "").replace("_fsdp_wrapped_module", "")
-        for group in unit._groups:
-            for name, p in zip(group.names, group.params):
-                out[(prefix + "." if prefix else "") + name] = p.detach().float().cpu()
-        for alias, source in unit._shared_params:
-            out[(prefix + "." if prefix else "") + alias] = out[(prefix + "." if prefix else "")
-                                                                + source]
-    return out
+    """{name in the unwrapped model: full value on CPU} of a wrapped model's parameters."""
+    from xla_fsdp.shard_metadata import clean_name
+    buffers = {clean_name(k) for k, _ in model.named_buffers()}
+    return {k: v.float() for k, v in model.full_state_dict(rank0_only=False).items()
+            if k not in buffers}
 
 
 def train(rank, names, sharded):
+    from xla_fsdp.shard_metadata import clean_name
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -195,8 +189,7 @@ def train(rank, names, sharded):
         new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs_at_step_2
         if sharded:
             params = full_parameters(model)
-            buffers = {k.replace("_fsdp_wrapped_module.", ""): v.float().cpu()
-                       for k, v in model.named_buffers()}
+            buffers = {clean_name(k): v.float().cpu() for k, v in model.named_buffers()}
         else:
             params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
             if kind == "tied":

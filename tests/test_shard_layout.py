@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, consolidate
+from xla_fsdp.shard_layout import Dim0Layout, FlatLayout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -13,8 +13,11 @@ def test_flat_layout_round_trip(world, shapes):
     shards = [layout.shard(tensors, r) for r in range(world)]
     assert all(s.shape == layout.shard_shape for s in shards)
     assert layout.padded_numel - layout.numel < world  # padding only to a multiple of N
-    for got, want in zip(consolidate(layout, shards), tensors):
+    for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
         assert torch.equal(got, want)
+    # the group's content as one flat tensor shards the same way
+    content = torch.cat([t.reshape(-1) for t in tensors])
+    assert all(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -25,7 +28,8 @@ def test_dim0_layout_round_trip(world, shape):
     shards = [layout.shard([t], r) for r in range(world)]
     assert all(s.shape == layout.shard_shape for s in shards)
     assert layout.shard_shape[1:] == torch.Size(shape[1:])  # never flattened
-    assert torch.equal(consolidate(layout, shards)[0], t)
+    assert torch.equal(layout.unshard(torch.cat(shards))[0], t)
+    assert all(torch.equal(layout.shard([t.reshape(-1)], r), s) for r, s in enumerate(shards))
 
 
 def test_padding_is_minimal_and_visible():
@@ -41,9 +45,9 @@ def test_gradient_padding_is_zero():
     assert flat.tolist() == [1, 1, 1, 1, 1, 0, 0, 0]
 
 
-def test_consolidate_rejects_wrong_shards():
-    layout = FlatLayout((torch.Size([8]),), world_size=2)
-    with pytest.raises(ValueError, match="expected 2 shards"):
-        consolidate(layout, [torch.zeros(4)])
-    with pytest.raises(ValueError, match="shard of rank 1"):
-        consolidate(layout, [torch.zeros(4), torch.zeros(5)])
+def test_shards_are_copies():
+    t = torch.arange(8.)
+    for layout in (FlatLayout((torch.Size([8]),), 2), Dim0Layout(torch.Size([8]), 2)):
+        shard = layout.shard([t], 0)
+        shard.add_(100)
+        assert t[0] == 0

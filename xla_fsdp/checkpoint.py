@@ -124,3 +124,4 @@ def _check_root(model: Any, what: str) -> None:
     if not isinstance(model, XlaFullyShardedDataParallel):
         raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
                         f"{type(model).__name__}")
+    model._check_root_call(what)  # a nested unit would save only part of the model

@@ -205,10 +205,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
         Costs the memory of full gradients for every unit; saves one reduce-scatter per
         accumulation step."""
-        self._lazy_init()
-        if not self._is_root:
-            raise RuntimeError("no_sync() must be called on the root FSDP unit")
-        self._assert_state(TrainingState.IDLE)
+        self._check_root_call("no_sync")
         saved = [(u, u._require_backward_grad_sync) for u in self.units()]
         for unit, _ in saved:
             unit._require_backward_grad_sync = False

@@ -75,8 +75,13 @@ class FlatLayout:
         return flat
 
     def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s shard, a new tensor. ``tensors`` may also be the group's whole content
+        as one tensor of ``numel`` elements. Only the shard is allocated, never the padded
+        group."""
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
+            else tensors[0].reshape(-1)
         start, end = self.shard_range(rank)
-        return self.pad(tensors)[start:end].clone()
+        return _slice_padded(flat, start, end)
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         """Views of the full tensors inside an all-gathered padded flat tensor."""
@@ -130,8 +135,12 @@ class Dim0Layout:
         return t
 
     def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s block of rows, a new tensor (``tensors`` is the one tensor, in any
+        shape with ``numel`` elements)."""
+        (t,) = tensors
+        rows = t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
         start, end = self.shard_range(rank)
-        return self.pad(tensors)[start:end].clone()
+        return _slice_padded(rows, start, end)
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         return [gathered[:self.rows].view(self.shape)]
@@ -140,12 +149,10 @@ class Dim0Layout:
 Layout = Union[FlatLayout, Dim0Layout]
 
 
-def consolidate(layout: Layout, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """The full tensors of a group from all ranks' shards, in rank order."""
-    if len(shards) != layout.world_size:
-        raise ValueError(f"expected {layout.world_size} shards, got {len(shards)}")
-    for rank, s in enumerate(shards):
-        if s.shape != layout.shard_shape:
-            raise ValueError(f"shard of rank {rank} has shape {tuple(s.shape)}, "
-                             f"expected {tuple(layout.shard_shape)}")
-    return [t.clone() for t in layout.unshard(torch.cat(list(shards)))]
+def _slice_padded(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """A copy of ``t[start:end]`` (along dim 0), zero-filled where it runs past the end."""
+    piece = t[start:end]
+    missing = (end - start) - piece.shape[0]
+    if missing:
+        return torch.cat([piece, piece.new_zeros((missing,) + tuple(t.shape[1:]))])
+    return piece.clone()

@@ -131,15 +131,18 @@ class CheckpointFile:
         return self._info(key).file_size
 
     def _data_offset(self, key: str) -> int:
-        if key not in self._offsets:
-            info = self._info(key)
+        return self._record_offset("data/" + key, self._info(key))
+
+    def _record_offset(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where a record's bytes start: after its local header, name and extra field."""
+        if name not in self._offsets:
             header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
             fields = _LOCAL_HEADER.unpack(header)
             if fields[0] != b"PK\x03\x04":
-                raise CheckpointError(f"{self.path}: bad zip header for data/{key}")
+                raise CheckpointError(f"{self.path}: bad zip header for {name}")
             name_len, extra_len = fields[-2], fields[-1]
-            self._offsets[key] = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
-        return self._offsets[key]
+            self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        return self._offsets[name]
 
     def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
         """Reads ``len(out)`` bytes of storage ``key`` from ``byte_offset`` into ``out``."""
@@ -161,7 +164,7 @@ class CheckpointFile:
             if info.compress_type != zipfile.ZIP_STORED:
                 continue  # zipfile checks these when reading; torch.save never compresses
             crc, done = 0, 0
-            at = self._data_offset_any(name, info)
+            at = self._record_offset(name, info)
             while done < info.file_size:
                 want = min(_CHUNK, info.file_size - done)
                 n = os.preadv(self._fd, [memoryview(buffer)[:want]], at + done)
@@ -172,12 +175,6 @@ class CheckpointFile:
             if crc != info.CRC:
                 raise CheckpointError(f"{self.path}: record {name} fails its CRC-32 check "
                                       f"(the file is corrupted)")
-
-    def _data_offset_any(self, name: str, info: zipfile.ZipInfo) -> int:
-        if name.startswith("data/"):
-            return self._data_offset(name[len("data/"):])
-        fields = _LOCAL_HEADER.unpack(os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset))
-        return info.header_offset + _LOCAL_HEADER.size + fields[-2] + fields[-1]
 
 
 _STORAGE_DTYPES = {name: dtype for dtype, name in torch.storage._dtype_to_storage_type_map().items()}

@@ -18,6 +18,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from .._tensor_tree import map_tensors
+
 _STORAGE_TYPES = torch.storage._dtype_to_storage_type_map()
 
 
@@ -71,21 +73,12 @@ class TorchFileWriter:
     def finish(self, tree: Any) -> None:
         """Writes the structure; tensors still in ``tree`` are written first."""
         buffer = io.BytesIO()
-        _StubPickler(buffer, protocol=2).dump(self._add_tensors(tree))
+        _StubPickler(buffer, protocol=2).dump(map_tensors(self.add, tree))
         data = buffer.getvalue()
         self._writer.write_record("data.pkl", data, len(data))
         self._writer.write_record("byteorder", b"little", len("little"))
         self._writer.write_end_of_file()
         del self._writer
-
-    def _add_tensors(self, tree: Any) -> Any:
-        if isinstance(tree, torch.Tensor):
-            return self.add(tree)
-        if isinstance(tree, dict):
-            return type(tree)((k, self._add_tensors(v)) for k, v in tree.items())
-        if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
-            return type(tree)(self._add_tensors(v) for v in tree)
-        return tree
 
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
