@@ -51,8 +51,10 @@ class Collectives:
                                     shard_count=n, groups=self.groups, pin_layout=self.pin_layout)
         if len(tensors) == 1:
             return [reduced]
+        # Clones, not views: a live view keeps its base alive too, and torch_xla then makes
+        # both outputs of the step graph, doubling the gradients' memory.
         sizes = [t.numel() // n for t in tensors]
-        return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:]))
+        return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:])).clone()
                 for part, t in zip(reduced.split(sizes), tensors)]
 
     def all_reduce_sum(self, tensor: torch.Tensor,

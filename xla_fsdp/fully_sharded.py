@@ -474,7 +474,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         for (group, _), reduced in zip(queue, outputs):
             if reduced.dtype != torch.float32:
                 reduced = reduced.float()
-            reduced = reduced.view(group.layout.shard_shape)
             if barrier:
                 optimization_barrier([reduced])
                 self._backward_barrier_tensors.append(reduced)

@@ -1,5 +1,6 @@
 """The wrapper's API beyond training parity, all checked in one launch at N = 2: options
-reach auto-wrapped children, names of nested shards, meta-device init, divide factors."""
+reach auto-wrapped children, names of nested shards, meta-device init, divide factors,
+gradients that are not views."""
 import functools
 
 import torch
@@ -72,16 +73,20 @@ def _meta_init(out):
 
 def _divide_factors(out, device):
     from xla_fsdp import FSDP
-    grads = {}
+    grads, views = {}, []
     for label, factors in (("default", None), ("pre_all", (float(WORLD), 1.0)),
-                           ("sum", (1.0, 1.0))):
+                           ("sum", (1.0, 1.0)), ("bucketed", None)):
         torch.manual_seed(0)
-        model = FSDP(Net())
+        model = FSDP(Net(), reduce_scatter_bucket_size_mb=1 if label == "bucketed" else 0)
         if factors:
             model.set_gradient_divide_factors(*factors, recursive=True)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5 + model.rank))
         model(x.to(device)).square().mean().backward()
+        # a gradient that is a view keeps its base alive, and the step graph then outputs
+        # both: twice the gradients' memory
+        views += [f"{label}:{n}" for n, p in model.named_parameters() if p.grad._is_view()]
         grads[label] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+    out["grad_views"] = views
     out["divide_pre_all"] = float((grads["pre_all"] - grads["default"]).abs().max())
     out["divide_sum"] = float((grads["sum"] - WORLD * grads["default"]).abs().max())
     out["grad_scale"] = float(grads["default"].abs().max())
@@ -115,6 +120,7 @@ def test_wrapper_api():
     assert out["meta_param_init_fn"] == expected
     within_bound, std = out["meta_default"]
     assert within_bound and std > 0.05
+    assert out["grad_views"] == []
     assert out["grad_scale"] > 1e-4
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
     assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
