@@ -41,6 +41,8 @@ sys.path.insert(0, ROOT)
 from xla_fsdp import launch  # noqa: E402
 
 IMPLS = ("xla_fsdp", "torch_xla")
+# Wrapper options, the same for both implementations.
+SETTINGS = {"defaults": {}, "flattened": {"flatten_parameters": True}}
 
 
 @dataclass(frozen=True)
@@ -111,20 +113,21 @@ def batch(cfg: Config, rank: int, step: int) -> tuple:
 
 
 # -- one run, on every rank -----------------------------------------------------------------
-def wrap(model: nn.Module, impl: str) -> nn.Module:
+def wrap(model: nn.Module, impl: str, setting: str) -> nn.Module:
+    options = dict(SETTINGS[setting])
     if impl == "xla_fsdp":
         from xla_fsdp import FSDP
         from xla_fsdp.wrap import transformer_auto_wrap_policy
-        extra = {}
     else:
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        extra = {"pin_layout_in_collective_ops": False}
+        options["pin_layout_in_collective_ops"] = False
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    return FSDP(model, auto_wrap_policy=policy, **extra)
+    return FSDP(model, auto_wrap_policy=policy, **options)
 
 
-def run_rank(rank: int, impl: str, cfg: Config, marks_dir: Optional[str]) -> dict:
+def run_rank(rank: int, impl: str, setting: str, cfg: Config,
+             marks_dir: Optional[str]) -> dict:
     """Trains ``cfg.steps`` steps; returns per-step wall times, losses and compile counts.
 
     With ``marks_dir`` (inspection runs), rank 0 notes which HLO dumps and which part of
@@ -138,7 +141,7 @@ def run_rank(rank: int, impl: str, cfg: Config, marks_dir: Optional[str]) -> dic
 
     device = torch_xla.device()
     t0 = time.perf_counter()
-    model = wrap(build_model(cfg), impl)
+    model = wrap(build_model(cfg), impl, setting)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     wrap_seconds = time.perf_counter() - t0
     compiles_at_start = compiles()
@@ -242,7 +245,7 @@ def step_graph(marks_dir: str) -> dict:
 
 
 # -- the driver ----------------------------------------------------------------------------
-def one_run(impl: str, cfg: Config, devices: int, inspect: bool) -> dict:
+def one_run(impl: str, setting: str, cfg: Config, devices: int, inspect: bool) -> dict:
     saved = {k: os.environ.get(k) for k in ("XLA_FLAGS", "PT_XLA_DEBUG_LEVEL",
                                             "PT_XLA_DEBUG_FILE")}
     marks_dir = tempfile.mkdtemp(prefix="xla_fsdp_bench_") if inspect else None
@@ -254,7 +257,7 @@ def one_run(impl: str, cfg: Config, devices: int, inspect: bool) -> dict:
             os.environ["PT_XLA_DEBUG_LEVEL"] = "2"
             os.environ["PT_XLA_DEBUG_FILE"] = os.path.join(marks_dir, "debug.txt")
         started = time.perf_counter()
-        results = launch(run_rank, (impl, cfg, marks_dir), num_devices=devices)
+        results = launch(run_rank, (impl, setting, cfg, marks_dir), num_devices=devices)
         wall = time.perf_counter() - started
         run = dict(results[0], wall_seconds=wall,
                    losses_by_rank={r: v["losses"] for r, v in results.items()})
@@ -271,13 +274,13 @@ def one_run(impl: str, cfg: Config, devices: int, inspect: bool) -> dict:
             shutil.rmtree(marks_dir, ignore_errors=True)
 
 
-def summarize(impl: str, runs: List[dict], inspection: dict, cfg: Config, devices: int,
-              warmup: int) -> dict:
+def summarize(impl: str, setting: str, runs: List[dict], inspection: dict, cfg: Config,
+              devices: int, warmup: int) -> dict:
     steady = [statistics.median(r["times"][warmup:]) for r in runs]
     counts = [r["compile_counts"] for r in runs]
     coll = collectives_in_hlo(inspection["graph"]["hlo"], devices)
     return {
-        "impl": impl, "devices": devices,
+        "impl": impl, "setting": setting, "devices": devices,
         "step_seconds": statistics.median(steady), "step_seconds_runs": steady,
         "first_step_seconds": statistics.median(r["times"][0] for r in runs),
         "second_step_seconds": statistics.median(r["times"][1] for r in runs),
@@ -313,9 +316,29 @@ def analytic(cfg: Config, devices: int) -> dict:
             "min_collective_bytes": moved, "min_peak_bytes": memory}
 
 
+def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace) -> List[dict]:
+    runs: Dict[str, List[dict]] = {impl: [] for impl in IMPLS}
+    inspections = {}
+    for impl in IMPLS:
+        print(f"{setting} N={devices} {impl}: inspection run", flush=True)
+        inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
+    for rep in range(args.repeats):
+        for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
+            run = one_run(impl, setting, cfg, devices, inspect=False)
+            print(f"{setting} N={devices} {impl} rep {rep + 1}: step "
+                  f"{statistics.median(run['times'][args.warmup:]):.3f} s, first "
+                  f"{run['times'][0]:.1f} s, loss {run['losses'][-1]:.4f}", flush=True)
+            runs[impl].append(run)
+    bound = analytic(cfg, devices)
+    return [dict(summarize(impl, setting, runs[impl], inspections[impl], cfg, devices,
+                           args.warmup), analytic=bound) for impl in IMPLS]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
+                        default=list(SETTINGS), help="wrapper options, the same for both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps left out of the step-time median (compilation happens in "
@@ -328,23 +351,9 @@ def main() -> None:
     if cfg.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     results = []
-    for devices in args.devices:
-        runs: Dict[str, List[dict]] = {impl: [] for impl in IMPLS}
-        inspections = {}
-        for impl in IMPLS:
-            print(f"N={devices} {impl}: inspection run", flush=True)
-            inspections[impl] = one_run(impl, cfg, devices, inspect=True)
-        for rep in range(args.repeats):
-            for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
-                run = one_run(impl, cfg, devices, inspect=False)
-                print(f"N={devices} {impl} rep {rep + 1}: step "
-                      f"{statistics.median(run['times'][args.warmup:]):.3f} s, first "
-                      f"{run['times'][0]:.1f} s, loss {run['losses'][-1]:.4f}", flush=True)
-                runs[impl].append(run)
-        for impl in IMPLS:
-            results.append(summarize(impl, runs[impl], inspections[impl], cfg, devices,
-                                     args.warmup))
-        results[-1]["analytic"] = results[-2]["analytic"] = analytic(cfg, devices)
+    for setting in args.settings:
+        for devices in args.devices:
+            results += measure(setting, devices, cfg, args)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "train_step.json"), "w") as f:
         json.dump({"config": asdict(cfg), "repeats": args.repeats, "warmup": args.warmup,

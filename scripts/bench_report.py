@@ -7,10 +7,17 @@ MB = 2**20
 
 
 def _pairs(results: List[dict]):
-    by_devices = {}
+    """[((setting, devices), {impl: result})] in the order measured."""
+    grouped = {}
     for r in results:
-        by_devices.setdefault(r["devices"], {})[r["impl"]] = r
-    return sorted(by_devices.items())
+        grouped.setdefault((r["setting"], r["devices"]), {})[r["impl"]] = r
+    return list(grouped.items())
+
+
+def _changed_fields(cfg) -> str:
+    from dataclasses import fields
+    return "".join(f" --{f.name} {getattr(cfg, f.name)}" for f in fields(cfg)
+                   if f.name != "steps" and getattr(cfg, f.name) != f.default)
 
 
 def _verdict(ok: bool) -> str:
@@ -24,14 +31,16 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         f"Machine: {machine}. Virtual XLA:CPU devices in one process (`xla_fsdp.launch`).",
         "",
         f"Command: `python scripts/bench.py --devices {' '.join(map(str, args.devices))} "
-        f"--repeats {args.repeats} --steps {cfg.steps} --warmup {args.warmup}`",
+        f"--settings {' '.join(args.settings)} --repeats {args.repeats} --steps {cfg.steps} "
+        f"--warmup {args.warmup}{_changed_fields(cfg)}`",
         "",
         f"Model: GPT, {cfg.layers} blocks of width {cfg.dim}, {cfg.heads} heads, vocabulary "
         f"{cfg.vocab}, untied head; {cfg.batch} sequence(s) of {cfg.seq} tokens per rank; "
         f"AdamW; float32. Each block is a unit (`transformer_auto_wrap_policy`), the "
-        f"embeddings, final norm and head are the root. xla_fsdp with default options; "
-        f"torch_xla with `pin_layout_in_collective_ops=False` (its pinned all-gather cannot "
-        f"run on virtual devices), otherwise defaults.",
+        f"embeddings, final norm and head are the root. Both wrappers get the same options: "
+        f"`defaults` passes none, `flattened` passes `flatten_parameters=True`; torch_xla "
+        f"also gets `pin_layout_in_collective_ops=False` (its pinned all-gather cannot run "
+        f"on virtual devices).",
         "",
         "Times are medians over the repetitions (each a fresh process, order alternating); a "
         f"run's step time is the median of its steps after the first {args.warmup}. The "
@@ -43,10 +52,23 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         "result or of a reduce-scatter's input.",
         "",
     ]
-    for devices, pair in _pairs(results):
+    lines += ["## Summary (ratios ours/theirs)", "",
+              "| options | N | step time | first step | graphs | MB moved / minimum "
+              "| peak memory | peak / minimum |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (setting, devices), pair in _pairs(results):
+        ours, theirs = pair["xla_fsdp"], pair["torch_xla"]
+        lines.append(
+            f"| {setting} | {devices} | {ours['step_seconds'] / theirs['step_seconds']:.3f} | "
+            f"{ours['first_step_seconds'] / theirs['first_step_seconds']:.3f} | "
+            f"{ours['graphs_compiled']} vs {theirs['graphs_compiled']} | "
+            f"{ours['collective_bytes'] / ours['analytic']['min_collective_bytes']:.4f} | "
+            f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f} | "
+            f"{ours['peak_bytes'] / ours['analytic']['min_peak_bytes']:.3f} |")
+    lines.append("")
+    for (setting, devices), pair in _pairs(results):
         ours, theirs = pair["xla_fsdp"], pair["torch_xla"]
         bound = ours["analytic"]
-        lines += [f"## N = {devices}", "",
+        lines += [f"## {setting}, N = {devices}", "",
                   f"{bound['params'] / 1e6:.1f} M parameters in {bound['units']} units, "
                   f"largest {bound['largest_unit'] / 1e6:.2f} M.", "",
                   "| | xla_fsdp | torch_xla | ours/theirs | target |",
@@ -103,7 +125,7 @@ def plot(results: List[dict], path: str) -> None:
               ("time to first step (s)", "first_step_seconds", 1, None),
               ("MB moved per step per rank", "collective_bytes", MB, "min_collective_bytes"),
               ("peak memory per rank (MB)", "peak_bytes", MB, "min_peak_bytes")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
     width = 0.38
     for ax, (title, key, scale, bound) in zip(axes, panels):
         xs = range(len(pairs))
@@ -115,7 +137,7 @@ def plot(results: List[dict], path: str) -> None:
                 ax.hlines(p["xla_fsdp"]["analytic"][bound] / scale, x - width, x + width,
                           colors="black", linestyles="dashed",
                           label="analytic minimum" if x == 0 else None)
-        ax.set_xticks(list(xs), [f"N={d}" for d, _ in pairs])
+        ax.set_xticks(list(xs), [f"{s}\nN={d}" for (s, d), _ in pairs], fontsize=8)
         ax.set_title(title, fontsize=10)
     axes[0].legend(fontsize=8)
     axes[-1].legend(fontsize=8)

@@ -193,7 +193,8 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it
-        (defaults: a power of two near sqrt(N), and N / pre)."""
+        (defaults: a power of two near sqrt(N), and N / pre). A float32 reduction needs no
+        headroom, so there both divisions happen after it."""
         self._assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
             unit.gradient_predivide_factor = pre
@@ -449,10 +450,10 @@ class XlaFullyShardedDataParallel(nn.Module):
         for p in group.params:
             p.grad = None
         flat = group.layout.pad(full)
-        if self.gradient_predivide_factor != 1:
-            flat = flat / self.gradient_predivide_factor
         if opts.fp32_reduce_scatter and flat.dtype != torch.float32:
             flat = flat.float()
+        if flat.dtype != torch.float32 and self.gradient_predivide_factor != 1:
+            flat = flat / self.gradient_predivide_factor
         self._free_full_params([group], [flat], barrier)
         self._reduce_queue.append((group, flat))
         self._reduce_queue_bytes += flat.numel() * flat.element_size()
@@ -469,8 +470,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         inputs = [flat for _, flat in queue]
         if barrier:
             optimization_barrier(inputs)
-        outputs = self._collectives.reduce_scatter(
-            inputs, scale=1.0 / self.gradient_postdivide_factor)
+        # A float32 sum cannot overflow where the pre-division would matter, so the whole
+        # division is the reduce-scatter's scale on the shard: one pass over the full
+        # gradients fewer, and the same bits when both factors are powers of two.
+        divisor = self.gradient_postdivide_factor
+        if inputs[0].dtype == torch.float32:
+            divisor *= self.gradient_predivide_factor
+        outputs = self._collectives.reduce_scatter(inputs, scale=1.0 / divisor)
         for (group, _), reduced in zip(queue, outputs):
             if reduced.dtype != torch.float32:
                 reduced = reduced.float()
