@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import math
 import os
@@ -41,8 +40,13 @@ sys.path.insert(0, ROOT)
 from xla_fsdp import launch  # noqa: E402
 
 IMPLS = ("xla_fsdp", "torch_xla")
-# Wrapper options, the same for both implementations.
-SETTINGS = {"defaults": {}, "flattened": {"flatten_parameters": True}}
+# Wrapper options, the same for both implementations. The first two are the comparison; the
+# others are levers measured on their own (see benchmarks/results/levers/).
+SETTINGS = {"defaults": {}, "flattened": {"flatten_parameters": True},
+            "coalesced": {"coalesce_all_gather_ops": True},
+            "no_barriers": {"optimization_barrier_in_forward": False,
+                            "optimization_barrier_in_backward": False}}
+COMPARISON = ["defaults", "flattened"]
 
 
 @dataclass(frozen=True)
@@ -338,7 +342,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
-                        default=list(SETTINGS), help="wrapper options, the same for both")
+                        default=COMPARISON, help="wrapper options, the same for both")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=3,
                         help="steps left out of the step-time median (compilation happens in "
@@ -346,7 +350,19 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     for field, default in asdict(Config()).items():
         parser.add_argument(f"--{field}", type=type(default), default=default)
+    parser.add_argument("--report-from", metavar="JSON",
+                        help="only re-render the table and chart from a saved train_step.json")
     args = parser.parse_args()
+    if args.report_from:
+        with open(args.report_from) as f:
+            saved = json.load(f)
+        results = saved["results"]
+        args.repeats, args.warmup = saved["repeats"], saved["warmup"]
+        args.devices = list(dict.fromkeys(r["devices"] for r in results))
+        args.settings = list(dict.fromkeys(r["setting"] for r in results))
+        args.out = os.path.dirname(os.path.abspath(args.report_from))
+        write_report(args, Config(**saved["config"]), results)
+        return
     cfg = Config(**{f: getattr(args, f) for f in asdict(Config())})
     if cfg.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")

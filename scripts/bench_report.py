@@ -14,6 +14,12 @@ def _pairs(results: List[dict]):
     return list(grouped.items())
 
 
+def _describe(settings) -> str:
+    from bench import SETTINGS
+    return "; ".join(f"`{name}`: " + (", ".join(f"`{k}={v}`" for k, v in SETTINGS[name].items())
+                                      or "none") for name in settings)
+
+
 def _changed_fields(cfg) -> str:
     from dataclasses import fields
     return "".join(f" --{f.name} {getattr(cfg, f.name)}" for f in fields(cfg)
@@ -37,10 +43,10 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         f"Model: GPT, {cfg.layers} blocks of width {cfg.dim}, {cfg.heads} heads, vocabulary "
         f"{cfg.vocab}, untied head; {cfg.batch} sequence(s) of {cfg.seq} tokens per rank; "
         f"AdamW; float32. Each block is a unit (`transformer_auto_wrap_policy`), the "
-        f"embeddings, final norm and head are the root. Both wrappers get the same options: "
-        f"`defaults` passes none, `flattened` passes `flatten_parameters=True`; torch_xla "
-        f"also gets `pin_layout_in_collective_ops=False` (its pinned all-gather cannot run "
-        f"on virtual devices).",
+        f"embeddings, final norm and head are the root. Both wrappers get the same options "
+        f"({_describe(args.settings)}); torch_xla also gets "
+        f"`pin_layout_in_collective_ops=False` (its pinned all-gather cannot run on virtual "
+        f"devices).",
         "",
         "Times are medians over the repetitions (each a fresh process, order alternating); a "
         f"run's step time is the median of its steps after the first {args.warmup}. The "
