@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from unittest import mock
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional
 
@@ -36,7 +37,9 @@ import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
 
+from train_lm import Block  # noqa: E402  (the example's transformer block)
 from xla_fsdp import launch  # noqa: E402
 
 IMPLS = ("xla_fsdp", "torch_xla")
@@ -63,25 +66,6 @@ class Config:
 
 
 # -- the model ------------------------------------------------------------------------------
-class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        attn = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
-        x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 class GPT(nn.Module):
     def __init__(self, cfg: Config) -> None:
         super().__init__()
@@ -169,8 +153,12 @@ def run_rank(rank: int, impl: str, setting: str, cfg: Config,
             "compiles_at_start": compiles_at_start, "compile_counts": compile_counts}
 
 
+def _debug_file(marks_dir: str) -> str:
+    return os.path.join(marks_dir, "debug.txt")
+
+
 def _mark(marks_dir: str, label: str) -> None:
-    debug_file = os.environ.get("PT_XLA_DEBUG_FILE", "")
+    debug_file = _debug_file(marks_dir)
     state = {"dumps": sorted(os.listdir(os.path.join(marks_dir, "dump"))),
              "debug_bytes": os.path.getsize(debug_file) if os.path.exists(debug_file) else 0}
     with open(os.path.join(marks_dir, f"{label}.json"), "w") as f:
@@ -233,7 +221,7 @@ def step_graph(marks_dir: str) -> dict:
         with open(os.path.join(marks_dir, "dump", name)) as f:
             texts[name] = f.read()
     biggest = max(texts, key=lambda n: len(texts[n]))
-    with open(os.environ["PT_XLA_DEBUG_FILE"], "rb") as f:
+    with open(_debug_file(marks_dir), "rb") as f:
         f.seek(before["debug_bytes"])
         debug = f.read(after["debug_bytes"] - before["debug_bytes"]).decode()
     stats = [dict(zip(("input", "output", "aliased", "temp"), map(float, m)))
@@ -250,32 +238,18 @@ def step_graph(marks_dir: str) -> dict:
 
 # -- the driver ----------------------------------------------------------------------------
 def one_run(impl: str, setting: str, cfg: Config, devices: int, inspect: bool) -> dict:
-    saved = {k: os.environ.get(k) for k in ("XLA_FLAGS", "PT_XLA_DEBUG_LEVEL",
-                                            "PT_XLA_DEBUG_FILE")}
-    marks_dir = tempfile.mkdtemp(prefix="xla_fsdp_bench_") if inspect else None
+    if not inspect:
+        return launch(run_rank, (impl, setting, cfg, None), num_devices=devices)[0]
+    marks_dir = tempfile.mkdtemp(prefix="xla_fsdp_bench_")
+    os.makedirs(os.path.join(marks_dir, "dump"))
+    env = {"XLA_FLAGS": f"--xla_dump_to={marks_dir}/dump --xla_dump_hlo_as_text",
+           "PT_XLA_DEBUG_LEVEL": "2", "PT_XLA_DEBUG_FILE": _debug_file(marks_dir)}
     try:
-        if inspect:
-            os.makedirs(os.path.join(marks_dir, "dump"))
-            os.environ["XLA_FLAGS"] = (f"--xla_dump_to={marks_dir}/dump "
-                                       f"--xla_dump_hlo_as_text")
-            os.environ["PT_XLA_DEBUG_LEVEL"] = "2"
-            os.environ["PT_XLA_DEBUG_FILE"] = os.path.join(marks_dir, "debug.txt")
-        started = time.perf_counter()
-        results = launch(run_rank, (impl, setting, cfg, marks_dir), num_devices=devices)
-        wall = time.perf_counter() - started
-        run = dict(results[0], wall_seconds=wall,
-                   losses_by_rank={r: v["losses"] for r, v in results.items()})
-        if inspect:
-            run["graph"] = step_graph(marks_dir)
-        return run
+        with mock.patch.dict(os.environ, env):  # the device process inherits them
+            run = launch(run_rank, (impl, setting, cfg, marks_dir), num_devices=devices)[0]
+        return dict(run, graph=step_graph(marks_dir))
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        if marks_dir:
-            shutil.rmtree(marks_dir, ignore_errors=True)
+        shutil.rmtree(marks_dir, ignore_errors=True)
 
 
 def summarize(impl: str, setting: str, runs: List[dict], inspection: dict, cfg: Config,
