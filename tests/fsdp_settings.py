@@ -70,6 +70,11 @@ SETTINGS = {
     # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
     "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
     "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
+    # every explicit control at once: grouped units, prefetching both ways, per-unit
+    # resharding (b1 keeps its parameters after backward, so each step's optimizer update
+    # must make it gather again), unshard() before each step
+    "controls": ("net", {}, "sgd_foreach", {"controls": True}),
+    "tied_grouped": ("tied", {}, "sgd", {"controls": True}),
 }
 
 
@@ -96,7 +101,8 @@ def loss_fn(kind, out, target):
 def make_optimizer(name, params):
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    # torch_xla's foreach kernels do not bump the version counter of what they update
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=(name == "sgd_foreach"))
 
 
 def wrap(model, kind, fsdp_kwargs, extra, world):
@@ -109,6 +115,8 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         import torch_xla.runtime as xr
         me = xr.global_ordinal()
         kw.update(sharding_groups=groups, sharding_rank=me % size, sharding_world_size=size)
+    if extra.get("controls"):
+        return _wrap_with_controls(model, kind, kw)
     if extra.get("auto_wrap_checkpoint"):
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         return FSDP(model, auto_wrap_policy=policy,
@@ -117,6 +125,26 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
     model.b1 = FSDP(model.b1, **kw)
     model.b2 = FSDP(model.b2, **kw)
     return FSDP(model, **kw)
+
+
+def _wrap_with_controls(model, kind, kw):
+    from xla_fsdp import FSDP
+    if kind == "tied":  # the tied embedding and head in one unit
+        ends = FSDP([model.emb, model.head], **kw)
+    else:
+        ends = FSDP([model.inp, model.head], **dict(kw, coalesce_all_gather_ops=True))
+    model.b1 = FSDP(model.b1, **kw)
+    model.b2 = FSDP(model.b2, **kw)
+    root = FSDP(model, **kw)
+    assert not root._groups, "the grouped unit, not the root, holds the ends' parameters"
+    ends.set_modules_to_forward_prefetch([model.b1])
+    model.b1.set_modules_to_forward_prefetch([model.b2])
+    ends.set_modules_to_backward_prefetch([model.b2])
+    model.b2.set_modules_to_backward_prefetch([model.b1])
+    model.b2.set_reshard_after_forward(False)
+    model.b1.set_reshard_after_backward(False)
+    root._test_unshard_each_step = ends
+    return root
 
 
 def full_parameters(model):
@@ -162,6 +190,8 @@ def train(rank, names, sharded):
             local = GLOBAL_BATCH // split
             x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
             opt.zero_grad()
+            if sharded and extra.get("controls"):
+                model._test_unshard_each_step.unshard()
             total = 0.0
             for m in range(micro):
                 n = local // micro

@@ -5,6 +5,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
+from .safety import mark_updated
 from .shard_metadata import clean_name, join_name
 
 
@@ -75,6 +76,7 @@ def load_full_state_dict(root: Any, state_dict: Mapping[str, torch.Tensor],
                                  f"{tuple(value.shape)}, the model's is {tuple(shape)}")
             values.append(value.detach().to("cpu", torch.float32))
         g.shard.copy_(g.layout.shard(values, unit.rank).to(g.shard.device))
+        mark_updated(g.shard)
     for name, buf in buffers.items():
         if name in state_dict:
             buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))

@@ -29,9 +29,11 @@ from ._tensor_tree import cast_floating, collect_tensors, map_tensors
 from .collectives import Collectives, optimization_barrier
 from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_parameters,
                             materialize_meta, shard_group, swap_value)
+from .module_group import (ModuleGroup, check_all_placed, check_members, place_grouping_units,
+                           unplaced_message)
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
-from .safety import install_optimizer_guard, validate_module
+from .safety import install_optimizer_guard, shard_generation, validate_module
 from .shard_layout import Dim0Layout
 from .shard_metadata import original_names_and_shards, shard_metadata
 
@@ -70,7 +72,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     def __init__(
         self,
-        module: nn.Module,
+        module: Union[nn.Module, Sequence[nn.Module]],
         reshard_after_forward: bool = True,
         flatten_parameters: bool = False,
         execute_sharding_on_init: bool = True,
@@ -95,7 +97,15 @@ class XlaFullyShardedDataParallel(nn.Module):
         _shard_size_multiple: int = 1,
         _use_xla_patched_linear: bool = True,
     ) -> None:
-        validate_module(module, XlaFullyShardedDataParallel)
+        grouping = isinstance(module, (list, tuple))
+        if grouping:
+            members = check_members(module, XlaFullyShardedDataParallel)
+            if auto_wrap_policy is not None:
+                raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
+                                 "combined with a list of modules to group")
+        else:
+            validate_module(module, XlaFullyShardedDataParallel)
+            members = [module]
         options = FsdpOptions.build(
             reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
             execute_sharding_on_init=execute_sharding_on_init,
@@ -129,19 +139,37 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
-        materialize_meta(module, param_init_fn, XlaFullyShardedDataParallel)
-        if options.use_xla_patched_linear:
-            patch_linear_layers(module)
-        self._fsdp_wrapped_module = module
+        for m in members:
+            materialize_meta(m, param_init_fn, XlaFullyShardedDataParallel)
+            if options.use_xla_patched_linear:
+                patch_linear_layers(m)
+        self._fsdp_wrapped_module = ModuleGroup(members) if grouping else module
+        self._members = members
+        self._members_run: set = set()  # ids of the members that ran in this forward
         import torch_xla
         self.xla_device = torch_xla.device()
         self._groups: List[ShardGroup] = []
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names of tied params
-        self._shard_parameters()
-        cast_buffers(self._fsdp_wrapped_module, self.buffer_dtype, self.xla_device)
+        self._param_order: List[str] = []
+        self._unplaced = grouping
+        if grouping:
+            for m in members:
+                object.__setattr__(m, "_fsdp_group_unit", self)
+                m.register_forward_pre_hook(functools.partial(self._member_pre_hook, m),
+                                            with_kwargs=True)
+                m.register_forward_hook(functools.partial(self._member_post_hook, m))
+        else:
+            place_grouping_units(self, XlaFullyShardedDataParallel)
+            self._shard_parameters([("", module)])
 
         self.training_state = TrainingState.IDLE
         self.has_full_params = False
+        self._gathered: Optional[List[torch.Tensor]] = None  # issued, not yet installed
+        self._gathered_versions: Tuple[tuple, ...] = ()
+        self.reshard_after_backward = True
+        self._reshard_after_forward_set = False
+        self._forward_prefetch: List[XlaFullyShardedDataParallel] = []
+        self._backward_prefetch: List[XlaFullyShardedDataParallel] = []
         self._is_root: Optional[bool] = None
         self._require_backward_grad_sync = True
         self._pre_backward_hook_has_run = False
@@ -199,6 +227,65 @@ class XlaFullyShardedDataParallel(nn.Module):
         for unit in (self.units() if recursive else [self]):
             unit.gradient_predivide_factor = pre
             unit.gradient_postdivide_factor = post
+
+    # -- explicit control (FSDP2's names) ---------------------------------------------------
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the unit frees its full parameters after its forward (and gathers them
+        again for backward). ``False`` saves one all-gather per unit and step and keeps the
+        full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
+        self._assert_state(TrainingState.IDLE)
+        for unit in (self.units() if recurse else [self]):
+            unit.reshard_after_forward = bool(reshard_after_forward)
+            unit._reshard_after_forward_set = True
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool,
+                                   recurse: bool = True) -> None:
+        """Whether the unit frees its full parameters after its backward. ``False`` keeps
+        them into the next forward, which then gathers nothing: for gradient accumulation,
+        with ``True`` again before the last micro-batch. Parameters an optimizer step (or a
+        load) has changed since they were gathered are gathered again, never reused."""
+        self._assert_state(TrainingState.IDLE)
+        for unit in (self.units() if recurse else [self]):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(
+            self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
+        """Units whose all-gathers are issued when this unit's forward starts, usually the
+        unit(s) that run next. The compiler may then overlap them with this unit's compute
+        instead of running them after it; the cost is holding their full parameters for
+        longer. Without it, a unit's gather is tied to its inputs, i.e. to the previous
+        unit's output."""
+        self._forward_prefetch = self._prefetch_targets(modules, "forward")
+
+    def set_modules_to_backward_prefetch(
+            self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
+        """Units whose all-gathers are issued when this unit's backward starts, usually the
+        unit(s) whose backward runs next (the ones before it in forward order)."""
+        self._backward_prefetch = self._prefetch_targets(modules, "backward")
+
+    def _prefetch_targets(self, modules: Sequence[Any], which: str
+                          ) -> List["XlaFullyShardedDataParallel"]:
+        modules = list(modules)
+        for m in modules:
+            if not isinstance(m, XlaFullyShardedDataParallel):
+                raise TypeError(f"set_modules_to_{which}_prefetch takes FSDP units; got "
+                                f"{type(m).__name__}, which is not wrapped in FSDP")
+            if m is self:
+                raise ValueError(f"set_modules_to_{which}_prefetch: a unit cannot prefetch "
+                                 f"itself ({type(self.module).__name__})")
+        return modules
+
+    def unshard(self) -> None:
+        """Gathers this unit's full parameters now, in the graph being traced; its next
+        forward uses them instead of gathering (then frees them if ``reshard_after_forward``).
+        E.g. to start a unit's gather before unrelated work of the step."""
+        self._assert_state(TrainingState.IDLE)
+        self._rebuild_full_params([], self._options.optimization_barrier_in_forward)
+
+    def reshard(self) -> None:
+        """Frees this unit's full parameters (and any gather issued for it)."""
+        self._assert_state(TrainingState.IDLE)
+        self._free_full_params(self._groups, [], self._options.optimization_barrier_in_forward)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -268,9 +355,14 @@ class XlaFullyShardedDataParallel(nn.Module):
             if isinstance(m, XlaFullyShardedDataParallel):
                 yield path, m
 
-    def _shard_parameters(self) -> None:
+    def _place(self, member_paths: List[str]) -> None:
+        """Shards a grouping unit's modules, named as in the unit that places it."""
+        self._unplaced = False
+        self._shard_parameters(list(zip(member_paths, self._members)))
+
+    def _shard_parameters(self, roots: List[Tuple[str, nn.Module]]) -> None:
         opts = self._options
-        found = find_parameters(self._fsdp_wrapped_module)
+        found = find_parameters(roots, self)
         self._param_order = [owners[0][2] for _, owners in found]
         for index, members in enumerate(group_parameters(found, self.flatten_parameters)):
             group, shared = shard_group(
@@ -281,18 +373,22 @@ class XlaFullyShardedDataParallel(nn.Module):
             self.register_parameter(group.shard._name, group.shard)
             self._groups.append(group)
             self._shared_params.extend(shared)
+        for _, m in roots:
+            cast_buffers(m, self.buffer_dtype, self.xla_device)
 
     # -- root and lazy init ------------------------------------------------------------------
     def _lazy_init(self) -> None:
         if self._is_root is None:
             self._is_root = True
             self._assert_state(TrainingState.IDLE)
+            check_all_placed(self)
             self._backward_barrier_tensors: List[torch.Tensor] = []
             for unit in self.units():
                 if unit is not self:
                     unit._is_root = False
                     unit._backward_barrier_tensors = self._backward_barrier_tensors
-        if self._is_root and self._options.disable_reshard_on_root:
+        if (self._is_root and self._options.disable_reshard_on_root
+                and not self._reshard_after_forward_set):
             self.reshard_after_forward = False
 
     def _check_root_call(self, what: str) -> None:
@@ -314,43 +410,99 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        module = self._fsdp_wrapped_module
+        if isinstance(module, ModuleGroup):
+            return module(*args, **kwargs)  # raises: the grouped modules are called instead
+        args, kwargs = self._pre_forward(module, args, kwargs)
+        return self._post_forward(module, module(*args, **kwargs))
+
+    def _member_pre_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
+                         kwargs: dict) -> Tuple[tuple, dict]:
+        return self._pre_forward(member, args, kwargs)
+
+    def _member_post_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
+                          outputs: Any) -> Any:
+        return self._post_forward(member, outputs)
+
+    def _pre_forward(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if self._unplaced:
+            raise ValueError(unplaced_message(self))
         self._lazy_init()
+        if id(member) in self._members_run:  # a new forward pass
+            self._members_run.clear()
+        self._members_run.add(id(member))
         self.training_state = TrainingState.FORWARD
         opts = self._options
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.compute_dtype, (args, kwargs))
         inputs = collect_tensors((args, kwargs))
-        self._rebuild_full_params(inputs if opts.optimization_barrier_in_forward else [],
-                                  opts.optimization_barrier_in_forward)
+        barrier = opts.optimization_barrier_in_forward
+        prefetch = [] if _in_checkpoint_recompute() else self._forward_prefetch
+        self._rebuild_full_params(inputs if barrier else [], barrier, prefetch)
         self._register_post_backward_hooks()
-        outputs = self._fsdp_wrapped_module(*args, **kwargs)
-        if self.reshard_after_forward and not _in_checkpoint_recompute():
-            deps = collect_tensors(outputs) if opts.optimization_barrier_in_forward else []
-            self._free_full_params(self._groups, deps, opts.optimization_barrier_in_forward)
-        outputs = self._register_pre_backward_hooks(outputs)
         if opts.optimization_barrier_in_backward and torch.is_grad_enabled():
             for t in inputs:
                 if t.requires_grad:
                     t.register_hook(self._input_grad_barrier)
+        return args, kwargs
+
+    def _post_forward(self, member: nn.Module, outputs: Any) -> Any:
+        barrier = self._options.optimization_barrier_in_forward
+        last = len(self._members_run) == len(self._members)
+        if self.reshard_after_forward and last and not _in_checkpoint_recompute():
+            deps = collect_tensors(outputs) if barrier else []
+            self._free_full_params(self._groups, deps, barrier)
+        outputs = self._register_pre_backward_hooks(outputs)
         self.training_state = TrainingState.IDLE
         return outputs
 
+    # -- gathering and freeing full parameters ---------------------------------------------------
     @torch.no_grad()
-    def _rebuild_full_params(self, deps: List[torch.Tensor], barrier: bool) -> None:
-        if self.has_full_params or not self._groups:
-            self.has_full_params = True
-            return
-        shards = [g.shard for g in self._groups]
-        if barrier:
-            optimization_barrier(shards + list(deps))
-        shards = [s.to(self.compute_dtype) if s.dtype != self.compute_dtype else s for s in shards]
-        gathered = self._collectives.all_gather(shards, self._options.coalesce_all_gather_ops)
-        if barrier:
-            optimization_barrier(gathered)
-        for g, full in zip(self._groups, gathered):
-            for p, value in zip(g.params, g.layout.unshard(full)):
-                swap_value(p, value)
-                p._has_full_param = True
+    def _rebuild_full_params(self, deps: List[torch.Tensor], barrier: bool,
+                             prefetch: Sequence["XlaFullyShardedDataParallel"] = ()) -> bool:
+        """Makes this unit's full parameters current, and issues the all-gathers of the
+        ``prefetch`` units now, behind the same barrier, so that the compiler may run them
+        during this unit's compute. Returns whether ``deps`` went into a barrier."""
+        issue = [u for u in (self, *prefetch) if u._needs_gather()]
+        if issue and barrier:
+            optimization_barrier([g.shard for u in issue for g in u._groups] + list(deps))
+        for unit in issue:
+            unit._issue_gather()
+        installed = not self.has_full_params
+        if installed:
+            self._install_gathered(deps if self not in issue else [], barrier)
+        return bool(issue) or installed
+
+    def _needs_gather(self) -> bool:
+        if self._full_params_stale():
+            self._drop_full_params()
+        return bool(self._groups) and not self.has_full_params and self._gathered is None
+
+    def _full_params_stale(self) -> bool:
+        """Whether the shards changed (an optimizer step, a load) since the full parameters
+        this unit holds were gathered, e.g. with ``reshard_after_backward=False``."""
+        held = self.has_full_params or self._gathered is not None
+        return held and self._gathered_versions != self._shard_versions()
+
+    def _shard_versions(self) -> Tuple[tuple, ...]:
+        return tuple(shard_generation(g.shard) for g in self._groups)
+
+    def _issue_gather(self) -> None:
+        shards = [g.shard if g.shard.dtype == self.compute_dtype else
+                  g.shard.to(self.compute_dtype) for g in self._groups]
+        self._gathered = self._collectives.all_gather(shards,
+                                                      self._options.coalesce_all_gather_ops)
+        self._gathered_versions = self._shard_versions()
+
+    def _install_gathered(self, deps: List[torch.Tensor], barrier: bool) -> None:
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            if barrier:
+                optimization_barrier(list(gathered) + list(deps))
+            for g, full in zip(self._groups, gathered):
+                for p, value in zip(g.params, g.layout.unshard(full)):
+                    swap_value(p, value)
+                    p._has_full_param = True
         self.has_full_params = True
 
     @torch.no_grad()
@@ -363,9 +515,14 @@ class XlaFullyShardedDataParallel(nn.Module):
                     swap_value(p, self._placeholder())
                     p._has_full_param = False
                     freed = True
+        if len(groups) == len(self._groups):
+            self._gathered = None
         self.has_full_params = any(p._has_full_param for g in self._groups for p in g.params)
         if barrier and (freed or deps):
             optimization_barrier([g.shard for g in groups] + list(deps))
+
+    def _drop_full_params(self) -> None:
+        self._free_full_params(self._groups, [], barrier=False)
 
     def _placeholder(self) -> torch.Tensor:
         if not hasattr(self, "_dummy"):
@@ -395,9 +552,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         barrier = opts.optimization_barrier_in_backward
         if barrier:
             self._backward_barrier_tensors.append(grad)
-        if not self.has_full_params:
-            self._rebuild_full_params(list(self._backward_barrier_tensors) if barrier else [],
-                                      barrier)
+        if self._rebuild_full_params(list(self._backward_barrier_tensors) if barrier else [],
+                                     barrier, self._backward_prefetch):
             self._backward_barrier_tensors.clear()
         if self.training_state == TrainingState.IDLE:
             self.training_state = TrainingState.BACKWARD_PRE
@@ -440,11 +596,12 @@ class XlaFullyShardedDataParallel(nn.Module):
             raise RuntimeError("FSDP does not support gradients that require grad "
                                "(create_graph=True)")
         if not self._require_backward_grad_sync:  # no_sync: keep the full gradients
-            if self.reshard_after_forward:
+            if self._reshard_after_backward_now():
                 self._free_full_params([group], [g for g in grads if g is not None], barrier)
             return
         if all(g is None for g in grads):
-            self._free_full_params([group], [], barrier)
+            if self._reshard_after_backward_now():
+                self._free_full_params([group], [], barrier)
             return
         full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, group.params)]
         for p in group.params:
@@ -454,7 +611,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             flat = flat.float()
         if flat.dtype != torch.float32 and self.gradient_predivide_factor != 1:
             flat = flat / self.gradient_predivide_factor
-        self._free_full_params([group], [flat], barrier)
+        self._free_full_params([group] if self._reshard_after_backward_now() else [], [flat],
+                               barrier)
         self._reduce_queue.append((group, flat))
         self._reduce_queue_bytes += flat.numel() * flat.element_size()
         limit = opts.reduce_scatter_bucket_size_mb * 1024 * 1024
@@ -500,8 +658,8 @@ class XlaFullyShardedDataParallel(nn.Module):
                 g.hooks.clear()
                 g.pending_grads = 0
             unit._flush_reductions()
-            keep = not unit._require_backward_grad_sync and not unit.reshard_after_forward
-            if not keep:
+            unit._gathered = None  # prefetched for a backward that did not reach the unit
+            if unit._reshard_after_backward_now():
                 unit._free_full_params(unit._groups, [], barrier)
             unit.training_state = TrainingState.IDLE
             unit._pre_backward_hook_has_run = False
@@ -513,6 +671,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         if self._options.sync_on_finalization:
             import torch_xla
             torch_xla.sync()
+
+
+    def _reshard_after_backward_now(self) -> bool:
+        # under no_sync, a unit that keeps its parameters between forward and backward keeps
+        # them between accumulation steps too (torch_xla's behaviour)
+        keep_for_no_sync = not self._require_backward_grad_sync and not self.reshard_after_forward
+        return self.reshard_after_backward and not keep_for_no_sync
 
 
 def _default_predivide_factor(world_size: int) -> float:

@@ -27,31 +27,54 @@ class ShardGroup:
     hooks: List[Any] = field(default_factory=list)
 
 
-def find_parameters(module: nn.Module) -> List[Tuple[nn.Parameter, List[Owner]]]:
-    """Every parameter no inner unit has taken, once, with every place that holds it."""
+def find_parameters(roots: List[Tuple[str, nn.Module]], unit: Any
+                    ) -> List[Tuple[nn.Parameter, List[Owner]]]:
+    """Every parameter below ``roots`` that belongs to ``unit``, once, with every place that
+    holds it: not the parameters inner units have sharded, nor those below modules that
+    another unit groups (see ``module_group``). ``roots`` are (name prefix, module)."""
     owners: Dict[int, List[Owner]] = {}
     order: List[nn.Parameter] = []
-    for mod_path, m in module.named_modules():
-        for attr, p in list(m._parameters.items()):
-            if p is None or getattr(p, "_is_sharded", False):
-                continue
-            name = f"{mod_path}.{attr}" if mod_path else attr
-            if hasattr(p, "_fsdp_owner_name"):
-                raise ValueError(
-                    f"parameter '{name}' is shared with '{p._fsdp_owner_name}', which an "
-                    f"inner FSDP unit already sharded. Tied parameters must belong to one "
-                    f"unit: wrap the modules that share it together (or leave them to the "
-                    f"outer unit).")
-            if not p.is_floating_point() or p.dtype != torch.float32:
-                raise TypeError(
-                    f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "
-                    f"shards float32 parameters only (set compute_dtype for bf16/fp16 "
-                    f"compute, and keep integer state in buffers)")
-            if id(p) not in owners:
-                owners[id(p)] = []
-                order.append(p)
-            owners[id(p)].append((m, attr, name))
+    for prefix, root in roots:
+        for mod_path, m in _modules_of(root, unit):
+            mod_path = ".".join(p for p in (prefix, mod_path) if p)
+            for attr, p in list(m._parameters.items()):
+                if p is None or getattr(p, "_is_sharded", False):
+                    continue
+                name = f"{mod_path}.{attr}" if mod_path else attr
+                if hasattr(p, "_fsdp_owner_name"):
+                    raise ValueError(
+                        f"parameter '{name}' is shared with '{p._fsdp_owner_name}', which an "
+                        f"inner FSDP unit already sharded. Tied parameters must belong to one "
+                        f"unit: wrap the modules that share it together (or leave them to the "
+                        f"outer unit).")
+                if not p.is_floating_point() or p.dtype != torch.float32:
+                    raise TypeError(
+                        f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "
+                        f"shards float32 parameters only (set compute_dtype for bf16/fp16 "
+                        f"compute, and keep integer state in buffers)")
+                if id(p) not in owners:
+                    owners[id(p)] = []
+                    order.append(p)
+                owners[id(p)].append((m, attr, name))
     return [(p, owners[id(p)]) for p in order]
+
+
+def _modules_of(root: nn.Module, unit: Any) -> Iterator[Tuple[str, nn.Module]]:
+    """``root.named_modules()`` without the subtrees of modules grouped by another unit."""
+    stack = [("", root)]
+    seen = set()
+    while stack:
+        path, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        owner = m.__dict__.get("_fsdp_group_unit")
+        if owner is not None and owner is not unit:
+            continue
+        yield path, m
+        children = [(f"{path}.{n}" if path else n, c) for n, c in m._modules.items()
+                    if c is not None]
+        stack.extend(reversed(children))
 
 
 def group_parameters(found: List[Tuple[nn.Parameter, List[Owner]]], flatten: bool
@@ -137,7 +160,8 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable],
 
     Inner units are already sharded on the device; they are hidden while ``param_init_fn``
     (or the default ``to_empty`` + ``reset_parameters()``) runs, so a function written for
-    the whole module cannot move or overwrite their shards."""
+    the whole module cannot move or overwrite their shards. So are modules that a grouping
+    unit holds: it initialised them itself."""
     with _inner_units_hidden(module, unit_cls):
         if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             return
@@ -161,10 +185,12 @@ def _inner_units_hidden(module: nn.Module, unit_cls: type) -> Iterator[None]:
     while stack:
         m = stack.pop()
         for name, child in list(m._modules.items()):
-            if isinstance(child, unit_cls):
+            if child is None:
+                continue
+            if isinstance(child, unit_cls) or "_fsdp_group_unit" in child.__dict__:
                 m._modules[name] = nn.Module()
                 hidden.append((m, name, child))
-            elif child is not None:
+            else:
                 stack.append(child)
     try:
         yield

@@ -27,12 +27,33 @@ def validate_module(module: Any, wrapper_cls: type) -> None:
 
 def install_optimizer_guard() -> None:
     """Makes every optimizer step check that it is not updating FSDP's stale full parameters
-    or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks."""
+    or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks, and
+    count the updates of the shards it steps (see ``shard_generation``)."""
     global _GUARD_INSTALLED
     if not _GUARD_INSTALLED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
         register_optimizer_step_pre_hook(_check_step)
+        register_optimizer_step_post_hook(_count_updates)
         _GUARD_INSTALLED = True
+
+
+def mark_updated(shard: torch.Tensor) -> None:
+    shard._fsdp_updates = getattr(shard, "_fsdp_updates", 0) + 1
+
+
+def shard_generation(shard: torch.Tensor) -> tuple:
+    """Changes whenever the shard's values may have: an optimizer step or a load (counted
+    here, because torch_xla's foreach kernels leave the version counter alone), or any
+    other in-place update (the version counter)."""
+    return (shard._version, getattr(shard, "_fsdp_updates", 0))
+
+
+def _count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, "_is_sharded", False):
+                mark_updated(p)
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

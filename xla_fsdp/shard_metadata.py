@@ -10,11 +10,13 @@ import torch.nn as nn
 
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module")  # ours/torch_xla's, torch_xla's flattener
+GROUP_PREFIX = "_fsdp_group_"  # where a unit grouping several modules sits (module_group.py)
 
 
 def clean_name(name: str) -> str:
     """A name (or module path) in the wrapped model as it is in the unwrapped one."""
-    return ".".join(p for p in name.split(".") if p and p not in _WRAPPER_PARTS)
+    return ".".join(p for p in name.split(".")
+                    if p and p not in _WRAPPER_PARTS and not p.startswith(GROUP_PREFIX))
 
 
 def join_name(prefix: str, name: str) -> str:
