@@ -48,7 +48,10 @@ IMPLS = ("xla_fsdp", "torch_xla")
 SETTINGS = {"defaults": {}, "flattened": {"flatten_parameters": True},
             "coalesced": {"coalesce_all_gather_ops": True},
             "no_barriers": {"optimization_barrier_in_forward": False,
-                            "optimization_barrier_in_backward": False}}
+                            "optimization_barrier_in_backward": False},
+            # controls only xla_fsdp has; torch_xla runs the same options without them
+            "prefetch": {"controls": ("prefetch",)},
+            "grouped": {"controls": ("grouped",)}}
 COMPARISON = ["defaults", "flattened"]
 
 
@@ -101,8 +104,10 @@ def batch(cfg: Config, rank: int, step: int) -> tuple:
 
 
 # -- one run, on every rank -----------------------------------------------------------------
-def wrap(model: nn.Module, impl: str, setting: str) -> nn.Module:
+def wrap(model: GPT, impl: str, setting: str) -> nn.Module:
     options = dict(SETTINGS[setting])
+    controls = options.pop("controls", ()) if impl == "xla_fsdp" else ()
+    options.pop("controls", None)
     if impl == "xla_fsdp":
         from xla_fsdp import FSDP
         from xla_fsdp.wrap import transformer_auto_wrap_policy
@@ -111,7 +116,20 @@ def wrap(model: nn.Module, impl: str, setting: str) -> nn.Module:
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         options["pin_layout_in_collective_ops"] = False
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    return FSDP(model, auto_wrap_policy=policy, **options)
+    if "grouped" in controls:
+        # the final norm and the head: one unit gathered at the end of forward, kept for
+        # backward (which starts with them), instead of held by the root all step
+        tail = FSDP([model.ln, model.head], **options)
+        tail.set_reshard_after_forward(False)
+    root = FSDP(model, auto_wrap_policy=policy, **options)
+    if "prefetch" in controls:  # each block's gather is issued with the previous unit's
+        blocks = list(model.blocks)
+        root.set_modules_to_forward_prefetch(blocks[:1])
+        root.set_modules_to_backward_prefetch(blocks[-1:])
+        for before, after in zip(blocks, blocks[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
+    return root
 
 
 def run_rank(rank: int, impl: str, setting: str, cfg: Config,

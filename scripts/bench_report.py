@@ -16,7 +16,13 @@ def _pairs(results: List[dict]):
 
 def _describe(settings) -> str:
     from bench import SETTINGS
-    return "; ".join(f"`{name}`: " + (", ".join(f"`{k}={v}`" for k, v in SETTINGS[name].items())
+
+    def one(key, value):
+        if key == "controls":
+            return f"xla_fsdp only: {', '.join(value)} (see `wrap` in `scripts/bench.py`)"
+        return f"`{key}={value}`"
+
+    return "; ".join(f"`{name}`: " + (", ".join(one(k, v) for k, v in SETTINGS[name].items())
                                       or "none") for name in settings)
 
 

@@ -56,7 +56,33 @@ def misuses(rank):
     out["xm_optimizer_step"] = _error(lambda: xm.optimizer_step(opt))
     out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
     torch_xla.sync()
+    _grouping_misuses(out)
     return out
+
+
+def _grouping_misuses(out):
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import always_wrap_policy
+    x = torch.ones(2, 4).to(torch_xla.device())
+    out["group_empty"] = _error(lambda: FSDP([]))
+    twice = Tiny()
+    out["group_twice"] = _error(lambda: FSDP([twice.lin, twice.lin]))
+    out["group_policy"] = _error(lambda: FSDP([Tiny(), Tiny()],
+                                              auto_wrap_policy=always_wrap_policy))
+    grouped = Tiny()
+    FSDP([grouped.lin])
+    out["group_again"] = _error(lambda: FSDP([grouped.lin]))
+    outer = Tiny()
+    FSDP([outer, outer.lin])
+    out["group_nested"] = _error(lambda: FSDP(nn.Sequential(outer)))
+    a, b = Tiny(), Tiny()
+    unplaced = FSDP([a.lin, b.lin])
+    out["group_unplaced"] = _error(lambda: a(x))
+    out["group_called"] = _error(lambda: unplaced(x))
+    unit = FSDP(Tiny())
+    out["prefetch_plain_module"] = _error(lambda: unit.set_modules_to_forward_prefetch([Tiny()]))
+    out["prefetch_self"] = _error(lambda: unit.set_modules_to_backward_prefetch([unit]))
 
 
 def test_misuse_errors():
@@ -73,3 +99,12 @@ def test_misuse_errors():
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
     assert "root FSDP unit" in out["clip_nested"]
     assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
+    assert "empty list" in out["group_empty"]
+    assert "same module twice" in out["group_twice"]
+    assert "auto_wrap_policy" in out["group_policy"] and "list of modules" in out["group_policy"]
+    assert "Linear is already grouped" in out["group_again"]
+    assert "'0' with '0.lin', which is inside it" in out["group_nested"]
+    assert "grouping (Linear, Linear) was never placed" in out["group_unplaced"]
+    assert "is not called itself" in out["group_called"]
+    assert "got Tiny, which is not wrapped in FSDP" in out["prefetch_plain_module"]
+    assert "cannot prefetch itself (Tiny)" in out["prefetch_self"]

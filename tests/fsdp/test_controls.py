@@ -1,0 +1,170 @@
+"""The explicit controls, read off the traced step graph (one launch at N = 2): prefetching
+moves a unit's all-gather ahead of the previous unit's compute, a unit grouping two modules
+gathers both in one all-gather and leaves the root nothing, and unshard / reshard /
+set_reshard_after_forward / set_reshard_after_backward gather exactly when they say.
+Training parity with every control on is in ``tests/test_fsdp_parity.py`` ("controls").
+"""
+import re
+
+import torch
+import torch.nn as nn
+
+from xla_fsdp import launch
+
+WORLD, BATCH = 2, 4
+DIMS = [16, 24, 40, 56, 8]  # distinct, so each layer's tensors have shapes of their own
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(DIMS, DIMS[1:]))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _weight(i):
+    return f"f32[{DIMS[i] * DIMS[i + 1]}]"  # layer i's gathered weight (flat)
+
+
+def _wrap(prefetch):
+    """layers 1 and 2 are units; layers 0 and 3 are one unit together; the root holds none."""
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = Chain()
+    layers = model.layers
+    ends = FSDP([layers[0], layers[3]], coalesce_all_gather_ops=True)
+    layers[1], layers[2] = FSDP(layers[1]), FSDP(layers[2])
+    root = FSDP(model)
+    if prefetch:
+        layers[1].set_modules_to_forward_prefetch([layers[2]])
+        layers[2].set_modules_to_backward_prefetch([layers[1]])
+    return root, ends
+
+
+def _hlo(tensors):
+    import torch_xla
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def _step_hlo(root, x):
+    loss = root(x).sum()
+    loss.backward()
+    text = _hlo([loss] + [p.grad for p in root.parameters()])
+    return text
+
+
+def controls(rank):
+    import torch_xla
+    device = torch_xla.device()
+    x = torch.randn(BATCH, DIMS[0]).to(device)
+    out = {}
+    for prefetch in (False, True):
+        root, ends = _wrap(prefetch)
+        out[f"step_prefetch_{prefetch}"] = _step_hlo(root, x)
+        out["root_params"] = [n for n, _ in root.named_parameters(recurse=False)]
+        out["ends_names"] = sorted(n for n, _ in ends.get_original_names_and_sharded_parameters())
+        torch_xla.sync()
+
+    root, _ = _wrap(False)
+    layer = root.module.layers[1]
+    full = root.full_state_dict(rank0_only=False)
+    names = [n for n in full if n.startswith("layers.1.")]
+    layer.unshard()
+    torch_xla.sync()
+    out["unshard_values"] = all(torch.equal(getattr(layer.module, n.split(".")[-1]).cpu(),
+                                            full[n]) for n in names)
+    out["forward_after_unshard"] = _hlo([root(x)])
+    layer.reshard()
+    out["after_reshard"] = (layer.has_full_params, layer.module.weight.numel())
+    torch_xla.sync()
+
+    layer.set_reshard_after_forward(False)
+    out["step_no_reshard_after_forward"] = _step_hlo(root, x)
+    torch_xla.sync()
+    layer.set_reshard_after_forward(True)
+    layer.set_reshard_after_backward(False)
+    opt = torch.optim.SGD(root.parameters(), lr=0.1, foreach=True)
+    _step_hlo(root, x)
+    torch_xla.sync()
+    out["kept_after_backward"] = layer.has_full_params
+    out["forward_kept"] = _hlo([root(x)])
+    torch_xla.sync()
+    opt.step()
+    out["forward_after_step"] = _hlo([root(x)])
+    torch_xla.sync()
+    return out
+
+
+# -- reading HLO text ----------------------------------------------------------------------
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%(\S+) = (.*?) ([\w-]+)\((.*)$")
+
+
+def _entry(hlo):
+    """[(name, type, opcode, operand names)] of the entry computation, in text order."""
+    body = hlo[hlo.index("ENTRY"):]
+    out = []
+    for line in body.splitlines()[1:]:
+        m = _INSTRUCTION.match(line)
+        if m:
+            out.append((m[1], m[2], m[3], re.findall(r"%([\w.-]+)", m[4])))
+    return out
+
+
+def _ancestors(entry, name):
+    operands = {n: ops for n, _, _, ops in entry}
+    seen, stack = set(), [name]
+    while stack:
+        for op in operands.get(stack.pop(), []):
+            if op not in seen:
+                seen.add(op)
+                stack.append(op)
+    return seen
+
+
+def _find(entry, opcode, type_prefix):
+    return [(i, n, t) for i, (n, t, op, _) in enumerate(entry)
+            if op == opcode and t.startswith(type_prefix)]
+
+
+def _gathers(hlo, i):
+    return len(_find(_entry(hlo), "all-gather", _weight(i) + "{"))
+
+
+def test_controls():
+    out = launch(controls, num_devices=WORLD)[0]
+    layer1_output = f"f32[{BATCH},{DIMS[2]}]"  # layer 1's forward dot, layer 2's input grad
+    for prefetch in (False, True):
+        entry = _entry(out[f"step_prefetch_{prefetch}"])
+        # forward: layer 2's gather against layer 1's compute
+        (pos_gather, gather, _), _ = _find(entry, "all-gather", _weight(2) + "{")
+        pos_dot, dot, _ = _find(entry, "dot", layer1_output)[0]
+        depends = dot in _ancestors(entry, gather)
+        assert (pos_gather < pos_dot and not depends) if prefetch else depends, (prefetch,)
+        # backward: layer 1's second gather against layer 2's backward compute
+        _, (pos_gather, gather, _) = _find(entry, "all-gather", _weight(1) + "{")
+        pos_dot, dot, _ = _find(entry, "dot", layer1_output)[-1]
+        depends = dot in _ancestors(entry, gather)
+        assert (pos_gather < pos_dot and not depends) if prefetch else depends, (prefetch,)
+
+        # the grouped unit: one all-gather carries layer 0 and layer 3, forward and backward
+        both = [t for _, _, t in _find(entry, "all-gather", "(")
+                if _weight(0) in t and _weight(3) in t]
+        assert len(both) == 2, both
+        assert len(_find(entry, "all-gather", _weight(0) + "{")) == 0  # never on their own
+    assert out["root_params"] == []
+    assert out["ends_names"] == ["layers.0.bias", "layers.0.weight",
+                                 "layers.3.bias", "layers.3.weight"]
+
+    assert out["unshard_values"]
+    assert _gathers(out["forward_after_unshard"], 1) == 0
+    assert out["after_reshard"] == (False, 1)
+    assert _gathers(out["step_no_reshard_after_forward"], 1) == 1  # 2 by default
+    assert _gathers(out["step_prefetch_False"], 1) == 2
+    assert out["kept_after_backward"]
+    assert _gathers(out["forward_kept"], 1) == 0
+    # a foreach optimizer step changed the shard: the kept full weight is stale
+    assert _gathers(out["forward_after_step"], 1) == 1
