@@ -117,8 +117,10 @@ def wrap(model: GPT, impl: str, setting: str) -> nn.Module:
         options["pin_layout_in_collective_ops"] = False
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     if "grouped" in controls:
-        # the final norm and the head: one unit gathered at the end of forward, kept for
-        # backward (which starts with them), instead of held by the root all step
+        # FSDP2's layout: the embedding its own unit, the final norm and the head one unit
+        # (gathered at the end of forward and kept for backward, which starts with them),
+        # so the root, which never reshards, holds only the position table
+        model.embed = FSDP(model.embed, **options)
         tail = FSDP([model.ln, model.head], **options)
         tail.set_reshard_after_forward(False)
     root = FSDP(model, auto_wrap_policy=policy, **options)

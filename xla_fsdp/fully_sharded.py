@@ -8,43 +8,44 @@ arrive per parameter; they are reduce-scattered into the shard's ``.grad`` once 
 parameter of a shard group has its gradient.
 
 Hook order in one training step:
-forward: gather -> module.forward -> free (if resharding) -> hooks on outputs
+forward: gather (and issue the prefetched units' gathers) -> module.forward -> free (if
+resharding) -> hooks on outputs
 backward: output hook: gather again (if resharded) -> ... -> per-parameter hook: when a
 group is complete, free it and reduce-scatter its gradients -> root's final callback:
 flush, free leftovers, reset state.
+
+This file holds construction, the public API and forward; gathering and freeing are in
+``full_parameters.py``, backward in ``backward.py``, units that group several modules (whose
+forwards are hooked instead of wrapped) in ``module_group.py``.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import math
-from enum import Enum, auto
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.autograd import Variable
 
-from ._tensor_tree import cast_floating, collect_tensors, map_tensors
-from .collectives import Collectives, optimization_barrier
+from ._tensor_tree import cast_floating, collect_tensors
+from .backward import BackwardHooks
+from .collectives import Collectives
+from .full_parameters import FullParameters
 from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_parameters,
-                            materialize_meta, shard_group, swap_value)
+                            materialize_meta, shard_group)
 from .module_group import (ModuleGroup, check_all_placed, check_members, place_grouping_units,
                            unplaced_message)
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
-from .safety import install_optimizer_guard, shard_generation, validate_module
+from .safety import install_optimizer_guard, validate_module
 from .shard_layout import Dim0Layout
 from .shard_metadata import original_names_and_shards, shard_metadata
-
-class TrainingState(Enum):
-    IDLE = auto()
-    FORWARD = auto()
-    BACKWARD_PRE = auto()
-    BACKWARD_POST = auto()
+from .training_state import TrainingState
 
 
-class XlaFullyShardedDataParallel(nn.Module):
+
+class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
     """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
@@ -455,229 +456,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         outputs = self._register_pre_backward_hooks(outputs)
         self.training_state = TrainingState.IDLE
         return outputs
-
-    # -- gathering and freeing full parameters ---------------------------------------------------
-    @torch.no_grad()
-    def _rebuild_full_params(self, deps: List[torch.Tensor], barrier: bool,
-                             prefetch: Sequence["XlaFullyShardedDataParallel"] = ()) -> bool:
-        """Makes this unit's full parameters current, and issues the all-gathers of the
-        ``prefetch`` units now, behind the same barrier, so that the compiler may run them
-        during this unit's compute. Returns whether ``deps`` went into a barrier."""
-        issue = [u for u in (self, *prefetch) if u._needs_gather()]
-        if issue and barrier:
-            optimization_barrier([g.shard for u in issue for g in u._groups] + list(deps))
-        for unit in issue:
-            unit._issue_gather()
-        installed = not self.has_full_params
-        if installed:
-            self._install_gathered(deps if self not in issue else [], barrier)
-        return bool(issue) or installed
-
-    def _needs_gather(self) -> bool:
-        if self._full_params_stale():
-            self._drop_full_params()
-        return bool(self._groups) and not self.has_full_params and self._gathered is None
-
-    def _full_params_stale(self) -> bool:
-        """Whether the shards changed (an optimizer step, a load) since the full parameters
-        this unit holds were gathered, e.g. with ``reshard_after_backward=False``."""
-        held = self.has_full_params or self._gathered is not None
-        return held and self._gathered_versions != self._shard_versions()
-
-    def _shard_versions(self) -> Tuple[tuple, ...]:
-        return tuple(shard_generation(g.shard) for g in self._groups)
-
-    def _issue_gather(self) -> None:
-        shards = [g.shard if g.shard.dtype == self.compute_dtype else
-                  g.shard.to(self.compute_dtype) for g in self._groups]
-        self._gathered = self._collectives.all_gather(shards,
-                                                      self._options.coalesce_all_gather_ops)
-        self._gathered_versions = self._shard_versions()
-
-    def _install_gathered(self, deps: List[torch.Tensor], barrier: bool) -> None:
-        gathered, self._gathered = self._gathered, None
-        if gathered is not None:
-            if barrier:
-                optimization_barrier(list(gathered) + list(deps))
-            for g, full in zip(self._groups, gathered):
-                for p, value in zip(g.params, g.layout.unshard(full)):
-                    swap_value(p, value)
-                    p._has_full_param = True
-        self.has_full_params = True
-
-    @torch.no_grad()
-    def _free_full_params(self, groups: Sequence[ShardGroup], deps: List[torch.Tensor],
-                          barrier: bool) -> None:
-        freed = False
-        for g in groups:
-            for p in g.params:
-                if p._has_full_param:
-                    swap_value(p, self._placeholder())
-                    p._has_full_param = False
-                    freed = True
-        if len(groups) == len(self._groups):
-            self._gathered = None
-        self.has_full_params = any(p._has_full_param for g in self._groups for p in g.params)
-        if barrier and (freed or deps):
-            optimization_barrier([g.shard for g in groups] + list(deps))
-
-    def _drop_full_params(self) -> None:
-        self._free_full_params(self._groups, [], barrier=False)
-
-    def _placeholder(self) -> torch.Tensor:
-        if not hasattr(self, "_dummy"):
-            self._dummy = torch.zeros(1, dtype=self.compute_dtype, device=self.xla_device)
-        return self._dummy
-
-    # -- backward --------------------------------------------------------------------------
-    def _register_pre_backward_hooks(self, outputs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return outputs
-
-        def hook(grad: torch.Tensor) -> torch.Tensor:
-            return self._pre_backward(grad)
-
-        def attach(t: torch.Tensor) -> torch.Tensor:
-            if t.requires_grad:
-                t.register_hook(hook)
-            return t
-
-        return map_tensors(attach, outputs)
-
-    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        if self._is_root and not getattr(self, "_final_callback_queued", False):
-            self._final_callback_queued = True
-            Variable._execution_engine.queue_callback(self._finalize_backward)
-        opts = self._options
-        barrier = opts.optimization_barrier_in_backward
-        if barrier:
-            self._backward_barrier_tensors.append(grad)
-        if self._rebuild_full_params(list(self._backward_barrier_tensors) if barrier else [],
-                                     barrier, self._backward_prefetch):
-            self._backward_barrier_tensors.clear()
-        if self.training_state == TrainingState.IDLE:
-            self.training_state = TrainingState.BACKWARD_PRE
-        self._pre_backward_hook_has_run = True
-        if barrier:
-            optimization_barrier([grad])
-            grad = grad.view(grad.size())
-        return grad
-
-    def _input_grad_barrier(self, grad: torch.Tensor) -> torch.Tensor:
-        self._backward_barrier_tensors.append(grad)
-        optimization_barrier([grad])
-        return grad.view(grad.size())
-
-    def _register_post_backward_hooks(self) -> None:
-        if not torch.is_grad_enabled():
-            return
-        for g in self._groups:
-            if g.hooks or not g.shard.requires_grad:
-                continue
-            g.pending_grads = len(g.params)
-            for p in g.params:
-                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-                g.hooks.append(accumulator.register_hook(
-                    functools.partial(self._post_backward, g)))
-
-    @torch.no_grad()
-    def _post_backward(self, group: ShardGroup, *unused: Any) -> None:
-        self._assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
-        self.training_state = TrainingState.BACKWARD_POST
-        group.pending_grads -= 1
-        if group.pending_grads == 0:
-            self._group_grads_ready(group)
-
-    def _group_grads_ready(self, group: ShardGroup) -> None:
-        opts = self._options
-        barrier = opts.optimization_barrier_in_backward
-        grads = [p.grad for p in group.params]
-        if any(g is not None and g.requires_grad for g in grads):
-            raise RuntimeError("FSDP does not support gradients that require grad "
-                               "(create_graph=True)")
-        if not self._require_backward_grad_sync:  # no_sync: keep the full gradients
-            if self._reshard_after_backward_now():
-                self._free_full_params([group], [g for g in grads if g is not None], barrier)
-            return
-        if all(g is None for g in grads):
-            if self._reshard_after_backward_now():
-                self._free_full_params([group], [], barrier)
-            return
-        full = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads, group.params)]
-        for p in group.params:
-            p.grad = None
-        flat = group.layout.pad(full)
-        if opts.fp32_reduce_scatter and flat.dtype != torch.float32:
-            flat = flat.float()
-        if flat.dtype != torch.float32 and self.gradient_predivide_factor != 1:
-            flat = flat / self.gradient_predivide_factor
-        self._free_full_params([group] if self._reshard_after_backward_now() else [], [flat],
-                               barrier)
-        self._reduce_queue.append((group, flat))
-        self._reduce_queue_bytes += flat.numel() * flat.element_size()
-        limit = opts.reduce_scatter_bucket_size_mb * 1024 * 1024
-        if self._reduce_queue_bytes > limit:
-            self._flush_reductions()
-
-    @torch.no_grad()
-    def _flush_reductions(self) -> None:
-        if not self._reduce_queue:
-            return
-        barrier = self._options.optimization_barrier_in_backward
-        queue, self._reduce_queue, self._reduce_queue_bytes = self._reduce_queue, [], 0
-        inputs = [flat for _, flat in queue]
-        if barrier:
-            optimization_barrier(inputs)
-        # A float32 sum cannot overflow where the pre-division would matter, so the whole
-        # division is the reduce-scatter's scale on the shard: one pass over the full
-        # gradients fewer, and the same bits when both factors are powers of two.
-        divisor = self.gradient_postdivide_factor
-        if inputs[0].dtype == torch.float32:
-            divisor *= self.gradient_predivide_factor
-        outputs = self._collectives.reduce_scatter(inputs, scale=1.0 / divisor)
-        for (group, _), reduced in zip(queue, outputs):
-            if reduced.dtype != torch.float32:
-                reduced = reduced.float()
-            if barrier:
-                optimization_barrier([reduced])
-                self._backward_barrier_tensors.append(reduced)
-            shard = group.shard
-            shard.grad = reduced if shard.grad is None else shard.grad + reduced
-
-    @torch.no_grad()
-    def _finalize_backward(self) -> None:
-        barrier = self._options.optimization_barrier_in_backward
-        for unit in self.units():
-            for g in unit._groups:
-                if g.pending_grads and g.shard.requires_grad and unit._pre_backward_hook_has_run:
-                    # some parameters of the group took no part in this backward
-                    g.pending_grads = 0
-                    unit._group_grads_ready(g)
-                for handle in g.hooks:
-                    handle.remove()
-                g.hooks.clear()
-                g.pending_grads = 0
-            unit._flush_reductions()
-            unit._gathered = None  # prefetched for a backward that did not reach the unit
-            if unit._reshard_after_backward_now():
-                unit._free_full_params(unit._groups, [], barrier)
-            unit.training_state = TrainingState.IDLE
-            unit._pre_backward_hook_has_run = False
-        self._final_callback_queued = False
-        if barrier:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            optimization_barrier(grads + list(self._backward_barrier_tensors))
-        self._backward_barrier_tensors.clear()
-        if self._options.sync_on_finalization:
-            import torch_xla
-            torch_xla.sync()
-
-
-    def _reshard_after_backward_now(self) -> bool:
-        # under no_sync, a unit that keeps its parameters between forward and backward keeps
-        # them between accumulation steps too (torch_xla's behaviour)
-        keep_for_no_sync = not self._require_backward_grad_sync and not self.reshard_after_forward
-        return self.reshard_after_backward and not keep_for_no_sync
 
 
 def _default_predivide_factor(world_size: int) -> float:

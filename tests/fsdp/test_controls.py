@@ -57,7 +57,7 @@ def _step_hlo(root, x):
     return text
 
 
-def controls(rank):
+def controls(rank, prefix):
     import torch_xla
     device = torch_xla.device()
     x = torch.randn(BATCH, DIMS[0]).to(device)
@@ -96,7 +96,21 @@ def controls(rank):
     opt.step()
     out["forward_after_step"] = _hlo([root(x)])
     torch_xla.sync()
+    _checkpoint(out, root, opt, prefix, x)
     return out
+
+
+def _checkpoint(out, root, opt, prefix, x):
+    """A model with a grouping unit saves, resumes and consolidates under its plain names."""
+    from xla_fsdp.checkpoint import load_sharded, save_sharded
+    out["saved_full"] = root.full_state_dict(rank0_only=False)
+    save_sharded(prefix, root, opt)
+    fresh, _ = _wrap(False)
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, foreach=True)
+    load_sharded(prefix, fresh, fresh_opt)
+    loaded = fresh.full_state_dict(rank0_only=False)
+    out["loaded_equal"] = sorted(loaded) == sorted(out["saved_full"]) and all(
+        torch.equal(loaded[k], v) for k, v in out["saved_full"].items())
 
 
 # -- reading HLO text ----------------------------------------------------------------------
@@ -134,8 +148,10 @@ def _gathers(hlo, i):
     return len(_find(_entry(hlo), "all-gather", _weight(i) + "{"))
 
 
-def test_controls():
-    out = launch(controls, num_devices=WORLD)[0]
+def test_controls(tmp_path):
+    from consolidate import main as consolidate_main
+    prefix = str(tmp_path / "chain")
+    out = launch(controls, (prefix,), num_devices=WORLD)[0]
     layer1_output = f"f32[{BATCH},{DIMS[2]}]"  # layer 1's forward dot, layer 2's input grad
     for prefetch in (False, True):
         entry = _entry(out[f"step_prefetch_{prefetch}"])
@@ -168,3 +184,9 @@ def test_controls():
     assert _gathers(out["forward_kept"], 1) == 0
     # a foreach optimizer step changed the shard: the kept full weight is stale
     assert _gathers(out["forward_after_step"], 1) == 1
+
+    assert out["loaded_equal"]
+    assert consolidate_main(["--ckpt_prefix", prefix]) == 0
+    consolidated = torch.load(prefix + "_consolidated.pth", weights_only=True)["model"]
+    assert sorted(consolidated) == sorted(out["saved_full"])
+    assert all(torch.equal(consolidated[k], v) for k, v in out["saved_full"].items())
