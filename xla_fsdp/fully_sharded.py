@@ -31,6 +31,7 @@ import torch.nn as nn
 from ._tensor_tree import cast_floating, collect_tensors
 from .backward import BackwardHooks
 from .collectives import Collectives
+from .donation_order import pin_parameter_order
 from .full_parameters import FullParameters
 from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_parameters,
                             materialize_meta, shard_group)
@@ -64,6 +65,9 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
       not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
     * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;
     * the full parameters are never copied to the device while sharding;
+    * the step updates the shards and the optimizer state in place: torch_xla 2.9 lets XLA
+      pair donated buffers with outputs by size and order, which copies every shard and
+      optimizer state tensor in and out of each step (see ``donation_order``);
     * an optimizer built before wrapping, or ``xm.optimizer_step`` on sharded gradients, is
       an error at the optimizer step instead of silently wrong training.
 
@@ -429,6 +433,8 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         if self._unplaced:
             raise ValueError(unplaced_message(self))
         self._lazy_init()
+        if self._is_root:
+            pin_parameter_order(self.xla_device)
         if id(member) in self._members_run:  # a new forward pass
             self._members_run.clear()
         self._members_run.add(id(member))

@@ -50,10 +50,15 @@ def shard_generation(shard: torch.Tensor) -> tuple:
 
 
 def _count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    sharded = False
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, "_is_sharded", False):
                 mark_updated(p)
+                sharded = True
+    if sharded:
+        from .donation_order import reissue_in_order
+        reissue_in_order(optimizer)
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
