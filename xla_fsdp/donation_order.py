@@ -18,9 +18,11 @@ Two no-op operations make both orders the same list, ``donors()``:
 from __future__ import annotations
 
 import weakref
-from typing import List
+from typing import Any, List
 
 import torch
+
+from .collectives import optimization_barrier
 
 _optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 
@@ -40,8 +42,11 @@ def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 @torch.no_grad()
-def reissue_in_order(optimizer: torch.optim.Optimizer) -> None:
-    """Optimizer step post-hook for optimizers that step FSDP shards."""
+def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+    """Optimizer step post-hook; acts on optimizers that step FSDP shards."""
+    if not any(getattr(p, "_is_sharded", False)
+               for group in optimizer.param_groups for p in group["params"]):
+        return
     _optimizers.add(optimizer)
     for t in donors(optimizer):
         t.mul_(1)
@@ -55,7 +60,5 @@ def reissue_in_order(optimizer: torch.optim.Optimizer) -> None:
 def pin_parameter_order(device: torch.device) -> None:
     """Called by the root unit before its forward reads anything, for its device."""
     tensors = [t for opt in list(_optimizers) for t in donors(opt) if t.device == device]
-    if tensors:
-        import torch_xla
-        # the traced graph numbers a node's inputs last to first
-        torch_xla._XLAC._xla_optimization_barrier_(list(reversed(tensors)))
+    # the traced graph numbers a node's inputs last to first
+    optimization_barrier(list(reversed(tensors)))

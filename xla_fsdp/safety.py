@@ -27,14 +27,17 @@ def validate_module(module: Any, wrapper_cls: type) -> None:
 
 def install_optimizer_guard() -> None:
     """Makes every optimizer step check that it is not updating FSDP's stale full parameters
-    or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks, and
-    count the updates of the shards it steps (see ``shard_generation``)."""
+    or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks, count
+    the updates of the shards it steps (see ``shard_generation``) and keep their buffers
+    donated in place (see ``donation_order``)."""
     global _GUARD_INSTALLED
     if not _GUARD_INSTALLED:
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         register_optimizer_step_pre_hook(_check_step)
         register_optimizer_step_post_hook(_count_updates)
+        from .donation_order import reissue_in_order
+        register_optimizer_step_post_hook(reissue_in_order)
         _GUARD_INSTALLED = True
 
 
@@ -50,15 +53,10 @@ def shard_generation(shard: torch.Tensor) -> tuple:
 
 
 def _count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    sharded = False
     for group in optimizer.param_groups:
         for p in group["params"]:
             if getattr(p, "_is_sharded", False):
                 mark_updated(p)
-                sharded = True
-    if sharded:
-        from .donation_order import reissue_in_order
-        reissue_in_order(optimizer)
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
