@@ -1,10 +1,12 @@
 """Where each full tensor of the unwrapped model lives inside the per-rank shards.
 
-Every shard group (one sharded tensor per rank) is the rank-ordered concatenation of a
-padded flat buffer, and its parameters occupy consecutive element ranges from the start
-of that buffer. That holds for flattened groups, single parameters, and dim-0 shards (whose
-row blocks concatenate in row-major order), in torch_xla's checkpoints as in ours, so one
-rule reads any parameter: elements ``[offset, offset + numel)`` of the concatenation.
+Most shard groups (one sharded tensor per rank) are the rank-ordered concatenation of a
+padded flat buffer, and their parameters occupy consecutive element ranges from the start
+of that buffer. That holds for single parameters, dim-0 shards (whose row blocks
+concatenate in row-major order) and torch_xla's flattened groups, so one rule reads such a
+parameter: elements ``[offset, offset + numel)`` of the concatenation. Our flattened groups
+are interleaved (``InterleavedLayout``): every rank holds a piece of each parameter, at the
+same place in every shard, and the pieces concatenate in rank order.
 """
 from __future__ import annotations
 
@@ -15,20 +17,23 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from xla_fsdp.files import CheckpointError, TensorRef
+from xla_fsdp.shard_layout import InterleavedLayout
 from xla_fsdp.shard_metadata import clean_name, join_name
+
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str                       # in the unwrapped model
     shape: Tuple[int, ...]
     offset: int                     # first element in the group's concatenated shards
+    piece: Optional[Tuple[int, int]] = None  # interleaved: (offset, elements) in every shard
 
 
 @dataclass(frozen=True)
 class GroupSpec:
     key: str                        # the shard's key in each rank's model state dict
     params: Tuple[ParamSpec, ...]
-    kind: Optional[str]             # "flat" | "dim0"; None when the writer did not record it
+    kind: Optional[str]  # "flat" | "interleaved" | "dim0"; None if the writer did not record it
     multiple: int
 
     @property
@@ -51,7 +56,7 @@ class ModelPlan:
 
 def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPlan:
     groups: List[GroupSpec] = []
-    flatten_info = metadata.get("flatten_info", {})
+    flatten_info = dict(metadata.get("flatten_info", {}), **metadata.get("interleave_info", {}))
     layout_info = metadata.get("layout_info", {})
     for path, shards in metadata["shard_info"].items():
         prefix = path + "." if path else ""
@@ -71,6 +76,11 @@ def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPla
             else:
                 params = [ParamSpec(clean_name(wrapped_name), tuple(info["_orig_size"]), 0)]
             layout = layout_info.get(path, {}).get(shard_name, {})
+            if layout.get("kind") == "interleaved":
+                pieces = InterleavedLayout(tuple(torch.Size(p.shape) for p in params),
+                                           metadata["world_size"], layout.get("multiple", 1))
+                params = [ParamSpec(p.name, p.shape, p.offset, (o, n)) for p, o, n in
+                          zip(params, pieces.piece_offsets, pieces.piece_numels)]
             groups.append(GroupSpec(key, tuple(params), layout.get("kind"),
                                     layout.get("multiple", 1)))
     shard_keys = {g.key for g in groups}
@@ -106,4 +116,22 @@ def read_range(shards: List[TensorRef], start: int, numel: int) -> torch.Tensor:
 
 
 def read_param(shards: List[TensorRef], param: ParamSpec) -> torch.Tensor:
-    return read_range(shards, param.offset, math.prod(param.shape)).view(param.shape)
+    if param.piece is None:
+        return read_range(shards, param.offset, math.prod(param.shape)).view(param.shape)
+    start, count = param.piece
+    out = torch.empty(count * len(shards), dtype=shards[0].dtype)
+    for rank, shard in enumerate(shards):
+        if shard.numel != shards[0].numel or start + count > shard.numel:
+            raise CheckpointError(f"{shard.file.path}: shard {shard.key} has {shard.numel} "
+                                  f"elements; the metadata puts {param.name} at "
+                                  f"[{start}, {start + count}) of every rank's shard, and rank "
+                                  f"0's has {shards[0].numel}")
+        shard.read_elements(start, out[rank * count:(rank + 1) * count])
+    return out[:math.prod(param.shape)].view(param.shape)
+
+
+def read_group(shards: List[TensorRef], spec: GroupSpec) -> torch.Tensor:
+    """The group's parameters, flattened and concatenated, without padding."""
+    if spec.kind != "interleaved":
+        return read_range(shards, 0, spec.numel)
+    return torch.cat([read_param(shards, p).reshape(-1) for p in spec.params])

@@ -7,11 +7,11 @@ from typing import Any, Callable, Dict, List
 import torch
 
 from xla_fsdp.files import CheckpointError, TensorRef, TorchFileWriter
-from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, Layout
+from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
 from xla_fsdp.shard_metadata import wrapping_fingerprint
 
 from .optimizer import reshard_optimizer_state, why_not_consolidated
-from .plan import GroupSpec, ModelPlan, read_range
+from .plan import GroupSpec, ModelPlan, read_group
 from .shard_set import ShardSet
 
 
@@ -19,6 +19,8 @@ def new_layout(spec: GroupSpec, world_size: int) -> Layout:
     shapes = tuple(torch.Size(p.shape) for p in spec.params)
     if spec.kind == "dim0":
         return Dim0Layout(shapes[0], world_size)
+    if spec.kind == "interleaved":
+        return InterleavedLayout(shapes, world_size, spec.multiple)
     return FlatLayout(shapes, world_size, spec.multiple)
 
 
@@ -52,7 +54,7 @@ def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str]
 
         def new_shards(per_rank: List[TensorRef], layout: Layout = layout,
                        spec: GroupSpec = spec) -> List[torch.Tensor]:
-            content = read_range(per_rank, 0, spec.numel)
+            content = read_group(per_rank, spec)
             return [layout.shard([content], r) for r in range(world_size)]
 
         for r, piece in enumerate(new_shards([f.tree["model"][spec.key] for f in shards.files])):

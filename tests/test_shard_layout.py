@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from xla_fsdp.shard_layout import Dim0Layout, FlatLayout
+from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, InterleavedLayout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -18,6 +18,39 @@ def test_flat_layout_round_trip(world, shapes):
     # the group's content as one flat tensor shards the same way
     content = torch.cat([t.reshape(-1) for t in tensors])
     assert all(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("shapes", [[(10,)], [(7, 3), (5,)], [()], [(70, 32), (70,), (1,), ()]])
+def test_interleaved_layout_round_trip(world, multiple, shapes):
+    tensors = [torch.randn(s) for s in shapes]
+    layout = InterleavedLayout(tuple(torch.Size(s) for s in shapes), world, multiple)
+    shards = [layout.shard(tensors, r) for r in range(world)]
+    assert all(s.shape == layout.shard_shape for s in shards)
+    # each parameter is padded on its own, only to a multiple of N (times ``multiple``)
+    for n, piece in zip(layout.numels, layout.piece_numels):
+        assert piece % multiple == 0 and 0 <= piece * world - n < world * multiple
+    # from one all-gather per parameter piece (what training does) ...
+    pieces = [torch.cat([layout.pieces(s)[i] for s in shards]) for i in range(len(shapes))]
+    for got, want in zip(layout.unshard_pieces(pieces), tensors):
+        assert torch.equal(got, want)
+    # ... and from one all-gather of whole shards (full_state_dict)
+    for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
+        assert torch.equal(got, want)
+    content = torch.cat([t.reshape(-1) for t in tensors])
+    assert all(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
+    # what a reduce-scatter of ``pad`` leaves rank r is rank r's shard
+    rows = layout.pad(tensors).view(world, -1)
+    assert all(torch.equal(rows[r], s) for r, s in enumerate(shards))
+
+
+def test_interleaved_shard_holds_a_piece_of_every_parameter():
+    layout = InterleavedLayout((torch.Size([4]), torch.Size([2])), world_size=2)
+    a, b = torch.tensor([1., 2, 3, 4]), torch.tensor([5., 6])
+    assert layout.shard([a, b], 0).tolist() == [1, 2, 5]
+    assert layout.shard([a, b], 1).tolist() == [3, 4, 6]
+    assert layout.pad([a, b]).tolist() == [1, 2, 5, 3, 4, 6]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -47,7 +80,8 @@ def test_gradient_padding_is_zero():
 
 def test_shards_are_copies():
     t = torch.arange(8.)
-    for layout in (FlatLayout((torch.Size([8]),), 2), Dim0Layout(torch.Size([8]), 2)):
+    for layout in (FlatLayout((torch.Size([8]),), 2), Dim0Layout(torch.Size([8]), 2),
+                   InterleavedLayout((torch.Size([8]),), 2)):
         shard = layout.shard([t], 0)
         shard.add_(100)
         assert t[0] == 0

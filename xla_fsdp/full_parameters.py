@@ -50,19 +50,23 @@ class FullParameters:
         return tuple(shard_generation(g.shard) for g in self._groups)
 
     def _issue_gather(self) -> None:
-        shards = [g.shard if g.shard.dtype == self.compute_dtype else
-                  g.shard.to(self.compute_dtype) for g in self._groups]
-        self._gathered = self._collectives.all_gather(shards,
-                                                      self._options.coalesce_all_gather_ops)
+        pieces = [g.layout.pieces(g.shard if g.shard.dtype == self.compute_dtype else
+                                  g.shard.to(self.compute_dtype)) for g in self._groups]
+        gathered = self._collectives.all_gather([p for ps in pieces for p in ps],
+                                                self._options.coalesce_all_gather_ops)
+        self._gathered, at = [], 0
+        for ps in pieces:
+            self._gathered.append(gathered[at:at + len(ps)])
+            at += len(ps)
         self._gathered_versions = self._shard_versions()
 
     def _install_gathered(self, deps: List[torch.Tensor], barrier: bool) -> None:
         gathered, self._gathered = self._gathered, None
         if gathered is not None:
             if barrier:
-                optimization_barrier(list(gathered) + list(deps))
+                optimization_barrier([t for ts in gathered for t in ts] + list(deps))
             for g, full in zip(self._groups, gathered):
-                for p, value in zip(g.params, g.layout.unshard(full)):
+                for p, value in zip(g.params, g.layout.unshard_pieces(full)):
                     swap_value(p, value)
                     p._has_full_param = True
         self.has_full_params = True

@@ -169,7 +169,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
 
         self.training_state = TrainingState.IDLE
         self.has_full_params = False
-        self._gathered: Optional[List[torch.Tensor]] = None  # issued, not yet installed
+        self._gathered: Optional[List[List[torch.Tensor]]] = None  # per group; issued, not installed
         self._gathered_versions: Tuple[tuple, ...] = ()
         self.reshard_after_backward = True
         self._reshard_after_forward_set = False

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from . import shard_layout
-from .shard_layout import Dim0Layout, FlatLayout
+from .shard_layout import Dim0Layout, FlatLayout, InterleavedLayout
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
 Owner = Tuple[nn.Module, str, str]  # (module, attribute, name relative to the wrapped module)
@@ -97,7 +97,9 @@ def shard_group(members: List[Tuple[nn.Parameter, List[Owner]]], index: int, *, 
     of tied parameters. Only the shard is copied to ``device``."""
     params = [p for p, _ in members]
     shapes = tuple(p.shape for p in params)
-    if dim0 and not flatten:
+    if flatten:
+        layout = InterleavedLayout(shapes, world_size, multiple)
+    elif dim0:
         layout = Dim0Layout(shapes[0], world_size)
     else:
         layout = FlatLayout(shapes, world_size, multiple)

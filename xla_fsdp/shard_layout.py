@@ -4,8 +4,14 @@ Every FSDP unit owns one or more *shard groups*. A group is sharded as one tenso
 
 * ``FlatLayout``: the group's tensors are flattened, concatenated and zero-padded to
   ``world_size * multiple`` elements, then cut into ``world_size`` equal 1-D shards. With
-  ``flatten_parameters=False`` each parameter is a group of one; with ``True`` all
-  trainable parameters of a unit form one group (and the frozen ones another).
+  ``flatten_parameters=False`` each parameter is a group of one (torch_xla's checkpoints
+  also use it for flattened groups).
+* ``InterleavedLayout``: ``flatten_parameters=True``, where all trainable parameters of a
+  unit form one group (and the frozen ones another). Each parameter is padded and cut into
+  ``world_size`` pieces on its own, and a rank's shard is its piece of every parameter,
+  concatenated. The optimizer still sees one tensor per group, but every parameter is
+  gathered into a buffer of its own, so nothing slices it out of a unit-sized buffer, and
+  a backward fusion that reads one bias keeps that bias alive, not the whole unit.
 * ``Dim0Layout``: one tensor, padded along dim 0 to a multiple of ``world_size`` and cut
   into row blocks, never flattened (``shard_param_on_dim_0=True``, for compilers such as
   AWS Neuron that mishandle flattened parameters).
@@ -88,6 +94,89 @@ class FlatLayout:
         return [gathered[o:o + n].view(s)
                 for o, n, s in zip(self.offsets, self.numels, self.shapes)]
 
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        return [shard]
+
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return self.unshard(gathered[0])
+
+
+@dataclass(frozen=True)
+class InterleavedLayout:
+    shapes: Tuple[torch.Size, ...]
+    world_size: int
+    multiple: int = 1  # elements of each parameter per shard are a multiple of this
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.multiple < 1:
+            raise ValueError(f"world_size and multiple must be >= 1: {self}")
+
+    @property
+    def numels(self) -> Tuple[int, ...]:
+        return tuple(math.prod(s) for s in self.shapes)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def piece_numels(self) -> Tuple[int, ...]:
+        """Elements of each parameter in every rank's shard."""
+        return tuple(_ceil_to(max(n, 1), self.world_size * self.multiple) // self.world_size
+                     for n in self.numels)
+
+    @property
+    def piece_offsets(self) -> Tuple[int, ...]:
+        out, at = [], 0
+        for n in self.piece_numels:
+            out.append(at)
+            at += n
+        return tuple(out)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(self.piece_numels) * self.world_size
+
+    @property
+    def shard_shape(self) -> torch.Size:
+        return torch.Size([sum(self.piece_numels)])
+
+    def _padded(self, tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        if len(tensors) == 1 and len(self.shapes) > 1:  # the group's content as one tensor
+            tensors = tensors[0].reshape(-1).split(self.numels)
+        out = []
+        for t, piece in zip(tensors, self.piece_numels):
+            flat = t.reshape(-1)
+            extra = piece * self.world_size - flat.numel()
+            out.append(torch.cat([flat, flat.new_zeros(extra)]) if extra else flat)
+        return out
+
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The group as one 1-D tensor whose ``world_size`` equal blocks are the ranks'
+        shards, so that a reduce-scatter leaves each rank its own."""
+        padded = self._padded(tensors)
+        return torch.cat([p.view(self.world_size, -1) for p in padded], dim=1).reshape(-1)
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        """``rank``'s shard, a new tensor. ``tensors`` may also be the group's whole content
+        as one tensor of ``numel`` elements."""
+        return torch.cat([p[rank * n:(rank + 1) * n]
+                          for p, n in zip(self._padded(tensors), self.piece_numels)])
+
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        """What to all-gather: this rank's piece of each parameter."""
+        return [shard[o:o + n] for o, n in zip(self.piece_offsets, self.piece_numels)]
+
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The full tensors, from the all-gathers of ``pieces``."""
+        return [g[:n].view(s) for g, n, s in zip(gathered, self.numels, self.shapes)]
+
+    def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        """The full tensors, from an all-gather of whole shards (a copy of each)."""
+        rows = gathered.view(self.world_size, -1)
+        return [rows[:, o:o + p].reshape(-1)[:n].view(s) for o, p, n, s in
+                zip(self.piece_offsets, self.piece_numels, self.numels, self.shapes)]
+
 
 @dataclass(frozen=True)
 class Dim0Layout:
@@ -145,8 +234,14 @@ class Dim0Layout:
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         return [gathered[:self.rows].view(self.shape)]
 
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        return [shard]
 
-Layout = Union[FlatLayout, Dim0Layout]
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return self.unshard(gathered[0])
+
+
+Layout = Union[FlatLayout, InterleavedLayout, Dim0Layout]
 
 
 def _slice_padded(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
 
+from .shard_layout import Dim0Layout, InterleavedLayout
+
 
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module")  # ours/torch_xla's, torch_xla's flattener
 GROUP_PREFIX = "_fsdp_group_"  # where a unit grouping several modules sits (module_group.py)
@@ -39,32 +41,42 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
     """torch_xla's ``get_shard_metadata`` format, plus:
 
     * ``shared_info``: {unit path: [(alias, source)]} for tied parameters;
-    * ``layout_info``: {unit path: {shard name: {"kind": "flat" | "dim0", "multiple": m}}};
+    * ``layout_info``: {unit path: {shard name: {"kind": "flat" | "interleaved" | "dim0",
+      "multiple": m}}};
+    * ``interleave_info``: ``flatten_info``'s entries for interleaved groups (every flattened
+      group of ours), kept out of ``flatten_info`` because torch_xla's consolidation would
+      read them as one flat tensor cut into shards and silently scramble them. It fails on
+      the missing entry instead.
     * ``param_order``: the unwrapped model's parameter names in ``parameters()`` order.
     """
-    from .shard_layout import Dim0Layout
     units = list(units)
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
+    interleave_info = {}
     for path, unit in units:
         shard_info[path] = {
             g.shard._name: {"_orig_size": g.shard._orig_size, "_orig_name": g.shard._orig_name}
             for g in unit._groups}
-        layout_info[path] = {
-            g.shard._name: ({"kind": "dim0", "multiple": 1} if isinstance(g.layout, Dim0Layout)
-                            else {"kind": "flat", "multiple": g.layout.multiple})
-            for g in unit._groups}
+        layout_info[path] = {g.shard._name: _layout_entry(g.layout) for g in unit._groups}
         if unit.flatten_parameters:
             for g in unit._groups:
                 key = (path + "." if path else "") + g.shard._orig_name
-                flatten_info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
+                info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
+                info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
         if unit._shared_params:
             shared_info[path] = list(unit._shared_params)
     buffer_info = {name: {"_orig_dtype": buf._orig_dtype}
                    for name, buf in root.named_buffers() if hasattr(buf, "_orig_dtype")}
     return {"shard_info": shard_info, "flatten_info": flatten_info,
-            "buffer_info": buffer_info, "shared_info": shared_info,
-            "layout_info": layout_info, "param_order": _plain_parameter_order(root, units),
+            "interleave_info": interleave_info, "buffer_info": buffer_info,
+            "shared_info": shared_info, "layout_info": layout_info, "param_order": _plain_parameter_order(root, units),
             "world_size": root.world_size, "rank": root.rank}
+
+
+def _layout_entry(layout: Any) -> Dict[str, Any]:
+    if isinstance(layout, Dim0Layout):
+        return {"kind": "dim0", "multiple": 1}
+    kind = "interleaved" if isinstance(layout, InterleavedLayout) else "flat"
+    return {"kind": kind, "multiple": layout.multiple}
 
 
 def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, Any]]) -> List[str]:
@@ -88,7 +100,8 @@ def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:
     """Identifies how a model was sharded (names, shapes, layouts, world size), not the
     values nor the rank: files of one checkpoint share it, and a model wrapped the same
     way at the same world size computes the same one."""
-    keys = ("shard_info", "flatten_info", "shared_info", "layout_info", "world_size")
+    keys = ("shard_info", "flatten_info", "interleave_info", "shared_info", "layout_info",
+            "world_size")
     canonical = json.dumps({k: metadata.get(k) for k in keys}, sort_keys=True, default=_jsonable)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

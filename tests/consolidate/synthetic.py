@@ -2,7 +2,7 @@
 import torch
 
 from xla_fsdp.checkpoint import sharded_checkpoint_path
-from xla_fsdp.shard_layout import FlatLayout
+from xla_fsdp.shard_layout import FlatLayout, InterleavedLayout
 from xla_fsdp.shard_metadata import wrapping_fingerprint
 
 SEP = "_FSDP_SHARD_SEPARATOR_"
@@ -18,9 +18,12 @@ def full_model(seed=0):
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
 
 
-def write_set(prefix, world, full=None, save_index=1):
-    """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths."""
+def write_set(prefix, world, full=None, save_index=1, flattened=False):
+    """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths.
+    ``flattened``: both parameters in one interleaved group, as flatten_parameters=True."""
     full = full or full_model()
+    if flattened:
+        return _write_flattened(prefix, world, full, save_index)
     metadata = {
         "shard_info": {"": {shard_key(n): {"_orig_size": torch.Size(s),
                                            "_orig_name": "_fsdp_wrapped_module." + n}
@@ -42,6 +45,35 @@ def write_set(prefix, world, full=None, save_index=1):
                 "xla_fsdp": {"format": 1, "world_size": world, "rank": rank,
                              "fingerprint": wrapping_fingerprint(md), "save_index": save_index,
                              "optimizer_param_keys": [shard_key(n) for n in SHAPES]}}
+        path = sharded_checkpoint_path(prefix, rank, world)
+        torch.save(tree, path)
+        paths.append(path)
+    return paths
+
+
+def _write_flattened(prefix, world, full, save_index):
+    key = shard_key("flat_param_0")
+    names = list(SHAPES)
+    layout = InterleavedLayout(tuple(torch.Size(s) for s in SHAPES.values()), world)
+    metadata = {
+        "shard_info": {"": {key: {"_orig_size": torch.Size([layout.numel]),
+                                  "_orig_name": "_fsdp_wrapped_module.flat_param_0"}}},
+        "flatten_info": {}, "buffer_info": {}, "shared_info": {},
+        "interleave_info": {"_fsdp_wrapped_module.flat_param_0":
+                            (names, [list(s) for s in SHAPES.values()], list(layout.numels))},
+        "layout_info": {"": {key: {"kind": "interleaved", "multiple": 1}}},
+        "param_order": names, "world_size": world, "rank": 0}
+    paths = []
+    for rank in range(world):
+        md = dict(metadata, rank=rank)
+        tree = {"model": {key: layout.shard([full[n] for n in names], rank)},
+                "shard_metadata": md,
+                "optimizer": {"state": {0: {"momentum_buffer": layout.shard(
+                    [full[n] * 0.5 for n in names], rank), "step": torch.tensor(7.0)}},
+                    "param_groups": [{"lr": 0.1, "params": [0]}]},
+                "xla_fsdp": {"format": 1, "world_size": world, "rank": rank,
+                             "fingerprint": wrapping_fingerprint(md), "save_index": save_index,
+                             "optimizer_param_keys": [key]}}
         path = sharded_checkpoint_path(prefix, rank, world)
         torch.save(tree, path)
         paths.append(path)

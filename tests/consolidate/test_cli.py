@@ -19,10 +19,11 @@ def _run(capsys, *args):
     return code, capsys.readouterr()
 
 
+@pytest.mark.parametrize("flattened", [False, True])
 @pytest.mark.parametrize("world", [1, 3, 8])
-def test_consolidates_model_and_optimizer(tmp_path, capsys, world):
+def test_consolidates_model_and_optimizer(tmp_path, capsys, world, flattened):
     prefix = str(tmp_path / "ck")
-    write_set(prefix, world)
+    write_set(prefix, world, flattened=flattened)
     code, out = _run(capsys, "--ckpt_prefix", prefix)
     assert code == 0, out.err
     assert "verified" in out.out
@@ -39,9 +40,10 @@ def test_consolidates_model_and_optimizer(tmp_path, capsys, world):
     assert result["optimizer_param_names"] == ["lin.weight", "lin.bias"]
 
 
-def test_reshard_round_trip(tmp_path, capsys):
+@pytest.mark.parametrize("flattened", [False, True])
+def test_reshard_round_trip(tmp_path, capsys, flattened):
     prefix = str(tmp_path / "ck")
-    write_set(prefix, 4)
+    write_set(prefix, 4, flattened=flattened)
     assert _run(capsys, "--ckpt_prefix", prefix, "--reshard", "3",
                 "--save_path", str(tmp_path / "r"))[0] == 0
     assert len(list(tmp_path.glob("r_rank-*-of-00000003.pth"))) == 3
