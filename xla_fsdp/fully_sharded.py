@@ -50,7 +50,8 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
     """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
-    same defaults, same checkpoint format. Differences, each a fix:
+    same defaults, same checkpoint format (flattened groups aside, below). Differences, each
+    a fix:
 
     * auto-wrapped children receive every option, including ``reduce_scatter_bucket_size_mb``
       and ``coalesce_all_gather_ops`` (torch_xla drops them);
@@ -65,6 +66,12 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
       not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
     * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;
     * the full parameters are never copied to the device while sharding;
+    * ``flatten_parameters=True`` still gives the optimizer one tensor per unit, but each
+      parameter is sharded on its own and a rank's shard interleaves its piece of every
+      parameter, so each parameter is all-gathered into a buffer of its own. torch_xla
+      gathers one flat buffer per unit and slices the parameters out of it, and a backward
+      fusion that reads a bias from that buffer keeps the whole unit alive until backward.
+      The checkpoint records these groups as ``interleaved`` (see ``shard_metadata``);
     * the step updates the shards and the optimizer state in place: torch_xla 2.9 lets XLA
       pair donated buffers with outputs by size and order, which copies every shard and
       optimizer state tensor in and out of each step (see ``donation_order``);
