@@ -32,11 +32,21 @@ def _ceil_to(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _starts(sizes: Sequence[int]) -> Tuple[int, ...]:
+    """Where each of ``sizes`` starts when they are laid end to end."""
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return tuple(out)
+
+
 @dataclass(frozen=True)
-class FlatLayout:
+class _Tensors:
+    """Several tensors sharded as one group, in units of ``multiple`` elements."""
     shapes: Tuple[torch.Size, ...]
     world_size: int
-    multiple: int = 1  # elements per shard are a multiple of this
+    multiple: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or self.multiple < 1:
@@ -50,6 +60,11 @@ class FlatLayout:
     def numel(self) -> int:
         return sum(self.numels)
 
+
+@dataclass(frozen=True)
+class FlatLayout(_Tensors):
+    """Elements per shard are a multiple of ``multiple``."""
+
     @property
     def padded_numel(self) -> int:
         return _ceil_to(max(self.numel, 1), self.world_size * self.multiple)
@@ -60,11 +75,7 @@ class FlatLayout:
 
     @property
     def offsets(self) -> Tuple[int, ...]:
-        out, at = [], 0
-        for n in self.numels:
-            out.append(at)
-            at += n
-        return tuple(out)
+        return _starts(self.numels)
 
     def shard_range(self, rank: int) -> Tuple[int, int]:
         """[start, end) of ``rank``'s shard in the padded flat tensor."""
@@ -102,22 +113,8 @@ class FlatLayout:
 
 
 @dataclass(frozen=True)
-class InterleavedLayout:
-    shapes: Tuple[torch.Size, ...]
-    world_size: int
-    multiple: int = 1  # elements of each parameter per shard are a multiple of this
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1 or self.multiple < 1:
-            raise ValueError(f"world_size and multiple must be >= 1: {self}")
-
-    @property
-    def numels(self) -> Tuple[int, ...]:
-        return tuple(math.prod(s) for s in self.shapes)
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
+class InterleavedLayout(_Tensors):
+    """Elements of each parameter per shard are a multiple of ``multiple``."""
 
     @property
     def piece_numels(self) -> Tuple[int, ...]:
@@ -127,11 +124,7 @@ class InterleavedLayout:
 
     @property
     def piece_offsets(self) -> Tuple[int, ...]:
-        out, at = [], 0
-        for n in self.piece_numels:
-            out.append(at)
-            at += n
-        return tuple(out)
+        return _starts(self.piece_numels)
 
     @property
     def padded_numel(self) -> int:
