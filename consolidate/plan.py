@@ -56,7 +56,7 @@ class ModelPlan:
 
 def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPlan:
     groups: List[GroupSpec] = []
-    flatten_info = dict(metadata.get("flatten_info", {}), **metadata.get("interleave_info", {}))
+    flatten_info = {**metadata.get("flatten_info", {}), **metadata.get("interleave_info", {})}
     layout_info = metadata.get("layout_info", {})
     for path, shards in metadata["shard_info"].items():
         prefix = path + "." if path else ""

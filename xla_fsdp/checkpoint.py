@@ -104,7 +104,8 @@ def load_sharded(path_prefix: str, model: Any,
         raise CheckpointError(
             f"{path} was saved from a model sharded differently (fingerprint {ours['fingerprint']}, "
             f"this model's is {expected}): the wrapping, parameter shapes or options such as "
-            f"flatten_parameters/shard_param_on_dim_0 differ")
+            f"flatten_parameters/shard_param_on_dim_0 differ. Consolidate it with "
+            f"consolidate_sharded_ckpts and load the result with model.load_full_state_dict()")
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     model.load_state_dict(checkpoint["model"])
     if optimizer is not None:

@@ -176,7 +176,8 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
 
         self.training_state = TrainingState.IDLE
         self.has_full_params = False
-        self._gathered: Optional[List[List[torch.Tensor]]] = None  # per group; issued, not installed
+        # per group: issued all-gathers, not yet installed
+        self._gathered: Optional[List[List[torch.Tensor]]] = None
         self._gathered_versions: Tuple[tuple, ...] = ()
         self.reshard_after_backward = True
         self._reshard_after_forward_set = False

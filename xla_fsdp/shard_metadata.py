@@ -68,7 +68,8 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
                    for name, buf in root.named_buffers() if hasattr(buf, "_orig_dtype")}
     return {"shard_info": shard_info, "flatten_info": flatten_info,
             "interleave_info": interleave_info, "buffer_info": buffer_info,
-            "shared_info": shared_info, "layout_info": layout_info, "param_order": _plain_parameter_order(root, units),
+            "shared_info": shared_info, "layout_info": layout_info,
+            "param_order": _plain_parameter_order(root, units),
             "world_size": root.world_size, "rank": root.rank}
 
 
