@@ -47,6 +47,7 @@ IMPLS = ("xla_fsdp", "torch_xla")
 # others are levers measured on their own (see benchmarks/results/levers/).
 SETTINGS = {"defaults": {}, "flattened": {"flatten_parameters": True},
             "coalesced": {"coalesce_all_gather_ops": True},
+            "flattened_coalesced": {"flatten_parameters": True, "coalesce_all_gather_ops": True},
             "no_barriers": {"optimization_barrier_in_forward": False,
                             "optimization_barrier_in_backward": False},
             # controls only xla_fsdp has; torch_xla runs the same options without them
@@ -187,7 +188,8 @@ def _mark(marks_dir: str, label: str) -> None:
 
 # -- reading the step graph ----------------------------------------------------------------
 _COLLECTIVE = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"
+    # a tuple's shape may carry /*index=5*/ markers, the only '=' allowed before the op
+    r"=\s*(?P<shape>\((?:/\*index=\d+\*/|[^=])*?\)|\w+\[[^\]]*\](?:\{[^}]*\})?)\s+"
     r"(?P<op>all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute)"
     r"(?:-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>pred|[a-z]+\d+)\[(?P<dims>[0-9,]*)\]")
@@ -317,21 +319,29 @@ def analytic(cfg: Config, devices: int) -> dict:
 
 
 def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace) -> List[dict]:
+    from xla_fsdp.launch import LaunchError
     runs: Dict[str, List[dict]] = {impl: [] for impl in IMPLS}
-    inspections = {}
+    inspections, crashes = {}, {}
     for impl in IMPLS:
         print(f"{setting} N={devices} {impl}: inspection run", flush=True)
-        inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
+        try:
+            inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
+        except LaunchError as error:  # a wrapper that dies in a setting is a result too
+            crashes[impl] = str(error).splitlines()[0]
+            print(f"{setting} N={devices} {impl}: {crashes[impl]}", flush=True)
+    running = [impl for impl in IMPLS if impl not in crashes]
     for rep in range(args.repeats):
-        for impl in (IMPLS if rep % 2 == 0 else IMPLS[::-1]):
+        for impl in (running if rep % 2 == 0 else running[::-1]):
             run = one_run(impl, setting, cfg, devices, inspect=False)
             print(f"{setting} N={devices} {impl} rep {rep + 1}: step "
                   f"{statistics.median(run['times'][args.warmup:]):.3f} s, first "
                   f"{run['times'][0]:.1f} s, loss {run['losses'][-1]:.4f}", flush=True)
             runs[impl].append(run)
     bound = analytic(cfg, devices)
-    return [dict(summarize(impl, setting, runs[impl], inspections[impl], cfg, devices,
-                           args.warmup), analytic=bound) for impl in IMPLS]
+    crashed = [{"impl": impl, "setting": setting, "devices": devices, "crashed": why,
+                "analytic": bound} for impl, why in crashes.items()]
+    return crashed + [dict(summarize(impl, setting, runs[impl], inspections[impl], cfg,
+                                     devices, args.warmup), analytic=bound) for impl in running]
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import List
 
-MB = 2**20
+MB = 2**20  # "MB" in the tables is MiB, for measurements and minima alike
 
 
 def _pairs(results: List[dict]):
@@ -67,7 +67,7 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         "(the one every later step reuses) and XLA's compiled-program memory statistics for "
         "it (`PT_XLA_DEBUG_LEVEL=2`: arguments + outputs - aliased + temporaries, per rank). "
         "Bytes moved count what each rank sends in a ring: (N-1)/N of an all-gather's "
-        "result or of a reduce-scatter's input.",
+        "result or of a reduce-scatter's input. MB means 2^20 bytes throughout.",
         "",
     ]
     lines += ["## Summary (ratios ours/theirs)", "",
@@ -76,29 +76,48 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (setting, devices), pair in _pairs(results):
         ours, theirs = pair["xla_fsdp"], pair["torch_xla"]
+        if "crashed" in ours:
+            lines.append(f"| {setting} | {devices} | xla_fsdp crashed | | | | | | |")
+            continue
+        graphs = "crashed" if "crashed" in theirs else theirs["graphs_compiled"]
         lines.append(
-            f"| {setting} | {devices} | {ours['step_seconds'] / theirs['step_seconds']:.3f} | "
-            f"{ours['first_step_seconds'] / theirs['first_step_seconds']:.3f} | "
+            f"| {setting} | {devices} | {_ratio(ours, theirs, 'step_seconds')} | "
+            f"{_ratio(ours, theirs, 'first_step_seconds')} | "
             f"{_ratio(ours, theirs, 'ready_seconds')} | "
-            f"{ours['graphs_compiled']} vs {theirs['graphs_compiled']} | "
+            f"{ours['graphs_compiled']} vs {graphs} | "
             f"{ours['collective_bytes'] / ours['analytic']['min_collective_bytes']:.4f} | "
-            f"{ours['peak_bytes'] / theirs['peak_bytes']:.3f} | "
+            f"{_ratio(ours, theirs, 'peak_bytes')} | "
             f"{ours['peak_bytes'] / ours['analytic']['min_peak_bytes']:.3f} |")
     lines.append("")
     for (setting, devices), pair in _pairs(results):
         ours, theirs = pair["xla_fsdp"], pair["torch_xla"]
         bound = ours["analytic"]
+        if "crashed" in ours:
+            lines += [f"## {setting}, N = {devices}", "", f"xla_fsdp: {ours['crashed']}", ""]
+            continue
+        # if torch_xla crashed its ratios are n/a; our own bounds (bytes, memory,
+        # recompilation) still count
         lines += [f"## {setting}, N = {devices}", "",
                   f"{bound['params'] / 1e6:.1f} M parameters in {bound['units']} units, "
                   f"largest {bound['largest_unit'] / 1e6:.2f} M.", "",
                   "| | xla_fsdp | torch_xla | ours/theirs | target |",
                   "| --- | --- | --- | --- | --- |"]
 
-        def ratio_row(label, key, fmt, target=None, scale=1.0):
-            a, b = ours[key] * scale, theirs[key] * scale
-            r = a / b if b else float("nan")
-            t = "" if target is None else f"<= {target} ({_verdict(r <= target)})"
-            lines.append(f"| {label} | {a:{fmt}} | {b:{fmt}} | {r:.3f} | {t} |")
+        def ratio_row(label, key, fmt, target=None, scale=1.0, own_target=None, ratio=True):
+            """One measurement of both. ``own_target`` is (bound, whether ours meets it, or
+            None if that cannot be told), for bounds that are not on the ratio."""
+            a, b = ours[key] * scale, theirs.get(key)
+            r = None if b is None else (a / (b * scale) if b else float("nan"))
+            if own_target is not None:
+                met = own_target[1]
+                t = f"<= {own_target[0]} ({'n/a' if met is None else _verdict(met)})"
+            elif target is not None:
+                t = f"<= {target} ({'n/a' if r is None else _verdict(r <= target)})"
+            else:
+                t = ""
+            them = "crashed" if b is None else f"{b * scale:{fmt}}"
+            shown = "" if r is None or not ratio else f"{r:.3f}"
+            lines.append(f"| {label} | {a:{fmt}} | {them} | {shown} | {t} |")
 
         ratio_row("median step time (s)", "step_seconds", ".3f", 0.85)
         ratio_row("time to first step (s)", "first_step_seconds", ".2f", 0.8)
@@ -107,30 +126,37 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         ratio_row("second step (s; compiles the graph with optimizer state)",
                   "second_step_seconds", ".2f")
         ratio_row("wrapping the model (s)", "wrap_seconds", ".2f")
-        a, b = ours["graphs_compiled"], theirs["graphs_compiled"]
-        lines.append(f"| graphs compiled | {a} | {b} | {a / b:.3f} | <= theirs "
-                     f"({_verdict(a <= b)}) |")
-        a, b = ours["recompiles_after_step_2"], theirs["recompiles_after_step_2"]
+        a, b = ours["graphs_compiled"], theirs.get("graphs_compiled")
+        lines.append(f"| graphs compiled | {a} | {b if b is not None else 'crashed'} | "
+                     f"{'' if b is None else f'{a / b:.3f}'} | <= theirs "
+                     f"({'n/a' if b is None else _verdict(a <= b)}) |")
+        a, b = ours["recompiles_after_step_2"], theirs.get("recompiles_after_step_2", "")
         lines.append(f"| recompilations after step 2 | {a} | {b} | | 0 ({_verdict(a == 0)}) |")
-        kinds = sorted(set(ours["collectives"]) | set(theirs["collectives"]))
-        for kind in kinds:
+        for kind in sorted(set(ours["collectives"]) | set(theirs.get("collectives", {}))):
             a = ours["collectives"].get(kind, {"count": 0})["count"]
+            if "crashed" in theirs:
+                lines.append(f"| {kind} per step | {a} | crashed | | |")
+                continue
             b = theirs["collectives"].get(kind, {"count": 0})["count"]
             lines.append(f"| {kind} per step | {a} | {b} | {a / b if b else float('nan'):.3f} | |")
         ratio_row("MB moved per step per rank", "collective_bytes", ".2f", scale=1 / MB)
         minimum = bound["min_collective_bytes"]
-        a, b = ours["collective_bytes"] / minimum, theirs["collective_bytes"] / minimum
-        lines.append(f"| ... over the analytic minimum ({minimum / MB:.2f} MB) | {a:.4f} | "
-                     f"{b:.4f} | | <= 1.02 ({_verdict(a <= 1.02)}) |")
-        a, b = ours["peak_bytes"], theirs["peak_bytes"]
-        lines.append(f"| peak memory per rank (MB, XLA) | {a / MB:.1f} | {b / MB:.1f} | "
-                     f"{a / b:.3f} | <= theirs ({_verdict(a <= b)}) |")
+        ratio_row(f"... over the analytic minimum ({minimum / MB:.2f} MB)", "collective_bytes",
+                  ".4f", scale=1 / minimum, ratio=False,
+                  own_target=(1.02, ours["collective_bytes"] / minimum <= 1.02))
+        ratio_row("peak memory per rank (MB, XLA)", "peak_bytes", ".1f", scale=1 / MB,
+                  own_target=("theirs", None if "crashed" in theirs else
+                              ours["peak_bytes"] <= theirs["peak_bytes"]))
         minimum = bound["min_peak_bytes"]
-        lines.append(f"| ... over the analytic minimum ({minimum / MB:.1f} MB) | "
-                     f"{a / minimum:.3f} | {b / minimum:.3f} | | <= 1.25 "
-                     f"({_verdict(a / minimum <= 1.25)}) |")
+        ratio_row(f"... over the analytic minimum ({minimum / MB:.1f} MB)", "peak_bytes", ".3f",
+                  scale=1 / minimum, ratio=False,
+                  own_target=(1.25, ours["peak_bytes"] / minimum <= 1.25))
+        lines.append("")
+        if "crashed" in theirs:
+            lines += [f"torch_xla: {theirs['crashed']}", ""]
+            continue
         diff = max(abs(x - y) for x, y in zip(ours["losses"], theirs["losses"]))
-        lines += ["", f"Largest loss difference between the two over {len(ours['losses'])} "
+        lines += [f"Largest loss difference between the two over {len(ours['losses'])} "
                   f"steps: {diff:.2e}. Per-run step times (s): xla_fsdp "
                   f"{', '.join(f'{t:.3f}' for t in ours['step_seconds_runs'])}; torch_xla "
                   f"{', '.join(f'{t:.3f}' for t in theirs['step_seconds_runs'])}.", ""]
@@ -152,7 +178,9 @@ def plot(results: List[dict], path: str) -> None:
     for ax, (title, key, scale, bound) in zip(axes, panels):
         xs = range(len(pairs))
         for offset, impl in ((-width / 2, "xla_fsdp"), (width / 2, "torch_xla")):
-            ax.bar([x + offset for x in xs], [p[impl][key] / scale for _, p in pairs], width,
+            # a wrapper that crashed in a setting gets no bar there
+            ax.bar([x + offset for x in xs],
+                   [p[impl].get(key, float("nan")) / scale for _, p in pairs], width,
                    label=impl)
         if bound:
             for x, (_, p) in zip(xs, pairs):
