@@ -67,9 +67,13 @@ class BackwardHooks:
                 continue
             g.pending_grads = len(g.params)
             for p in g.params:
+                # A leaf holds its AccumulateGrad node weakly: unless we keep it, it dies
+                # with the expand_as below, forward makes a new one without the hook, and
+                # every reduce-scatter waits for the end of backward (holding every full
+                # gradient until then).
                 accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-                g.hooks.append(accumulator.register_hook(
-                    functools.partial(self._post_backward, g)))
+                g.hooks.append((accumulator, accumulator.register_hook(
+                    functools.partial(self._post_backward, g))))
 
     @torch.no_grad()
     def _post_backward(self, group: ShardGroup, *unused: Any) -> None:
@@ -144,7 +148,7 @@ class BackwardHooks:
                     # some parameters of the group took no part in this backward
                     g.pending_grads = 0
                     unit._group_grads_ready(g)
-                for handle in g.hooks:
+                for _, handle in g.hooks:
                     handle.remove()
                 g.hooks.clear()
                 g.pending_grads = 0

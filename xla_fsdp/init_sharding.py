@@ -24,7 +24,7 @@ class ShardGroup:
     params: List[torch.Tensor]            # full-parameter placeholders
     names: List[str]                      # names relative to the wrapped module
     pending_grads: int = 0                # grads still to arrive in this backward
-    hooks: List[Any] = field(default_factory=list)
+    hooks: List[Any] = field(default_factory=list)  # (AccumulateGrad node, its hook handle)
 
 
 def find_parameters(roots: List[Tuple[str, nn.Module]], unit: Any

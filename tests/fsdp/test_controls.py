@@ -165,6 +165,11 @@ def test_controls(tmp_path):
         pos_dot, dot, _ = _find(entry, "dot", layer1_output)[-1]
         depends = dot in _ancestors(entry, gather)
         assert (pos_gather < pos_dot and not depends) if prefetch else depends, (prefetch,)
+        # each unit's gradients are reduce-scattered as its backward ends (collectives are
+        # chained in issue order), not all at the end of backward: without prefetch, layer
+        # 2's come before layer 1's backward gather, in the first step of a fresh model too
+        (pos_reduce, _, _), = _find(entry, "reduce-scatter", f"f32[{DIMS[2] * DIMS[3] // WORLD}]")
+        assert prefetch or pos_reduce < pos_gather, (pos_reduce, pos_gather)
 
         # the grouped unit: one all-gather carries layer 0 and layer 3, forward and backward
         both = [t for _, _, t in _find(entry, "all-gather", "(")
