@@ -40,6 +40,11 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
 
+def _bound(limit, ok) -> str:
+    """A target's text; ``ok`` is None when it cannot be told (the competitor crashed)."""
+    return f"<= {limit} ({'n/a' if ok is None else _verdict(ok)})"
+
+
 def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
     lines = [
         "# Training step: xla_fsdp vs torch_xla's FSDP",
@@ -103,54 +108,50 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
                   "| | xla_fsdp | torch_xla | ours/theirs | target |",
                   "| --- | --- | --- | --- | --- |"]
 
-        def ratio_row(label, key, fmt, target=None, scale=1.0, own_target=None, ratio=True):
-            """One measurement of both. ``own_target`` is (bound, whether ours meets it, or
-            None if that cannot be told), for bounds that are not on the ratio."""
-            a, b = ours[key] * scale, theirs.get(key)
-            r = None if b is None else (a / (b * scale) if b else float("nan"))
-            if own_target is not None:
-                met = own_target[1]
-                t = f"<= {own_target[0]} ({'n/a' if met is None else _verdict(met)})"
-            elif target is not None:
-                t = f"<= {target} ({'n/a' if r is None else _verdict(r <= target)})"
-            else:
-                t = ""
-            them = "crashed" if b is None else f"{b * scale:{fmt}}"
-            shown = "" if r is None or not ratio else f"{r:.3f}"
-            lines.append(f"| {label} | {a:{fmt}} | {them} | {shown} | {t} |")
+        def row(label, a, b, fmt, target="", ratio=True):
+            """``b`` is None when torch_xla crashed in this setting."""
+            shown = "" if b is None or not ratio else f"{a / b:.3f}" if b else "nan"
+            them = "crashed" if b is None else f"{b:{fmt}}"
+            lines.append(f"| {label} | {a:{fmt}} | {them} | {shown} | {target} |")
 
-        ratio_row("median step time (s)", "step_seconds", ".3f", 0.85)
-        ratio_row("time to first step (s)", "first_step_seconds", ".2f", 0.8)
+        def theirs_of(key):
+            return None if "crashed" in theirs else theirs[key]
+
+        def both(label, key, fmt, limit=None):
+            """A row whose target, if any, bounds the ratio ours/theirs."""
+            a, b = ours[key], theirs_of(key)
+            row(label, a, b, fmt, "" if limit is None else
+                _bound(limit, None if b is None else a / b <= limit))
+
+        both("median step time (s)", "step_seconds", ".3f", 0.85)
+        both("time to first step (s)", "first_step_seconds", ".2f", 0.8)
         if "ready_seconds" in ours:  # runs saved before it was reported lack it
-            ratio_row("... counted from the start of wrapping (s)", "ready_seconds", ".2f", 0.8)
-        ratio_row("second step (s; compiles the graph with optimizer state)",
-                  "second_step_seconds", ".2f")
-        ratio_row("wrapping the model (s)", "wrap_seconds", ".2f")
-        a, b = ours["graphs_compiled"], theirs.get("graphs_compiled")
-        lines.append(f"| graphs compiled | {a} | {b if b is not None else 'crashed'} | "
-                     f"{'' if b is None else f'{a / b:.3f}'} | <= theirs "
-                     f"({'n/a' if b is None else _verdict(a <= b)}) |")
-        a, b = ours["recompiles_after_step_2"], theirs.get("recompiles_after_step_2", "")
-        lines.append(f"| recompilations after step 2 | {a} | {b} | | 0 ({_verdict(a == 0)}) |")
+            both("... counted from the start of wrapping (s)", "ready_seconds", ".2f", 0.8)
+        both("second step (s; compiles the graph with optimizer state)",
+             "second_step_seconds", ".2f")
+        both("wrapping the model (s)", "wrap_seconds", ".2f")
+        a, b = ours["graphs_compiled"], theirs_of("graphs_compiled")
+        row("graphs compiled", a, b, "d", _bound("theirs", None if b is None else a <= b))
+        a = ours["recompiles_after_step_2"]
+        row("recompilations after step 2", a, theirs_of("recompiles_after_step_2"), "d",
+            f"0 ({_verdict(a == 0)})", ratio=False)
         for kind in sorted(set(ours["collectives"]) | set(theirs.get("collectives", {}))):
-            a = ours["collectives"].get(kind, {"count": 0})["count"]
-            if "crashed" in theirs:
-                lines.append(f"| {kind} per step | {a} | crashed | | |")
-                continue
-            b = theirs["collectives"].get(kind, {"count": 0})["count"]
-            lines.append(f"| {kind} per step | {a} | {b} | {a / b if b else float('nan'):.3f} | |")
-        ratio_row("MB moved per step per rank", "collective_bytes", ".2f", scale=1 / MB)
+            count = {r["impl"]: r["collectives"].get(kind, {"count": 0})["count"]
+                     for r in (ours, theirs) if "crashed" not in r}
+            row(f"{kind} per step", count["xla_fsdp"], count.get("torch_xla"), "d")
+        a, b = ours["collective_bytes"], theirs_of("collective_bytes")
+        row("MB moved per step per rank", a / MB, None if b is None else b / MB, ".2f")
         minimum = bound["min_collective_bytes"]
-        ratio_row(f"... over the analytic minimum ({minimum / MB:.2f} MB)", "collective_bytes",
-                  ".4f", scale=1 / minimum, ratio=False,
-                  own_target=(1.02, ours["collective_bytes"] / minimum <= 1.02))
-        ratio_row("peak memory per rank (MB, XLA)", "peak_bytes", ".1f", scale=1 / MB,
-                  own_target=("theirs", None if "crashed" in theirs else
-                              ours["peak_bytes"] <= theirs["peak_bytes"]))
+        row(f"... over the analytic minimum ({minimum / MB:.2f} MB)", a / minimum,
+            None if b is None else b / minimum, ".4f", _bound(1.02, a / minimum <= 1.02),
+            ratio=False)
+        a, b = ours["peak_bytes"], theirs_of("peak_bytes")
+        row("peak memory per rank (MB, XLA)", a / MB, None if b is None else b / MB, ".1f",
+            _bound("theirs", None if b is None else a <= b))
         minimum = bound["min_peak_bytes"]
-        ratio_row(f"... over the analytic minimum ({minimum / MB:.1f} MB)", "peak_bytes", ".3f",
-                  scale=1 / minimum, ratio=False,
-                  own_target=(1.25, ours["peak_bytes"] / minimum <= 1.25))
+        row(f"... over the analytic minimum ({minimum / MB:.1f} MB)", a / minimum,
+            None if b is None else b / minimum, ".3f", _bound(1.25, a / minimum <= 1.25),
+            ratio=False)
         lines.append("")
         if "crashed" in theirs:
             lines += [f"torch_xla: {theirs['crashed']}", ""]
