@@ -77,7 +77,7 @@ class BackwardHooks:
 
     @torch.no_grad()
     def _post_backward(self, group: ShardGroup, *unused: Any) -> None:
-        self._assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
+        self.assert_state([TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST])
         self.training_state = TrainingState.BACKWARD_POST
         group.pending_grads -= 1
         if group.pending_grads == 0:

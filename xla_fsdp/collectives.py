@@ -8,7 +8,7 @@ no pinned form of the coalesced (list) all-gather, so coalesced gathers are neve
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import AbstractSet, List, Optional, Sequence
 
 import torch
 
@@ -17,16 +17,22 @@ class Collectives:
     """Collectives over one sharding group, as FSDP uses them."""
 
     def __init__(self, world_size: int, groups: Optional[List[List[int]]],
-                 pin_layout: bool) -> None:
+                 pin_layout: bool, rank: int = 0, dummy: AbstractSet[str] = frozenset()) -> None:
         self.world_size = world_size
         self.groups = groups
         self.pin_layout = pin_layout
+        self.rank = rank
+        # torch_xla's _debug_dummy_*_op switches: local stand-ins with the collectives'
+        # shapes, to measure what a step costs without them. Their results are wrong.
+        self.dummy = frozenset(dummy)
 
     def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
         """Concatenations along dim 0 of every rank's shard, one per input."""
         import torch_xla.core.xla_model as xm
         if not shards:
             return []
+        if "all_gather" in self.dummy:
+            return [s.repeat((self.world_size,) + (1,) * (s.dim() - 1)) for s in shards]
         if coalesce and len(shards) > 1 or not self.pin_layout:
             return list(xm.all_gather(list(shards), dim=0, groups=self.groups, pin_layout=False))
         return [xm.all_gather(s, dim=0, groups=self.groups, pin_layout=True,
@@ -47,8 +53,13 @@ class Collectives:
             buffer = tensors[0]
         else:
             buffer = torch.cat([t.reshape(n, -1) for t in tensors], dim=1).reshape(-1)
-        reduced = xm.reduce_scatter(xm.REDUCE_SUM, buffer, scale=scale, scatter_dim=0,
-                                    shard_count=n, groups=self.groups, pin_layout=self.pin_layout)
+        if "reduce_scatter" in self.dummy:
+            block = buffer.shape[0] // n
+            reduced = buffer.narrow(0, self.rank * block, block) * scale
+        else:
+            reduced = xm.reduce_scatter(xm.REDUCE_SUM, buffer, scale=scale, scatter_dim=0,
+                                        shard_count=n, groups=self.groups,
+                                        pin_layout=self.pin_layout)
         if len(tensors) == 1:
             return [reduced]
         # Clones, not views: a live view keeps its base alive too, and torch_xla then makes
@@ -60,11 +71,15 @@ class Collectives:
     def all_reduce_sum(self, tensor: torch.Tensor,
                        groups: Optional[List[List[int]]] = None) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
+        if "all_reduce" in self.dummy:
+            return tensor.clone()
         return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=groups, pin_layout=self.pin_layout)
 
     def all_reduce_max(self, tensor: torch.Tensor,
                        groups: Optional[List[List[int]]] = None) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
+        if "all_reduce" in self.dummy:
+            return tensor.clone()
         return xm.all_reduce(xm.REDUCE_MAX, tensor, groups=groups, pin_layout=self.pin_layout)
 
 

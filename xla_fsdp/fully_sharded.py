@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -42,7 +43,7 @@ from .patched_linear import patch_linear_layers
 from .safety import install_optimizer_guard, validate_module
 from .shard_layout import Dim0Layout
 from .shard_metadata import original_names_and_shards, shard_metadata
-from .training_state import TrainingState
+from .training_state import TrainingState, TrainingStateError
 
 
 
@@ -105,9 +106,17 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         auto_wrap_policy: Optional[Callable] = None,
         auto_wrapper_callable: Optional[Callable] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
-        mark_step_on_finalization: Optional[bool] = None,
         _shard_size_multiple: int = 1,
         _use_xla_patched_linear: bool = True,
+        _debug_dummy_forward_pass: bool = False,
+        _debug_msg: str = "xla_fsdp",
+        _debug_print: bool = False,
+        _debug_dummy_all_gather_op: bool = False,
+        _debug_dummy_all_reduce_op: bool = False,
+        _debug_dummy_reduce_scatter_op: bool = False,
+        _debug_dummy_optimization_barrier_op: bool = False,
+        mark_step_on_finalization: Optional[bool] = None,
+        on_neuron: bool = False,
     ) -> None:
         grouping = isinstance(module, (list, tuple))
         if grouping:
@@ -121,19 +130,27 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         options = FsdpOptions.build(
             reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
             execute_sharding_on_init=execute_sharding_on_init,
-            optimization_barrier_in_forward=optimization_barrier_in_forward,
-            optimization_barrier_in_backward=optimization_barrier_in_backward,
+            optimization_barrier_in_forward=(optimization_barrier_in_forward and
+                                             not _debug_dummy_optimization_barrier_op),
+            optimization_barrier_in_backward=(optimization_barrier_in_backward and
+                                              not _debug_dummy_optimization_barrier_op),
             sync_on_finalization=(sync_on_finalization if mark_step_on_finalization is None
                                   else mark_step_on_finalization),
             disable_reshard_on_root=disable_reshard_on_root, compute_dtype=compute_dtype,
             buffer_dtype=buffer_dtype, fp32_reduce_scatter=fp32_reduce_scatter,
             sharding_groups=sharding_groups, sharding_rank=sharding_rank,
-            sharding_world_size=sharding_world_size, shard_param_on_dim_0=shard_param_on_dim_0,
+            sharding_world_size=sharding_world_size,
+            shard_param_on_dim_0=shard_param_on_dim_0 or on_neuron,
             pin_layout_in_collective_ops=pin_layout_in_collective_ops,
             reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb or 0,
             coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
             shard_size_multiple=_shard_size_multiple,
-            use_xla_patched_linear=_use_xla_patched_linear)
+            use_xla_patched_linear=_use_xla_patched_linear,
+            debug_dummy_forward_pass=_debug_dummy_forward_pass, debug_msg=_debug_msg,
+            debug_print=_debug_print, debug_dummy_all_gather_op=_debug_dummy_all_gather_op,
+            debug_dummy_all_reduce_op=_debug_dummy_all_reduce_op,
+            debug_dummy_reduce_scatter_op=_debug_dummy_reduce_scatter_op,
+            debug_dummy_optimization_barrier_op=_debug_dummy_optimization_barrier_op)
         super().__init__()
         if auto_wrap_policy is not None:
             from .wrap import recursive_wrap
@@ -147,7 +164,11 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
         self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
         self._collectives = Collectives(self.world_size, self.sharding_groups,
-                                        options.pin_layout_in_collective_ops)
+                                        options.pin_layout_in_collective_ops, self.rank,
+                                        options.dummy_collectives)
+        if options.debug_dummy_forward_pass:
+            warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
+                          "torch_xla and has no effect in xla_fsdp: the real forward runs")
         self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
         self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
 
@@ -203,6 +224,11 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         return [g.shard for g in self._groups]
 
     @property
+    def params_with_grad(self) -> List[nn.Parameter]:
+        """This unit's parameters (shards, and any unsharded ones) that have a gradient."""
+        return [p for p in self.parameters() if p.grad is not None]
+
+    @property
     def full_params(self) -> List[torch.Tensor]:
         return [p for g in self._groups for p in g.params]
 
@@ -236,7 +262,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it
         (defaults: a power of two near sqrt(N), and N / pre). A float32 reduction needs no
         headroom, so there both divisions happen after it."""
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
             unit.gradient_predivide_factor = pre
             unit.gradient_postdivide_factor = post
@@ -246,7 +272,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         """Whether the unit frees its full parameters after its forward (and gathers them
         again for backward). ``False`` saves one all-gather per unit and step and keeps the
         full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
             unit.reshard_after_forward = bool(reshard_after_forward)
             unit._reshard_after_forward_set = True
@@ -257,7 +283,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         them into the next forward, which then gathers nothing: for gradient accumulation,
         with ``True`` again before the last micro-batch. Parameters an optimizer step (or a
         load) has changed since they were gathered are gathered again, never reused."""
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
             unit.reshard_after_backward = bool(reshard_after_backward)
 
@@ -292,12 +318,12 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         """Gathers this unit's full parameters now, in the graph being traced; its next
         forward uses them instead of gathering (then frees them if ``reshard_after_forward``).
         E.g. to start a unit's gather before unrelated work of the step."""
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         self._rebuild_full_params([], self._options.optimization_barrier_in_forward)
 
     def reshard(self) -> None:
         """Frees this unit's full parameters (and any gather issued for it)."""
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
         self._free_full_params(self._groups, [], self._options.optimization_barrier_in_forward)
 
     @contextlib.contextmanager
@@ -325,7 +351,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         groups, whose ranks together hold every shard exactly once."""
         self._check_root_call("clip_grad_norm_")
         groups = self.sharding_groups if groups is None else groups
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.params_with_grad]
         norm_type = float(norm_type)
         if not grads:
             return torch.tensor(0.0, device=self.xla_device)
@@ -393,13 +419,16 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
     def _lazy_init(self) -> None:
         if self._is_root is None:
             self._is_root = True
-            self._assert_state(TrainingState.IDLE)
+            self.assert_state(TrainingState.IDLE)
             check_all_placed(self)
             self._backward_barrier_tensors: List[torch.Tensor] = []
             for unit in self.units():
                 if unit is not self:
                     unit._is_root = False
                     unit._backward_barrier_tensors = self._backward_barrier_tensors
+            if self._options.debug_print and self.rank == 0:
+                print(f"root FSDP unit got {len(list(self.parameters()))} sharded parameters "
+                      f"(_debug_msg: {self._options.debug_msg})")
         if (self._is_root and self._options.disable_reshard_on_root
                 and not self._reshard_after_forward_set):
             self.reshard_after_forward = False
@@ -410,12 +439,13 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
             raise RuntimeError(
                 f"{what}() must be called on the root FSDP unit, not on a nested unit "
                 f"({type(self.module).__name__}); call it on the outermost wrapper")
-        self._assert_state(TrainingState.IDLE)
+        self.assert_state(TrainingState.IDLE)
 
-    def _assert_state(self, states: Union[TrainingState, Sequence[TrainingState]]) -> None:
+    def assert_state(self, states: Union[TrainingState, Sequence[TrainingState]]) -> None:
+        """Raises ``TrainingStateError`` unless the unit is in one of ``states``."""
         states = [states] if isinstance(states, TrainingState) else list(states)
         if self.training_state not in states:
-            raise RuntimeError(
+            raise TrainingStateError(
                 f"FSDP unit around {type(self.module).__name__} is in state "
                 f"{self.training_state.name}, expected {[s.name for s in states]}. This happens "
                 f"when a nested unit is called outside its parent's forward, or when "

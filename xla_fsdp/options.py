@@ -32,6 +32,13 @@ class FsdpOptions:
     param_init_fn: Optional[Callable]
     shard_size_multiple: int
     use_xla_patched_linear: bool
+    debug_dummy_forward_pass: bool
+    debug_msg: str
+    debug_print: bool
+    debug_dummy_all_gather_op: bool
+    debug_dummy_all_reduce_op: bool
+    debug_dummy_reduce_scatter_op: bool
+    debug_dummy_optimization_barrier_op: bool
     rank: int
     world_size: int
 
@@ -54,9 +61,22 @@ class FsdpOptions:
         kw = asdict(self)
         for derived in ("rank", "world_size"):
             kw.pop(derived)
-        kw["_shard_size_multiple"] = kw.pop("shard_size_multiple")
-        kw["_use_xla_patched_linear"] = kw.pop("use_xla_patched_linear")
+        for name in _UNDERSCORED:
+            kw["_" + name] = kw.pop(name)
         return kw
+
+    @property
+    def dummy_collectives(self) -> frozenset:
+        """The collectives replaced by local stand-ins of the same shapes (debugging)."""
+        return frozenset(op for op in ("all_gather", "all_reduce", "reduce_scatter")
+                         if getattr(self, f"debug_dummy_{op}_op"))
+
+
+# Options spelled with a leading underscore in the constructor (torch_xla's private ones).
+_UNDERSCORED = ("shard_size_multiple", "use_xla_patched_linear", "debug_dummy_forward_pass",
+                "debug_msg", "debug_print", "debug_dummy_all_gather_op",
+                "debug_dummy_all_reduce_op", "debug_dummy_reduce_scatter_op",
+                "debug_dummy_optimization_barrier_op")
 
 
 def _resolve_ranks(groups: Optional[List[List[int]]], rank: Optional[int],

@@ -7,3 +7,8 @@ class TrainingState(Enum):
     FORWARD = auto()
     BACKWARD_PRE = auto()
     BACKWARD_POST = auto()
+
+
+class TrainingStateError(RuntimeError, ValueError):
+    """An FSDP call made in the wrong training state. A ValueError too, as torch_xla's
+    ``assert_state`` raises, so code written against it catches this one."""

@@ -12,13 +12,17 @@ What is routed:
 * ``xm.rendezvous`` / ``xm.xla_rendezvous``: exchanged through the ring (the XLA version
   builds rank-specific graphs),
 * ``xm.wait_device_ops()``: waits for this rank's device only (waiting on all devices from
-  one thread while holding the GIL deadlocks the others).
+  one thread while holding the GIL deadlocks the others),
+* ``xm.all_gather(t, pin_layout=True)`` of one tensor: XLA's pinned all-gather instead of
+  torch_xla's rank-specific all-reduce (see [Note: pinned all-gather]),
+* ``time.sleep`` in a device thread: the other ranks run while it sleeps.
 """
 from __future__ import annotations
 
 import re
 import sys
 import threading
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -69,6 +73,7 @@ class SyncPoints:
         self._local = _RankContext()
         self._board: Dict[int, bytes] = {}
         self._any_collective_this_round = False
+        self._first_rank = 0
         self._orig: Dict[str, Callable] = {}
 
     # -- install ---------------------------------------------------------------------------
@@ -86,6 +91,10 @@ class SyncPoints:
             for name in names:
                 if hasattr(module, name):
                     setattr(module, name, self._noting_collective(getattr(module, name)))
+        self._orig["all_gather"] = xm.all_gather
+        xm.all_gather = self._all_gather
+        self._orig["sleep"] = time.sleep
+        time.sleep = self._sleep
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
         """Marks the calling thread as ``rank``'s device thread."""
@@ -108,17 +117,20 @@ class SyncPoints:
         rank = self._rank
 
         def audited_dispatch():
-            if rank == 0:
+            first = self._ring.first_to_dispatch
+            if first:
                 self._any_collective_this_round = False
+                self._first_rank = rank
             if self._local.collectives_traced:
                 self._any_collective_this_round = True
             before = self._xlac._xla_get_num_cached_compilation_graph()
             result = dispatch()
             compiled = self._xlac._xla_get_num_cached_compilation_graph() > before
             self._local.collectives_traced = False
-            if rank != 0 and compiled and self._any_collective_this_round:
+            if not first and compiled and self._any_collective_this_round:
                 raise DivergentGraphs(
-                    f"rank {rank} traced a different graph from rank 0 at {kind}, and the "
+                    f"rank {rank} traced a different graph from rank {self._first_rank} at "
+                    f"{kind}, and the "
                     f"ranks' graphs contain collectives, which would never meet. Usual "
                     f"causes: a value that depends on the rank baked into the graph (e.g. "
                     f"`t * xr.global_ordinal()`; pass rank-dependent data in as a tensor "
@@ -178,6 +190,30 @@ class SyncPoints:
 
         self._collective("xm.rendezvous()", post)
         return [self._board[r] for r in range(world)]
+
+    def _all_gather(self, value: Any, dim: int = 0, groups: Optional[List[List[int]]] = None,
+                    output: Optional[torch.Tensor] = None, pin_layout: bool = True,
+                    *args: Any, **kwargs: Any) -> Any:
+        # [Note: pinned all-gather] For one tensor with pin_layout=True and no output,
+        # torch_xla 2.9 gathers by all-reducing a zero buffer holding this rank's value at
+        # its rank's offset, which bakes the rank into the graph: every rank compiles its
+        # own module and the collectives never meet here. With an output buffer the same
+        # call is XLA's own all-gather, layout still pinned, with the same values.
+        if (self._rank is not None and pin_layout and output is None
+                and isinstance(value, torch.Tensor)):
+            dim = dim if dim >= 0 else value.dim() + dim
+            count = len(groups[0]) if groups else self._ring.world_size
+            shape = list(value.shape)
+            shape[dim] *= count
+            output = value.new_empty(shape)
+        return self._orig["all_gather"](value, dim, groups, output, pin_layout, *args, **kwargs)
+
+    def _sleep(self, seconds: float) -> None:
+        # A device thread that sleeps is waiting for something its peers do (e.g. files
+        # they write): let them run meanwhile instead of holding the turn.
+        if self._rank is None:
+            return self._orig["sleep"](seconds)
+        self._ring.step_aside(self._rank, lambda: self._orig["sleep"](seconds))
 
     # -- implicit syncs --------------------------------------------------------------------
     def materialize(self, func: Any, args: tuple, kwargs: dict) -> None:

@@ -63,6 +63,9 @@ def _restore_rng(state: tuple) -> None:
         _np.random.set_state(np_state)
 
 
+_ASIDE = Arrival("waiting outside the ring", "")
+
+
 class TurnRing:
     """A token passed 0, 1, ..., n-1, 0, ... among the ranks that have not returned."""
 
@@ -75,6 +78,8 @@ class TurnRing:
         self._finished = [False] * world_size
         self._failure: Optional[int] = None
         self._arrivals: List[Optional[Arrival]] = [None] * world_size
+        self._dispatched = 0  # ranks that have dispatched at the current collective point
+        self.first_to_dispatch = True  # during a dispatch: no rank has dispatched before it
         # Every rank starts from the same RNG state, as processes started alike would.
         initial = _capture_rng()
         self._rng = [initial] * world_size
@@ -131,11 +136,35 @@ class TurnRing:
         self._arrivals[rank] = Arrival(kind, site)
         self._pass_turn(rank)
         self._wait_turn(rank)
+        while any(a is _ASIDE for a in self._arrivals):
+            self._pass_turn(rank)  # a peer is waiting outside the ring: not all have arrived
+            self._wait_turn(rank)
         self._check_arrivals(rank)
-        result = dispatch()
+        self.first_to_dispatch = self._dispatched == 0
+        try:
+            result = dispatch()
+        finally:
+            self._dispatched += 1
+            if self._dispatched >= self._finished.count(False):
+                self._dispatched = 0
         self._pass_turn(rank)
         self._wait_turn(rank)
         return result
+
+    def step_aside(self, rank: int, wait: Callable[[], None]) -> None:
+        """Runs ``wait`` (e.g. a sleep) without the token, so that every other rank can run
+        up to its next collective point meanwhile, then takes the token back.
+
+        For a rank that waits for what its peers do outside collectives, e.g. files they
+        write. The peers' next collective point completes only once this rank arrives there
+        too. Afterwards a peer may be the first to dispatch at a point, which
+        ``first_to_dispatch`` tells."""
+        self._arrivals[rank] = _ASIDE
+        self._pass_turn(rank)
+        try:
+            wait()
+        finally:
+            self._wait_turn(rank)
 
     def _check_arrivals(self, rank: int) -> None:
         mine = self._arrivals[rank]
