@@ -2,9 +2,8 @@
 
 An optimizer state tensor is sharded exactly like its parameter when it has the shard's
 shape (Adam's moments, SGD's momentum); anything else (``step``) is the same on every rank
-and is taken from rank 0. The sharded optimizer's parameter indices are resolved through
-``optimizer_param_keys``, which ``save_sharded`` records: index ``i`` is the shard whose
-model state dict key is ``optimizer_param_keys[i]``.
+and is taken from rank 0. The sharded optimizer's parameter indices are resolved by
+``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is ``keys[i]``.
 """
 from __future__ import annotations
 
@@ -18,19 +17,56 @@ from .plan import GroupSpec, ModelPlan, ParamSpec, read_param
 from .shard_set import ShardSet
 
 
-def why_not_consolidated(shards: ShardSet) -> Optional[str]:
+def why_not_consolidated(shards: ShardSet, plan: ModelPlan) -> Optional[str]:
     """None if the optimizer can be consolidated, else the reason."""
+    return optimizer_param_keys(shards, plan)[1]
+
+
+def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
+                         ) -> Tuple[Optional[List[str]], Optional[str]]:
+    """Which shard (model state dict key) each optimizer index holds, or why that is unknown.
+
+    ``save_sharded`` records it. A file written with torch_xla's recipe (``model``,
+    ``shard_metadata`` and ``optimizer.state_dict()``) does not, but an optimizer built over
+    the wrapped model's ``parameters()`` numbers the shards in the state dict's order: that
+    is taken when the optimizer has one param group holding every shard and every state
+    tensor has its shard's shape on every rank (or when torch recorded ``param_names``)."""
     tree = shards.files[0].tree
     if "optimizer" not in tree:
-        return "the checkpoint holds no optimizer state"
-    if not (tree.get("xla_fsdp") or {}).get("optimizer_param_keys"):
-        return (f"{shards.files[0].path} was not written by xla_fsdp.checkpoint.save_sharded, "
-                f"so which parameter each optimizer index refers to is unknown")
+        return None, "the checkpoint holds no optimizer state"
+    recorded = (tree.get("xla_fsdp") or {}).get("optimizer_param_keys")
+    if recorded:
+        return list(recorded), None
+    groups = tree["optimizer"].get("param_groups", [])
+    if groups and all("param_names" in g for g in groups):
+        keys = [n for g in groups for n in g["param_names"]]
+    else:
+        keys = [k for k in tree["model"] if k in plan.group_of()]
+        if len(groups) != 1 or len(groups[0]["params"]) != len(keys):
+            counts = [len(g["params"]) for g in groups]
+            return None, (f"{shards.files[0].path} does not record which parameter each "
+                          f"optimizer index is, and its optimizer ({len(groups)} param "
+                          f"group(s) of {counts} parameters) is not one group over the "
+                          f"{len(keys)} shards of model.parameters(); save with "
+                          f"xla_fsdp.checkpoint.save_sharded to record it")
+    return keys, _shape_mismatch(shards, keys)
+
+
+def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
+    for f in shards.files:
+        opt, model = f.tree["optimizer"], f.tree["model"]
+        for index in (i for g in opt["param_groups"] for i in g["params"]):
+            if index >= len(keys) or keys[index] not in model:
+                return f"{f.path}: optimizer index {index} has no shard to belong to"
+            shard = model[keys[index]]
+            for name, value in opt.get("state", {}).get(index, {}).items():
+                if (isinstance(value, TensorRef) and len(value.shape) >= 1
+                        and value.shape != shard.shape):
+                    return (f"{f.path}: optimizer index {index}'s {name!r} has shape "
+                            f"{list(value.shape)}, but shard {keys[index]} has "
+                            f"{list(shard.shape)}: the optimizer was not built over "
+                            f"model.parameters() in order")
     return None
-
-
-def _param_keys(shards: ShardSet) -> List[str]:
-    return shards.files[0].tree["xla_fsdp"]["optimizer_param_keys"]
 
 
 def _is_sharded(value: Any, shard: TensorRef) -> bool:
@@ -44,7 +80,9 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
 
     Within each param group the parameters are in the unwrapped model's order, so build
     the unsharded optimizer's groups in that order."""
-    keys = _param_keys(shards)
+    keys, reason = optimizer_param_keys(shards, plan)
+    if keys is None:
+        raise CheckpointError(reason)
     groups = plan.group_of()
     rank = {name: i for i, name in enumerate(plan.param_order)}
     opt0 = shards.files[0].tree["optimizer"]

@@ -10,7 +10,7 @@ from xla_fsdp.files import CheckpointError, TensorRef, TorchFileWriter
 from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
 from xla_fsdp.shard_metadata import wrapping_fingerprint
 
-from .optimizer import reshard_optimizer_state, why_not_consolidated
+from .optimizer import optimizer_param_keys, reshard_optimizer_state
 from .plan import GroupSpec, ModelPlan, read_group
 from .shard_set import ShardSet
 
@@ -37,8 +37,9 @@ def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str]
     writers = [TorchFileWriter(p) for p in paths]
     adds = [w.add for w in writers]
     models: List[Dict[str, Any]] = [{} for _ in paths]
-    with_optimizer = why_not_consolidated(shards) is None
-    keys = head0["xla_fsdp"]["optimizer_param_keys"] if with_optimizer else []
+    keys = optimizer_param_keys(shards, plan)[0]
+    with_optimizer = keys is not None
+    keys = keys or []
     opt_states: List[Dict[int, Any]] = [{} for _ in paths]
     indices: Dict[str, List[int]] = {}  # shard key -> optimizer indices holding state for it
     for index, key in enumerate(keys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -29,35 +30,49 @@ class ShardSet:
             f.close()
 
 
+class IncompleteCheckpoint(CheckpointError):
+    """The files look like a checkpoint still being written: ranks missing, a file
+    unreadable, or files from different saves. Waiting may cure it."""
+
+
 def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
-                   verify: bool = True) -> ShardSet:
+                   verify: bool = True, skip_outputs: bool = False) -> ShardSet:
     """Opens ``prefix + suffix`` (a glob) and checks the files form one complete checkpoint.
 
-    Refuses, naming the files at fault: no match, a match that is one of ``outputs``, files
-    that are not sharded checkpoints, duplicate or missing ranks, mixed world sizes, mixed
-    wrappings or saves, and (with ``verify``) any record failing its CRC-32."""
+    Refuses, naming the files at fault: no match, a match that is one of ``outputs`` (with
+    ``skip_outputs``, such a match is left out instead), files that are not sharded
+    checkpoints, duplicate or missing ranks, mixed world sizes, mixed wrappings or saves,
+    and (with ``verify``) any record failing its CRC-32. ``IncompleteCheckpoint`` is
+    raised for what a save still under way would explain."""
     pattern = prefix + suffix
-    paths = sorted(glob.glob(pattern))
+    outs = {os.path.abspath(o) for o in outputs}
+    paths = sorted(p for p in glob.glob(pattern)
+                   if not (skip_outputs and os.path.abspath(p) in outs))
     if not paths:
         raise CheckpointError(f"no files match {pattern!r}")
     inputs = {os.path.abspath(p) for p in paths}
-    for out in outputs:
-        out = os.path.abspath(out)
+    for out in sorted(outs):
         if out in inputs:
             raise CheckpointError(f"the output {out} would overwrite an input; choose another "
                                   f"--save_path")
-        if fnmatch.fnmatchcase(out, os.path.abspath(pattern)):
+        if not skip_outputs and fnmatch.fnmatchcase(out, os.path.abspath(pattern)):
             raise CheckpointError(
                 f"the output {out} matches the input pattern {pattern!r}, so the next run would "
                 f"read it as a rank file; choose another --save_path or a narrower --ckpt_suffix")
     files = []
     try:
         for path in paths:
-            files.append(CheckpointFile(path))
-        by_rank = _check_set(files, pattern)
+            try:
+                files.append(CheckpointFile(path))
+            except CheckpointError as exc:
+                raise IncompleteCheckpoint(str(exc)) from None
+        by_rank = check_shard_set(files, pattern)
         if verify:
             for f in by_rank:
-                f.verify()
+                try:
+                    f.verify()
+                except CheckpointError as exc:
+                    raise IncompleteCheckpoint(str(exc)) from None
     except BaseException:
         for f in files:
             f.close()
@@ -65,7 +80,25 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
     return ShardSet(by_rank, by_rank[0].tree["shard_metadata"], pattern)
 
 
-def _check_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile]:
+def wait_for_shard_set(prefix: str, suffix: str, outputs: Sequence[str], timeout: float,
+                       verify: bool = True, skip_outputs: bool = False,
+                       poll: float = 0.2) -> ShardSet:
+    """``find_shard_set``, retried while the set looks incomplete, for up to ``timeout``
+    seconds: for consolidation called from training code while other ranks may still be
+    writing (``xm.save`` does not wait for the other ranks since torch_xla 2.9)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return find_shard_set(prefix, suffix, outputs, verify, skip_outputs)
+        except IncompleteCheckpoint as exc:
+            if time.monotonic() >= deadline:
+                raise IncompleteCheckpoint(
+                    f"waited {timeout:g} s for the checkpoint to be complete, but: {exc}"
+                ) from None
+        time.sleep(poll)
+
+
+def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile]:
     for f in files:
         tree = f.tree
         if not isinstance(tree, dict) or "shard_metadata" not in tree or "model" not in tree:
@@ -87,12 +120,20 @@ def _check_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile
         by_rank[rank] = f
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
-        raise CheckpointError(f"{pattern!r} matches {len(files)} files of a world of {world}; "
+        raise IncompleteCheckpoint(f"{pattern!r} matches {len(files)} files of a world of {world}; "
                               f"the files of ranks {missing} are missing")
     ordered = [by_rank[r] for r in range(world)]
     _check_same(ordered, "wrapping", _wrapping_identity)
-    _check_same(ordered, "save", lambda f: (f.tree.get("xla_fsdp") or {}).get("save_index"))
+    _check_same(ordered, "save", _save_identity, IncompleteCheckpoint)
     return ordered
+
+
+def _save_identity(f: CheckpointFile) -> tuple:
+    """Equal for the files of one save: save_sharded's save counter, and the optimizer
+    steps the model had taken (``update_count`` in xla_fsdp's shard metadata, also in
+    files written with torch_xla's recipe); None where the writer recorded neither."""
+    return ((f.tree.get("xla_fsdp") or {}).get("save_index"),
+            f.tree["shard_metadata"].get("update_count"))
 
 
 def _wrapping_identity(f: CheckpointFile) -> Optional[str]:
@@ -103,10 +144,11 @@ def _wrapping_identity(f: CheckpointFile) -> Optional[str]:
     return wrapping_fingerprint(f.tree["shard_metadata"])
 
 
-def _check_same(files: List[CheckpointFile], what: str, key: Any) -> None:
+def _check_same(files: List[CheckpointFile], what: str, key: Any,
+                error: type = CheckpointError) -> None:
     first = key(files[0])
     for f in files[1:]:
         if key(f) != first:
-            raise CheckpointError(f"{files[0].path} and {f.path} come from different {what}s "
+            raise error(f"{files[0].path} and {f.path} come from different {what}s "
                                   f"({first} vs {key(f)}); a checkpoint's files must all be "
                                   f"written by the same save of the same model")

@@ -1,5 +1,6 @@
 """Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices."""
 from .launch import LaunchError, launch
+from .patch import patch_torch_xla
 
 _LAZY = {
     "XlaFullyShardedDataParallel": "fully_sharded", "FSDP": "fully_sharded",
@@ -9,7 +10,7 @@ _LAZY = {
     "recursive_wrap": "wrap",
 }
 
-__all__ = ["launch", "LaunchError", *_LAZY]
+__all__ = ["launch", "LaunchError", "patch_torch_xla", *_LAZY]
 
 
 def __getattr__(name):

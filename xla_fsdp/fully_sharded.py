@@ -43,8 +43,12 @@ from .patched_linear import patch_linear_layers
 from .safety import install_optimizer_guard, validate_module
 from .shard_layout import Dim0Layout
 from .shard_metadata import original_names_and_shards, shard_metadata
+from .torch_device_module import register as _register_torch_xla_device_module
 from .training_state import TrainingState, TrainingStateError
 
+
+
+_register_torch_xla_device_module()  # torch.utils.checkpoint on XLA tensors
 
 
 class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
@@ -471,18 +475,20 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         if self._unplaced:
             raise ValueError(unplaced_message(self))
         self._lazy_init()
-        if self._is_root:
+        recompute = _in_checkpoint_recompute()
+        if self._is_root and not recompute:
             pin_parameter_order(self.xla_device)
         if id(member) in self._members_run:  # a new forward pass
             self._members_run.clear()
         self._members_run.add(id(member))
-        self.training_state = TrainingState.FORWARD
+        if not recompute:  # a recompute happens inside this unit's backward: keep its state
+            self.training_state = TrainingState.FORWARD
         opts = self._options
         if self.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.compute_dtype, (args, kwargs))
         inputs = collect_tensors((args, kwargs))
         barrier = opts.optimization_barrier_in_forward
-        prefetch = [] if _in_checkpoint_recompute() else self._forward_prefetch
+        prefetch = [] if recompute else self._forward_prefetch
         self._rebuild_full_params(inputs if barrier else [], barrier, prefetch)
         self._register_post_backward_hooks()
         if opts.optimization_barrier_in_backward and torch.is_grad_enabled():
@@ -494,7 +500,11 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
     def _post_forward(self, member: nn.Module, outputs: Any) -> Any:
         barrier = self._options.optimization_barrier_in_forward
         last = len(self._members_run) == len(self._members)
-        if self.reshard_after_forward and last and not _in_checkpoint_recompute():
+        if _in_checkpoint_recompute():
+            # the recomputed activations' backward comes next and reads the full
+            # parameters; it frees them as any backward does
+            return self._register_pre_backward_hooks(outputs)
+        if self.reshard_after_forward and last:
             deps = collect_tensors(outputs) if barrier else []
             self._free_full_params(self._groups, deps, barrier)
         outputs = self._register_pre_backward_hooks(outputs)
@@ -512,5 +522,8 @@ def _default_predivide_factor(world_size: int) -> float:
 
 
 def _in_checkpoint_recompute() -> bool:
+    """Whether this forward recomputes activations during backward: activation
+    checkpointing around the unit (``torch.utils.checkpoint``, reentrant or not, or
+    torch_xla's), which runs the unit's forward again from inside the autograd engine."""
     from torch_xla.utils.checkpoint import chkpt_status
-    return bool(chkpt_status.in_chkpt_bwd)
+    return bool(chkpt_status.in_chkpt_bwd) or torch._C._current_graph_task_id() != -1

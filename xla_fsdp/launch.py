@@ -75,14 +75,25 @@ def _launch_on_accelerator(fn, args, num_devices):
 
 
 class _RankCall:
-    """Picklable ``fn(global ordinal, *args)`` for torch_xla's runner."""
+    """Picklable ``fn(global ordinal, *args)`` for torch_xla's runner. Unpickled in a child,
+    it applies ``patch_torch_xla`` first when the parent had, since unpickling ``fn`` imports
+    its module."""
 
     def __init__(self, fn, args):
         self.fn, self.args = fn, args
 
+    def __reduce__(self):
+        return (_rebuild_rank_call, (pickle.dumps((self.fn, self.args)),))
+
     def __call__(self):
         import torch_xla.runtime as xr
         return self.fn(xr.global_ordinal(), *self.args)
+
+
+def _rebuild_rank_call(payload: bytes) -> "_RankCall":
+    from .patch import patch_if_requested
+    patch_if_requested()
+    return _RankCall(*pickle.loads(payload))
 
 
 def _launch_virtual(fn, args, num_devices) -> Dict[int, Any]:

@@ -12,7 +12,7 @@ from types import MethodType
 import torch
 
 
-class _LinearReadingWeight(torch.autograd.Function):
+class LinearReadingWeight(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight, bias)
@@ -35,7 +35,7 @@ class _LinearReadingWeight(torch.autograd.Function):
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _LinearReadingWeight.apply(x, module.weight, module.bias)
+    return LinearReadingWeight.apply(x, module.weight, module.bias)
 
 
 def patch_linear_layers(module: torch.nn.Module) -> None:

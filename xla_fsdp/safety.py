@@ -45,11 +45,16 @@ def mark_updated(shard: torch.Tensor) -> None:
     shard._fsdp_updates = getattr(shard, "_fsdp_updates", 0) + 1
 
 
+def update_count(shard: torch.Tensor) -> int:
+    """Optimizer steps (and loads) applied to ``shard``: the same on every rank."""
+    return getattr(shard, "_fsdp_updates", 0)
+
+
 def shard_generation(shard: torch.Tensor) -> tuple:
     """Changes whenever the shard's values may have: an optimizer step or a load (counted
     here, because torch_xla's foreach kernels leave the version counter alone), or any
     other in-place update (the version counter)."""
-    return (shard._version, getattr(shard, "_fsdp_updates", 0))
+    return (shard._version, update_count(shard))
 
 
 def _count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

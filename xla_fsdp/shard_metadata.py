@@ -8,6 +8,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
 
+from .safety import update_count
 from .shard_layout import Dim0Layout, InterleavedLayout
 
 
@@ -47,7 +48,10 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
       group of ours), kept out of ``flatten_info`` because torch_xla's consolidation would
       read them as one flat tensor cut into shards and silently scramble them. It fails on
       the missing entry instead.
-    * ``param_order``: the unwrapped model's parameter names in ``parameters()`` order.
+    * ``param_order``: the unwrapped model's parameter names in ``parameters()`` order;
+    * ``update_count``: optimizer steps and loads the shards have had, equal on every rank
+      at the same point of training, so that consolidation can tell a file left from an
+      earlier save from one of the save it is reading.
     """
     units = list(units)
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
@@ -70,6 +74,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
             "interleave_info": interleave_info, "buffer_info": buffer_info,
             "shared_info": shared_info, "layout_info": layout_info,
             "param_order": _plain_parameter_order(root, units),
+            "update_count": sum(update_count(g.shard) for _, unit in units for g in unit._groups),
             "world_size": root.world_size, "rank": root.rank}
 
 

@@ -46,6 +46,8 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
             conn.send(message)
 
     try:
+        from ..patch import patch_if_requested
+        patch_if_requested()  # before fn's module imports torch_xla's FSDP
         fn, args = pickle.loads(payload)
         results = _run(fn, args, num_devices, send)
         send(("results", results))

@@ -1,0 +1,101 @@
+"""``patch_torch_xla()``: torch_xla's FSDP package resolves to xla_fsdp.
+
+For code that imports ``torch_xla.distributed.fsdp`` itself: Hugging Face Trainer, Lightning
+Fabric, scripts written from torch_xla's documentation. After the call, those imports (and
+``python -m torch_xla.distributed.fsdp.consolidate_sharded_ckpts`` run in this process)
+get the modules of ``xla_fsdp.torch_xla_compat``. Processes that ``xla_fsdp.launch`` starts
+are patched too, before they unpickle the launched function.
+
+[Note: no mixing] Units of torch_xla's FSDP and ours cannot share a model: each gathers,
+frees and reduces its own way, and a checkpoint would mix two metadata formats. So the call
+refuses when torch_xla's FSDP has already wrapped a module, or when a module imported its
+classes already (that module would keep using them).
+"""
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import sys
+from typing import List
+
+ENV = "XLA_FSDP_PATCH_TORCH_XLA"  # set by patch_torch_xla; launch's children patch too
+_PACKAGE = "torch_xla.distributed.fsdp"
+_SUBMODULES = ("xla_fully_sharded_data_parallel", "wrap", "utils", "state_dict_utils",
+               "consolidate_sharded_ckpts", "xla_flatten_params_wrapper")
+# Left for the import system to find in the compat package's __path__ under torch_xla's
+# name, as ``python -m``/runpy require; it defines no classes, so a second copy is harmless.
+_SCRIPT = "consolidate_sharded_ckpts"
+_ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
+
+
+def is_patched() -> bool:
+    module = sys.modules.get(_PACKAGE)
+    return module is not None and module.__name__ == "xla_fsdp.torch_xla_compat"
+
+
+def patch_torch_xla() -> None:
+    """Makes ``torch_xla.distributed.fsdp`` (and its submodules) xla_fsdp's, in this process
+    and in the processes ``launch`` starts from it. Idempotent.
+
+    Call it before anything imports torch_xla's FSDP, e.g. at the top of the training
+    script, before building a Trainer. Raises RuntimeError if torch_xla's own FSDP has
+    already wrapped a module or been imported by name into another module.
+
+    Also tells Hugging Face accelerate that FSDP is in use (``ACCELERATE_USE_FSDP``, unless
+    already set): without it accelerate all-reduces the already-sharded gradients of an XLA
+    FSDP model in its optimizer step and ``clip_grad_norm_``, averaging different ranks'
+    shards together."""
+    if is_patched():
+        return
+    _refuse_if_mixed()
+    compat = importlib.import_module("xla_fsdp.torch_xla_compat")
+    sys.modules[_PACKAGE] = compat
+    for name in _SUBMODULES:
+        module = importlib.import_module(f"xla_fsdp.torch_xla_compat.{name}")
+        setattr(compat, name, module)
+        if name != _SCRIPT:
+            # one module object under both names, so that each class exists once
+            sys.modules[f"{_PACKAGE}.{name}"] = module
+    import torch_xla.distributed
+    torch_xla.distributed.fsdp = compat
+    os.environ[ENV] = "1"
+    os.environ.setdefault(_ACCELERATE_FSDP, "true")
+    from .torch_device_module import register
+    register()
+
+
+def patch_if_requested() -> None:
+    """In a process started by ``launch``: patch when the launching process had."""
+    if os.environ.get(ENV) == "1":
+        patch_torch_xla()
+
+
+def _refuse_if_mixed() -> None:
+    real = sys.modules.get(f"{_PACKAGE}.xla_fully_sharded_data_parallel")
+    if real is None:
+        return
+    cls = real.XlaFullyShardedDataParallel
+    wrapped = [type(o.module).__name__ for o in gc.get_objects()
+               if isinstance(o, cls) and "_fsdp_wrapped_module" in o._modules]
+    if wrapped:
+        raise RuntimeError(
+            f"patch_torch_xla(): torch_xla's own FSDP has already wrapped {wrapped[:5]}; units "
+            f"of the two implementations cannot share a model or a checkpoint. Call "
+            f"patch_torch_xla() before any module is wrapped (at the top of the script).")
+    holders = _modules_holding(cls)
+    if holders:
+        raise RuntimeError(
+            f"patch_torch_xla(): {', '.join(holders[:5])} imported torch_xla's "
+            f"XlaFullyShardedDataParallel before the patch and would keep using it; call "
+            f"patch_torch_xla() before importing them.")
+
+
+def _modules_holding(cls: type) -> List[str]:
+    out = []
+    for name, module in list(sys.modules.items()):
+        if module is None or name.startswith(("torch_xla.", "xla_fsdp.")):
+            continue
+        if any(value is cls for value in list(vars(module).values())):
+            out.append(name)
+    return out

@@ -1,0 +1,65 @@
+"""``torch.xla``: the device module that ``torch.utils.checkpoint`` looks up for XLA tensors.
+
+torch 2.9's checkpoint saves and restores the RNG state of the devices its inputs live on
+through ``getattr(torch, device_type)``. torch_xla registers no such module, so every
+``torch.utils.checkpoint`` call on XLA tensors fails (``module 'torch' has no attribute
+'xla'``), and with it Hugging Face's ``gradient_checkpointing_enable()`` and torch's
+``checkpoint_wrapper``. This module gives checkpoint what it needs: the per-device RNG
+seed of torch_xla, read and set around the recomputation, so that dropout draws the same
+mask twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import types
+from typing import Iterator, Optional
+
+import torch
+
+_local = threading.local()  # the device selected by device(), per thread
+
+
+def _selected() -> Optional[str]:
+    return getattr(_local, "device", None)
+
+
+@contextlib.contextmanager
+def device(index: Optional[int]) -> Iterator[None]:
+    """Makes ``xla:index`` the device that ``get_rng_state``/``set_rng_state`` address."""
+    previous = _selected()
+    _local.device = None if index is None or index < 0 else f"xla:{index}"
+    try:
+        yield
+    finally:
+        _local.device = previous
+
+
+def get_rng_state() -> int:
+    import torch_xla.core.xla_model as xm
+    return xm.get_rng_state(_selected())
+
+
+def set_rng_state(state: int) -> None:
+    import torch_xla.core.xla_model as xm
+    xm.set_rng_state(int(state), _selected())
+
+
+def is_available() -> bool:
+    return True
+
+
+def register() -> None:
+    """Installs the module as ``torch.xla`` unless something already did."""
+    if hasattr(torch, "xla"):
+        return
+    module = types.ModuleType("torch.xla", __doc__)
+    module.device = device
+    module.get_rng_state = get_rng_state
+    module.set_rng_state = set_rng_state
+    module.is_available = is_available
+    # checkpoint only saves device RNG states when the device module says it is initialized
+    module._initialized = True
+    torch._register_device_module("xla", module)
+    sys.modules.setdefault("torch.xla", module)
