@@ -37,6 +37,17 @@ class Net(nn.Module):
         return self.head(self.b2(self.b1(self.bn(self.inp(x)))))
 
 
+def checkpoint_forward(module):
+    """Runs ``module``'s forward under ``torch.utils.checkpoint``, reentrant, as Hugging
+    Face's gradient checkpointing does inside each layer."""
+    from types import MethodType
+    from torch.utils.checkpoint import checkpoint
+    original = module.forward
+    module.forward = MethodType(lambda self, x: checkpoint(original, x, use_reentrant=True),
+                                module)
+    return module
+
+
 class TiedLM(nn.Module):
     def __init__(self):
         super().__init__()
@@ -67,6 +78,11 @@ SETTINGS = {
     "clip": ("net", {}, "sgd", {"clip": 0.05}),
     "bf16": ("net", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True}, "sgd", {}),
     "checkpointed": ("net", {}, "sgd", {"auto_wrap_checkpoint": True}),
+    # torch.utils.checkpoint, as Hugging Face's gradient_checkpointing_enable() applies it
+    # (reentrant, inside each unit) and as torch's checkpoint_wrapper does (non-reentrant,
+    # around each unit, so the unit's forward runs again inside backward)
+    "torch_checkpoint_inside": ("net", {}, "sgd", {"torch_checkpoint": "inside"}),
+    "torch_checkpoint_around": ("net", {}, "sgd", {"torch_checkpoint": "around"}),
     # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
     "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
     "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
@@ -122,8 +138,16 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         return FSDP(model, auto_wrap_policy=policy,
                     auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k),
                     **kw)
+    if extra.get("torch_checkpoint") == "inside":
+        model.b1 = FSDP(checkpoint_forward(model.b1), **kw)
+        model.b2 = FSDP(checkpoint_forward(model.b2), **kw)
+        return FSDP(model, **kw)
     model.b1 = FSDP(model.b1, **kw)
     model.b2 = FSDP(model.b2, **kw)
+    if extra.get("torch_checkpoint") == "around":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+        model.b1, model.b2 = checkpoint_wrapper(model.b1), checkpoint_wrapper(model.b2)
     return FSDP(model, **kw)
 
 

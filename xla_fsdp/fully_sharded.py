@@ -38,6 +38,7 @@ from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_par
                             materialize_meta, shard_group)
 from .module_group import (ModuleGroup, check_all_placed, check_members, place_grouping_units,
                            unplaced_message)
+from .module_view import ModuleView
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
 from .safety import install_optimizer_guard, validate_module
@@ -219,9 +220,19 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
 
     # -- public surface ---------------------------------------------------------------------
     @property
-    def module(self) -> nn.Module:
+    def wrapped_module(self) -> nn.Module:
         """The wrapped module (its parameters are full-parameter placeholders)."""
         return self._fsdp_wrapped_module
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module as torch_xla's ``unit.module`` presents it (see
+        ``module_view``): attributes and calls reach the wrapped module, and
+        ``unit.module.module`` is the wrapped module itself."""
+        view = self.__dict__.get("_module_view")
+        if view is None:
+            view = self.__dict__["_module_view"] = ModuleView(self._fsdp_wrapped_module)
+        return view
 
     @property
     def sharded_params(self) -> List[nn.Parameter]:
@@ -315,7 +326,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
                                 f"{type(m).__name__}, which is not wrapped in FSDP")
             if m is self:
                 raise ValueError(f"set_modules_to_{which}_prefetch: a unit cannot prefetch "
-                                 f"itself ({type(self.module).__name__})")
+                                 f"itself ({type(self.wrapped_module).__name__})")
         return modules
 
     def unshard(self) -> None:
@@ -442,15 +453,15 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         if not self._is_root:
             raise RuntimeError(
                 f"{what}() must be called on the root FSDP unit, not on a nested unit "
-                f"({type(self.module).__name__}); call it on the outermost wrapper")
+                f"({type(self.wrapped_module).__name__}); call it on the outermost wrapper")
         self.assert_state(TrainingState.IDLE)
 
-    def assert_state(self, states: Union[TrainingState, Sequence[TrainingState]]) -> None:
-        """Raises ``TrainingStateError`` unless the unit is in one of ``states``."""
-        states = [states] if isinstance(states, TrainingState) else list(states)
+    def assert_state(self, state: Union[TrainingState, Sequence[TrainingState]]) -> None:
+        """Raises ``TrainingStateError`` unless the unit is in ``state`` (or one of them)."""
+        states = [state] if isinstance(state, TrainingState) else list(state)
         if self.training_state not in states:
             raise TrainingStateError(
-                f"FSDP unit around {type(self.module).__name__} is in state "
+                f"FSDP unit around {type(self.wrapped_module).__name__} is in state "
                 f"{self.training_state.name}, expected {[s.name for s in states]}. This happens "
                 f"when a nested unit is called outside its parent's forward, or when "
                 f"backward runs twice over the same forward.")

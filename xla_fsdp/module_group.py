@@ -59,7 +59,7 @@ def place_grouping_units(unit: nn.Module, unit_cls: type) -> None:
         if owner is not None and owner._unplaced:
             found.setdefault(id(owner), (owner, {}))[1][id(m)] = clean_name(path)
     for owner, paths in found.values():
-        members = owner.module.members
+        members = owner.wrapped_module.members
         if any(id(m) not in paths for m in members):
             continue  # an outer unit will see all of them
         member_paths = [paths[id(m)] for m in members]
@@ -80,7 +80,7 @@ def check_all_placed(root: nn.Module) -> None:
 
 
 def unplaced_message(owner: Any) -> str:
-    names = ", ".join(type(m).__name__ for m in owner.module.members)
+    names = ", ".join(type(m).__name__ for m in owner.wrapped_module.members)
     return (f"the FSDP unit grouping ({names}) was never placed: wrap a module that contains "
             f"all of them (usually the whole model) in FSDP after building the group")
 

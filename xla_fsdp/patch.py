@@ -17,6 +17,7 @@ import gc
 import importlib
 import os
 import sys
+import warnings
 from typing import List
 
 ENV = "XLA_FSDP_PATCH_TORCH_XLA"  # set by patch_torch_xla; launch's children patch too
@@ -61,6 +62,10 @@ def patch_torch_xla() -> None:
     torch_xla.distributed.fsdp = compat
     os.environ[ENV] = "1"
     os.environ.setdefault(_ACCELERATE_FSDP, "true")
+    if os.environ[_ACCELERATE_FSDP].lower() not in ("1", "true"):
+        warnings.warn(f"{_ACCELERATE_FSDP}={os.environ[_ACCELERATE_FSDP]}: accelerate (and Hugging "
+                      f"Face Trainer) will all-reduce the sharded gradients of an FSDP model, "
+                      f"averaging different ranks' shards; the optimizer step will refuse")
     from .torch_device_module import register
     register()
 
@@ -76,7 +81,7 @@ def _refuse_if_mixed() -> None:
     if real is None:
         return
     cls = real.XlaFullyShardedDataParallel
-    wrapped = [type(o.module).__name__ for o in gc.get_objects()
+    wrapped = [type(getattr(o.module, "module", o.module)).__name__ for o in gc.get_objects()
                if isinstance(o, cls) and "_fsdp_wrapped_module" in o._modules]
     if wrapped:
         raise RuntimeError(

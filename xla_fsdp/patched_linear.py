@@ -14,15 +14,15 @@ import torch
 
 class LinearReadingWeight(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight, bias)
+    def forward(ctx, input, weight, bias=None):
+        ctx.save_for_backward(input, weight, bias)
         with torch.no_grad():
-            return torch.nn.functional.linear(x, weight, bias)
+            return torch.nn.functional.linear(input, weight, bias)
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_output):
         x, weight, bias = ctx.saved_tensors
-        rows_out = grad_out.reshape(-1, grad_out.shape[-1])
+        rows_out = grad_output.reshape(-1, grad_output.shape[-1])
         rows_in = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:

@@ -1,6 +1,7 @@
 """Checks that turn silent mis-training into errors naming what is at fault."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -77,19 +78,26 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
             f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
             f"after wrapping, from the wrapped model's parameters().")
-    if sharded and _called_from_xm_optimizer_step():
+    if sharded and _called_from("optimizer_step", "torch_xla/core/xla_model.py"):
         raise RuntimeError(
             "xm.optimizer_step() averages gradients across all replicas, but FSDP gradients "
             "are already reduced and each rank holds a different shard. Call "
             "optimizer.step() instead.")
+    if (sharded and os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true")
+            and _called_from("step", "accelerate/optimizer.py")):
+        raise RuntimeError(
+            "accelerate has just all-reduced the FSDP gradients across replicas, averaging "
+            "different ranks' shards together, because ACCELERATE_USE_FSDP is not set "
+            "(Hugging Face Trainer sets it only for non-XLA FSDP). Call "
+            "xla_fsdp.patch_torch_xla() before creating the Trainer or Accelerator, or set "
+            "ACCELERATE_USE_FSDP=true.")
 
 
-def _called_from_xm_optimizer_step() -> bool:
+def _called_from(function: str, file_suffix: str) -> bool:
     frame = sys._getframe(2)
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "optimizer_step" and code.co_filename.endswith(
-                "torch_xla/core/xla_model.py"):
+        if code.co_name == function and code.co_filename.endswith(file_suffix):
             return True
         frame = frame.f_back
     return False

@@ -12,7 +12,8 @@ from .safety import update_count
 from .shard_layout import Dim0Layout, InterleavedLayout
 
 
-_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module")  # ours/torch_xla's, torch_xla's flattener
+# ours and torch_xla's; torch_xla's flattener; torch's checkpoint_wrapper
+_WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module", "_checkpoint_wrapped_module")
 GROUP_PREFIX = "_fsdp_group_"  # where a unit grouping several modules sits (module_group.py)
 
 

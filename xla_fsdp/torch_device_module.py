@@ -21,6 +21,10 @@ import torch
 _local = threading.local()  # the device selected by device(), per thread
 
 
+def _name(index: Optional[int]) -> Optional[str]:
+    return None if index is None or index < 0 else f"xla:{index}"
+
+
 def _selected() -> Optional[str]:
     return getattr(_local, "device", None)
 
@@ -29,21 +33,27 @@ def _selected() -> Optional[str]:
 def device(index: Optional[int]) -> Iterator[None]:
     """Makes ``xla:index`` the device that ``get_rng_state``/``set_rng_state`` address."""
     previous = _selected()
-    _local.device = None if index is None or index < 0 else f"xla:{index}"
+    _local.device = _name(index)
     try:
         yield
     finally:
         _local.device = previous
 
 
-def get_rng_state() -> int:
+def get_rng_state(index: Optional[int] = None) -> int:
+    """The RNG seed of ``xla:index``, else of the selected device, else the default one."""
     import torch_xla.core.xla_model as xm
-    return xm.get_rng_state(_selected())
+    return xm.get_rng_state(_name(index) or _selected())
 
 
-def set_rng_state(state: int) -> None:
+def set_rng_state(state: int, index: Optional[int] = None) -> None:
     import torch_xla.core.xla_model as xm
-    xm.set_rng_state(int(state), _selected())
+    xm.set_rng_state(int(state), _name(index) or _selected())
+
+
+def device_count() -> int:
+    import torch_xla
+    return torch_xla.device_count()
 
 
 def is_available() -> bool:
@@ -59,6 +69,7 @@ def register() -> None:
     module.get_rng_state = get_rng_state
     module.set_rng_state = set_rng_state
     module.is_available = is_available
+    module.device_count = device_count
     # checkpoint only saves device RNG states when the device module says it is initialized
     module._initialized = True
     torch._register_device_module("xla", module)

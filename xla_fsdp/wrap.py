@@ -50,18 +50,18 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_para
 
 
 def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: Callable,
-                   ignored_modules: Iterable[nn.Module] = (), ignored_params: Iterable = (),
-                   only_wrap_children: bool = False, **wrapper_kwargs: Any
-                   ) -> Tuple[nn.Module, int]:
+                   ignored_modules: Optional[Iterable[nn.Module]] = None,
+                   ignored_params: Optional[Iterable] = None,
+                   only_wrap_children: bool = False, **kwargs: Any) -> Tuple[nn.Module, int]:
     """Wraps ``module``'s subtree bottom-up as the policy says.
 
     Returns the (possibly wrapped) module and the number of parameters that are now inside
     units created here. With ``only_wrap_children`` the module itself is never wrapped (the
     caller wraps it as the root), but its children are replaced in place."""
-    ignored_modules = set(ignored_modules)
-    ignored_ids = {id(p) for p in ignored_params}
+    ignored_modules = set(ignored_modules or ())
+    ignored_ids = {id(p) for p in ignored_params or ()}
     return _wrap(module, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_ids,
-                 only_wrap_children, wrapper_kwargs)
+                 only_wrap_children, kwargs)
 
 
 def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:

@@ -18,9 +18,13 @@ def full_model(seed=0):
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
 
 
-def write_set(prefix, world, full=None, save_index=1, flattened=False):
+def write_set(prefix, world, full=None, save_index=1, flattened=False, recipe=False,
+              update_count=0, ranks=None, param_groups=None):
     """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths.
-    ``flattened``: both parameters in one interleaved group, as flatten_parameters=True."""
+    ``flattened``: both parameters in one interleaved group, as flatten_parameters=True.
+    ``recipe``: as torch_xla's documented recipe writes them (``model``, ``shard_metadata``,
+    ``optimizer``; no xla_fsdp record). ``ranks``: write only these ranks' files.
+    ``param_groups``: the optimizer's groups of indices (default one group of all)."""
     full = full or full_model()
     if flattened:
         return _write_flattened(prefix, world, full, save_index)
@@ -30,9 +34,11 @@ def write_set(prefix, world, full=None, save_index=1, flattened=False):
                             for n, s in SHAPES.items()}},
         "flatten_info": {}, "buffer_info": {}, "shared_info": {},
         "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
-        "param_order": list(SHAPES), "world_size": world, "rank": 0}
+        "param_order": list(SHAPES), "update_count": update_count, "world_size": world,
+        "rank": 0}
+    groups = param_groups or [list(range(len(SHAPES)))]
     paths = []
-    for rank in range(world):
+    for rank in (range(world) if ranks is None else ranks):
         model, state = {}, {}
         for i, (name, shape) in enumerate(SHAPES.items()):
             layout = FlatLayout((torch.Size(shape),), world)
@@ -41,10 +47,13 @@ def write_set(prefix, world, full=None, save_index=1, flattened=False):
                         "step": torch.tensor(7.0)}  # not sharded: the same on every rank
         md = dict(metadata, rank=rank)
         tree = {"model": model, "shard_metadata": md,
-                "optimizer": {"state": state, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
-                "xla_fsdp": {"format": 1, "world_size": world, "rank": rank,
-                             "fingerprint": wrapping_fingerprint(md), "save_index": save_index,
-                             "optimizer_param_keys": [shard_key(n) for n in SHAPES]}}
+                "optimizer": {"state": state,
+                              "param_groups": [{"lr": 0.1, "params": g} for g in groups]}}
+        if not recipe:
+            tree["xla_fsdp"] = {"format": 1, "world_size": world, "rank": rank,
+                                "fingerprint": wrapping_fingerprint(md),
+                                "save_index": save_index,
+                                "optimizer_param_keys": [shard_key(n) for n in SHAPES]}
         path = sharded_checkpoint_path(prefix, rank, world)
         torch.save(tree, path)
         paths.append(path)

@@ -25,7 +25,7 @@ def _children_options(out):
     units = list(model.units())
     out["auto_wrapped_units"] = len(units)
     out["children_options_differ"] = [
-        type(u.module).__name__ for u in units if u._options != model._options]
+        type(u.wrapped_module).__name__ for u in units if u._options != model._options]
 
 
 def _nested_names(out):
