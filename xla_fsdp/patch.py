@@ -81,8 +81,9 @@ def _refuse_if_mixed() -> None:
     if real is None:
         return
     cls = real.XlaFullyShardedDataParallel
+    # type(), not isinstance: some objects in the heap warn when asked for __class__
     wrapped = [type(getattr(o.module, "module", o.module)).__name__ for o in gc.get_objects()
-               if isinstance(o, cls) and "_fsdp_wrapped_module" in o._modules]
+               if issubclass(type(o), cls) and "_fsdp_wrapped_module" in o._modules]
     if wrapped:
         raise RuntimeError(
             f"patch_torch_xla(): torch_xla's own FSDP has already wrapped {wrapped[:5]}; units "
@@ -97,10 +98,11 @@ def _refuse_if_mixed() -> None:
 
 
 def _modules_holding(cls: type) -> List[str]:
-    out = []
+    out, seen = [], set()
     for name, module in list(sys.modules.items()):
-        if module is None or name.startswith(("torch_xla.", "xla_fsdp.")):
+        if module is None or id(module) in seen or name.startswith(("torch_xla.", "xla_fsdp.")):
             continue
+        seen.add(id(module))  # __main__ is also __mp_main__ under multiprocessing
         if any(value is cls for value in list(vars(module).values())):
             out.append(name)
     return out

@@ -227,8 +227,11 @@ class SyncPoints:
         if not has_pending_collective(pending):
             return
         orig = self._orig["sync_multi"]
+        # sync_xla_data=False: with True, torch_xla 2.9 donates the input buffer of a
+        # tensor updated in place by a collective (xm.all_reduce on a list) and then reads
+        # it ("buffer ... is deleted"). The values are materialized either way.
         self._collective(f"reading a tensor value ({name})", lambda: orig(
-            pending, [], wait=False, sync_xla_data=True))
+            pending, [], wait=False, sync_xla_data=False))
 
 
 class MaterializeGuard(TorchFunctionMode):
