@@ -9,7 +9,9 @@ setup(
     python_requires=">=3.10,<3.14",
     # torch_xla 2.9.0 declares no torch pin, but its C++ ABI needs torch 2.9.x.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
-    extras_require={"test": ["pytest>=7", "safetensors"]},
+    # the clients that import torch_xla's FSDP themselves, tested through patch_torch_xla()
+    extras_require={"test": ["pytest>=7", "safetensors", "transformers<5", "accelerate",
+                             "lightning==2.6.6"]},
     entry_points={"console_scripts": [
         "consolidate_sharded_ckpts = consolidate.cli:main",
     ]},

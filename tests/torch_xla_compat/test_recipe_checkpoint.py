@@ -10,7 +10,7 @@ also proves that launch's device process is patched.
 """
 import torch
 
-from xla_fsdp import launch, patch_torch_xla
+from xla_fsdp import launch
 
 from ..checkpoint.workloads import LR, MOMENTUM, train
 from ..fsdp_settings import Net
@@ -53,8 +53,7 @@ def resumed(rank, path):
     return train(model, opt, AFTER, rank, 1)
 
 
-def test_recipe_save_consolidate_resume(tmp_path):
-    patch_torch_xla()
+def test_recipe_save_consolidate_resume(tmp_path, patched_here):
     results = launch(sharded, (str(tmp_path / "ckpt"),), num_devices=WORLD)
     assert {r["fsdp_class"] for r in results.values()} == {
         "xla_fsdp.fully_sharded.XlaFullyShardedDataParallel"}
