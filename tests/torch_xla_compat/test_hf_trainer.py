@@ -41,7 +41,7 @@ def _config():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def run_trainer(rank, out, fsdp):
+def run_trainer(rank, out, fsdp, grad_ckpt=False):
     if fsdp:
         from xla_fsdp import patch_torch_xla
         patch_torch_xla()
@@ -54,7 +54,8 @@ def run_trainer(rank, out, fsdp):
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=2,
                              optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no",
-                             report_to="none", dataloader_drop_last=True, seed=0, **extra)
+                             report_to="none", dataloader_drop_last=True, seed=0,
+                             gradient_checkpointing=grad_ckpt, **extra)
     trainer = Trainer(model=model, args=args, train_dataset=TokenData())
     trainer.train()
     trainer.save_model(out)
@@ -65,11 +66,19 @@ def run_trainer(rank, out, fsdp):
 
 
 def test_trainer_fsdp_matches_plain_trainer(tmp_path):
-    plain_dir, fsdp_dir = str(tmp_path / "plain"), str(tmp_path / "fsdp")
+    plain_dir = str(tmp_path / "plain")
     plain = launch(run_trainer, (plain_dir, False), num_devices=WORLD)[0]
-    sharded = launch(run_trainer, (fsdp_dir, True), num_devices=WORLD)[0]
-    assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded"
     assert plain["accelerate_use_fsdp"] is None
+    # without and with Hugging Face's gradient checkpointing (torch.utils.checkpoint inside
+    # every wrapped GPT2Block), which recomputes the same values
+    for grad_ckpt in (False, True):
+        fsdp_dir = str(tmp_path / f"fsdp_ckpt{int(grad_ckpt)}")
+        sharded = launch(run_trainer, (fsdp_dir, True, grad_ckpt), num_devices=WORLD)[0]
+        assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded"
+        _compare(plain, plain_dir, sharded, fsdp_dir)
+
+
+def _compare(plain, plain_dir, sharded, fsdp_dir):
     assert len(plain["losses"]) == len(sharded["losses"]) == STEPS
     for step, (a, b) in enumerate(zip(sharded["losses"], plain["losses"])):
         assert abs(a - b) <= LOSS_BOUND * abs(b), (step, a, b)
