@@ -35,6 +35,8 @@ def test_train_consolidate_resume_elsewhere(tmp_path):
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [0, 2, 4, 6, 7]
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])  # it learns, even in 8 steps
+    with open(tmp_path / "loss.png", "rb") as f:  # what the README's first command shows
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
     out = _run(tmp_path, "--steps", "12", "--devices", "2", "--resume")
     sharded, plain = _eval_losses(out)
