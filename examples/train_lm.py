@@ -256,7 +256,8 @@ def write_curve(args: argparse.Namespace, history: list) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"loss curve: {path} (for loss.png too: pip install -e '.[example]', which adds matplotlib)")
+        print(f"loss curve: {path} (for loss.png too: pip install -e '.[example]', which "
+              f"adds matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([s for s, _ in history], [v for _, v in history])

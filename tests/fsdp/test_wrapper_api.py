@@ -92,6 +92,29 @@ def _divide_factors(out, device):
     out["grad_scale"] = float(grads["default"].abs().max())
 
 
+def _torch_xla_arguments(out, device):
+    """torch_xla's constructor switches and attributes beyond the parity settings."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.shard_layout import Dim0Layout
+    from xla_fsdp.training_state import TrainingState
+    out["on_neuron_dim0"] = all(isinstance(g.layout, Dim0Layout)
+                                for g in FSDP(Net(), on_neuron=True)._groups)
+    model = FSDP(Net(), _debug_dummy_all_gather_op=True, _debug_dummy_reduce_scatter_op=True,
+                 _debug_dummy_all_reduce_op=True, _debug_dummy_optimization_barrier_op=True)
+    model(torch.randn(4, 32).to(device)).sum().backward()
+    norm = model.clip_grad_norm_(1.0)
+    text = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.params_with_grad] + [norm])
+    out["dummy_step_collectives"] = [op for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                   "opt-barrier") if op in text]
+    out["params_with_grad"] = len(model.params_with_grad) == len(list(model.parameters()))
+    try:
+        model.assert_state(TrainingState.FORWARD)
+    except ValueError as exc:  # torch_xla raises ValueError
+        out["assert_state"] = type(exc).__name__
+    torch_xla.sync()
+
+
 def checks(rank):
     import torch_xla
     device = torch_xla.device()
@@ -100,6 +123,7 @@ def checks(rank):
     _nested_names(out)
     _meta_init(out)
     _divide_factors(out, device)
+    _torch_xla_arguments(out, device)
     torch_xla.sync()
     return out
 
@@ -124,3 +148,7 @@ def test_wrapper_api():
     assert out["grad_scale"] > 1e-4
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
     assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
+    assert out["on_neuron_dim0"]
+    assert out["dummy_step_collectives"] == []
+    assert out["params_with_grad"]
+    assert out["assert_state"] == "TrainingStateError"

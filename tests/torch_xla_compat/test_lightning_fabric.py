@@ -84,7 +84,8 @@ def unsharded(rank):
         optimizer.zero_grad()
         torch_xla.sync()
         losses.append(loss.item())
-    return {"losses": losses, "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
+    return {"losses": losses,
+            "params": {k: v.detach().cpu() for k, v in model.state_dict().items()}}
 
 
 def test_fabric_xla_fsdp_strategy(tmp_path):

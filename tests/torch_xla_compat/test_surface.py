@@ -50,7 +50,8 @@ def test_patch_is_idempotent_and_python_m_consolidates(tmp_path):
 def test_refuses_after_torch_xla_fsdp_wrapped_a_module():
     code = (
         "import importlib, torch, xla_fsdp\n"
-        "real = importlib.import_module('torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel')\n"
+        "real = importlib.import_module(\n"
+        "    'torch_xla.distributed.fsdp.xla_fully_sharded_data_parallel')\n"
         "unit = real.XlaFullyShardedDataParallel(torch.nn.Linear(4, 4))\n"
         "try:\n"
         "    xla_fsdp.patch_torch_xla()\n"

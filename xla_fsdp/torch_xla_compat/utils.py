@@ -89,7 +89,8 @@ def _xla_patched_nn_linear_forward(module: nn.Linear, input: torch.Tensor) -> to
 
 
 def apply_xla_patch_to_nn_linear(module: nn.Module,
-                                 patched_function: Callable = _xla_patched_nn_linear_forward) -> nn.Module:
+                                 patched_function: Callable = _xla_patched_nn_linear_forward
+                                 ) -> nn.Module:
     """Gives every ``nn.Linear`` in ``module`` whose forward is still the stock one (also
     under ``checkpoint_module``) ``patched_function`` as forward; returns ``module``."""
     for m in module.modules():
