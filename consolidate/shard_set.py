@@ -120,8 +120,8 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
         by_rank[rank] = f
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
-        raise IncompleteCheckpoint(f"{pattern!r} matches {len(files)} files of a world of {world}; "
-                              f"the files of ranks {missing} are missing")
+        raise IncompleteCheckpoint(f"{pattern!r} matches {len(files)} files of a world of "
+                                   f"{world}; the files of ranks {missing} are missing")
     ordered = [by_rank[r] for r in range(world)]
     _check_same(ordered, "wrapping", _wrapping_identity)
     _check_same(ordered, "save", _save_identity, IncompleteCheckpoint)
@@ -150,5 +150,5 @@ def _check_same(files: List[CheckpointFile], what: str, key: Any,
     for f in files[1:]:
         if key(f) != first:
             raise error(f"{files[0].path} and {f.path} come from different {what}s "
-                                  f"({first} vs {key(f)}); a checkpoint's files must all be "
-                                  f"written by the same save of the same model")
+                        f"({first} vs {key(f)}); a checkpoint's files must all be written by "
+                        f"the same save of the same model")

@@ -110,3 +110,30 @@ def test_failure_releases_ranks_waiting_anywhere():
 def test_world_size_must_be_positive():
     with pytest.raises(ValueError):
         TurnRing(0)
+
+
+def test_a_rank_that_steps_aside_lets_the_others_reach_their_collective():
+    written, events = set(), []
+
+    def body(ring, rank):
+        ring.collective(rank, "sync", "", lambda: None)
+        if rank == 0:  # waits for what ranks 1..3 do before their next collective point
+            while len(written) < 3:
+                ring.step_aside(rank, lambda: None)
+            events.append(("rank 0 saw", sorted(written)))
+        else:
+            written.add(rank)
+        first = []
+        ring.collective(rank, "sync", "", lambda: first.append(ring.first_to_dispatch))
+        events.append(("dispatch", rank, first[0]))
+        ring.collective(rank, "sync", "", lambda: None)
+        return rank
+
+    outcome = run_ranks(4, body)
+    assert outcome == {r: r for r in range(4)}
+    assert events[0] == ("rank 0 saw", [1, 2, 3])
+    # the ranks that did not wait are now ahead in the ring: one of them dispatches first,
+    # and exactly one rank is told it was first
+    dispatches = [e for e in events if e[0] == "dispatch"]
+    assert sorted(r for _, r, _ in dispatches) == [0, 1, 2, 3]
+    assert [flag for _, _, flag in dispatches].count(True) == 1
