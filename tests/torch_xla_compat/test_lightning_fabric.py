@@ -11,7 +11,6 @@ Two things stand in for a TPU host, neither in Fabric's training or checkpoint c
 import os
 
 import torch
-import torch.nn as nn
 # Lazy imports race in device threads: import what Fabric uses up front.
 import lightning.fabric  # noqa: F401
 from lightning.fabric import Fabric
