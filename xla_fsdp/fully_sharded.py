@@ -41,7 +41,7 @@ from .module_group import (ModuleGroup, check_all_placed, check_members, place_g
 from .module_view import ModuleView
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
-from .safety import install_optimizer_guard, validate_module
+from .safety import declare_sharded_gradients, install_optimizer_guard, validate_module
 from .shard_layout import Dim0Layout
 from .shard_metadata import original_names_and_shards, shard_metadata
 from .torch_device_module import register as _register_torch_xla_device_module
@@ -215,6 +215,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         self._reduce_queue: List[Tuple[ShardGroup, torch.Tensor]] = []
         self._reduce_queue_bytes = 0
         install_optimizer_guard()
+        declare_sharded_gradients()
         if options.execute_sharding_on_init:
             torch_xla.sync()
 

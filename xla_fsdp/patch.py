@@ -17,7 +17,6 @@ import gc
 import importlib
 import os
 import sys
-import warnings
 from typing import List
 
 ENV = "XLA_FSDP_PATCH_TORCH_XLA"  # set by patch_torch_xla; launch's children patch too
@@ -27,7 +26,6 @@ _SUBMODULES = ("xla_fully_sharded_data_parallel", "wrap", "utils", "state_dict_u
 # Left for the import system to find in the compat package's __path__ under torch_xla's
 # name, as ``python -m``/runpy require; it defines no classes, so a second copy is harmless.
 _SCRIPT = "consolidate_sharded_ckpts"
-_ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
 
 
 def is_patched() -> bool:
@@ -43,10 +41,9 @@ def patch_torch_xla() -> None:
     script, before building a Trainer. Raises RuntimeError if torch_xla's own FSDP has
     already wrapped a module or been imported by name into another module.
 
-    Also tells Hugging Face accelerate that FSDP is in use (``ACCELERATE_USE_FSDP``, unless
-    already set): without it accelerate all-reduces the already-sharded gradients of an XLA
-    FSDP model in its optimizer step and ``clip_grad_norm_``, averaging different ranks'
-    shards together."""
+    Hugging Face accelerate is told that FSDP is in use when the first unit is built (see
+    ``safety.declare_sharded_gradients``), not here: a process that patches but trains
+    without FSDP still gets accelerate's gradient all-reduce."""
     if is_patched():
         return
     _refuse_if_mixed()
@@ -61,11 +58,6 @@ def patch_torch_xla() -> None:
     import torch_xla.distributed
     torch_xla.distributed.fsdp = compat
     os.environ[ENV] = "1"
-    os.environ.setdefault(_ACCELERATE_FSDP, "true")
-    if os.environ[_ACCELERATE_FSDP].lower() not in ("1", "true"):
-        warnings.warn(f"{_ACCELERATE_FSDP}={os.environ[_ACCELERATE_FSDP]}: accelerate (and Hugging "
-                      f"Face Trainer) will all-reduce the sharded gradients of an FSDP model, "
-                      f"averaging different ranks' shards; the optimizer step will refuse")
     from .torch_device_module import register
     register()
 

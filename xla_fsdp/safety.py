@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -40,6 +41,28 @@ def install_optimizer_guard() -> None:
         from .donation_order import reissue_in_order
         register_optimizer_step_post_hook(reissue_in_order)
         _GUARD_INSTALLED = True
+
+
+ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
+
+
+def declare_sharded_gradients() -> None:
+    """Tells Hugging Face accelerate that this process trains an FSDP model.
+
+    Without ``ACCELERATE_USE_FSDP`` accelerate all-reduces every gradient on XLA, in its
+    optimizer step and its ``clip_grad_norm_``, averaging different ranks' shards together;
+    transformers' Trainer sets it only for non-XLA FSDP. accelerate reads it at each step,
+    so setting it when a unit is built is in time. A value the user set is kept, and
+    ``_check_step`` refuses the step it would corrupt."""
+    value = os.environ.setdefault(ACCELERATE_FSDP, "true")
+    if not _accelerate_told():
+        warnings.warn(f"{ACCELERATE_FSDP}={value}: accelerate (and Hugging Face Trainer) will "
+                      f"all-reduce the sharded gradients of this FSDP model, averaging different "
+                      f"ranks' shards; its optimizer step will be refused")
+
+
+def _accelerate_told() -> bool:
+    return os.environ.get(ACCELERATE_FSDP, "").lower() in ("1", "true")
 
 
 def mark_updated(shard: torch.Tensor) -> None:
@@ -83,14 +106,12 @@ def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             "xm.optimizer_step() averages gradients across all replicas, but FSDP gradients "
             "are already reduced and each rank holds a different shard. Call "
             "optimizer.step() instead.")
-    if (sharded and os.environ.get("ACCELERATE_USE_FSDP", "").lower() not in ("1", "true")
-            and _called_from("step", "accelerate/optimizer.py")):
+    if sharded and not _accelerate_told() and _called_from("step", "accelerate/optimizer.py"):
         raise RuntimeError(
             "accelerate has just all-reduced the FSDP gradients across replicas, averaging "
             "different ranks' shards together, because ACCELERATE_USE_FSDP is not set "
-            "(Hugging Face Trainer sets it only for non-XLA FSDP). Call "
-            "xla_fsdp.patch_torch_xla() before creating the Trainer or Accelerator, or set "
-            "ACCELERATE_USE_FSDP=true.")
+            "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
+            "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
 
 
 def _called_from(function: str, file_suffix: str) -> bool:

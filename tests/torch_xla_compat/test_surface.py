@@ -75,8 +75,17 @@ def test_refuses_when_a_module_holds_torch_xla_fsdp():
         run.stdout + run.stderr[-3000:]
 
 
-def test_warns_when_accelerate_is_told_otherwise():
-    code = "import warnings, xla_fsdp\nwarnings.simplefilter('error')\nxla_fsdp.patch_torch_xla()"
-    run = subprocess.run([sys.executable, "-c", code], env=dict(ENV, ACCELERATE_USE_FSDP="false"),
-                         capture_output=True, text=True, timeout=300)
-    assert "ACCELERATE_USE_FSDP=false" in run.stderr
+def test_accelerate_is_told_when_a_unit_is_built():
+    code = ("import os, torch, warnings, xla_fsdp\n"
+            "xla_fsdp.patch_torch_xla()\n"
+            "print('after patch:', os.environ.get('ACCELERATE_USE_FSDP'))\n"
+            "xla_fsdp.FSDP(torch.nn.Linear(4, 4))\n"
+            "print('after a unit:', os.environ.get('ACCELERATE_USE_FSDP'))\n")
+    clean = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_FSDP"}
+    run = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
+                         text=True, timeout=300)
+    assert "after patch: None\nafter a unit: true" in run.stdout, run.stdout + run.stderr[-3000:]
+    run = subprocess.run([sys.executable, "-c", code],
+                         env=dict(clean, ACCELERATE_USE_FSDP="false"), capture_output=True,
+                         text=True, timeout=300)
+    assert "after a unit: false" in run.stdout and "ACCELERATE_USE_FSDP=false" in run.stderr
