@@ -17,7 +17,7 @@ from xla_fsdp.files import CheckpointError
 from xla_fsdp.files.memory import InMemoryCheckpoint
 
 from .optimizer import why_not_consolidated
-from .output import model_entries, write_consolidated
+from .output import entry_specs, model_entries, verify_output, write_consolidated
 from .plan import ModelPlan, plan_model
 from .shard_set import ShardSet, check_shard_set, wait_for_shard_set
 
@@ -43,6 +43,7 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
             return _state_dict(plan, shards), None
         with_optimizer = why_not_consolidated(shards, plan) is None
         write_consolidated(shards, plan, out, "pt", with_optimizer, lambda _: None)
+        verify_output(out, {n: (d, s) for n, d, s in entry_specs(plan, shards)})
     finally:
         shards.close()
     saved = torch.load(out, map_location="cpu", mmap=True, weights_only=True)

@@ -10,7 +10,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """``obj`` with every tensor inside lists, tuples, dicts and dataclass-free containers
-    replaced by ``fn(tensor)``; named tuples and OrderedDicts keep their type."""
+    replaced by ``fn(tensor)``; named tuples, sets and OrderedDicts keep their type."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, PackedSequence):
@@ -19,7 +19,7 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         return type(obj)((k, map_tensors(fn, v)) for k, v in obj.items())
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # named tuple
         return type(obj)(*(map_tensors(fn, v) for v in obj))
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, set, frozenset)):
         return type(obj)(map_tensors(fn, v) for v in obj)
     if hasattr(obj, "keys") and hasattr(obj, "__setitem__") and hasattr(obj, "items"):
         # dict-like model outputs (e.g. Hugging Face ModelOutput) are updated in place
@@ -49,7 +49,7 @@ def _walk(fn, obj) -> None:
         fn(obj)
     elif isinstance(obj, PackedSequence):
         fn(obj.data)
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, (list, tuple, set, frozenset)):
         for v in obj:
             _walk(fn, v)
     elif isinstance(obj, dict) or (hasattr(obj, "items") and hasattr(obj, "keys")):

@@ -58,8 +58,6 @@ def patch_torch_xla() -> None:
     import torch_xla.distributed
     torch_xla.distributed.fsdp = compat
     os.environ[ENV] = "1"
-    from .torch_device_module import register
-    register()
 
 
 def patch_if_requested() -> None:
