@@ -160,7 +160,7 @@ def _wrap_with_controls(model, kind, kw):
     model.b1 = FSDP(model.b1, **kw)
     model.b2 = FSDP(model.b2, **kw)
     root = FSDP(model, **kw)
-    assert not root._groups, "the grouped unit, not the root, holds the ends' parameters"
+    assert not root.shard_groups, "the grouped unit, not the root, holds the ends' parameters"
     ends.set_modules_to_forward_prefetch([model.b1])
     model.b1.set_modules_to_forward_prefetch([model.b2])
     ends.set_modules_to_backward_prefetch([model.b2])

@@ -1,6 +1,7 @@
 """Walking nested containers of tensors (module inputs and outputs)."""
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable, List
 
@@ -8,9 +9,12 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 
-def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
-    """``obj`` with every tensor inside lists, tuples, dicts and dataclass-free containers
-    replaced by ``fn(tensor)``; named tuples, sets and OrderedDicts keep their type."""
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any,
+                _objects: bool = True) -> Any:
+    """``obj`` with every tensor inside lists, tuples, dicts, dataclasses and the attributes
+    of plain objects replaced by ``fn(tensor)``; named tuples, sets and OrderedDicts keep
+    their type; dict-like outputs, dataclasses and objects are updated in place (frozen
+    dataclasses are copied). A plain object's attributes are searched one level deep."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, PackedSequence):
@@ -26,7 +30,25 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
         for k, v in list(obj.items()):
             obj[k] = map_tensors(fn, v)
         return obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                   if hasattr(obj, f.name)}
+        if type(obj).__dataclass_params__.frozen:
+            return dataclasses.replace(obj, **{k: v for k, v in changes.items()
+                                               if type(obj).__dataclass_fields__[k].init})
+        for k, v in changes.items():
+            setattr(obj, k, v)
+        return obj
+    if _objects and _is_plain_object(obj):
+        for k, v in list(vars(obj).items()):
+            setattr(obj, k, map_tensors(fn, v, _objects=False))
+        return obj
     return obj
+
+
+def _is_plain_object(obj: Any) -> bool:
+    return (hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module))
+            and not callable(obj) and type(obj).__module__ not in ("builtins",))
 
 
 def collect_tensors(obj: Any) -> List[torch.Tensor]:
@@ -55,6 +77,9 @@ def _walk(fn, obj) -> None:
     elif isinstance(obj, dict) or (hasattr(obj, "items") and hasattr(obj, "keys")):
         for v in obj.values():
             _walk(fn, v)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _walk(fn, getattr(obj, f.name, None))
 
 
 def cast_floating(dtype: torch.dtype, obj: Any) -> Any:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import glob
 import os
+import weakref
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -22,6 +23,7 @@ from .files import CheckpointError, CheckpointFile, atomic_path
 from .shard_metadata import wrapping_fingerprint
 
 FORMAT_VERSION = 1
+_SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 
 
 def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
@@ -57,7 +59,7 @@ def save_sharded(path_prefix: str, model: Any, optimizer: Optional[torch.optim.O
     _check_root(model, "save_sharded")
     torch_xla.sync()
     metadata = model.get_shard_metadata()
-    model._fsdp_save_count = getattr(model, "_fsdp_save_count", 0) + 1
+    _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     if not _is_writer(model):
         return None
     checkpoint: Dict[str, Any] = {
@@ -65,7 +67,7 @@ def save_sharded(path_prefix: str, model: Any, optimizer: Optional[torch.optim.O
         "shard_metadata": metadata,
         "xla_fsdp": {"format": FORMAT_VERSION, "world_size": metadata["world_size"],
                      "rank": metadata["rank"], "fingerprint": wrapping_fingerprint(metadata),
-                     "save_index": model._fsdp_save_count,
+                     "save_index": _SAVE_COUNT[model],
                      "optimizer_param_keys": (_optimizer_param_keys(model, optimizer)
                                               if optimizer is not None else None)}}
     if optimizer is not None:
@@ -115,7 +117,7 @@ def load_sharded(path_prefix: str, model: Any,
             raise CheckpointError(f"{path}: the optimizer's parameters are not the ones it was "
                                   f"saved with (or not in the same order)")
         optimizer.load_state_dict(checkpoint["optimizer"])
-    model._fsdp_save_count = ours["save_index"]
+    _SAVE_COUNT[model] = ours["save_index"]
     torch_xla.sync()
     return checkpoint.get("extra")
 
@@ -125,4 +127,4 @@ def _check_root(model: Any, what: str) -> None:
     if not isinstance(model, XlaFullyShardedDataParallel):
         raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
                         f"{type(model).__name__}")
-    model._check_root_call(what)  # a nested unit would save only part of the model
+    model.check_root_call(what)  # a nested unit would save only part of the model

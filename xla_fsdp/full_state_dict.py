@@ -5,23 +5,24 @@ from typing import Any, Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
-from .safety import mark_updated
-from .shard_metadata import clean_name, join_name
+from .init_sharding import original_dtype
+
+from .shard_metadata import clean_name, join_name, persistent_buffers
 
 
 def _parameter_slots(root: Any) -> Iterator[Tuple[Any, Any, List[str]]]:
     """(unit, shard group, unwrapped names of the group's parameters) for every group."""
-    for path, unit in root._named_units():
+    for path, unit in root.named_units():
         prefix = clean_name(path)
-        for g in unit._groups:
+        for g in unit.shard_groups:
             yield unit, g, [join_name(prefix, n) for n in g.names]
 
 
 def _aliases(root: Any) -> List[Tuple[str, str]]:
     out = []
-    for path, unit in root._named_units():
+    for path, unit in root.named_units():
         prefix = clean_name(path)
-        out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in unit._shared_params]
+        out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in unit.shared_params]
     return out
 
 
@@ -35,7 +36,7 @@ def full_state_dict(root: Any, rank0_only: bool = True) -> Dict[str, torch.Tenso
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
     for unit, g, names in _parameter_slots(root):
-        (full,) = unit._collectives.all_gather([g.shard.detach()], coalesce=False)
+        (full,) = unit.collectives.all_gather([g.shard.detach()], coalesce=False)
         torch_xla.sync()
         if keep:
             flat = full.cpu()
@@ -44,9 +45,8 @@ def full_state_dict(root: Any, rank0_only: bool = True) -> Dict[str, torch.Tenso
     if keep:
         for alias, source in _aliases(root):
             out[alias] = out[source]
-        for name, buf in root.named_buffers():
-            value = buf.detach().cpu()
-            out[clean_name(name)] = value.to(getattr(buf, "_orig_dtype", value.dtype))
+        for name, buf in persistent_buffers(root):
+            out[name] = buf.detach().cpu().to(original_dtype(buf))
     return out
 
 
@@ -57,7 +57,7 @@ def load_full_state_dict(root: Any, state_dict: Mapping[str, torch.Tensor],
     device. Returns (missing, unexpected) keys; with ``strict`` either is an error."""
     import torch_xla
     slots = list(_parameter_slots(root))
-    buffers = {clean_name(n): b for n, b in root.named_buffers()}
+    buffers = dict(persistent_buffers(root))
     expected = {n for _, _, names in slots for n in names} | set(buffers)
     expected |= {alias for alias, _ in _aliases(root)}
     missing = sorted(expected - set(state_dict))
@@ -76,7 +76,7 @@ def load_full_state_dict(root: Any, state_dict: Mapping[str, torch.Tensor],
                                  f"{tuple(value.shape)}, the model's is {tuple(shape)}")
             values.append(value.detach().to("cpu", torch.float32))
         g.shard.copy_(g.layout.shard(values, unit.rank).to(g.shard.device))
-        mark_updated(g.shard)
+        g.mark_updated()
     for name, buf in buffers.items():
         if name in state_dict:
             buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))

@@ -1,22 +1,22 @@
 """XlaFullyShardedDataParallel: ZeRO-3 sharding of an ``nn.Module`` on XLA devices.
 
 Each unit keeps only this rank's shard of its parameters. The original parameters stay in
-their modules as *full-parameter placeholders*: leaf tensors whose XLA data is swapped
-between the all-gathered full value (just before the unit computes) and a one-element
-dummy (right after). Autograd still sees one leaf per original parameter, so gradients
-arrive per parameter; they are reduce-scattered into the shard's ``.grad`` once every
-parameter of a shard group has its gradient.
+their modules as *full-parameter placeholders* (``param_record``): leaf tensors that hold the
+all-gathered full value while the unit computes and a one-element dummy otherwise. Autograd
+still sees one leaf per original parameter, so gradients arrive per parameter; they are
+reduce-scattered into the shard's ``.grad`` once every parameter of a shard group has its
+gradient.
 
-Hook order in one training step:
-forward: gather (and issue the prefetched units' gathers) -> module.forward -> free (if
-resharding) -> hooks on outputs
-backward: output hook: gather again (if resharded) -> ... -> per-parameter hook: when a
-group is complete, free it and reduce-scatter its gradients -> root's final callback:
-flush, free leftovers, reset state.
+The package, in the order a unit uses it:
 
-This file holds construction, the public API and forward; gathering and freeing are in
-``full_parameters.py``, backward in ``backward.py``, units that group several modules (whose
-forwards are hooked instead of wrapped) in ``module_group.py``.
+* ``fully_sharded`` (this file): the ``nn.Module``, construction and the public API;
+* ``init_sharding``, ``shard_group``, ``shard_layout``, ``param_record``: finding the
+  parameters, sharding them, and the per-parameter records;
+* ``unit_state``: one object per unit, owning its hooks, training state and counters;
+  ``root_context``: what the units of one model share; ``unit_params``: gathering, freeing
+  and gradient reduction; ``collectives``: the XLA collectives;
+* ``module_group``: units over several modules; ``full_state_dict``, ``shard_metadata``,
+  ``checkpoint``: the unwrapped state dict and checkpoints, through the public interface.
 """
 from __future__ import annotations
 
@@ -29,30 +29,25 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
-from ._tensor_tree import cast_floating, collect_tensors
-from .backward import BackwardHooks
 from .collectives import Collectives
-from .donation_order import pin_parameter_order
-from .full_parameters import FullParameters
-from .init_sharding import (ShardGroup, cast_buffers, find_parameters, group_parameters,
-                            materialize_meta, shard_group)
-from .module_group import (ModuleGroup, check_all_placed, check_members, place_grouping_units,
-                           unplaced_message)
+from .init_sharding import find_parameters, group_parameters, materialize_meta, place_buffers
+from .module_group import ModuleGroup, check_members, place_grouping_units
 from .module_view import ModuleView
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
 from .safety import declare_sharded_gradients, install_optimizer_guard, validate_module
 from .shard_layout import Dim0Layout
+from .shard_group import ShardGroup, build_group
 from .shard_metadata import original_names_and_shards, shard_metadata
 from .torch_device_module import register as _register_torch_xla_device_module
-from .training_state import TrainingState, TrainingStateError
-
-
+from .training_state import TrainingState
+from .unit_params import FullParams, UnitParams
+from .unit_state import UnitState
 
 _register_torch_xla_device_module()  # torch.utils.checkpoint on XLA tensors
 
 
-class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
+class XlaFullyShardedDataParallel(nn.Module):
     """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
@@ -167,53 +162,41 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         self.sharding_groups = options.sharding_groups
         self.flatten_parameters = options.flatten_parameters
         self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
-        self.reshard_after_forward = self._orig_reshard_after_forward = reshard_after_forward
         self._collectives = Collectives(self.world_size, self.sharding_groups,
                                         options.pin_layout_in_collective_ops, self.rank,
                                         options.dummy_collectives)
         if options.debug_dummy_forward_pass:
             warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
                           "torch_xla and has no effect in xla_fsdp: the real forward runs")
-        self.gradient_predivide_factor = _default_predivide_factor(self.world_size)
-        self.gradient_postdivide_factor = self.world_size / self.gradient_predivide_factor
-
         for m in members:
             materialize_meta(m, param_init_fn, XlaFullyShardedDataParallel)
             if options.use_xla_patched_linear:
                 patch_linear_layers(m)
         self._fsdp_wrapped_module = ModuleGroup(members) if grouping else module
-        self._members = members
-        self._members_run: set = set()  # ids of the members that ran in this forward
         import torch_xla
         self.xla_device = torch_xla.device()
-        self._groups: List[ShardGroup] = []
-        self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names of tied params
+        self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names
         self._param_order: List[str] = []
-        self._unplaced = grouping
+        self._state = UnitState(type(members[0]).__name__ if not grouping else
+                                "+".join(type(m).__name__ for m in members), members,
+                                UnitParams([], self._collectives, options, self.xla_device),
+                                options)
+        self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
+                                         self.world_size
+                                         / _default_predivide_factor(self.world_size), False)
+        for m in members:
+            m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, m),
+                                        with_kwargs=True, prepend=True)
+            m.register_forward_hook(functools.partial(self._post_forward_hook, m))
+        self.register_load_state_dict_post_hook(_after_load)
         if grouping:
             for m in members:
                 object.__setattr__(m, "_fsdp_group_unit", self)
-                m.register_forward_pre_hook(functools.partial(self._member_pre_hook, m),
-                                            with_kwargs=True)
-                m.register_forward_hook(functools.partial(self._member_post_hook, m))
+            self._state.unplaced = True
         else:
-            place_grouping_units(self, XlaFullyShardedDataParallel)
+            place_grouping_units(self)
             self._shard_parameters([("", module)])
-
-        self.training_state = TrainingState.IDLE
-        self.has_full_params = False
-        # per group: issued all-gathers, not yet installed
-        self._gathered: Optional[List[List[torch.Tensor]]] = None
-        self._gathered_versions: Tuple[tuple, ...] = ()
-        self.reshard_after_backward = True
-        self._reshard_after_forward_set = False
-        self._forward_prefetch: List[XlaFullyShardedDataParallel] = []
-        self._backward_prefetch: List[XlaFullyShardedDataParallel] = []
-        self._is_root: Optional[bool] = None
-        self._require_backward_grad_sync = True
-        self._pre_backward_hook_has_run = False
-        self._reduce_queue: List[Tuple[ShardGroup, torch.Tensor]] = []
-        self._reduce_queue_bytes = 0
+            self._state.adopt([u._state for u in self.units()])
         install_optimizer_guard()
         declare_sharded_gradients()
         if options.execute_sharding_on_init:
@@ -236,8 +219,31 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         return view
 
     @property
+    def shard_groups(self) -> List[ShardGroup]:
+        """This unit's shard groups (not its nested units'), read by checkpoint code."""
+        return list(self._state.params.groups)
+
+    @property
+    def shared_params(self) -> List[Tuple[str, str]]:
+        """(alias, source) names, relative to this unit, of parameters held under several."""
+        return list(self._shared_params)
+
+    @property
+    def param_order(self) -> List[str]:
+        """This unit's parameter names in the order the unwrapped modules register them."""
+        return list(self._param_order)
+
+    @property
+    def options(self) -> FsdpOptions:
+        return self._options
+
+    @property
+    def collectives(self) -> Collectives:
+        return self._collectives
+
+    @property
     def sharded_params(self) -> List[nn.Parameter]:
-        return [g.shard for g in self._groups]
+        return [g.shard for g in self._state.params.groups]
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -246,7 +252,35 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
 
     @property
     def full_params(self) -> List[torch.Tensor]:
-        return [p for g in self._groups for p in g.params]
+        return [p for g in self._state.params.groups for p in g.placeholders]
+
+    @property
+    def training_state(self) -> TrainingState:
+        return self._state.training_state
+
+    @property
+    def has_full_params(self) -> bool:
+        return self._state.params.state is FullParams.UNSHARDED
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self._state.reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self._state.explicit_reshard_after_forward = bool(value)
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self._state.reshard_after_backward
+
+    @property
+    def gradient_predivide_factor(self) -> float:
+        return self._state.divide[0]
+
+    @property
+    def gradient_postdivide_factor(self) -> float:
+        return self._state.divide[1]
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -258,7 +292,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)
 
     def extra_repr(self) -> str:
-        padded = [n for g in self._groups if isinstance(g.layout, Dim0Layout)
+        padded = [n for g in self._state.params.groups if isinstance(g.layout, Dim0Layout)
                   and g.layout.pad_rows for n in g.names]
         text = (f"world_size={self.world_size}, rank={self.rank}, "
                 f"compute_dtype={self.compute_dtype}, flatten_parameters="
@@ -274,14 +308,19 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
             if isinstance(m, XlaFullyShardedDataParallel):
                 yield m
 
+    def named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
+        """(path in the wrapped model, unit) for this unit and every unit nested in it."""
+        for path, m in self.named_modules():
+            if isinstance(m, XlaFullyShardedDataParallel):
+                yield path, m
+
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it
         (defaults: a power of two near sqrt(N), and N / pre). A float32 reduction needs no
         headroom, so there both divisions happen after it."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
-            unit.gradient_predivide_factor = pre
-            unit.gradient_postdivide_factor = post
+            unit._state.divide = (float(pre), float(post))
 
     # -- explicit control (FSDP2's names) ---------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -290,8 +329,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
-            unit.reshard_after_forward = bool(reshard_after_forward)
-            unit._reshard_after_forward_set = True
+            unit._state.explicit_reshard_after_forward = bool(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool,
                                    recurse: bool = True) -> None:
@@ -301,7 +339,7 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         load) has changed since they were gathered are gathered again, never reused."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
-            unit.reshard_after_backward = bool(reshard_after_backward)
+            unit._state.reshard_after_backward = bool(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(
             self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
@@ -310,16 +348,15 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         instead of running them after it; the cost is holding their full parameters for
         longer. Without it, a unit's gather is tied to its inputs, i.e. to the previous
         unit's output."""
-        self._forward_prefetch = self._prefetch_targets(modules, "forward")
+        self._state.forward_prefetch = self._prefetch_targets(modules, "forward")
 
     def set_modules_to_backward_prefetch(
             self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
         """Units whose all-gathers are issued when this unit's backward starts, usually the
         unit(s) whose backward runs next (the ones before it in forward order)."""
-        self._backward_prefetch = self._prefetch_targets(modules, "backward")
+        self._state.backward_prefetch = self._prefetch_targets(modules, "backward")
 
-    def _prefetch_targets(self, modules: Sequence[Any], which: str
-                          ) -> List["XlaFullyShardedDataParallel"]:
+    def _prefetch_targets(self, modules: Sequence[Any], which: str) -> List[UnitState]:
         modules = list(modules)
         for m in modules:
             if not isinstance(m, XlaFullyShardedDataParallel):
@@ -328,35 +365,38 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
             if m is self:
                 raise ValueError(f"set_modules_to_{which}_prefetch: a unit cannot prefetch "
                                  f"itself ({type(self.wrapped_module).__name__})")
-        return modules
+        return [m._state for m in modules]
 
     def unshard(self) -> None:
         """Gathers this unit's full parameters now, in the graph being traced; its next
         forward uses them instead of gathering (then frees them if ``reshard_after_forward``).
         E.g. to start a unit's gather before unrelated work of the step."""
         self.assert_state(TrainingState.IDLE)
-        self._rebuild_full_params([], self._options.optimization_barrier_in_forward)
+        self._state.params.unshard([], self._options.optimization_barrier_in_forward)
 
     def reshard(self) -> None:
         """Frees this unit's full parameters (and any gather issued for it)."""
         self.assert_state(TrainingState.IDLE)
-        self._free_full_params(self._groups, [], self._options.optimization_barrier_in_forward)
+        params = self._state.params
+        params.reshard(params.groups, [], self._options.optimization_barrier_in_forward)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulates full, unreduced gradients until the first backward after the context.
 
         Costs the memory of full gradients for every unit; saves one reduce-scatter per
-        accumulation step."""
+        accumulation step. An accumulation abandoned with ``optimizer.zero_grad()`` (or
+        ``model.zero_grad()``) before a synchronised backward is dropped, as the unsharded
+        gradients would be."""
         self._check_root_call("no_sync")
-        saved = [(u, u._require_backward_grad_sync) for u in self.units()]
-        for unit, _ in saved:
-            unit._require_backward_grad_sync = False
+        saved = [(u._state, u._state.require_grad_sync) for u in self.units()]
+        for state, _ in saved:
+            state.require_grad_sync = False
         try:
             yield
         finally:
-            for unit, flag in saved:
-                unit._require_backward_grad_sync = flag
+            for state, flag in saved:
+                state.require_grad_sync = flag
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
@@ -364,27 +404,34 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
         """Clips the gradients of all units by their total norm, as if unsharded.
 
         ``groups`` are the replica groups to reduce the norm over; by default the sharding
-        groups, whose ranks together hold every shard exactly once."""
+        groups, whose ranks together hold every shard exactly once. Every rank takes part
+        in the reduction, also one whose parameters got no gradient."""
         self._check_root_call("clip_grad_norm_")
         groups = self.sharding_groups if groups is None else groups
         grads = [p.grad for p in self.params_with_grad]
         norm_type = float(norm_type)
-        if not grads:
-            return torch.tensor(0.0, device=self.xla_device)
+        zero = torch.zeros((), device=self.xla_device)
         if norm_type == math.inf:
-            local = torch.stack([g.abs().max() for g in grads]).max()
+            local = torch.stack([zero] + [g.abs().max().float() for g in grads]).max()
             total = self._collectives.all_reduce_max(local, groups)
         else:
-            local = torch.stack([g.norm(norm_type) for g in grads]).norm(norm_type)
+            local = torch.stack([zero] + [g.norm(norm_type).float() for g in grads]
+                                ).norm(norm_type)
             total = self._collectives.all_reduce_sum(local ** norm_type, groups) ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)
         return total
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Also drops full gradients a ``no_sync`` backward left unreduced."""
+        super().zero_grad(set_to_none)
+        for unit in self.units():
+            unit._state.params.drop_abandoned()
+
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """(name in the unwrapped model, shard) for every shard of every unit in this tree."""
-        return original_names_and_shards(self._named_units())
+        return original_names_and_shards(self.named_units())
 
     def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
         """The unwrapped model's state dict on the CPU (see ``full_state_dict.py``)."""
@@ -402,126 +449,85 @@ class XlaFullyShardedDataParallel(FullParameters, BackwardHooks, nn.Module):
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs, in torch_xla's format (see ``shard_metadata``)."""
-        return shard_metadata(self, self._named_units())
+        return shard_metadata(self, self.named_units())
+
+    def check_root_call(self, what: str) -> None:
+        """Raises unless this is the root unit and it is idle: ``what`` concerns the whole
+        model (saving, loading, clipping)."""
+        self._check_root_call(what)
 
     # -- sharding at construction ------------------------------------------------------------
-    def _named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
-        for path, m in self.named_modules():
-            if isinstance(m, XlaFullyShardedDataParallel):
-                yield path, m
+    @property
+    def is_placed(self) -> bool:
+        return not self._state.unplaced
 
-    def _place(self, member_paths: List[str]) -> None:
-        """Shards a grouping unit's modules, named as in the unit that places it."""
-        self._unplaced = False
-        self._shard_parameters(list(zip(member_paths, self._members)))
+    def place(self, member_paths: List[str]) -> None:
+        """Shards a grouping unit's modules, named as in the unit that places it (see
+        ``module_group``)."""
+        self._state.unplaced = False
+        self._shard_parameters(list(zip(member_paths, self._state.members)))
 
     def _shard_parameters(self, roots: List[Tuple[str, nn.Module]]) -> None:
         opts = self._options
         found = find_parameters(roots, self)
-        self._param_order = [owners[0][2] for _, owners in found]
+        self._param_order = [names[0] for _, _, names in found]
+        groups = []
         for index, members in enumerate(group_parameters(found, self.flatten_parameters)):
-            group, shared = shard_group(
+            group = build_group(
                 members, index, flatten=self.flatten_parameters,
                 dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
                 multiple=opts.shard_size_multiple, device=self.xla_device,
-                compute_dtype=self.compute_dtype)
-            self.register_parameter(group.shard._name, group.shard)
-            self._groups.append(group)
-            self._shared_params.extend(shared)
+                compute_dtype=self.compute_dtype, unit_name=self._state.name)
+            self.register_parameter(group.shard_name, group.shard)
+            groups.append(group)
+            for _, _, names in members:
+                self._shared_params.extend((alias, names[0]) for alias in names[1:])
+        self._state.add_groups(groups)
         for _, m in roots:
-            cast_buffers(m, self.buffer_dtype, self.xla_device)
+            place_buffers(m, self.buffer_dtype, self.xla_device)
 
-    # -- root and lazy init ------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        if self._is_root is None:
-            self._is_root = True
-            self.assert_state(TrainingState.IDLE)
-            check_all_placed(self)
-            self._backward_barrier_tensors: List[torch.Tensor] = []
-            for unit in self.units():
-                if unit is not self:
-                    unit._is_root = False
-                    unit._backward_barrier_tensors = self._backward_barrier_tensors
-            if self._options.debug_print and self.rank == 0:
-                print(f"root FSDP unit got {len(list(self.parameters()))} sharded parameters "
-                      f"(_debug_msg: {self._options.debug_msg})")
-        if (self._is_root and self._options.disable_reshard_on_root
-                and not self._reshard_after_forward_set):
-            self.reshard_after_forward = False
+    # -- root ---------------------------------------------------------------------------------
+    @property
+    def _is_root(self) -> bool:
+        return self._state.is_root
 
     def _check_root_call(self, what: str) -> None:
-        self._lazy_init()
-        if not self._is_root:
+        if not self._state.is_root:
             raise RuntimeError(
                 f"{what}() must be called on the root FSDP unit, not on a nested unit "
-                f"({type(self.wrapped_module).__name__}); call it on the outermost wrapper")
+                f"({self._state.name}); call it on the outermost wrapper")
         self.assert_state(TrainingState.IDLE)
 
     def assert_state(self, state: Union[TrainingState, Sequence[TrainingState]]) -> None:
         """Raises ``TrainingStateError`` unless the unit is in ``state`` (or one of them)."""
-        states = [state] if isinstance(state, TrainingState) else list(state)
-        if self.training_state not in states:
-            raise TrainingStateError(
-                f"FSDP unit around {type(self.wrapped_module).__name__} is in state "
-                f"{self.training_state.name}, expected {[s.name for s in states]}. This happens "
-                f"when a nested unit is called outside its parent's forward, or when "
-                f"backward runs twice over the same forward.")
+        self._state.assert_state([state] if isinstance(state, TrainingState) else list(state))
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        module = self._fsdp_wrapped_module
-        if isinstance(module, ModuleGroup):
-            return module(*args, **kwargs)  # raises: the grouped modules are called instead
-        args, kwargs = self._pre_forward(module, args, kwargs)
-        return self._post_forward(module, module(*args, **kwargs))
+        # the work is in the hooks on the wrapped module (or, for a group, on each module,
+        # and calling the group itself raises)
+        return self._fsdp_wrapped_module(*args, **kwargs)
 
-    def _member_pre_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
-                         kwargs: dict) -> Tuple[tuple, dict]:
-        return self._pre_forward(member, args, kwargs)
+    def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
+                          kwargs: dict) -> Tuple[tuple, dict]:
+        return self._state.pre_forward(member, args, kwargs, _in_checkpoint_recompute())
 
-    def _member_post_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
-                          outputs: Any) -> Any:
-        return self._post_forward(member, outputs)
+    def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
+                           outputs: Any) -> Any:
+        return self._state.post_forward(member, outputs, _in_checkpoint_recompute())
 
-    def _pre_forward(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        if self._unplaced:
-            raise ValueError(unplaced_message(self))
-        self._lazy_init()
-        recompute = _in_checkpoint_recompute()
-        if self._is_root and not recompute:
-            pin_parameter_order(self.xla_device)
-        if id(member) in self._members_run:  # a new forward pass
-            self._members_run.clear()
-        self._members_run.add(id(member))
-        if not recompute:  # a recompute happens inside this unit's backward: keep its state
-            self.training_state = TrainingState.FORWARD
-        opts = self._options
-        if self.compute_dtype != torch.float32:
-            args, kwargs = cast_floating(self.compute_dtype, (args, kwargs))
-        inputs = collect_tensors((args, kwargs))
-        barrier = opts.optimization_barrier_in_forward
-        prefetch = [] if recompute else self._forward_prefetch
-        self._rebuild_full_params(inputs if barrier else [], barrier, prefetch)
-        self._register_post_backward_hooks()
-        if opts.optimization_barrier_in_backward and torch.is_grad_enabled():
-            for t in inputs:
-                if t.requires_grad:
-                    t.register_hook(self._input_grad_barrier)
-        return args, kwargs
 
-    def _post_forward(self, member: nn.Module, outputs: Any) -> Any:
-        barrier = self._options.optimization_barrier_in_forward
-        last = len(self._members_run) == len(self._members)
-        if _in_checkpoint_recompute():
-            # the recomputed activations' backward comes next and reads the full
-            # parameters; it frees them as any backward does
-            return self._register_pre_backward_hooks(outputs)
-        if self.reshard_after_forward and last:
-            deps = collect_tensors(outputs) if barrier else []
-            self._free_full_params(self._groups, deps, barrier)
-        outputs = self._register_pre_backward_hooks(outputs)
-        self.training_state = TrainingState.IDLE
-        return outputs
+def _after_load(unit: XlaFullyShardedDataParallel, _incompatible: Any) -> None:
+    """``load_state_dict`` wrote the shards, or with ``assign=True`` replaced them: keep the
+    shards the optimizer and the unit hold (moving the loaded values into them) and count
+    the update, so that full parameters gathered before it are not reused."""
+    for g in unit.shard_groups:
+        loaded = unit._parameters.get(g.shard_name)
+        if loaded is not None and loaded is not g.shard:
+            with torch.no_grad():
+                g.shard.copy_(loaded.detach().to(g.shard.device, g.shard.dtype))
+            unit._parameters[g.shard_name] = g.shard
+        g.mark_updated()
 
 
 def _default_predivide_factor(world_size: int) -> float:

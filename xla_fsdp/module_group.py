@@ -50,13 +50,13 @@ def check_members(members: Sequence[Any], unit_cls: type) -> List[nn.Module]:
     return members
 
 
-def place_grouping_units(unit: nn.Module, unit_cls: type) -> None:
+def place_grouping_units(unit: Any) -> None:
     """Places every not-yet-placed grouping unit whose modules are all inside ``unit``'s
     wrapped module (see the module docstring)."""
     found: Dict[int, Tuple[Any, Dict[int, str]]] = {}
-    for path, m in unit._fsdp_wrapped_module.named_modules():
+    for path, m in unit.wrapped_module.named_modules():
         owner = m.__dict__.get("_fsdp_group_unit")
-        if owner is not None and owner._unplaced:
+        if owner is not None and not owner.is_placed:
             found.setdefault(id(owner), (owner, {}))[1][id(m)] = clean_name(path)
     for owner, paths in found.values():
         members = owner.wrapped_module.members
@@ -68,19 +68,18 @@ def place_grouping_units(unit: nn.Module, unit_cls: type) -> None:
         while f"{GROUP_PREFIX}{index}" in unit._modules:
             index += 1
         unit.add_module(f"{GROUP_PREFIX}{index}", owner)
-        owner._place(member_paths)
+        owner.place(member_paths)
 
 
-def check_all_placed(root: nn.Module) -> None:
+def check_all_placed(states: Sequence[Any]) -> None:
     """Raised at the root's first forward: a grouping unit no unit was built around."""
-    for _, m in root.named_modules():
-        owner = m.__dict__.get("_fsdp_group_unit")
-        if owner is not None and owner._unplaced:
-            raise ValueError(unplaced_message(owner))
+    for state in states:
+        if state.unplaced:
+            raise ValueError(unplaced_message(state.members))
 
 
-def unplaced_message(owner: Any) -> str:
-    names = ", ".join(type(m).__name__ for m in owner.wrapped_module.members)
+def unplaced_message(members: Sequence[nn.Module]) -> str:
+    names = ", ".join(type(m).__name__ for m in members)
     return (f"the FSDP unit grouping ({names}) was never placed: wrap a module that contains "
             f"all of them (usually the whole model) in FSDP after building the group")
 

@@ -20,7 +20,7 @@ class FsdpOptions:
     sync_on_finalization: bool
     disable_reshard_on_root: bool
     compute_dtype: torch.dtype
-    buffer_dtype: torch.dtype
+    buffer_dtype: Optional[torch.dtype]   # None: buffers keep their own dtype
     fp32_reduce_scatter: bool
     sharding_groups: Optional[List[List[int]]]
     sharding_rank: Optional[int]
@@ -45,8 +45,10 @@ class FsdpOptions:
     @staticmethod
     def build(**kw: Any) -> "FsdpOptions":
         compute = kw.pop("compute_dtype") or torch.float32
-        buffer = kw.pop("buffer_dtype") or compute
-        for label, dtype in (("compute_dtype", compute), ("buffer_dtype", buffer)):
+        # torch_xla casts buffers to the compute dtype by default, which turns BatchNorm's
+        # running statistics (and rotary frequencies) into bf16 accumulators
+        buffer = kw.pop("buffer_dtype")
+        for label, dtype in (("compute_dtype", compute), ("buffer_dtype", buffer or compute)):
             if dtype not in COMPUTE_DTYPES:
                 raise ValueError(f"{label} must be one of {list(COMPUTE_DTYPES)}, got {dtype}")
         rank, world = _resolve_ranks(kw["sharding_groups"], kw["sharding_rank"],

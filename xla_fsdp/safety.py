@@ -9,6 +9,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .param_record import taken_name
+from .shard_group import group_of
+from .unit_params import accumulating
+
 _GUARD_INSTALLED = False
 
 
@@ -30,7 +34,7 @@ def validate_module(module: Any, wrapper_cls: type) -> None:
 def install_optimizer_guard() -> None:
     """Makes every optimizer step check that it is not updating FSDP's stale full parameters
     or sharded gradients that ``xm.optimizer_step`` has just averaged across ranks, count
-    the updates of the shards it steps (see ``shard_generation``) and keep their buffers
+    the updates of the shards it steps (see ``ShardGroup.generation``) and keep their buffers
     donated in place (see ``donation_order``)."""
     global _GUARD_INSTALLED
     if not _GUARD_INSTALLED:
@@ -65,42 +69,36 @@ def _accelerate_told() -> bool:
     return os.environ.get(ACCELERATE_FSDP, "").lower() in ("1", "true")
 
 
-def mark_updated(shard: torch.Tensor) -> None:
-    shard._fsdp_updates = getattr(shard, "_fsdp_updates", 0) + 1
-
-
-def update_count(shard: torch.Tensor) -> int:
-    """Optimizer steps (and loads) applied to ``shard``: the same on every rank."""
-    return getattr(shard, "_fsdp_updates", 0)
-
-
-def shard_generation(shard: torch.Tensor) -> tuple:
-    """Changes whenever the shard's values may have: an optimizer step or a load (counted
-    here, because torch_xla's foreach kernels leave the version counter alone), or any
-    other in-place update (the version counter)."""
-    return (shard._version, update_count(shard))
-
-
 def _count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, "_is_sharded", False):
-                mark_updated(p)
+            shard_group = group_of(p)
+            if shard_group is not None:
+                shard_group.mark_updated()
 
 
 def _check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stale, sharded = [], False
+    stale, unreduced, sharded = [], [], False
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if getattr(p, "_is_sharded", False):
+            shard_group = group_of(p)
+            if shard_group is not None:
                 sharded = True
-            elif hasattr(p, "_fsdp_owner_name"):
-                stale.append(p._fsdp_owner_name)
+                if accumulating(shard_group):
+                    unreduced.append(shard_group.names[0])
+            elif taken_name(p) is not None:
+                stale.append(taken_name(p))
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
             f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
             f"after wrapping, from the wrapped model's parameters().")
+    if unreduced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() after a backward under no_sync() and no "
+            f"synchronised backward since: the gradients of {', '.join(unreduced[:5])}"
+            f"{', ...' if len(unreduced) > 5 else ''} are not reduced across ranks yet. Run "
+            f"the last micro-batch's backward outside no_sync().")
     if sharded and _called_from("optimizer_step", "torch_xla/core/xla_model.py"):
         raise RuntimeError(
             "xm.optimizer_step() averages gradients across all replicas, but FSDP gradients "

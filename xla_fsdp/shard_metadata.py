@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
 
-from .safety import update_count
+from .init_sharding import original_dtype
 from .shard_layout import Dim0Layout, InterleavedLayout
 
 
@@ -27,6 +27,17 @@ def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def persistent_buffers(root: nn.Module) -> List[Tuple[str, Any]]:
+    """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
+    persistent ones, under every name a shared module gives them."""
+    out = []
+    for path, m in root.named_modules(remove_duplicate=False):
+        for name, buf in m._buffers.items():
+            if buf is not None and name not in m._non_persistent_buffers_set:
+                out.append((clean_name(join_name(path, name)), buf))
+    return out
+
+
 def original_names_and_shards(units: Iterable[Tuple[str, Any]]) -> List[Tuple[str, nn.Parameter]]:
     """(name in the unwrapped model, shard) for every group of every unit.
 
@@ -34,8 +45,8 @@ def original_names_and_shards(units: Iterable[Tuple[str, Any]]) -> List[Tuple[st
     out = []
     for path, unit in units:
         prefix = clean_name(path)
-        for g in unit._groups:
-            out.append((join_name(prefix, clean_name(g.shard._orig_name)), g.shard))
+        for g in unit.shard_groups:
+            out.append((join_name(prefix, clean_name(g.orig_name)), g.shard))
     return out
 
 
@@ -58,24 +69,26 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
     interleave_info = {}
     for path, unit in units:
+        groups = unit.shard_groups
         shard_info[path] = {
-            g.shard._name: {"_orig_size": g.shard._orig_size, "_orig_name": g.shard._orig_name}
-            for g in unit._groups}
-        layout_info[path] = {g.shard._name: _layout_entry(g.layout) for g in unit._groups}
+            g.shard_name: {"_orig_size": g.shard._orig_size, "_orig_name": g.orig_name}
+            for g in groups}
+        layout_info[path] = {g.shard_name: _layout_entry(g.layout) for g in groups}
         if unit.flatten_parameters:
-            for g in unit._groups:
-                key = (path + "." if path else "") + g.shard._orig_name
+            for g in groups:
+                key = (path + "." if path else "") + g.orig_name
                 info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
                 info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
-        if unit._shared_params:
-            shared_info[path] = list(unit._shared_params)
-    buffer_info = {name: {"_orig_dtype": buf._orig_dtype}
-                   for name, buf in root.named_buffers() if hasattr(buf, "_orig_dtype")}
+        if unit.shared_params:
+            shared_info[path] = unit.shared_params
+    buffer_info = {name: {"_orig_dtype": original_dtype(buf)}
+                   for name, buf in persistent_buffers(root)
+                   if original_dtype(buf) != buf.dtype}
     return {"shard_info": shard_info, "flatten_info": flatten_info,
             "interleave_info": interleave_info, "buffer_info": buffer_info,
             "shared_info": shared_info, "layout_info": layout_info,
             "param_order": _plain_parameter_order(root, units),
-            "update_count": sum(update_count(g.shard) for _, unit in units for g in unit._groups),
+            "update_count": sum(g.updates for _, unit in units for g in unit.shard_groups),
             "world_size": root.world_size, "rank": root.rank}
 
 
@@ -96,7 +109,7 @@ def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, Any]]) -> Lis
     keyed = []
     for path, unit in units:
         prefix = clean_name(path)
-        for position, name in enumerate(unit._param_order):
+        for position, name in enumerate(unit.param_order):
             full = join_name(prefix, name)
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             keyed.append(((module_rank[owner], position), full))

@@ -25,7 +25,7 @@ def _children_options(out):
     units = list(model.units())
     out["auto_wrapped_units"] = len(units)
     out["children_options_differ"] = [
-        type(u.wrapped_module).__name__ for u in units if u._options != model._options]
+        type(u.wrapped_module).__name__ for u in units if u.options != model.options]
 
 
 def _nested_names(out):
@@ -99,7 +99,7 @@ def _torch_xla_arguments(out, device):
     from xla_fsdp.shard_layout import Dim0Layout
     from xla_fsdp.training_state import TrainingState
     out["on_neuron_dim0"] = all(isinstance(g.layout, Dim0Layout)
-                                for g in FSDP(Net(), on_neuron=True)._groups)
+                                for g in FSDP(Net(), on_neuron=True).shard_groups)
     model = FSDP(Net(), _debug_dummy_all_gather_op=True, _debug_dummy_reduce_scatter_op=True,
                  _debug_dummy_all_reduce_op=True, _debug_dummy_optimization_barrier_op=True)
     model(torch.randn(4, 32).to(device)).sum().backward()

@@ -1,0 +1,270 @@
+"""The state of one FSDP unit and the hooks that drive it, one object per unit.
+
+A unit's hooks sit on the modules it wraps: on the wrapped module, or on each module of a
+group (``module_group``), the same hooks either way.
+
+forward: pre-hook (gather, and issue the prefetched units' gathers; hook the inputs'
+gradients) -> the module -> post-hook (free if resharding, once every member ran; hook the
+outputs' gradients).
+backward: an output's gradient hook gathers again (if freed) -> each parameter's
+post-accumulate hook counts its group's gradients; a complete group is freed and queued for
+reduce-scatter -> the root context's callback finishes every unit that took part: groups
+still incomplete are reduced with zeros for what did not arrive, so every rank issues the
+same collectives; the queue is flushed; the unit returns to ``IDLE``.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from ._tensor_tree import cast_floating, collect_tensors, map_tensors
+from .collectives import optimization_barrier
+from .donation_order import pin_parameter_order
+from .options import FsdpOptions
+from .param_record import ParamRecord
+from .root_context import RootContext
+from .training_state import TrainingState, TrainingStateError
+from .unit_params import FullParams, UnitParams
+
+if TYPE_CHECKING:
+    from .shard_group import ShardGroup
+
+
+class UnitState:
+    def __init__(self, name: str, members: Sequence[nn.Module], params: UnitParams,
+                 options: FsdpOptions) -> None:
+        self.name = name                   # the wrapped module's class, for messages
+        self.members = list(members)
+        self.params = params
+        self.options = options
+        self.parent: Optional["UnitState"] = None
+        self.context = RootContext([self], options.sync_on_finalization,
+                                   options.optimization_barrier_in_backward)
+        self.training_state = TrainingState.IDLE
+        self.explicit_reshard_after_forward: Optional[bool] = None
+        self.reshard_after_backward = True
+        self.require_grad_sync = True
+        self.forward_prefetch: List["UnitState"] = []
+        self.backward_prefetch: List["UnitState"] = []
+        self.divide = (1.0, 1.0)           # gradient pre- and post-division factors
+        self.unplaced = False              # a grouping unit no unit was built around yet
+        self._forward_id = -1              # the root forward this unit's members ran in
+        self._members_run: set = set()
+        self._took_part = False            # in the current backward
+        self._leaf_hooks: List[Any] = []   # on persistent leaves: removed after backward
+
+    def add_groups(self, groups: Sequence["ShardGroup"]) -> None:
+        self.params.groups.extend(groups)
+        for g in groups:
+            for r in g.records:
+                r.hook_gradient(self._post_accumulate)
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def adopt(self, states: Sequence["UnitState"]) -> None:
+        """Becomes the parent of the states no unit was built around yet, and gives every
+        state below it this root's context."""
+        for s in states:
+            if s is not self and s.parent is None:
+                s.parent = self
+        self.context.states = [self] + [s for s in states if s is not self]
+        for s in states:
+            s.context = self.context
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.explicit_reshard_after_forward is not None:
+            return self.explicit_reshard_after_forward
+        if self.is_root and self.options.disable_reshard_on_root:
+            return False  # the root's parameters are needed first in backward
+        return self.options.reshard_after_forward
+
+    def assert_state(self, states: Sequence[TrainingState]) -> None:
+        if self.training_state not in states:
+            raise TrainingStateError(
+                f"FSDP unit around {self.name} is in state {self.training_state.name}, "
+                f"expected {[s.name for s in states]}. This happens when a nested unit is "
+                f"called outside its parent's forward, or when backward runs twice over the "
+                f"same forward without retain_graph.")
+
+    # -- forward ---------------------------------------------------------------------------
+    def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
+                    recompute: bool) -> Tuple[tuple, dict]:
+        if self.unplaced:
+            from .module_group import unplaced_message
+            raise ValueError(unplaced_message(self.members))
+        context = self.context
+        if self is context.root and not recompute:
+            context.begin_forward(self._first_root_forward)
+            pin_parameter_order(self.params.device)
+        if self._forward_id != context.forward_id or id(member) in self._members_run:
+            self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
+            self._members_run.clear()
+        self._members_run.add(id(member))
+        if not recompute:  # a recompute runs inside this unit's backward: keep its state
+            self._sync_trainable()
+            self.params.drop_abandoned()
+            self.training_state = TrainingState.FORWARD
+        if self.options.compute_dtype != torch.float32:
+            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
+        inputs = collect_tensors((args, kwargs))
+        barrier = self.options.optimization_barrier_in_forward
+        prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
+        self.params.unshard(inputs if barrier else [], barrier, prefetch)
+        if self.options.optimization_barrier_in_backward and torch.is_grad_enabled():
+            for t in inputs:
+                if t.requires_grad:
+                    self._hook(t, self._input_grad_barrier)
+        return args, kwargs
+
+    def post_forward(self, member: nn.Module, outputs: Any, recompute: bool) -> Any:
+        if recompute:
+            # the recomputed activations' backward comes next and reads the full
+            # parameters; it frees them as any backward does
+            return self._hook_outputs(outputs)
+        grad = torch.is_grad_enabled()
+        last = len(self._members_run) >= len(self.members)
+        if last and (self.reshard_after_forward or not grad):
+            barrier = self.options.optimization_barrier_in_forward
+            deps = collect_tensors(outputs) if barrier else []
+            self.params.reshard(self.params.groups, deps, barrier)
+        outputs = self._hook_outputs(outputs)
+        if last:
+            self.training_state = TrainingState.IDLE
+        if self is self.context.root:
+            self.context.end_forward(grad)
+        return outputs
+
+    def end_of_model_forward(self, grad_enabled: bool) -> None:
+        if self.training_state is TrainingState.FORWARD:  # a grouped member never ran
+            self.training_state = TrainingState.IDLE
+            if self.reshard_after_forward:
+                self.params.reshard(self.params.groups, [], barrier=False)
+        if not grad_enabled and self.params.state is not FullParams.SHARDED:
+            self.params.reshard(self.params.groups, [], barrier=False)
+
+    def _first_root_forward(self) -> None:
+        from .module_group import check_all_placed
+        check_all_placed(self.context.states)
+        if self.options.debug_print and self.options.rank == 0:
+            count = sum(len(s.params.groups) for s in self.context.states)
+            print(f"root FSDP unit got {count} sharded parameters "
+                  f"(_debug_msg: {self.options.debug_msg})")
+
+    def _sync_trainable(self) -> None:
+        """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
+        was changed since wrapping (frozen through ``model.parameters()``, which yields
+        shards, or through a module attribute, which is a placeholder)."""
+        for g in self.params.groups:
+            changed = [r for r in g.records if r.placeholder.requires_grad != r.requires_grad]
+            if changed:
+                want = changed[0].placeholder.requires_grad
+                if any(r.placeholder.requires_grad != want for r in g.records):
+                    names = ", ".join(r.name for r in g.records)
+                    raise ValueError(
+                        f"FSDP unit around {self.name}: parameters {names} are sharded as one "
+                        f"flat tensor and must all be trainable or all frozen; set "
+                        f"requires_grad on all of them (or wrap without flatten_parameters)")
+                g.shard.requires_grad_(want)
+            want = g.shard.requires_grad
+            for r in g.records:
+                r.placeholder.requires_grad_(want)
+                r.requires_grad = want
+                if not want:
+                    r.placeholder.grad = None
+                r.hook_gradient(self._post_accumulate)
+
+    # -- backward --------------------------------------------------------------------------
+    def _hook(self, t: torch.Tensor, fn: Any) -> None:
+        handle = t.register_hook(fn)
+        if t.grad_fn is None:  # a leaf outlives the step: its hook must not pile up
+            self._leaf_hooks.append(handle)
+
+    def _hook_outputs(self, outputs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return outputs
+
+        def attach(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                self._hook(t, self._pre_backward)
+            return t
+
+        return map_tensors(attach, outputs)
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        context = self.context
+        context.queue_final_callback()
+        barrier = self.options.optimization_barrier_in_backward
+        if barrier:
+            context.backward_barrier.append(grad)
+        if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
+                               [s.params for s in self.backward_prefetch]):
+            context.backward_barrier.clear()
+        if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
+            self.training_state = TrainingState.BACKWARD_PRE
+        self._took_part = True
+        if barrier:
+            optimization_barrier([grad])
+            grad = grad.view(grad.size())
+        return grad
+
+    def _input_grad_barrier(self, grad: torch.Tensor) -> torch.Tensor:
+        self.context.backward_barrier.append(grad)
+        optimization_barrier([grad])
+        return grad.view(grad.size())
+
+    def _post_accumulate(self, record: ParamRecord) -> None:
+        self.context.queue_final_callback()
+        if not record.gathered:
+            raise RuntimeError(
+                f"FSDP unit around {self.name}: the gradient of '{record.name}' was computed "
+                f"while its full parameters were freed, so it is wrong. The unit's backward "
+                f"started without passing through its outputs' gradient hooks: return "
+                f"tensors (in lists, tuples, dicts, named tuples or dataclasses) from the "
+                f"wrapped module, or set_reshard_after_forward(False) on this unit.")
+        with torch.no_grad():
+            self.training_state = TrainingState.BACKWARD_POST
+            self._took_part = True
+            group = record.group
+            group.arrived.add(record.index)
+            if group.arrived.issuperset(group.trainable_records()):
+                self._reduce(group)
+
+    def _reduce(self, group: "ShardGroup") -> None:
+        self.params.reduce(group, self.require_grad_sync, self.reshard_after_backward_now(),
+                           self.options.optimization_barrier_in_backward, self.divide,
+                           self.context.backward_barrier)
+
+    def finish_backward(self) -> None:
+        """The end of a backward, for every unit of the model (from the root context)."""
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks.clear()
+        if self._took_part:
+            for g in self.params.groups:
+                if g.shard.requires_grad and (g.arrived or not g.reduced):
+                    self._reduce(g)
+            self.params.flush(self.options.optimization_barrier_in_backward, self.divide,
+                              self.context.backward_barrier)
+            if not self.require_grad_sync:
+                self.params.mark_accumulating()
+        for g in self.params.groups:
+            g.arrived.clear()
+            g.reduced = False
+        self.params.drop_prefetch()  # prefetched for a backward that did not reach the unit
+        if self.reshard_after_backward_now():
+            self.params.reshard(self.params.groups, [],
+                                self.options.optimization_barrier_in_backward)
+        self.training_state = TrainingState.IDLE
+        self._took_part = False
+
+    def reshard_after_backward_now(self) -> bool:
+        # under no_sync, a unit that keeps its parameters between forward and backward keeps
+        # them between accumulation steps too (torch_xla's behaviour)
+        keep_for_no_sync = not self.require_grad_sync and not self.reshard_after_forward
+        return self.reshard_after_backward and not keep_for_no_sync
