@@ -86,6 +86,9 @@ SETTINGS = {
     # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
     "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
     "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
+    # hybrid sharding: groups of two are replicas that see different data, their gradients
+    # averaged across groups
+    "hsdp": ("net", {"replicate_across_groups": True}, "sgd", {"groups": 2, "replicas": True}),
     # every explicit control at once: grouped units, prefetching both ways, per-unit
     # resharding (b1 keeps its parameters after backward, so each step's optimizer update
     # must make it gather again), unshard() before each step
@@ -198,7 +201,8 @@ def train(rank, names, sharded):
                     p.requires_grad_(False)
         # data-parallel replicas: within a sharding group the batch is split; every group
         # trains on the whole global batch
-        split = min(extra.get("groups", world), world) if sharded else 1
+        split = (world if extra.get("replicas") else min(extra.get("groups", world), world)
+                 ) if sharded else 1
         part = rank % split if sharded else 0
         if sharded:
             model = wrap(model, kind, fsdp_kwargs, extra, world)

@@ -7,8 +7,11 @@ counter that ties the files of one save together) and the caller's ``'extra'``. 
 record carries the CRC-32 ``torch.save`` computes; ``load_sharded`` checks it. Writes are
 atomic: a crash mid-save leaves the previous file whole.
 
-With ``sharding_groups`` only the first replica group writes: the others hold the same
-shards.
+With ``sharding_groups`` each group is a model of its own (torch_xla's meaning: a part of a
+model-parallel model), numbered by its sharding rank, so each group writes its own files,
+``{prefix}_group-{k}_rank-...``, which consolidate on their own. With
+``replicate_across_groups=True`` the groups are replicas and only the first writes,
+``{prefix}_rank-...``.
 """
 from __future__ import annotations
 
@@ -30,11 +33,16 @@ def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
 
 
-def _is_writer(model: Any) -> bool:
-    """With sharding groups, one replica of each shard is enough: the first group's."""
+def _group_prefix(prefix: str, model: Any) -> Optional[str]:
+    """Where this rank's group writes, or None for a replica that does not write."""
     import torch_xla.runtime as xr
-    groups = model.sharding_groups
-    return groups is None or xr.global_ordinal() in groups[0]
+    groups = model.options.sharding_groups
+    if groups is None:
+        return prefix
+    index = next(i for i, g in enumerate(groups) if xr.global_ordinal() in g)
+    if model.options.replicate_across_groups:
+        return prefix if index == 0 else None
+    return f"{prefix}_group-{index:03d}"
 
 
 def _optimizer_param_keys(model: Any, optimizer: torch.optim.Optimizer) -> List[str]:
@@ -60,7 +68,8 @@ def save_sharded(path_prefix: str, model: Any, optimizer: Optional[torch.optim.O
     torch_xla.sync()
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
-    if not _is_writer(model):
+    path_prefix = _group_prefix(path_prefix, model)
+    if path_prefix is None:
         return None
     checkpoint: Dict[str, Any] = {
         "model": xm._maybe_convert_to_cpu(model.state_dict()),
@@ -88,6 +97,7 @@ def load_sharded(path_prefix: str, model: Any,
     world size, reshard it first (``consolidate_sharded_ckpts --reshard N``)."""
     import torch_xla
     _check_root(model, "load_sharded")
+    path_prefix = _group_prefix(path_prefix, model) or path_prefix
     metadata = model.get_shard_metadata()
     path = sharded_checkpoint_path(path_prefix, metadata["rank"], metadata["world_size"])
     if not os.path.exists(path):

@@ -32,6 +32,7 @@ import torch.nn as nn
 from .collectives import Collectives
 from .init_sharding import find_parameters, group_parameters, materialize_meta, place_buffers
 from .module_group import ModuleGroup, check_members, place_grouping_units
+from .mixed_precision import float32_modules, run_in_float32
 from .module_view import ModuleView
 from .options import FsdpOptions
 from .patched_linear import patch_linear_layers
@@ -117,6 +118,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         _debug_dummy_optimization_barrier_op: bool = False,
         mark_step_on_finalization: Optional[bool] = None,
         on_neuron: bool = False,
+        replicate_across_groups: bool = False,
+        zero_missing_gradients: bool = False,
     ) -> None:
         grouping = isinstance(module, (list, tuple))
         if grouping:
@@ -140,6 +143,8 @@ class XlaFullyShardedDataParallel(nn.Module):
             buffer_dtype=buffer_dtype, fp32_reduce_scatter=fp32_reduce_scatter,
             sharding_groups=sharding_groups, sharding_rank=sharding_rank,
             sharding_world_size=sharding_world_size,
+            replicate_across_groups=replicate_across_groups,
+            zero_missing_gradients=zero_missing_gradients,
             shard_param_on_dim_0=shard_param_on_dim_0 or on_neuron,
             pin_layout_in_collective_ops=pin_layout_in_collective_ops,
             reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb or 0,
@@ -403,11 +408,15 @@ class XlaFullyShardedDataParallel(nn.Module):
                         groups: Optional[List[List[int]]] = None) -> torch.Tensor:
         """Clips the gradients of all units by their total norm, as if unsharded.
 
-        ``groups`` are the replica groups to reduce the norm over; by default the sharding
-        groups, whose ranks together hold every shard exactly once. Every rank takes part
-        in the reduction, also one whose parameters got no gradient."""
+        ``groups`` are the replica groups to reduce the norm over. By default all ranks, each
+        of which holds a different shard (with ``sharding_groups``, each group a different
+        part of the model), or with ``replicate_across_groups`` the sharding groups, each of
+        which holds the whole model once. Every rank takes part in the reduction, also one
+        whose parameters got no gradient."""
         self._check_root_call("clip_grad_norm_")
-        groups = self.sharding_groups if groups is None else groups
+        if groups is None:
+            groups = self._options.sharding_groups if self._options.replicate_across_groups \
+                else None
         grads = [p.grad for p in self.params_with_grad]
         norm_type = float(norm_type)
         zero = torch.zeros((), device=self.xla_device)
@@ -471,20 +480,30 @@ class XlaFullyShardedDataParallel(nn.Module):
         opts = self._options
         found = find_parameters(roots, self)
         self._param_order = [names[0] for _, _, names in found]
+        modules = [m for _, root in roots for m in root.modules()]
+        fp32 = float32_modules(modules, self.compute_dtype)
+
+        def dtype_of(owners: List[Tuple[nn.Module, str]]) -> torch.dtype:
+            return torch.float32 if any(id(m) in fp32 for m, _ in owners) else self.compute_dtype
+
         groups = []
-        for index, members in enumerate(group_parameters(found, self.flatten_parameters)):
+        for index, members in enumerate(group_parameters(found, self.flatten_parameters,
+                                                         dtype_of)):
             group = build_group(
                 members, index, flatten=self.flatten_parameters,
                 dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
                 multiple=opts.shard_size_multiple, device=self.xla_device,
-                compute_dtype=self.compute_dtype, unit_name=self._state.name)
+                compute_dtype=dtype_of(members[0][1]), unit_name=self._state.name)
             self.register_parameter(group.shard_name, group.shard)
             groups.append(group)
             for _, _, names in members:
                 self._shared_params.extend((alias, names[0]) for alias in names[1:])
         self._state.add_groups(groups)
+        for m in modules:
+            if id(m) in fp32:
+                run_in_float32(m, self.compute_dtype)
         for _, m in roots:
-            place_buffers(m, self.buffer_dtype, self.xla_device)
+            place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
 
     # -- root ---------------------------------------------------------------------------------
     @property

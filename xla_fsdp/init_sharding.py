@@ -4,7 +4,7 @@ modules real values."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
@@ -71,29 +71,33 @@ def _module_paths(root: nn.Module, unit: Any) -> Iterator[Tuple[str, nn.Module]]
         stack.extend(reversed(children))
 
 
-def group_parameters(found: List[Member], flatten: bool) -> List[List[Member]]:
-    """One group per parameter, or (flattened) one for the trainable and one for the frozen."""
+def group_parameters(found: List[Member], flatten: bool,
+                     dtype_of: Callable[[List[Owner]], torch.dtype]) -> List[List[Member]]:
+    """One group per parameter, or (flattened) one per (trainable or frozen, compute dtype),
+    trainable first."""
     if not flatten:
         return [[item] for item in found]
-    trainable = [item for item in found if item[0].requires_grad]
-    frozen = [item for item in found if not item[0].requires_grad]
-    return [g for g in (trainable, frozen) if g]
+    groups: Dict[Tuple[bool, torch.dtype], List[Member]] = {}
+    for item in found:
+        groups.setdefault((not item[0].requires_grad, dtype_of(item[1])), []).append(item)
+    return [groups[k] for k in sorted(groups, key=lambda k: (k[0], str(k[1])))]
 
 
 _PLACED_BUFFERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # buffer -> original dtype
 
 
 @torch.no_grad()
-def place_buffers(module: nn.Module, dtype: Optional[torch.dtype], device: Any) -> None:
+def place_buffers(module: nn.Module, dtype: Optional[torch.dtype], device: Any,
+                  keep: Set[int] = frozenset()) -> None:
     """Moves buffers to ``device``, floating ones cast to ``dtype`` if given (by default
     they keep their dtype: BatchNorm statistics and rotary frequencies stay float32 under
     low-precision compute). Inner units placed theirs first, so each buffer is placed once,
-    by its innermost unit."""
+    by its innermost unit. The buffers of modules in ``keep`` (ids) keep their dtype."""
     for m in module.modules():
         for name, buf in list(m._buffers.items()):
             if buf is None or buf in _PLACED_BUFFERS:
                 continue
-            cast = dtype is not None and buf.is_floating_point() and buf.dtype != dtype
+            cast = id(m) not in keep and dtype is not None and buf.is_floating_point() and buf.dtype != dtype
             new = (buf.to(dtype) if cast else buf).to(device)
             _PLACED_BUFFERS[new] = buf.dtype
             m._buffers[name] = new

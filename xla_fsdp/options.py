@@ -25,6 +25,8 @@ class FsdpOptions:
     sharding_groups: Optional[List[List[int]]]
     sharding_rank: Optional[int]
     sharding_world_size: Optional[int]
+    replicate_across_groups: bool
+    zero_missing_gradients: bool
     shard_param_on_dim_0: bool
     pin_layout_in_collective_ops: bool
     reduce_scatter_bucket_size_mb: int
@@ -53,6 +55,8 @@ class FsdpOptions:
                 raise ValueError(f"{label} must be one of {list(COMPUTE_DTYPES)}, got {dtype}")
         rank, world = _resolve_ranks(kw["sharding_groups"], kw["sharding_rank"],
                                      kw["sharding_world_size"])
+        if kw["replicate_across_groups"] and kw["sharding_groups"] is None:
+            raise ValueError("replicate_across_groups=True needs sharding_groups")
         if kw["shard_size_multiple"] < 1:
             raise ValueError("_shard_size_multiple must be >= 1")
         return FsdpOptions(compute_dtype=compute, buffer_dtype=buffer, rank=rank,
@@ -66,6 +70,15 @@ class FsdpOptions:
         for name in _UNDERSCORED:
             kw["_" + name] = kw.pop(name)
         return kw
+
+    @property
+    def replica_groups(self) -> Optional[List[List[int]]]:
+        """With ``replicate_across_groups``: the ranks holding the same shard in every
+        sharding group, over which gradients are averaged."""
+        if not self.replicate_across_groups:
+            return None
+        groups = self.sharding_groups
+        return [[g[i] for g in groups] for i in range(len(groups[0]))]
 
     @property
     def dummy_collectives(self) -> frozenset:

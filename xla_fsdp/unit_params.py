@@ -174,7 +174,12 @@ class UnitParams:
         # gradients fewer, and the same bits when both factors are powers of two.
         pre, post = divide
         divisor = post * pre if inputs[0].dtype == torch.float32 else post
+        replicas = self.options.replica_groups
+        if replicas:  # then averaged over the sharding groups too
+            divisor *= len(replicas[0])
         outputs = self.collectives.reduce_scatter(inputs, scale=1.0 / divisor)
+        if replicas:
+            outputs = [self.collectives.all_reduce_sum(t, replicas) for t in outputs]
         for (group, _), reduced in zip(queue, outputs):
             if reduced.dtype != torch.float32:
                 reduced = reduced.float()

@@ -9,8 +9,8 @@ outputs' gradients).
 backward: an output's gradient hook gathers again (if freed) -> each parameter's
 post-accumulate hook counts its group's gradients; a complete group is freed and queued for
 reduce-scatter -> the root context's callback finishes every unit that took part: groups
-still incomplete are reduced with zeros for what did not arrive, so every rank issues the
-same collectives; the queue is flushed; the unit returns to ``IDLE``.
+still incomplete are reduced with zeros for what did not arrive (see [Note: parameters
+without a gradient]); the queue is flushed; the unit returns to ``IDLE``.
 """
 from __future__ import annotations
 
@@ -232,7 +232,8 @@ class UnitState:
             self._took_part = True
             group = record.group
             group.arrived.add(record.index)
-            if group.arrived.issuperset(group.trainable_records()):
+            if (group.arrived.issuperset(group.trainable_records())
+                    and not self.options.zero_missing_gradients):
                 self._reduce(group)
 
     def _reduce(self, group: "ShardGroup") -> None:
@@ -246,8 +247,19 @@ class UnitState:
             handle.remove()
         self._leaf_hooks.clear()
         if self._took_part:
+            # [Note: parameters without a gradient]
+            # A group none of whose parameters got a gradient on this rank keeps a None
+            # gradient, as unsharded training does when no rank used them (a skipped module:
+            # the optimizer then leaves it alone, momentum and weight decay included). When
+            # ranks' data skip different modules (data-dependent expert routing), they would
+            # then issue different reduce-scatters, which hangs on hardware; with
+            # zero_missing_gradients every trainable group of a unit that took part is
+            # reduced here, at the end of backward and in group order (so also in the same
+            # order on every rank), zeros standing for what did not arrive. The price is
+            # holding the unit's full gradients until the end of backward.
+            zero_fill = self.options.zero_missing_gradients
             for g in self.params.groups:
-                if g.shard.requires_grad and (g.arrived or not g.reduced):
+                if g.shard.requires_grad and (g.arrived or (zero_fill and not g.reduced)):
                     self._reduce(g)
             self.params.flush(self.options.optimization_barrier_in_backward, self.divide,
                               self.context.backward_barrier)

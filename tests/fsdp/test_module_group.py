@@ -17,10 +17,9 @@ def test_grouped_modules_are_left_to_their_unit():
     model = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
     grouping_unit, other_unit = object(), object()
     object.__setattr__(model[1], "_fsdp_group_unit", grouping_unit)
-    outer = [owners[0][2] for _, owners in find_parameters([("", model)], other_unit)]
+    outer = [names[0] for _, _, names in find_parameters([("", model)], other_unit)]
     assert outer == ["0.weight", "0.bias"]
-    grouped = [owners[0][2] for _, owners in
-               find_parameters([("1", model[1])], grouping_unit)]
+    grouped = [names[0] for _, _, names in find_parameters([("1", model[1])], grouping_unit)]
     assert grouped == ["1.0.weight", "1.0.bias", "1.1.weight", "1.1.bias"]
 
 
@@ -29,7 +28,8 @@ def test_tied_parameter_across_grouped_modules_is_found_once_with_both_owners():
     head.weight = emb.weight
     found = find_parameters([("emb", emb), ("head", head)], None)
     assert len(found) == 1
-    assert [name for _, _, name in found[0][1]] == ["emb.weight", "head.weight"]
+    assert found[0][2] == ["emb.weight", "head.weight"]
+    assert [(m, attr) for m, attr in found[0][1]] == [(emb, "weight"), (head, "weight")]
 
 
 def test_grouped_modules_must_be_disjoint():
