@@ -85,6 +85,9 @@ SETTINGS = {
     "torch_checkpoint_around": ("net", {}, "sgd", {"torch_checkpoint": "around"}),
     # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
     "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
+    # under bf16 compute BatchNorm runs in float32 and its statistics stay float32
+    "batchnorm_bf16": ("bn", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True},
+                       "sgd", {"groups": 1}),
     "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
     # hybrid sharding: groups of two are replicas that see different data, their gradients
     # averaged across groups
@@ -247,12 +250,12 @@ def train(rank, names, sharded):
         new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs_at_step_2
         if sharded:
             params = full_parameters(model)
-            buffers = {clean_name(k): v.float().cpu() for k, v in model.named_buffers()}
+            buffers = {clean_name(k): v.cpu() for k, v in model.named_buffers()}
         else:
             params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
             if kind == "tied":
                 params["head.weight"] = params["emb.weight"]
-            buffers = {k: v.float().cpu() for k, v in model.named_buffers()}
+            buffers = {k: v.cpu() for k, v in model.named_buffers()}
         torch_xla.sync()
         results[name] = {"losses": losses, "norms": norms, "params": params, "buffers": buffers,
                          "new_graphs": new_graphs}

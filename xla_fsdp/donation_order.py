@@ -24,7 +24,10 @@ import torch
 
 from .collectives import optimization_barrier
 
-_optimizers: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# in the order they first stepped shards, the same on every rank (a WeakSet's order follows
+# object addresses, which differ between ranks, and so would the ranks' step graphs)
+_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, None]" = \
+    weakref.WeakKeyDictionary()
 
 
 def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -47,7 +50,7 @@ def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: A
     if not any(getattr(p, "_is_sharded", False)
                for group in optimizer.param_groups for p in group["params"]):
         return
-    _optimizers.add(optimizer)
+    _optimizers.setdefault(optimizer, None)
     for t in donors(optimizer):
         t.mul_(1)
     for group in optimizer.param_groups:

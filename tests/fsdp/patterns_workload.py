@@ -1,0 +1,612 @@
+"""Forward/backward patterns of real training code, each trained wrapped in FSDP and compared
+with the same model trained unsharded (run by ``tests/fsdp/test_patterns.py``).
+
+Every scenario runs in one launch at N = 2, and every rank trains the unsharded reference
+itself, on its own device with the global batch: a second launch for the reference would
+cost as much as the whole workload again. The reference holds no collective, so both ranks
+compute the same values for it.
+
+A scenario appends problem strings instead of asserting, and an exception ends only its own
+scenario (or part), so that one broken pattern does not hide the others. This is safe only
+because every rank runs exactly the same code: the wrapper's failures do not depend on the
+rank, so every rank raises at the same point and reaches the same collectives afterwards.
+For the same reason nothing here branches on a compared value, and nothing rank-dependent
+enters a device graph: the batch is sliced on the CPU, and outputs are compared on the CPU.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import traceback
+from typing import Callable, Dict, List
+
+import torch
+import torch.nn as nn
+
+from ..fsdp_settings import GLOBAL_BATCH, Net, batch, loss_fn
+from .pattern_models import BufferNet, DataclassNet, ScaledNet, SharedEmbeddingLM, SkipNet
+
+WORLD = 2
+TOL = 1e-5  # fp32: relative on losses, absolute on parameters and outputs
+_LIST_AT_MOST = 6
+
+
+# -- wrapping -------------------------------------------------------------------------------
+def wrap_blocks(model):
+    from xla_fsdp import FSDP
+    model.b1 = FSDP(model.b1)
+    model.b2 = FSDP(model.b2)
+    return FSDP(model)
+
+
+def wrap_grouped(model):
+    from xla_fsdp import FSDP
+    FSDP([model.inp, model.extra])  # placed (and kept) by the root built below
+    model.b1 = FSDP(model.b1)
+    return FSDP(model)
+
+
+def placeholder(model, name):
+    """The tensor a wrapped model's module holds under the unwrapped parameter ``name``."""
+    obj = model
+    for part in name.split("."):
+        obj = getattr(obj, part)  # a unit forwards unknown attributes to its wrapped module
+    return obj
+
+
+def _sgd(params):
+    # no momentum: its first step would be a graph of its own, and every graph compiled
+    # costs about a second and a half of the launch; parameters are compared right after
+    # the steps that matter instead
+    return torch.optim.SGD(list(params), lr=0.1)
+
+
+def _seeded(seed, build):
+    torch.manual_seed(seed)
+    return build()
+
+
+# -- one scenario's run ---------------------------------------------------------------------
+class Context:
+    def __init__(self, rank, device, problems, extra):
+        self.rank, self.device, self.problems, self.extra = rank, device, problems, extra
+        self.pairs = []  # every Pair built, retired when the scenario or part ends
+
+    def problem(self, text):
+        self.problems.append(text)
+
+    def part(self, label, fn):
+        """Runs ``fn(ctx)`` as a part of its own: its exception ends only the part."""
+        sub = Context(self.rank, self.device, [], self.extra)
+        try:
+            fn(sub)
+        except Exception as exc:
+            sub.problems.append(f"raised {describe(exc)}")
+        for pair in sub.pairs:
+            pair.retire()
+        self.problems.extend(f"[{label}] {p}" for p in sub.problems)
+
+    def attempt(self, what, fn):
+        """``fn()``, or None and a problem naming ``what`` if it raises."""
+        try:
+            return fn(), True
+        except Exception as exc:
+            self.problem(f"{what} raised {describe(exc)}")
+            return None, False
+
+
+class Pair:
+    """A wrapped model and its unsharded reference, built from the same initial values."""
+
+    def __init__(self, ctx: Context, build: Callable[[], nn.Module],
+                 wrap: Callable[[nn.Module], nn.Module] = wrap_blocks, kind: str = "net",
+                 optimizers: bool = True):
+        self.ctx, self.kind = ctx, kind
+        self.opt = self.plain_opt = None
+        ctx.pairs.append(self)
+        cpu = _seeded(0, build)
+        # every attribute name, aliases included: each must hold a placeholder
+        self.names = [n for n, _ in cpu.named_parameters(remove_duplicate=False)]
+        self.plain = copy.deepcopy(cpu).to(ctx.device)
+        if hasattr(self.plain, "tie"):
+            self.plain.tie()
+        self.model = wrap(cpu)
+        self.batches = 0
+        if optimizers:
+            self.make_optimizers()
+
+    def make_optimizers(self):
+        import torch_xla
+        self.opt = _sgd(p for p in self.model.parameters() if p.requires_grad)
+        self.plain_opt = _sgd(p for p in self.plain.parameters() if p.requires_grad)
+        # A step without gradients changes nothing, but registers the optimizer with the
+        # wrapper, whose step graphs pin the order of registered optimizers' shards: the
+        # first training step then compiles to the same graph as every later one.
+        self.opt.step()
+        torch_xla.sync()
+
+    def retire(self):
+        """Empties both optimizers, so that a scenario's shards stop taking part in later
+        scenarios' step graphs (each step pins the donation order of every live optimizer
+        that has stepped shards), whenever its reference cycles are collected."""
+        for opt in (self.opt, self.plain_opt):
+            if opt is not None:
+                opt.param_groups.clear()
+                opt.state.clear()
+
+    def data(self):
+        """(local input, local target, global input, global target) on the device."""
+        x, y = batch(self.kind, self.batches)
+        self.batches += 1
+        n, r, d = GLOBAL_BATCH // WORLD, self.ctx.rank, self.ctx.device
+        return x[r * n:(r + 1) * n].to(d), y[r * n:(r + 1) * n].to(d), x.to(d), y.to(d)
+
+    def loss(self, out, target):
+        return loss_fn(self.kind, out, target)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+        self.plain_opt.zero_grad()
+
+    def opt_step(self):
+        self.opt.step()
+        self.plain_opt.step()
+
+    def step(self, tag, call=None, after_forward=None, after_backward=None, after_step=None):
+        """One ordinary training step of both models."""
+        call = call or (lambda m, x: m(x))
+        xl, yl, xg, yg = self.data()
+        self.zero_grad()
+        out = call(self.model, xl)
+        if after_forward:
+            after_forward()
+        loss = self.loss(out, yl)
+        loss.backward()
+        if after_backward:
+            after_backward()
+        ref = self.loss(call(self.plain, xg), yg)
+        ref.backward()
+        self.opt_step()
+        if after_step:
+            after_step()
+        self.finish(tag, loss, ref)
+
+    def finish(self, tag, loss, ref):
+        """Ends the step (one sync) and compares the ranks' mean loss with the reference's."""
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        mean = xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / WORLD)
+        torch_xla.sync()
+        got, want = mean.item(), ref.item()
+        if not abs(got - want) <= TOL * abs(want):
+            self.ctx.problem(f"{tag}: loss {got:.7g}, reference {want:.7g}")
+
+    def compare_params(self, tag):
+        full = self.model.full_state_dict(rank0_only=False)
+        ref = {k: v.detach().float().cpu() for k, v in self.plain.state_dict().items()}
+        names_problem(self.ctx, full, ref)
+        compare_values(self.ctx, tag, full, ref)
+
+    def held(self, names=None):
+        """Names whose placeholder holds a full parameter (numel() is 1 once freed)."""
+        return [n for n in (names or self.names) if placeholder(self.model, n).numel() != 1]
+
+    def check_freed(self, tag, names=None):
+        held = self.held(names)
+        if held:
+            self.ctx.problem(f"{tag}: placeholders still hold full parameters: {_short(held)}")
+
+    def check_no_placeholder_grads(self, tag):
+        with_grad = [n for n in self.names if placeholder(self.model, n).grad is not None]
+        if with_grad:
+            self.ctx.problem(f"{tag}: placeholders hold a .grad: {_short(with_grad)}")
+
+
+def names_problem(ctx, full, plain_state):
+    # no tag: the same mismatch found twice in one scenario is reported once
+    if set(full) != set(plain_state):
+        ctx.problem(f"full_state_dict names differ from the unwrapped model's state_dict: only "
+                    f"in full_state_dict {sorted(set(full) - set(plain_state))}, only in "
+                    f"state_dict {sorted(set(plain_state) - set(full))}")
+
+
+def compare_values(ctx, tag, got, want):
+    bad = []
+    for k in sorted(set(got) & set(want)):
+        a, b = got[k].float(), want[k].float()
+        if a.shape != b.shape:
+            bad.append(f"{k} shape {tuple(a.shape)} vs {tuple(b.shape)}")
+        else:
+            diff = float((a - b).abs().max()) if a.numel() else 0.0
+            if not diff <= TOL:
+                bad.append(f"{k} max diff {diff:.3g}")
+    if bad:
+        ctx.problem(f"{tag}: parameters differ from the reference: {_short(bad)}")
+
+
+def _short(items: List[str]) -> str:
+    more = len(items) - _LIST_AT_MOST
+    return ", ".join(items[:_LIST_AT_MOST]) + (f" (+{more} more)" if more > 0 else "")
+
+
+def describe(exc: BaseException) -> str:
+    """Type, message and innermost frames: where the wrapper failed."""
+    frames = traceback.extract_tb(exc.__traceback__)[-4:]
+    where = " <- ".join(f"{_short_path(f.filename)}:{f.lineno} {f.name}" for f in reversed(frames))
+    message = " ".join(str(exc).split())
+    if len(message) > 600:
+        message = message[:600] + "..."
+    return f"{type(exc).__name__}: {message} [at {where}]"
+
+
+def _short_path(path):
+    parts = path.split(os.sep)
+    for anchor in ("xla_fsdp", "tests", "torch", "torch_xla"):
+        if anchor in parts:
+            return "/".join(parts[len(parts) - 1 - parts[::-1].index(anchor):])
+    return os.path.basename(path)
+
+
+# -- scenarios ------------------------------------------------------------------------------
+def _hook_count(t):
+    return len(getattr(t, "_backward_hooks", None) or {})
+
+
+def leaf_input_hooks(ctx):
+    """A parent's parameter passed into a child unit as an input, six steps."""
+    import torch_xla
+    p = Pair(ctx, ScaledNet)
+    counts, at_step_2 = [], None
+    for step in range(6):
+        p.step(f"step {step}")
+        counts.append(_hook_count(placeholder(p.model, "scale")))
+        if step == 2:
+            at_step_2 = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+    new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - at_step_2
+    if any(b > a for a, b in zip(counts, counts[1:])):
+        ctx.problem(f"hooks on the root's `scale` placeholder grow step by step: {counts}")
+    if new_graphs:
+        ctx.problem(f"{new_graphs} graph(s) compiled after step 2")
+    p.compare_params("after 6 steps")
+
+
+def submodule_backward(ctx):
+    ctx.part("b1-only backward", _b1_only_backward)
+    ctx.part("loss from a hooked activation", _hooked_activation_loss)
+
+
+def _b1_only_backward(ctx):
+    """``model.b1(x)`` alone, forward and backward, then an optimizer step."""
+    p = Pair(ctx, Net)
+
+    def b1_step(tag):
+        xl, _, xg, _ = p.data()
+        p.zero_grad()
+        loss = p.model.b1(xl).pow(2).mean()
+        loss.backward()
+        ref = p.plain.b1(xg).pow(2).mean()
+        ref.backward()
+        p.opt_step()
+        p.finish(tag, loss, ref)
+        p.compare_params(tag)
+
+    b1_step("b1-only step before the root's first forward")
+    p.step("step 1")
+    p.step("step 2")
+    b1_step("b1-only step between steps")
+    p.step("step 4")
+    p.step("step 5")
+    p.compare_params("after step 5")
+
+
+def _hooked_activation_loss(ctx):
+    """The loss is b1's output, captured by a forward hook; the root's output is unused."""
+    p = Pair(ctx, Net)
+    captured = {}
+    p.model.b1.register_forward_hook(lambda m, i, o: captured.__setitem__("sharded", o))
+    p.plain.b1.register_forward_hook(lambda m, i, o: captured.__setitem__("plain", o))
+    for step in range(3):
+        xl, _, xg, _ = p.data()
+        p.zero_grad()
+        p.model(xl)
+        loss = captured["sharded"].pow(2).mean()
+        loss.backward()
+        p.plain(xg)
+        ref = captured["plain"].pow(2).mean()
+        ref.backward()
+        p.opt_step()
+        p.finish(f"step {step}", loss, ref)
+    p.compare_params("after 3 steps")
+
+
+def retain_graph(ctx):
+    p = Pair(ctx, Net)
+    p.step("step 0")
+    xl, yl, xg, yg = p.data()
+    p.zero_grad()
+    loss = p.loss(p.model(xl), yl)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    ref = p.loss(p.plain(xg), yg)
+    ref.backward(retain_graph=True)
+    ref.backward()
+    p.opt_step()
+    p.finish("step 1 (two backwards)", loss, ref)
+    p.compare_params("after the step over two backwards")
+    p.step("step 2")
+    p.step("step 3")
+    p.compare_params("after step 3")
+
+
+def nested_before_root(ctx):
+    p = Pair(ctx, Net)
+
+    def enter_no_sync():
+        with p.model.b1.no_sync():
+            pass
+
+    for what, fn in (("b1.no_sync()", enter_no_sync),
+                     ("b1.full_state_dict()", lambda: p.model.b1.full_state_dict())):
+        try:
+            fn()
+        except RuntimeError as exc:
+            if "root" not in str(exc):
+                ctx.problem(f"{what} before the root's first forward raised without naming "
+                            f"the root: {describe(exc)}")
+        except Exception as exc:
+            ctx.problem(f"{what} before the root's first forward raised {describe(exc)}, "
+                        f"not a RuntimeError")
+        else:
+            ctx.problem(f"{what} on a nested unit before the root's first forward raised "
+                        f"no error")
+    b1_names = [n for n in p.names if n.startswith("b1.")]
+    for step in range(3):
+        p.step(f"step {step}", after_forward=lambda: p.check_freed(
+            f"step {step}, right after the root's forward, b1", b1_names))
+    p.compare_params("after 3 steps")
+
+
+def dataclass_outputs(ctx):
+    p = Pair(ctx, DataclassNet)
+    for step in range(3):
+        p.step(f"step {step}")
+    p.compare_params("after 3 steps")
+
+
+def freeze_after_wrap(ctx):
+    def shards(model):
+        for q in model.b1.parameters():
+            q.requires_grad_(False)
+
+    def plain_b1(plain):
+        for q in plain.b1.parameters():
+            q.requires_grad_(False)
+
+    ctx.part("b1 frozen through its shards", lambda c: _frozen(c, shards, plain_b1))
+    ctx.part("b2.up.weight frozen through its placeholder", lambda c: _frozen(
+        c, lambda m: m.b2.wrapped_module.up.weight.requires_grad_(False),
+        lambda plain: plain.b2.up.weight.requires_grad_(False)))
+
+
+def _frozen(ctx, freeze_wrapped, freeze_plain):
+    p = Pair(ctx, Net, optimizers=False)
+    freeze_wrapped(p.model)
+    freeze_plain(p.plain)
+    p.make_optimizers()
+    for step in range(3):
+        p.step(f"step {step}", after_step=lambda: p.check_no_placeholder_grads(
+            f"after step {step}"))
+    p.compare_params("after 3 steps")
+
+
+def non_persistent_buffer(ctx):
+    # one no-grad forward instead of training: what is at stake is the names, and each step
+    # graph costs compile time
+    import torch_xla
+    p = Pair(ctx, BufferNet)
+    n, r = GLOBAL_BATCH // WORLD, ctx.rank
+    xl, _, xg, _ = p.data()
+    with torch.no_grad():
+        out, ref = p.model(xl), p.plain(xg)
+    torch_xla.sync()
+    diff = float((out.cpu() - ref.cpu()[r * n:(r + 1) * n]).abs().max())
+    if not diff <= TOL:
+        ctx.problem(f"forward output: max diff {diff:.3g} from the reference")
+    full = p.model.full_state_dict(rank0_only=False)
+    compare_values(ctx, "before training", full, {
+        k: v.detach().cpu() for k, v in p.plain.state_dict().items()})
+    plain_state = BufferNet().state_dict()
+    names_problem(ctx, full, plain_state)
+    ctx.attempt("plain.load_state_dict(model.full_state_dict(), strict=True)",
+                lambda: BufferNet().load_state_dict(full, strict=True))
+    other = _seeded(1, BufferNet).state_dict()
+    _, loaded = ctx.attempt("model.load_full_state_dict(plain.state_dict())",
+                            lambda: p.model.load_full_state_dict(other))
+    if loaded:
+        compare_values(ctx, "after load_full_state_dict", p.model.full_state_dict(False), other)
+
+
+def group_member_skipped(ctx):
+    ctx.part("extra on even steps only", lambda c: _grouped(c, [1, 0, 1, 0]))
+    ctx.part("extra twice per forward", lambda c: _grouped(c, [2, 2, 2]))
+
+
+def _grouped(ctx, calls_per_step):
+    p = Pair(ctx, SkipNet, wrap=wrap_grouped)
+    grouped = [n for n in p.names if n.startswith(("inp.", "extra."))]
+    for step, calls in enumerate(calls_per_step):
+        tag = f"step {step} (extra called {calls}x)"
+        p.step(tag, call=lambda m, x: m(x, extra_calls=calls),
+               after_forward=lambda: p.check_freed(f"{tag}, after the forward, grouped unit",
+                                                   grouped),
+               after_backward=lambda: p.check_freed(f"{tag}, after backward, grouped unit",
+                                                    grouped))
+    p.compare_params("after the last step")
+
+
+def eval_no_grad(ctx):
+    import torch_xla
+    p = Pair(ctx, Net)
+    n, r = GLOBAL_BATCH // WORLD, ctx.rank
+    for step in range(2):
+        p.step(f"step {step}")
+        xl, _, xg, _ = p.data()
+        with torch.no_grad():
+            out = p.model(xl)
+            p.check_freed(f"after the no-grad forward following step {step}")
+            ref = p.plain(xg)
+        torch_xla.sync()
+        diff = float((out.cpu() - ref.cpu()[r * n:(r + 1) * n]).abs().max())
+        if not diff <= TOL:
+            ctx.problem(f"eval output after step {step}: max diff {diff:.3g} from the reference")
+    p.compare_params("after 2 steps with evals")
+
+
+def load_assign(ctx):
+    ctx.part("load_state_dict(assign=True)", lambda c: _assign(c, keep_b1=False))
+    ctx.part("load_state_dict(assign=True), b1 not resharded after backward",
+             lambda c: _assign(c, keep_b1=True))
+
+
+def _assign(ctx, keep_b1):
+    p = Pair(ctx, Net)
+    other_cpu = _seeded(1, Net)
+    other_plain_state = copy.deepcopy(other_cpu.state_dict())
+    other = wrap_blocks(other_cpu)
+    if keep_b1:
+        p.model.b1.set_reshard_after_backward(False)
+    p.step("step 0")
+    p.step("step 1")
+    p.model.load_state_dict(other.state_dict(), assign=True)
+    # the reference copies into its parameters, so its optimizer keeps stepping them
+    p.plain.load_state_dict(other_plain_state)
+    p.compare_params("right after the load")
+    p.step("step 2 (first after the load)")
+    p.step("step 3")
+    p.compare_params("after step 3")
+
+
+def abandoned_no_sync(ctx):
+    p = Pair(ctx, Net)
+    p.step("step 0")
+    xl, yl, xg, yg = p.data()
+    p.zero_grad()
+    with p.model.no_sync():
+        p.loss(p.model(xl), yl).backward()
+    p.loss(p.plain(xg), yg).backward()
+    p.zero_grad()  # the accumulation is abandoned: no step
+    p.step("synced step after the abandoned micro-batch",
+           after_step=lambda: p.check_no_placeholder_grads("after the synced step"))
+    p.compare_params("after the synced step")
+    p.step("next step")
+    p.compare_params("after the next step")
+
+
+def shared_module_names(ctx):
+    p = Pair(ctx, SharedEmbeddingLM, kind="tied")
+    for step in range(3):
+        p.step(f"step {step}")
+    p.compare_params("after 3 steps")
+    full = p.model.full_state_dict(rank0_only=False)
+    # consolidated in the test process, against this full state dict
+    ctx.extra["shared_module_names"] = {
+        "model": {k: v.detach().cpu() for k, v in p.model.state_dict().items()},
+        "shard_metadata": p.model.get_shard_metadata(), "full": full}
+    plain_state = SharedEmbeddingLM().state_dict()
+    names_problem(ctx, full, plain_state)
+    ctx.attempt("plain.load_state_dict(model.full_state_dict(), strict=True)",
+                lambda: SharedEmbeddingLM().load_state_dict(full, strict=True))
+    other = _seeded(1, SharedEmbeddingLM).state_dict()
+    _, loaded = ctx.attempt("model.load_full_state_dict(plain.state_dict())",
+                            lambda: p.model.load_full_state_dict(other))
+    if loaded:
+        compare_values(ctx, "after load_full_state_dict", p.model.full_state_dict(False), other)
+
+
+def independent_groups(ctx):
+    """``sharding_groups`` of one rank each, as for model parallelism: each group trains a
+    model of its own (here each rank from another seed) on its own data, nothing is averaged
+    across groups, ``clip_grad_norm_`` gives the norm over every rank (checked in the test
+    process) and each group writes its own checkpoint files."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.checkpoint import save_sharded
+    kw = dict(sharding_groups=[[0], [1]], sharding_rank=0, sharding_world_size=1)
+    cpu = _seeded(ctx.rank, Net)
+    plain = copy.deepcopy(cpu).to(ctx.device)
+    cpu.b1 = FSDP(cpu.b1, **kw)
+    model = FSDP(cpu, **kw)
+    opt, plain_opt = _sgd(model.parameters()), _sgd(plain.parameters())
+    opt.step()
+    norms = []
+    for step in range(2):
+        x, y = (t.to(ctx.device) for t in batch("net", step + 10 * ctx.rank))
+        for o in (opt, plain_opt):
+            o.zero_grad()
+        loss = loss_fn("net", model(x), y)
+        loss.backward()
+        total = model.clip_grad_norm_(1e9)
+        ref = loss_fn("net", plain(x), y)
+        ref.backward()
+        mine = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9)
+        opt.step()
+        plain_opt.step()
+        torch_xla.sync()
+        norms.append((total.item(), mine.item()))
+        if not abs(loss.item() - ref.item()) <= TOL * abs(ref.item()):
+            ctx.problem(f"step {step}: loss {loss.item():.7g}, own reference {ref.item():.7g}")
+    full = model.full_state_dict(rank0_only=False)
+    compare_values(ctx, "after 2 steps", full,
+                   {k: v.detach().cpu() for k, v in plain.state_dict().items()})
+    path = save_sharded(os.path.join(ctx.extra["tmp_dir"], "groups"), model, opt)
+    ctx.extra.setdefault("independent_groups", {})[ctx.rank] = {
+        "norms": norms, "path": path, "full": full}
+    opt.param_groups.clear()
+    opt.state.clear()
+
+
+SCENARIOS: Dict[str, Callable[[Context], None]] = {
+    "leaf_input_hooks": leaf_input_hooks,
+    "submodule_backward": submodule_backward,
+    "retain_graph": retain_graph,
+    "nested_before_root": nested_before_root,
+    "dataclass_outputs": dataclass_outputs,
+    "freeze_after_wrap": freeze_after_wrap,
+    "non_persistent_buffer": non_persistent_buffer,
+    "group_member_skipped": group_member_skipped,
+    "eval_no_grad": eval_no_grad,
+    "load_assign": load_assign,
+    "abandoned_no_sync": abandoned_no_sync,
+    "shared_module_names": shared_module_names,
+    "independent_groups": independent_groups,
+}
+
+
+def run(rank: int, names: List[str], tmp_dir: str) -> Dict[str, dict]:
+    """Every scenario in ``names`` on this rank: {"problems": {name: [str]}, "extra": {...}}."""
+    import time
+    import torch_xla
+    device = torch_xla.device()
+    problems: Dict[str, List[str]] = {}
+    extra: Dict[str, object] = {"tmp_dir": tmp_dir}
+    seconds: Dict[str, float] = {}
+    for name in names:
+        found: List[str] = []
+        start = time.monotonic()
+        ctx = Context(rank, device, found, extra)
+        try:
+            SCENARIOS[name](ctx)
+        except Exception as exc:
+            found.append(f"raised {describe(exc)}")
+        for pair in ctx.pairs:
+            pair.retire()
+        del ctx
+        try:
+            torch_xla.sync()  # whatever a failed scenario left traced runs here, on every rank
+        except Exception as exc:
+            found.append(f"the sync after the scenario raised {describe(exc)}")
+        gc.collect()  # units hold reference cycles (hooks): free the scenario's device memory
+        seconds[name] = round(time.monotonic() - start, 1)
+        problems[name] = list(dict.fromkeys(found))
+    return {"problems": problems, "extra": extra, "seconds": seconds}
