@@ -62,8 +62,15 @@ class XlaFullyShardedDataParallel(nn.Module):
       coalesced reduce-scatter aborts the process there);
     * ``get_original_names_and_sharded_parameters`` covers nested units (torch_xla repeats
       the root's parameters);
-    * ``clip_grad_norm_`` reduces over the sharding groups by default (torch_xla sums over all
-      replicas, which with ``sharding_groups`` counts every shard once per group);
+    * ``replicate_across_groups=True`` makes ``sharding_groups`` data-parallel replicas
+      (hybrid sharding): gradients averaged across groups, the norm over one group, one
+      group writes checkpoints. Without it each group is a model of its own, as torch_xla
+      means it, and each writes its own checkpoint files;
+    * BatchNorm computes in float32 under a low-precision ``compute_dtype``, and buffers
+      keep their dtype unless ``buffer_dtype`` is given (torch_xla casts them to the
+      compute dtype);
+    * ``zero_missing_gradients=True`` keeps ranks' collectives identical when their data
+      leave different parameters without a gradient;
     * parameters are padded only to what the collectives need (a multiple of the world size),
       not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
     * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;
