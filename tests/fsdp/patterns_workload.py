@@ -211,6 +211,20 @@ def names_problem(ctx, full, plain_state):
                     f"state_dict {sorted(set(plain_state) - set(full))}")
 
 
+def check_strict_round_trip(ctx, pair, full, build):
+    """``full`` (the wrapped model's full state dict) has the unwrapped model's keys and
+    loads into it strict, and an unwrapped model's state dict loads into the wrapped one."""
+    names_problem(ctx, full, build().state_dict())
+    ctx.attempt("plain.load_state_dict(model.full_state_dict(), strict=True)",
+                lambda: build().load_state_dict(full, strict=True))
+    other = _seeded(1, build).state_dict()
+    _, loaded = ctx.attempt("model.load_full_state_dict(plain.state_dict())",
+                            lambda: pair.model.load_full_state_dict(other))
+    if loaded:
+        compare_values(ctx, "after load_full_state_dict", pair.model.full_state_dict(False),
+                       other)
+
+
 def compare_values(ctx, tag, got, want):
     bad = []
     for k in sorted(set(got) & set(want)):
@@ -416,15 +430,7 @@ def non_persistent_buffer(ctx):
     full = p.model.full_state_dict(rank0_only=False)
     compare_values(ctx, "before training", full, {
         k: v.detach().cpu() for k, v in p.plain.state_dict().items()})
-    plain_state = BufferNet().state_dict()
-    names_problem(ctx, full, plain_state)
-    ctx.attempt("plain.load_state_dict(model.full_state_dict(), strict=True)",
-                lambda: BufferNet().load_state_dict(full, strict=True))
-    other = _seeded(1, BufferNet).state_dict()
-    _, loaded = ctx.attempt("model.load_full_state_dict(plain.state_dict())",
-                            lambda: p.model.load_full_state_dict(other))
-    if loaded:
-        compare_values(ctx, "after load_full_state_dict", p.model.full_state_dict(False), other)
+    check_strict_round_trip(ctx, p, full, BufferNet)
 
 
 def group_member_skipped(ctx):
@@ -513,15 +519,7 @@ def shared_module_names(ctx):
     ctx.extra["shared_module_names"] = {
         "model": {k: v.detach().cpu() for k, v in p.model.state_dict().items()},
         "shard_metadata": p.model.get_shard_metadata(), "full": full}
-    plain_state = SharedEmbeddingLM().state_dict()
-    names_problem(ctx, full, plain_state)
-    ctx.attempt("plain.load_state_dict(model.full_state_dict(), strict=True)",
-                lambda: SharedEmbeddingLM().load_state_dict(full, strict=True))
-    other = _seeded(1, SharedEmbeddingLM).state_dict()
-    _, loaded = ctx.attempt("model.load_full_state_dict(plain.state_dict())",
-                            lambda: p.model.load_full_state_dict(other))
-    if loaded:
-        compare_values(ctx, "after load_full_state_dict", p.model.full_state_dict(False), other)
+    check_strict_round_trip(ctx, p, full, SharedEmbeddingLM)
 
 
 def independent_groups(ctx):

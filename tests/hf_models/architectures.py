@@ -136,21 +136,19 @@ def gpt2() -> nn.Module:
         attn_implementation="eager")))
 
 
+# Llama and Qwen2 alike: grouped-query attention (4 query heads share 2 key/value heads)
+_DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                attention_dropout=0.0, use_cache=False, tie_word_embeddings=False,
+                attn_implementation="eager")
+
+
 def llama() -> nn.Module:
-    # grouped-query attention: 4 query heads share 2 key/value heads
-    return LlamaForCausalLM(_checked(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        attention_dropout=0.0, use_cache=False, tie_word_embeddings=False,
-        attn_implementation="eager")))
+    return LlamaForCausalLM(_checked(LlamaConfig(**_DECODER)))
 
 
 def qwen2() -> nn.Module:
-    return Qwen2ForCausalLM(_checked(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
-        attention_dropout=0.0, use_cache=False, tie_word_embeddings=False,
-        attn_implementation="eager")))
+    return Qwen2ForCausalLM(_checked(Qwen2Config(**_DECODER)))
 
 
 def bert() -> nn.Module:
