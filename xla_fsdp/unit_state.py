@@ -14,6 +14,7 @@ without a gradient]); the queue is flushed; the unit returns to ``IDLE``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -54,6 +55,7 @@ class UnitState:
         self._members_run: set = set()
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[Any] = []   # on persistent leaves: removed after backward
+        self._warned_hidden = False
 
     def add_groups(self, groups: Sequence["ShardGroup"]) -> None:
         self.params.groups.extend(groups)
@@ -126,14 +128,17 @@ class UnitState:
         if recompute:
             # the recomputed activations' backward comes next and reads the full
             # parameters; it frees them as any backward does
-            return self._hook_outputs(outputs)
+            return self._hook_outputs(outputs)[0]
         grad = torch.is_grad_enabled()
         last = len(self._members_run) >= len(self.members)
+        outputs, hooked = self._hook_outputs(outputs)
         if last and (self.reshard_after_forward or not grad):
-            barrier = self.options.optimization_barrier_in_forward
-            deps = collect_tensors(outputs) if barrier else []
-            self.params.reshard(self.params.groups, deps, barrier)
-        outputs = self._hook_outputs(outputs)
+            if grad and not hooked and any(g.shard.requires_grad for g in self.params.groups):
+                self._keep_for_hidden_outputs()
+            else:
+                barrier = self.options.optimization_barrier_in_forward
+                deps = collect_tensors(outputs) if barrier else []
+                self.params.reshard(self.params.groups, deps, barrier)
         if last:
             self.training_state = TrainingState.IDLE
         if self is self.context.root:
@@ -185,16 +190,32 @@ class UnitState:
         if t.grad_fn is None:  # a leaf outlives the step: its hook must not pile up
             self._leaf_hooks.append(handle)
 
-    def _hook_outputs(self, outputs: Any) -> Any:
+    def _hook_outputs(self, outputs: Any) -> Tuple[Any, bool]:
+        """``outputs`` with a pre-backward hook on each tensor that requires grad, and
+        whether there was one."""
         if not torch.is_grad_enabled():
-            return outputs
+            return outputs, False
+        hooked = []
 
         def attach(t: torch.Tensor) -> torch.Tensor:
             if t.requires_grad:
                 self._hook(t, self._pre_backward)
+                hooked.append(t)
             return t
 
-        return map_tensors(attach, outputs)
+        return map_tensors(attach, outputs), bool(hooked)
+
+    def _keep_for_hidden_outputs(self) -> None:
+        """No output tensor to hook: if the backward reaches this unit, it comes without the
+        hook that would gather the parameters again, so they stay gathered (the per-
+        parameter hooks free them after their gradients, the end of backward at the latest)."""
+        if not self._warned_hidden:
+            self._warned_hidden = True
+            warnings.warn(
+                f"FSDP unit around {self.name}: its output holds no tensor that requires grad "
+                f"where FSDP looks (tensors, lists, tuples, dicts, dataclasses, attributes of "
+                f"an object), so its full parameters are kept from forward to backward. "
+                f"Return the tensors less deeply nested to let it free them.")
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         context = self.context

@@ -54,6 +54,22 @@ class CarrierBlock(Block):
         return Carrier(super().forward(x))
 
 
+class BuriedBlock(Block):
+    """Returns its output two objects deep, where FSDP does not look."""
+
+    def forward(self, x):
+        return Carrier(Carrier(super().forward(x)))
+
+
+class BuriedNet(Net):
+    def __init__(self):
+        super().__init__()
+        self.b1 = BuriedBlock()
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.inp(x)).hidden.hidden))
+
+
 class DataclassNet(nn.Module):
     def __init__(self):
         super().__init__()

@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from ..fsdp_settings import GLOBAL_BATCH, Net, batch, loss_fn
-from .pattern_models import BufferNet, DataclassNet, ScaledNet, SharedEmbeddingLM, SkipNet
+from .pattern_models import (BufferNet, BuriedNet, DataclassNet, ScaledNet, SharedEmbeddingLM,
+                             SkipNet)
 
 WORLD = 2
 TOL = 1e-5  # fp32: relative on losses, absolute on parameters and outputs
@@ -382,10 +383,28 @@ def nested_before_root(ctx):
 
 
 def dataclass_outputs(ctx):
+    ctx.part("dataclass and object outputs", _dataclass_outputs)
+    ctx.part("an output FSDP cannot find", _buried_output)
+
+
+def _dataclass_outputs(ctx):
     p = Pair(ctx, DataclassNet)
     for step in range(3):
         p.step(f"step {step}")
     p.compare_params("after 3 steps")
+
+
+def _buried_output(ctx):
+    """No hook can reach it, so the unit keeps its parameters for backward (and warns)."""
+    import warnings
+    p = Pair(ctx, BuriedNet)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            p.step(f"step {step}")
+    if not any("BuriedBlock" in str(w.message) for w in seen):
+        ctx.problem("no warning names the unit whose output FSDP cannot see")
+    p.compare_params("after 2 steps")
 
 
 def freeze_after_wrap(ctx):
