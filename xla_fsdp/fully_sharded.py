@@ -513,10 +513,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
 
     # -- root ---------------------------------------------------------------------------------
-    @property
-    def _is_root(self) -> bool:
-        return self._state.is_root
-
     def _check_root_call(self, what: str) -> None:
         if not self._state.is_root:
             raise RuntimeError(
