@@ -16,7 +16,9 @@ import torch
 
 from xla_fsdp import launch
 
-from .patterns_workload import SCENARIOS, WORLD, SharedEmbeddingLM, run
+from .pattern_harness import WORLD
+from .pattern_models import SharedEmbeddingLM
+from .patterns_workload import SCENARIOS, run
 
 
 @pytest.fixture(scope="module")
