@@ -72,6 +72,9 @@ SETTINGS = {
     "flattened_frozen": ("net", {"flatten_parameters": True}, "sgd",
                          {"freeze": ("b1.up", "inp.bias")}),
     "bucketed": ("net", {"reduce_scatter_bucket_size_mb": 1}, "sgd", {}),
+    # every group reduced at the end of backward, in group order (zeros where a rank has
+    # no gradient); with every gradient present it must train exactly as the default
+    "zero_missing": ("net", {"zero_missing_gradients": True}, "sgd", {}),
     "tied": ("tied", {}, "sgd", {}),
     "accumulate": ("net", {}, "sgd", {"micro": 2}),
     "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
