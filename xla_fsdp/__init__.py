@@ -4,7 +4,7 @@ from .patch import patch_torch_xla
 
 _LAZY = {
     "XlaFullyShardedDataParallel": "fully_sharded", "FSDP": "fully_sharded",
-    "checkpoint_module": "activation_checkpoint",
+    "checkpoint_module": "activation_checkpoint", "ScannedLayers": "scanned_layers",
     "always_wrap_policy": "wrap", "size_based_auto_wrap_policy": "wrap",
     "transformer_auto_wrap_policy": "wrap", "lambda_auto_wrap_policy": "wrap",
     "recursive_wrap": "wrap",

@@ -91,6 +91,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     of the gathered full parameters.
     """
 
+    _calls_wrapped_module = True  # False for a unit that runs its modules itself (a scan)
+
     def __init__(
         self,
         module: Union[nn.Module, Sequence[nn.Module]],
@@ -135,7 +137,7 @@ class XlaFullyShardedDataParallel(nn.Module):
                 raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
                                  "combined with a list of modules to group")
         else:
-            validate_module(module, XlaFullyShardedDataParallel)
+            validate_module(module, XlaFullyShardedDataParallel, self._calls_wrapped_module)
             members = [module]
         options = FsdpOptions.build(
             reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,

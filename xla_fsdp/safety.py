@@ -16,7 +16,7 @@ from .unit_params import accumulating
 _GUARD_INSTALLED = False
 
 
-def validate_module(module: Any, wrapper_cls: type) -> None:
+def validate_module(module: Any, wrapper_cls: type, needs_forward: bool = True) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
     if isinstance(module, wrapper_cls):
@@ -24,7 +24,7 @@ def validate_module(module: Any, wrapper_cls: type) -> None:
             "this module is already wrapped with FSDP; wrap inner modules first, then the "
             "outer one, and never the same module twice")
     forward = getattr(type(module), "forward", None)
-    if forward is None or forward is nn.Module.forward:
+    if needs_forward and (forward is None or forward is nn.Module.forward):
         raise ValueError(
             f"cannot wrap {type(module).__name__}: it has no forward() of its own, so FSDP "
             f"could not gather its parameters before use. Wrap the modules inside it (or the "

@@ -61,6 +61,15 @@ def group_of(shard: torch.Tensor) -> Optional[ShardGroup]:
     return _BY_SHARD.get(shard)
 
 
+def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,
+            multiple: int) -> shard_layout.Layout:
+    if flatten:
+        return InterleavedLayout(shapes, world_size, multiple)
+    if dim0:
+        return Dim0Layout(shapes[0], world_size)
+    return FlatLayout(shapes, world_size, multiple)
+
+
 @torch.no_grad()
 def build_group(members: List[Tuple[nn.Parameter, List[Owner], List[str]]], index: int, *,
                 flatten: bool, dim0: bool, world_size: int, rank: int, multiple: int,
@@ -70,20 +79,40 @@ def build_group(members: List[Tuple[nn.Parameter, List[Owner], List[str]]], inde
     ``members`` are (parameter, every (module, attribute) holding it, every name it has).
     Only the shard is copied to ``device``."""
     params = [p for p, _, _ in members]
-    shapes = tuple(p.shape for p in params)
-    if flatten:
-        layout = InterleavedLayout(shapes, world_size, multiple)
-    elif dim0:
-        layout = Dim0Layout(shapes[0], world_size)
-    else:
-        layout = FlatLayout(shapes, world_size, multiple)
+    layout = _layout(tuple(p.shape for p in params), flatten, dim0, world_size, multiple)
     first = members[0][2][0]
     orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
-    shard = nn.Parameter(layout.shard([p.detach() for p in params], rank).to(device),
-                         requires_grad=params[0].requires_grad)
+    size = torch.Size([layout.numel]) if flatten else params[0].shape
+    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
+                   members, device, compute_dtype, unit_name)
+
+
+@torch.no_grad()
+def build_stacked_group(layers: List[List[Tuple[nn.Parameter, List[Owner], List[str]]]],
+                        layer_names: List[str], index: int, *, flatten: bool, dim0: bool,
+                        world_size: int, rank: int, multiple: int, device: Any,
+                        compute_dtype: torch.dtype, unit_name: str) -> ShardGroup:
+    """The same group of every layer of a scanned stack, as one ``StackedLayout`` shard.
+    ``layers[i]`` are layer ``i``'s members; ``layer_names`` their names within a layer."""
+    params = [p for members in layers for p, _, _ in members]
+    shapes = tuple(p.shape for p, _, _ in layers[0])
+    layout = shard_layout.StackedLayout(
+        _layout(shapes, flatten, dim0, world_size, multiple), len(layers))
+    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else layer_names[0])
+    size = torch.Size([len(layers), layout.layer.numel] if flatten
+                      else (len(layers),) + tuple(shapes[0]))
+    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
+                   [m for members in layers for m in members], device, compute_dtype,
+                   unit_name)
+
+
+def _finish(layout: shard_layout.Layout, shard_value: torch.Tensor, orig_size: torch.Size,
+            orig_name: str, members: List[Tuple[nn.Parameter, List[Owner], List[str]]],
+            device: Any, compute_dtype: torch.dtype, unit_name: str) -> ShardGroup:
+    shard = nn.Parameter(shard_value.to(device), requires_grad=members[0][0].requires_grad)
     # the three attributes torch_xla's users and tools read on a shard
     shard._is_sharded = True
-    shard._orig_size = torch.Size([layout.numel]) if flatten else params[0].shape
+    shard._orig_size = orig_size
     shard._orig_name = orig_name
     records = []
     for p, owners, names in members:

@@ -16,6 +16,10 @@ Every FSDP unit owns one or more *shard groups*. A group is sharded as one tenso
   into row blocks, never flattened (``shard_param_on_dim_0=True``, for compilers such as
   AWS Neuron that mishandle flattened parameters).
 
+* ``StackedLayout``: ``L`` identical layers run as one scan (``scanned_layers``). Each
+  layer is laid out as one of the above would lay it out on its own, and a rank's shard is
+  its ``L`` layer shards stacked, ``[L, *layer shard]``: the scan slices one row per step.
+
 Only the padding a collective needs is added: a multiple of ``world_size`` elements (or
 rows), not of ``128 * world_size`` as torch_xla does.
 """
@@ -234,7 +238,50 @@ class Dim0Layout:
         return self.unshard(gathered[0])
 
 
-Layout = Union[FlatLayout, InterleavedLayout, Dim0Layout]
+@dataclass(frozen=True)
+class StackedLayout:
+    """``layers`` copies of ``layer``; tensors are listed layer by layer."""
+    layer: Union[FlatLayout, InterleavedLayout, Dim0Layout]
+    layers: int
+
+    @property
+    def world_size(self) -> int:
+        return self.layer.world_size
+
+    @property
+    def shapes(self) -> Tuple[torch.Size, ...]:
+        return tuple(self.layer.shapes) * self.layers
+
+    @property
+    def numel(self) -> int:
+        return self.layer.numel * self.layers
+
+    @property
+    def shard_shape(self) -> torch.Size:
+        return torch.Size((self.layers,) + tuple(self.layer.shard_shape))
+
+    def _per_layer(self, tensors: Sequence[torch.Tensor]) -> List[Sequence[torch.Tensor]]:
+        k = len(self.layer.shapes)
+        if len(tensors) != k * self.layers:
+            raise ValueError(f"expected {k * self.layers} tensors ({self.layers} layers of "
+                             f"{k}), got {len(tensors)}")
+        return [tensors[i * k:(i + 1) * k] for i in range(self.layers)]
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
+        return torch.stack([self.layer.shard(ts, rank) for ts in self._per_layer(tensors)])
+
+    def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        """The full tensors, from an all-gather along dim 0 of every rank's ``[L, ...]``
+        shard (rank-major: ``[N * L, ...]``)."""
+        n, tail = self.world_size, tuple(self.layer.shard_shape)
+        by_rank = gathered.view((n, self.layers) + tail)
+        out: List[torch.Tensor] = []
+        for i in range(self.layers):
+            out += self.layer.unshard(by_rank[:, i].reshape((n * tail[0],) + tail[1:]))
+        return out
+
+
+Layout = Union[FlatLayout, InterleavedLayout, Dim0Layout, StackedLayout]
 
 
 def _slice_padded(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

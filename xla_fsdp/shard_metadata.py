@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any, Dict, Iterable, List, Tuple
 
 import torch.nn as nn
 
 from .init_sharding import original_dtype
-from .shard_layout import Dim0Layout, InterleavedLayout
+from .shard_layout import Dim0Layout, InterleavedLayout, StackedLayout
 
 
 # ours and torch_xla's; torch_xla's flattener; torch's checkpoint_wrapper
@@ -60,6 +61,9 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
       group of ours), kept out of ``flatten_info`` because torch_xla's consolidation would
       read them as one flat tensor cut into shards and silently scramble them. It fails on
       the missing entry instead.
+    * ``stack_info``: for each group of scanned layers (``StackedLayout``), one layer's
+      parameter names (relative to the layer), shapes and sizes; layer ``i``'s are named
+      ``<unit path>.<i>.<name>``, and a rank's shard is its layer shards stacked;
     * ``param_order``: the unwrapped model's parameter names in ``parameters()`` order;
     * ``update_count``: optimizer steps and loads the shards have had, equal on every rank
       at the same point of training, so that consolidation can tell a file left from an
@@ -67,16 +71,20 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
     """
     units = list(units)
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
-    interleave_info = {}
+    interleave_info, stack_info = {}, {}
     for path, unit in units:
         groups = unit.shard_groups
         shard_info[path] = {
             g.shard_name: {"_orig_size": g.shard._orig_size, "_orig_name": g.orig_name}
             for g in groups}
         layout_info[path] = {g.shard_name: _layout_entry(g.layout) for g in groups}
-        if unit.flatten_parameters:
-            for g in groups:
-                key = (path + "." if path else "") + g.orig_name
+        for g in groups:
+            key = (path + "." if path else "") + g.orig_name
+            if isinstance(g.layout, StackedLayout):
+                layer = g.layout.layer
+                names = [n.split(".", 1)[1] for n in g.names[:len(layer.shapes)]]
+                stack_info[key] = (names, list(layer.shapes), [math.prod(s) for s in layer.shapes])
+            elif unit.flatten_parameters:
                 info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
                 info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
         if unit.shared_params:
@@ -86,13 +94,17 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, Any]]) -> Dict[st
                    if original_dtype(buf) != buf.dtype}
     return {"shard_info": shard_info, "flatten_info": flatten_info,
             "interleave_info": interleave_info, "buffer_info": buffer_info,
-            "shared_info": shared_info, "layout_info": layout_info,
+            "shared_info": shared_info, "layout_info": layout_info, "stack_info": stack_info,
             "param_order": _plain_parameter_order(root, units),
             "update_count": sum(g.updates for _, unit in units for g in unit.shard_groups),
             "world_size": root.world_size, "rank": root.rank}
 
 
 def _layout_entry(layout: Any) -> Dict[str, Any]:
+    if isinstance(layout, StackedLayout):
+        layer = _layout_entry(layout.layer)
+        return {"kind": "stacked", "multiple": layer["multiple"], "layers": layout.layers,
+                "layer_kind": layer["kind"]}
     if isinstance(layout, Dim0Layout):
         return {"kind": "dim0", "multiple": 1}
     kind = "interleaved" if isinstance(layout, InterleavedLayout) else "flat"
@@ -121,7 +133,7 @@ def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:
     values nor the rank: files of one checkpoint share it, and a model wrapped the same
     way at the same world size computes the same one."""
     keys = ("shard_info", "flatten_info", "interleave_info", "shared_info", "layout_info",
-            "world_size")
+            "stack_info", "world_size")
     canonical = json.dumps({k: metadata.get(k) for k in keys}, sort_keys=True, default=_jsonable)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -15,7 +15,7 @@ until the next synchronised backward.
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -75,14 +75,8 @@ class UnitParams:
         return tuple(g.generation() for g in self.groups)
 
     def _issue_gather(self) -> None:
-        pieces = [g.layout.pieces(g.shard if g.shard.dtype == g.compute_dtype else
-                                  g.shard.to(g.compute_dtype)) for g in self.groups]
-        gathered = self.collectives.all_gather([p for ps in pieces for p in ps],
-                                               self.options.coalesce_all_gather_ops)
-        self._gathered, at = [], 0
-        for ps in pieces:
-            self._gathered.append(gathered[at:at + len(ps)])
-            at += len(ps)
+        self._gathered = gather_pieces(self.collectives, self.options,
+                                       [(g.layout, g.shard, g.compute_dtype) for g in self.groups])
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
 
@@ -143,17 +137,10 @@ class UnitParams:
                 self.reshard([group], [g for g in grads if g is not None], barrier)
             return
         group.sentinel = None  # the accumulation ends here: the reduced gradient adds to it
-        full = [g if g is not None else
-                torch.zeros(shape, dtype=group.compute_dtype, device=self.device)
-                for g, shape in zip(grads, group.layout.shapes)]
         for r in group.records:
             r.placeholder.grad = None
-        flat = group.layout.pad(full)
-        if self.options.fp32_reduce_scatter and flat.dtype != torch.float32:
-            flat = flat.float()
-        pre, _ = divide
-        if flat.dtype != torch.float32 and pre != 1:
-            flat = flat / pre
+        flat = padded_gradient(group.layout, grads, group.compute_dtype, self.device,
+                               self.options, divide)
         self.reshard([group] if reshard else [], [flat], barrier)
         self._queue.append((group, flat))
         self._queue_bytes += flat.numel() * flat.element_size()
@@ -169,20 +156,8 @@ class UnitParams:
         inputs = [flat for _, flat in queue]
         if barrier:
             optimization_barrier(inputs)
-        # A float32 sum cannot overflow where the pre-division would matter, so the whole
-        # division is the reduce-scatter's scale on the shard: one pass over the full
-        # gradients fewer, and the same bits when both factors are powers of two.
-        pre, post = divide
-        divisor = post * pre if inputs[0].dtype == torch.float32 else post
-        replicas = self.options.replica_groups
-        if replicas:  # then averaged over the sharding groups too
-            divisor *= len(replicas[0])
-        outputs = self.collectives.reduce_scatter(inputs, scale=1.0 / divisor)
-        if replicas:
-            outputs = [self.collectives.all_reduce_sum(t, replicas) for t in outputs]
+        outputs = scatter_gradients(self.collectives, self.options, divide, inputs)
         for (group, _), reduced in zip(queue, outputs):
-            if reduced.dtype != torch.float32:
-                reduced = reduced.float()
             if barrier:
                 optimization_barrier([reduced])
                 barrier_out.append(reduced)
@@ -206,6 +181,59 @@ class UnitParams:
                 for r in g.records:
                     r.placeholder.grad = None
                 g.sentinel = None
+
+
+# -- stateless steps, shared with the scanned layers' loop bodies ------------------------------
+def gather_pieces(collectives: Collectives, options: FsdpOptions,
+                  groups: Sequence[Tuple[Any, torch.Tensor, torch.dtype]]
+                  ) -> List[List[torch.Tensor]]:
+    """All-gathers (layout, shard, compute dtype) groups, cast to the compute dtype first so
+    that low-precision compute moves low-precision bytes; per group, what its layout's
+    ``unshard_pieces`` takes."""
+    pieces = [layout.pieces(shard if shard.dtype == dtype else shard.to(dtype))
+              for layout, shard, dtype in groups]
+    gathered = collectives.all_gather([p for ps in pieces for p in ps],
+                                      options.coalesce_all_gather_ops)
+    out, at = [], 0
+    for ps in pieces:
+        out.append(gathered[at:at + len(ps)])
+        at += len(ps)
+    return out
+
+
+def padded_gradient(layout: Any, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+                    device: Any, options: FsdpOptions, divide: Tuple[float, float]
+                    ) -> torch.Tensor:
+    """A group's full gradients as the padded tensor its reduce-scatter takes; a parameter
+    without a gradient contributes zeros. Low-precision sums are pre-divided for headroom."""
+    full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, shape in zip(grads, layout.shapes)]
+    flat = layout.pad(full)
+    if options.fp32_reduce_scatter and flat.dtype != torch.float32:
+        flat = flat.float()
+    pre, _ = divide
+    if flat.dtype != torch.float32 and pre != 1:
+        flat = flat / pre
+    return flat
+
+
+def scatter_gradients(collectives: Collectives, options: FsdpOptions,
+                      divide: Tuple[float, float], inputs: List[torch.Tensor]
+                      ) -> List[torch.Tensor]:
+    """Reduce-scatters ``padded_gradient`` outputs into float32 shard gradients, averaged
+    over the ranks (and over the replicas, with ``replicate_across_groups``)."""
+    # A float32 sum cannot overflow where the pre-division would matter, so the whole
+    # division is the reduce-scatter's scale on the shard: one pass over the full
+    # gradients fewer, and the same bits when both factors are powers of two.
+    pre, post = divide
+    divisor = post * pre if inputs[0].dtype == torch.float32 else post
+    replicas = options.replica_groups
+    if replicas:  # then averaged over the sharding groups too
+        divisor *= len(replicas[0])
+    outputs = collectives.reduce_scatter(inputs, scale=1.0 / divisor)
+    if replicas:
+        outputs = [collectives.all_reduce_sum(t, replicas) for t in outputs]
+    return [t if t.dtype == torch.float32 else t.float() for t in outputs]
 
 
 def accumulating(group: ShardGroup) -> bool:

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from .turn_ring import TurnRing
@@ -257,7 +258,8 @@ def has_pending_collective(tensors: List[torch.Tensor]) -> bool:
 
 def _xla_tensors(obj: Any) -> Iterable[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        if obj.device.type == "xla":
+        # FakeTensors (AOTAutograd tracing a scanned layer) have a device and no value
+        if obj.device.type == "xla" and not isinstance(obj, FakeTensor):
             yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:

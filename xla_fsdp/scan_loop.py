@@ -1,0 +1,165 @@
+"""The forward and backward loops of a scanned stack: two XLA while loops whose bodies are
+compiled once, whatever the number of layers.
+
+forward, layer ``l``: all-gather layer ``l``'s shards -> the layer's forward graph ->
+the carried hidden state, and the layer's saved values, stacked for backward.
+backward, layer ``l`` from last to first: all-gather layer ``l``'s shards again -> the
+layer's backward graph on its saved values -> the carried gradient of the hidden state, and
+layer ``l``'s parameter gradients, reduce-scattered into a stacked shard gradient.
+
+Each body holds one layer's full parameters and gradients at a time; nothing full-size
+leaves a body (see [Note: what the scan saves for backward] in ``scan_trace``).
+
+[Note: the collective token inside a loop body]
+torch_xla chains the collectives of a device through a per-device token. A collective traced
+inside a body would leave the body's token as the device's token, and the next collective
+outside would depend on a value of another computation (the process dies, SIGSEGV). The
+bodies are traced with a fresh token, and the outer one is put back after.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .collectives import Collectives
+from .options import FsdpOptions
+from .scan_trace import LayerGraphs
+from .unit_params import gather_pieces, padded_gradient, scatter_gradients
+
+
+@dataclass
+class ScanLoop:
+    """One call of a scanned stack. Layer inputs: ``[hidden, *invariants, *parameters,
+    *buffers]``; invariants are the same for every layer, parameters and buffers stacked."""
+    graphs: LayerGraphs
+    invariants: List[torch.Tensor]
+    differentiable: List[bool]          # per invariant: its gradient is carried in backward
+    groups: List[Any]                   # the stacked shard groups, in parameter order
+    buffers: List[torch.Tensor]         # stacked, [L, ...]
+    collectives: Collectives
+    options: FsdpOptions
+    divide: Tuple[float, float]
+
+    # -- the two loops ---------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, save: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        stacked = self.graphs.stacked_saved if save else []
+        save_hidden = save and 0 in self.graphs.saved_inputs
+
+        def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
+            (h,) = carry
+            out = self.graphs.forward(*self._layer_inputs(h, xs))
+            saved = out[1:]
+            ys = [saved[i] for i in stacked] + ([h] if save_hidden else [])
+            return [out[0]], ys
+
+        carry, ys = _loop(body, [hidden], self._xs())
+        return carry[0], ys
+
+    def backward(self, grad: torch.Tensor, ys: Sequence[torch.Tensor]
+                 ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
+        stacked = self.graphs.stacked_saved
+        carried = [i for i, d in enumerate(self.differentiable) if d]
+        trainable = [i for i, g in enumerate(self.groups) if g.shard.requires_grad]
+        base = len(self._xs())
+
+        def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
+            g_h, acc = carry[0], carry[1:]
+            layer_ys = xs[base:]
+            h = layer_ys[len(stacked)] if len(layer_ys) > len(stacked) else None
+            inputs = self._layer_inputs(h, xs[:base])
+            news = dict(zip(stacked, layer_ys))
+            saved = [inputs[k] if k is not None else news[i]
+                     for i, k in enumerate(self.graphs.saved_inputs)]
+            grads = self.graphs.backward(*saved, g_h)
+            g_prev = grads[0] if grads[0] is not None else torch.zeros_like(g_h)
+            acc = [a if grads[1 + i] is None else a + grads[1 + i]
+                   for a, i in zip(acc, carried)]
+            return [g_prev, *acc], self._reduce(grads, trainable, g_h.device)
+
+        init = [grad] + [torch.zeros_like(self.invariants[i]) for i in carried]
+        carry, reduced = _loop(body, init, self._xs() + list(ys), reverse=True)
+        g_inv: List[Optional[torch.Tensor]] = [None] * len(self.invariants)
+        for i, g in zip(carried, carry[1:]):
+            g_inv[i] = g
+        g_shards: List[Optional[torch.Tensor]] = [None] * len(self.groups)
+        for i, g in zip(trainable, reduced):
+            g_shards[i] = g
+        return carry[0], g_inv, g_shards
+
+    # -- one layer -------------------------------------------------------------------------
+    def _xs(self) -> List[torch.Tensor]:
+        return [g.shard.detach() for g in self.groups] + list(self.buffers)
+
+    def _layer_inputs(self, hidden: Optional[torch.Tensor], xs: Sequence[torch.Tensor]
+                      ) -> List[Any]:
+        shards, buffers = xs[:len(self.groups)], xs[len(self.groups):]
+        gathered = gather_pieces(self.collectives, self.options,
+                                 [(g.layout.layer, s, g.compute_dtype)
+                                  for g, s in zip(self.groups, shards)])
+        params = [t for g, full in zip(self.groups, gathered)
+                  for t in g.layout.layer.unshard_pieces(full)]
+        return [hidden, *self.invariants, *params, *buffers]
+
+    def _reduce(self, grads: Sequence[Optional[torch.Tensor]], trainable: List[int],
+                device: Any) -> List[torch.Tensor]:
+        if not trainable:
+            return []
+        at = 1 + len(self.invariants)
+        per_group = []
+        for g in self.groups:
+            k = len(g.layout.layer.shapes)
+            per_group.append(grads[at:at + k])
+            at += k
+        flats = [padded_gradient(self.groups[i].layout.layer, per_group[i],
+                                 self.groups[i].compute_dtype, device, self.options, self.divide)
+                 for i in trainable]
+        return scatter_gradients(self.collectives, self.options, self.divide, flats)
+
+
+class ScanFunction(torch.autograd.Function):
+    """Autograd's view of a scanned stack: ``(loop, hidden, *invariants, *shards)`` ->
+    the last layer's output. Gradients reach the shards already reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx: Any, loop: ScanLoop, hidden: torch.Tensor, *tensors: torch.Tensor
+                ) -> torch.Tensor:
+        out, ys = loop.forward(hidden, save=True)
+        ctx.loop = loop
+        ctx.save_for_backward(*ys)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        loop: ScanLoop = ctx.loop
+        g_h, g_inv, g_shards = loop.backward(grad.contiguous(), ctx.saved_tensors)
+        return (None, g_h, *g_inv, *g_shards)
+
+
+def run_forward_only(loop: ScanLoop, hidden: torch.Tensor) -> torch.Tensor:
+    """Without autograd (evaluation): nothing is saved for a backward."""
+    return loop.forward(hidden, save=False)[0]
+
+
+def _loop(body: Any, init: List[torch.Tensor], xs: List[torch.Tensor],
+          reverse: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    from torch_xla.experimental.scan import _scan_impl_flat
+    with torch.no_grad(), _fresh_collective_token():
+        carry, ys = _scan_impl_flat(body, init, xs, reverse=reverse)
+    return list(carry), list(ys)
+
+
+@contextlib.contextmanager
+def _fresh_collective_token() -> Iterator[None]:
+    # see [Note: the collective token inside a loop body]
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    device = xm._get_device_context().device
+    outer = torch_xla._XLAC._get_all_reduce_token(device)
+    torch_xla._XLAC._set_all_reduce_token(device, None)
+    try:
+        yield
+    finally:
+        torch_xla._XLAC._set_all_reduce_token(device, outer)

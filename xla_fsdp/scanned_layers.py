@@ -1,0 +1,280 @@
+"""ScannedLayers: a stack of identical layers as one FSDP unit that runs as an XLA loop.
+
+    model.layers = ScannedLayers(model.layers, **fsdp_options)   # an nn.ModuleList
+    model = XlaFullyShardedDataParallel(model, **fsdp_options)
+
+The step then compiles one layer's forward and one layer's backward, whatever the depth:
+the layers run as a while loop over stacked shards (``scan_loop``), one layer gathered at a
+time, forward and backward. The model's code does not change: iterating the stack yields
+one callable that runs every layer, so ``for layer in self.layers: h = layer(h, ...)`` (or
+Hugging Face's ``for layer in self.layers[:n]``) runs the scan once.
+
+A layer is called as ``layer(hidden, *args, **kwargs)``: the first argument is carried from
+layer to layer, the others are the same for every layer (attention masks, rotary tables;
+their gradients are summed over the layers). Its output is the next hidden state, or a
+tuple of it and ``None``s.
+
+Checkpoints and ``full_state_dict()`` name every layer's parameters as the unwrapped model
+does (``layers.3.mlp.fc1.weight``); the shards are ``StackedLayout`` groups.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ._tensor_tree import cast_floating
+from .fully_sharded import XlaFullyShardedDataParallel
+from .init_sharding import find_parameters, group_parameters, place_buffers
+from .scan_loop import ScanFunction, ScanLoop, run_forward_only
+from .scan_trace import LayerGraphs, trace_layer
+from .shard_group import build_stacked_group
+
+# attributes that may differ between layers because they only index a per-layer cache,
+# which training does not use (Hugging Face's ``layer_idx``)
+IGNORED_ATTRIBUTES = ("layer_idx",)
+
+
+class ScannedLayers(XlaFullyShardedDataParallel):
+    """Shards a stack of structurally identical layers as one unit and runs them as a scan.
+
+    Takes an ``nn.ModuleList`` (or ``nn.Sequential``, or a list of modules) and the
+    options of ``XlaFullyShardedDataParallel``, except ``auto_wrap_policy``. Under
+    ``no_sync`` the gradients are still reduce-scattered, one layer at a time (the sum is
+    the same; the communication is not saved). ``ignored_attributes`` names plain
+    attributes that may differ between layers."""
+
+    _calls_wrapped_module = False  # its forward runs the layers, not the ModuleList
+
+    def __init__(self, layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
+                 ignored_attributes: Sequence[str] = IGNORED_ATTRIBUTES, **kwargs: Any) -> None:
+        if kwargs.get("auto_wrap_policy") is not None:
+            raise ValueError("ScannedLayers shards the stack as one unit; auto_wrap_policy "
+                             "would wrap inside its layers, which the scan cannot run")
+        if isinstance(layers, (list, tuple)):
+            layers = nn.ModuleList(layers)
+        if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
+            raise TypeError(f"ScannedLayers takes a non-empty nn.ModuleList or nn.Sequential "
+                            f"of identical layers, got {type(layers).__name__}")
+        check_identical(list(layers), tuple(ignored_attributes))
+        self.__dict__["_scan_cache"] = {}
+        self.__dict__["_tracing"] = False
+        super().__init__(layers, **kwargs)
+        for i, layer in enumerate(layers):
+            layer.register_forward_pre_hook(self._refuse_direct_call(i))
+
+    # -- the stack as Hugging Face's loops see it ------------------------------------------
+    def __len__(self) -> int:
+        return len(self._fsdp_wrapped_module)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter([self])  # one step that runs every layer
+
+    def __getitem__(self, key: Union[int, slice]) -> nn.Module:
+        if isinstance(key, slice):
+            if list(range(len(self))[key]) != list(range(len(self))):
+                raise IndexError(f"a ScannedLayers stack runs as a whole; {key} selects only "
+                                 f"some of its {len(self)} layers")
+            return self
+        return self._fsdp_wrapped_module[key]
+
+    def _refuse_direct_call(self, index: int) -> Callable:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            if not self._tracing:
+                raise RuntimeError(f"layer {index} of a ScannedLayers stack runs only inside "
+                                   f"the scan: call (or iterate) the stack, not its layers")
+        return hook
+
+    def unshard(self) -> None:
+        raise RuntimeError("ScannedLayers gathers one layer at a time inside its loop; there "
+                           "are no full parameters to gather for the whole stack")
+
+    # -- sharding at construction ----------------------------------------------------------
+    def _shard_parameters(self, roots: List[Tuple[str, nn.Module]]) -> None:
+        ((_, stack),) = roots
+        opts = self._options
+        found = [find_parameters([(str(i), layer)], self) for i, layer in enumerate(stack)]
+        layer_found = find_parameters([("", stack[0])], self)
+        position = {names[0]: k for k, (_, _, names) in enumerate(layer_found)}
+        groups = []
+        for index, members in enumerate(group_parameters(
+                layer_found, self.flatten_parameters, lambda _owners: self.compute_dtype)):
+            names = [n[0] for _, _, n in members]
+            group = build_stacked_group(
+                [[layer[position[n]] for n in names] for layer in found], names, index,
+                flatten=self.flatten_parameters, dim0=opts.shard_param_on_dim_0,
+                world_size=self.world_size, rank=self.rank, multiple=opts.shard_size_multiple,
+                device=self.xla_device, compute_dtype=self.compute_dtype,
+                unit_name=self._state.name)
+            self.register_parameter(group.shard_name, group.shard)
+            groups.append(group)
+        for layer in found:
+            for _, _, names in layer:
+                self._shared_params.extend((alias, names[0]) for alias in names[1:])
+        self._param_order = [names[0] for layer in found for _, _, names in layer]
+        self._state.add_groups(groups)
+        place_buffers(stack, self.buffer_dtype, self.xla_device)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"ScannedLayers carries its first argument from layer to layer; "
+                            f"it must be a tensor, got {type(hidden).__name__}")
+        if self.compute_dtype != torch.float32:
+            hidden, args, kwargs = cast_floating(self.compute_dtype, (hidden, args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs))
+        tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        invariants = [leaves[i] for i in tensors]
+        differentiable = [t.is_floating_point() and t.requires_grad for t in invariants]
+        groups = self.shard_groups
+        stack = self._fsdp_wrapped_module
+        buffer_slots = [(name, [layer.get_buffer(name) for layer in stack])
+                        for name, _ in stack[0].named_buffers()]
+        buffers = [torch.stack(values) for _, values in buffer_slots]
+        key = (tuple((tuple(t.shape), t.dtype) for t in [hidden] + invariants),
+               tuple(differentiable), str(spec),
+               tuple(repr(x) for i, x in enumerate(leaves) if i not in set(tensors)),
+               stack[0].training, tuple(g.shard.requires_grad for g in groups))
+        if key not in self._scan_cache:
+            self._scan_cache[key] = self._trace(hidden, invariants, differentiable, leaves,
+                                                tensors, spec, buffer_slots)
+        graphs, rebuild = self._scan_cache[key]
+        loop = ScanLoop(graphs, invariants, differentiable, groups, buffers,
+                        self._collectives, self._options, self._state.divide)
+        grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
+                                            any(g.shard.requires_grad for g in groups))
+        if not grad:
+            return rebuild(run_forward_only(loop, hidden))
+        return rebuild(ScanFunction.apply(loop, hidden, *invariants,
+                                          *[g.shard for g in groups]))
+
+    def _trace(self, hidden: torch.Tensor, invariants: List[torch.Tensor],
+               differentiable: List[bool], leaves: List[Any], tensors: List[int], spec: Any,
+               buffer_slots: List[Tuple[str, List[torch.Tensor]]]
+               ) -> Tuple[LayerGraphs, Callable[[torch.Tensor], Any]]:
+        template = self._fsdp_wrapped_module[0]
+        groups = self.shard_groups
+        owners = [r.owners for g in groups for r in g.records[:len(g.layout.layer.shapes)]]
+        params = [torch.empty(s, dtype=g.compute_dtype, device=self.xla_device)
+                  for g in groups for s in g.layout.layer.shapes]
+        n_inv, n_par = len(invariants), len(params)
+        structure: Dict[str, Any] = {}
+
+        def layer(*flat: torch.Tensor) -> torch.Tensor:
+            h, inv = flat[0], flat[1:1 + n_inv]
+            full, bufs = flat[1 + n_inv:1 + n_inv + n_par], flat[1 + n_inv + n_par:]
+            values = list(leaves)
+            for i, t in zip(tensors, inv):
+                values[i] = t
+            args, kwargs = tree_unflatten(values, spec)
+            with self._holding(template, owners, full, [n for n, _ in buffer_slots], bufs):
+                out = template(h, *args, **kwargs)
+            first, structure["rebuild"] = _carried_output(out, h)
+            return first
+
+        inputs = [hidden, *invariants, *params, *[values[0] for _, values in buffer_slots]]
+        grads = [True] + differentiable + [g.shard.requires_grad for g in groups
+                                           for _ in g.layout.layer.shapes]
+        grads += [False] * len(buffer_slots)
+        weights = set(range(1 + n_inv, 1 + n_inv + n_par))
+        return trace_layer(layer, inputs, grads, weights), structure["rebuild"]
+
+    @contextlib.contextmanager
+    def _holding(self, template: nn.Module, owners: List[List[Tuple[nn.Module, str]]],
+                 params: Sequence[torch.Tensor], buffer_names: List[str],
+                 buffers: Sequence[torch.Tensor]) -> Iterator[None]:
+        """The template layer computes with the traced inputs in place of its placeholders
+        and buffers."""
+        saved_params = [(m, a, m.__dict__[a]) for ows in owners for m, a in ows]
+        saved_buffers = []
+        for name, value in zip(buffer_names, buffers):
+            path, _, attr = name.rpartition(".")
+            module = template.get_submodule(path)
+            saved_buffers.append((module, attr, module._buffers[attr]))
+            module._buffers[attr] = value
+        for ows, value in zip(owners, params):
+            for m, a in ows:
+                object.__setattr__(m, a, value)
+        self.__dict__["_tracing"] = True
+        try:
+            yield
+        finally:
+            self.__dict__["_tracing"] = False
+            for m, a, old in saved_params:
+                object.__setattr__(m, a, old)
+            for m, a, old in saved_buffers:
+                m._buffers[a] = old
+
+
+def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Callable]:
+    """The next hidden state in a layer's output, and how to rebuild that output around the
+    last layer's."""
+    if isinstance(out, torch.Tensor):
+        first, rest, kind = out, (), None
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        first, rest, kind = out[0], tuple(out[1:]), type(out)
+    else:
+        raise TypeError(f"a scanned layer must return its next hidden state (a tensor, or a "
+                        f"tuple whose first element is it); got {type(out).__name__}")
+    if any(isinstance(x, torch.Tensor) for x in rest):
+        raise TypeError("a scanned layer returns more tensors than its next hidden state; "
+                        "the scan carries only that one (turn off outputs such as attention "
+                        "weights or caches)")
+    if first.shape != hidden.shape or first.dtype != hidden.dtype:
+        raise TypeError(f"a scanned layer must return a hidden state like its input, "
+                        f"{tuple(hidden.shape)} {hidden.dtype}; got {tuple(first.shape)} "
+                        f"{first.dtype}")
+    if kind is None:
+        return first, lambda h: h
+    return first, lambda h: kind((h,) + rest)
+
+
+def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
+    """Refuses layers the scan cannot run as copies of one: differing structure, shapes,
+    settings, shared parameters, hooks, nested units or running statistics."""
+    def describe(layer: nn.Module) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for path, m in layer.named_modules(remove_duplicate=False):
+            where = path or "(the layer)"
+            if isinstance(m, XlaFullyShardedDataParallel):
+                raise ValueError(f"{where} of a scanned layer is an FSDP unit; a scanned stack "
+                                 f"is one unit, with nothing wrapped inside it")
+            if isinstance(m, _BatchNorm) and m.track_running_stats:
+                raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
+                                 f"in forward, which a scan cannot carry out per layer")
+            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+                raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
+                                 f"scan would not call")
+            out[f"{path}:type"] = type(m)
+            for name, p in m._parameters.items():
+                if p is not None:
+                    out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype,
+                                             p.requires_grad)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)
+            for name, v in vars(m).items():
+                if name.startswith("_") or name in ignored or isinstance(v, (torch.Tensor, nn.Module)):
+                    continue
+                out[f"{path}.{name}"] = ("attribute", v)
+        return out
+
+    reference = describe(layers[0])
+    seen: Dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"layers {seen[id(p)]} and {i} share a parameter; scanned "
+                                 f"layers must each hold their own")
+        if i == 0:
+            continue
+        other = describe(layer)
+        for key in sorted(set(reference) | set(other)):
+            if reference.get(key) != other.get(key):
+                raise ValueError(
+                    f"scanned layers must be identical in structure; layer {i} differs from "
+                    f"layer 0 at '{key}': {other.get(key)!r} against {reference.get(key)!r}")
