@@ -7,39 +7,54 @@ concatenate in row-major order) and torch_xla's flattened groups, so one rule re
 parameter: elements ``[offset, offset + numel)`` of the concatenation. Our flattened groups
 are interleaved (``InterleavedLayout``): every rank holds a piece of each parameter, at the
 same place in every shard, and the pieces concatenate in rank order.
+
+A stacked group (scanned layers) holds L identical layers: every rank's shard is
+``[L, *layer shard shape]`` and row ``i`` is that rank's shard of layer ``i``, laid out as
+an ordinary flat, interleaved or dim-0 group. The rules above then apply within one row.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from xla_fsdp.files import CheckpointError, TensorRef
-from xla_fsdp.shard_layout import InterleavedLayout
+from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
 from xla_fsdp.shard_metadata import clean_name, join_name
+
+LAYER_KINDS = ("flat", "interleaved", "dim0")
 
 
 @dataclass(frozen=True)
 class ParamSpec:
     name: str                       # in the unwrapped model
     shape: Tuple[int, ...]
-    offset: int                     # first element in the group's concatenated shards
+    offset: int                     # first element in its layer's concatenated shards
     piece: Optional[Tuple[int, int]] = None  # interleaved: (offset, elements) in every shard
+    row: int = 0                    # stacked: its layer, the row of every shard it is in
+    rows: int = 1                   # stacked: the layers (rows of every shard)
 
 
 @dataclass(frozen=True)
 class GroupSpec:
     key: str                        # the shard's key in each rank's model state dict
-    params: Tuple[ParamSpec, ...]
-    kind: Optional[str]  # "flat" | "interleaved" | "dim0"; None if the writer did not record it
+    params: Tuple[ParamSpec, ...]   # stacked: layer 0's, then layer 1's, ...
+    # how one layer (the whole group unless stacked) is laid out: "flat" | "interleaved" |
+    # "dim0"; None if the writer did not record it
+    kind: Optional[str]
     multiple: int
+    stacked: bool = False
+    layers: int = 1
 
     @property
     def numel(self) -> int:
-        last = self.params[-1]
-        return last.offset + math.prod(last.shape)
+        return sum(math.prod(p.shape) for p in self.params)
+
+    def layer(self, index: int) -> Tuple[ParamSpec, ...]:
+        per_layer = len(self.params) // self.layers
+        return self.params[index * per_layer:(index + 1) * per_layer]
 
 
 @dataclass
@@ -54,10 +69,22 @@ class ModelPlan:
         return {g.key: g for g in self.groups}
 
 
+def layer_layout(spec: GroupSpec, world_size: int) -> Layout:
+    """How one layer of ``spec`` (all of it unless stacked) is sharded at ``world_size``."""
+    shapes = tuple(torch.Size(p.shape) for p in spec.layer(0))
+    if spec.kind == "dim0":
+        return Dim0Layout(shapes[0], world_size)
+    if spec.kind == "interleaved":
+        return InterleavedLayout(shapes, world_size, spec.multiple)
+    return FlatLayout(shapes, world_size, spec.multiple)
+
+
 def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPlan:
     groups: List[GroupSpec] = []
     flatten_info = {**metadata.get("flatten_info", {}), **metadata.get("interleave_info", {})}
+    stack_info = metadata.get("stack_info") or {}
     layout_info = metadata.get("layout_info", {})
+    world = metadata["world_size"]
     for path, shards in metadata["shard_info"].items():
         prefix = path + "." if path else ""
         for shard_name, info in shards.items():
@@ -66,23 +93,29 @@ def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPla
                 raise CheckpointError(f"shard {key} is in the shard metadata but not in the "
                                       f"model state dict")
             wrapped_name = prefix + info["_orig_name"]
+            layout = layout_info.get(path, {}).get(shard_name, {})
+            kind, multiple = layout.get("kind"), layout.get("multiple", 1)
+            if kind == "stacked":
+                groups.append(_stacked_group(key, path, stack_info.get(wrapped_name), info,
+                                             layout, model_tree[key], world))
+                continue
+            # read as flat, an unknown layout would come out silently scrambled
+            if kind not in (None,) + LAYER_KINDS:
+                raise CheckpointError(
+                    f"shard {key} has layout kind {kind!r}, which this consolidation does not "
+                    f"know (it reads {', '.join(LAYER_KINDS)} and stacked); use the "
+                    f"consolidate_sharded_ckpts of the xla_fsdp version that wrote it")
+            if wrapped_name in stack_info:
+                raise CheckpointError(f"shard {key} has a stack_info entry but layout kind "
+                                      f"{kind!r}, not 'stacked': the shard metadata is "
+                                      f"inconsistent")
             if wrapped_name in flatten_info:
-                names, shapes, numels = flatten_info[wrapped_name]
-                member_prefix = clean_name(path)
-                params, at = [], 0
-                for n, s, k in zip(names, shapes, numels):
-                    params.append(ParamSpec(clean_name(join_name(member_prefix, n)), tuple(s), at))
-                    at += k
+                params = _consecutive(clean_name(path), *flatten_info[wrapped_name])
             else:
                 params = [ParamSpec(clean_name(wrapped_name), tuple(info["_orig_size"]), 0)]
-            layout = layout_info.get(path, {}).get(shard_name, {})
-            if layout.get("kind") == "interleaved":
-                pieces = InterleavedLayout(tuple(torch.Size(p.shape) for p in params),
-                                           metadata["world_size"], layout.get("multiple", 1))
-                params = [ParamSpec(p.name, p.shape, p.offset, (o, n)) for p, o, n in
-                          zip(params, pieces.piece_offsets, pieces.piece_numels)]
-            groups.append(GroupSpec(key, tuple(params), layout.get("kind"),
-                                    layout.get("multiple", 1)))
+            if kind == "interleaved":
+                params = _with_pieces(params, world, multiple)
+            groups.append(GroupSpec(key, tuple(params), kind, multiple))
     shard_keys = {g.key for g in groups}
     buffer_info = metadata.get("buffer_info", {})
     buffers = {k: clean_name(k) for k, v in model_tree.items()
@@ -97,41 +130,109 @@ def plan_model(metadata: Dict[str, Any], model_tree: Dict[str, Any]) -> ModelPla
     return ModelPlan(groups, buffers, buffer_dtypes, aliases, list(order))
 
 
-def read_range(shards: List[TensorRef], start: int, numel: int) -> torch.Tensor:
-    """Elements ``[start, start + numel)`` of the rank-ordered concatenation of ``shards``,
-    read straight into one new tensor (nothing else of that size is allocated)."""
-    per_rank = shards[0].numel
-    out = torch.empty(numel, dtype=shards[0].dtype)
-    for rank, shard in enumerate(shards):
-        if shard.numel != per_rank:
+def _consecutive(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]],
+                 numels: Sequence[int]) -> List[ParamSpec]:
+    params, at = [], 0
+    for n, s, k in zip(names, shapes, numels):
+        params.append(ParamSpec(clean_name(join_name(prefix, n)), tuple(s), at))
+        at += k
+    return params
+
+
+def _with_pieces(params: List[ParamSpec], world: int, multiple: int) -> List[ParamSpec]:
+    pieces = InterleavedLayout(tuple(torch.Size(p.shape) for p in params), world, multiple)
+    return [ParamSpec(p.name, p.shape, p.offset, (o, n), p.row, p.rows) for p, o, n in
+            zip(params, pieces.piece_offsets, pieces.piece_numels)]
+
+
+def _stacked_group(key: str, path: str, entry: Optional[tuple], info: Dict[str, Any],
+                   layout: Dict[str, Any], shard: TensorRef, world: int) -> GroupSpec:
+    """The group of a stacked shard; its metadata is checked against rank 0's shard, since
+    a mismatch would otherwise read the wrong rows without any error."""
+    layers, kind, multiple = layout.get("layers"), layout.get("layer_kind"), \
+        layout.get("multiple", 1)
+    if kind not in LAYER_KINDS:
+        raise CheckpointError(f"stacked shard {key} has layer kind {kind!r}; this "
+                              f"consolidation reads layers of kind {', '.join(LAYER_KINDS)}")
+    if entry is None:
+        raise CheckpointError(f"stacked shard {key} has no stack_info entry naming its layer's "
+                              f"parameters")
+    names, shapes, numels = entry
+    orig = tuple(info["_orig_size"])
+    if (not isinstance(layers, int) or layers < 1 or orig[:1] != (layers,)
+            or math.prod(orig[1:]) != sum(numels)
+            or (kind == "dim0" and (len(names) != 1 or tuple(shapes[0]) != orig[1:]))):
+        raise CheckpointError(
+            f"stacked shard {key}: layout {layout} does not fit its original size "
+            f"{list(orig)} and its layer's parameters {list(names)} of shapes "
+            f"{[list(s) for s in shapes]}")
+    prefix = clean_name(path)
+    params: List[ParamSpec] = []
+    for i in range(layers):
+        one = [ParamSpec(p.name, p.shape, p.offset, None, i, layers)
+               for p in _consecutive(join_name(prefix, str(i)), names, shapes, numels)]
+        params += _with_pieces(one, world, multiple) if kind == "interleaved" else one
+    spec = GroupSpec(key, tuple(params), kind, multiple, stacked=True, layers=layers)
+    expected = (layers,) + tuple(layer_layout(spec, world).shard_shape)
+    if tuple(shard.shape) != expected:
+        raise CheckpointError(f"{shard.file.path}: stacked shard {key} has shape "
+                              f"{list(shard.shape)}; its metadata ({layers} {kind} layers at "
+                              f"world size {world}) says {list(expected)}")
+    return spec
+
+
+def _row_numel(shards: List[TensorRef], rows: int) -> int:
+    """Elements of one row of every rank's shard (the whole shard unless stacked)."""
+    total = shards[0].numel
+    for shard in shards:
+        if shard.numel != total:
             raise CheckpointError(f"{shard.file.path}: shard {shard.key} has {shard.numel} "
-                                  f"elements, rank 0's has {per_rank}")
+                                  f"elements, rank 0's has {total}")
+    return total // rows
+
+
+def read_range(shards: List[TensorRef], start: int, numel: int, row: int = 0,
+               rows: int = 1) -> torch.Tensor:
+    """Elements ``[start, start + numel)`` of the rank-ordered concatenation of row ``row``
+    of ``shards`` (each seen as ``rows`` equal rows), read straight into one new tensor
+    (nothing else of that size is allocated)."""
+    per_rank = _row_numel(shards, rows)
+    base = row * per_rank
+    out = torch.empty(numel, dtype=shards[0].dtype)
+    if start + numel > per_rank * len(shards):
+        where = f"row {row} of the shards" if rows > 1 else "shards"
+        raise CheckpointError(f"{where} of {shards[0].key} hold {per_rank * len(shards)} "
+                              f"elements, fewer than the {start + numel} the metadata "
+                              f"describes")
+    for rank, shard in enumerate(shards):
         lo, hi = max(start, rank * per_rank), min(start + numel, (rank + 1) * per_rank)
         if lo < hi:
-            shard.read_elements(lo - rank * per_rank, out[lo - start:hi - start])
-    if start + numel > per_rank * len(shards):
-        raise CheckpointError(f"shards of {shards[0].key} hold {per_rank * len(shards)} "
-                              f"elements, fewer than the {start + numel} the metadata describes")
+            shard.read_elements(base + lo - rank * per_rank, out[lo - start:hi - start])
     return out
 
 
 def read_param(shards: List[TensorRef], param: ParamSpec) -> torch.Tensor:
     if param.piece is None:
-        return read_range(shards, param.offset, math.prod(param.shape)).view(param.shape)
+        return read_range(shards, param.offset, math.prod(param.shape), param.row,
+                          param.rows).view(param.shape)
     start, count = param.piece
+    per_rank = _row_numel(shards, param.rows)
+    if start + count > per_rank:
+        where = "every row of shard" if param.rows > 1 else "shard"
+        raise CheckpointError(f"{shards[0].file.path}: {where} {shards[0].key} has {per_rank} "
+                              f"elements; the metadata puts {param.name} at "
+                              f"[{start}, {start + count}) of every rank's")
     out = torch.empty(count * len(shards), dtype=shards[0].dtype)
     for rank, shard in enumerate(shards):
-        if shard.numel != shards[0].numel or start + count > shard.numel:
-            raise CheckpointError(f"{shard.file.path}: shard {shard.key} has {shard.numel} "
-                                  f"elements; the metadata puts {param.name} at "
-                                  f"[{start}, {start + count}) of every rank's shard, and rank "
-                                  f"0's has {shards[0].numel}")
-        shard.read_elements(start, out[rank * count:(rank + 1) * count])
+        shard.read_elements(param.row * per_rank + start, out[rank * count:(rank + 1) * count])
     return out[:math.prod(param.shape)].view(param.shape)
 
 
-def read_group(shards: List[TensorRef], spec: GroupSpec) -> torch.Tensor:
-    """The group's parameters, flattened and concatenated, without padding."""
+def read_group(shards: List[TensorRef], spec: GroupSpec, layer: int = 0) -> torch.Tensor:
+    """One layer's parameters (the whole group's unless stacked), flattened and
+    concatenated, without padding."""
+    params = spec.layer(layer)
     if spec.kind != "interleaved":
-        return read_range(shards, 0, spec.numel)
-    return torch.cat([read_param(shards, p).reshape(-1) for p in spec.params])
+        return read_range(shards, 0, sum(math.prod(p.shape) for p in params), layer,
+                          spec.layers)
+    return torch.cat([read_param(shards, p).reshape(-1) for p in params])

@@ -2,26 +2,35 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Dict, List
 
 import torch
 
 from xla_fsdp.files import CheckpointError, TensorRef, TorchFileWriter
-from xla_fsdp.shard_layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
 from xla_fsdp.shard_metadata import wrapping_fingerprint
 
 from .optimizer import optimizer_param_keys, reshard_optimizer_state
-from .plan import GroupSpec, ModelPlan, read_group
+from .plan import GroupSpec, ModelPlan, layer_layout, read_group
 from .shard_set import ShardSet
 
 
-def new_layout(spec: GroupSpec, world_size: int) -> Layout:
-    shapes = tuple(torch.Size(p.shape) for p in spec.params)
-    if spec.kind == "dim0":
-        return Dim0Layout(shapes[0], world_size)
-    if spec.kind == "interleaved":
-        return InterleavedLayout(shapes, world_size, spec.multiple)
-    return FlatLayout(shapes, world_size, spec.multiple)
+def new_shards(per_rank: List[TensorRef], spec: GroupSpec, world_size: int
+               ) -> List[torch.Tensor]:
+    """The group's shards (or a state tensor sharded like it) for ``world_size`` ranks, from
+    its old per-rank ones. A stacked group is resharded one layer at a time into the new
+    ranks' rows, so only one layer is ever held besides the new shards."""
+    layout = layer_layout(spec, world_size)
+    if not spec.stacked:
+        content = read_group(per_rank, spec)
+        return [layout.shard([content], r) for r in range(world_size)]
+    out = [torch.empty((spec.layers,) + tuple(layout.shard_shape), dtype=per_rank[0].dtype)
+           for _ in range(world_size)]
+    for i in range(spec.layers):
+        content = read_group(per_rank, spec, i)
+        for r in range(world_size):
+            out[r][i] = layout.shard([content], r)
+    return out
 
 
 def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str],
@@ -51,18 +60,13 @@ def reshard(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str]
             models[r][key] = adds[r](tensor)
         progress(tensor.numel())
     for spec in plan.groups:
-        layout = new_layout(spec, world_size)
-
-        def new_shards(per_rank: List[TensorRef], layout: Layout = layout,
-                       spec: GroupSpec = spec) -> List[torch.Tensor]:
-            content = read_group(per_rank, spec)
-            return [layout.shard([content], r) for r in range(world_size)]
-
-        for r, piece in enumerate(new_shards([f.tree["model"][spec.key] for f in shards.files])):
+        reshard_group = functools.partial(new_shards, spec=spec, world_size=world_size)
+        per_rank = [f.tree["model"][spec.key] for f in shards.files]
+        for r, piece in enumerate(reshard_group(per_rank)):
             models[r][spec.key] = adds[r](piece)
         progress(spec.numel)
         for index in indices.get(spec.key, []):
-            for r, state in enumerate(reshard_optimizer_state(shards, spec, index, new_shards,
+            for r, state in enumerate(reshard_optimizer_state(shards, spec, index, reshard_group,
                                                               adds)):
                 opt_states[r][index] = state
     extra = _materialize(head0["extra"]) if "extra" in head0 else None
