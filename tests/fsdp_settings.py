@@ -60,6 +60,21 @@ class TiedLM(nn.Module):
         return self.head(self.b2(self.b1(self.emb(tokens))))
 
 
+class Stack(nn.Module):
+    """Identical blocks in a ModuleList, run by a Python loop: the shape ScannedLayers takes."""
+    def __init__(self, layers=3):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([Block() for _ in range(layers)])
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 SETTINGS = {
     # name: (model kind, fsdp kwargs, optimizer, extra)
     "nested": ("net", {}, "sgd", {}),
@@ -100,10 +115,21 @@ SETTINGS = {
     # must make it gather again), unshard() before each step
     "controls": ("net", {}, "sgd_foreach", {"controls": True}),
     "tied_grouped": ("tied", {}, "sgd", {"controls": True}),
+    # the blocks as one ScannedLayers unit: a while loop over stacked shards
+    "scanned": ("stack", {}, "sgd", {"scan": True, "clip": 0.05}),
+    "scanned_flat_bf16": ("stack", {"flatten_parameters": True, "compute_dtype": torch.bfloat16,
+                                    "fp32_reduce_scatter": True}, "sgd", {"scan": True}),
+    "scanned_dim0_adamw": ("stack", {"shard_param_on_dim_0": True}, "adamw", {"scan": True}),
+    # a frozen parameter must be frozen in every layer (one stacked shard holds them all)
+    "scanned_groups_frozen": ("stack", {}, "sgd", {
+        "scan": True, "groups": 2,
+        "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
 }
 
 
 def build_model(kind):
+    if kind == "stack":
+        return Stack()
     return TiedLM() if kind == "tied" else Net(batchnorm=(kind == "bn"))
 
 
@@ -142,6 +168,10 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         kw.update(sharding_groups=groups, sharding_rank=me % size, sharding_world_size=size)
     if extra.get("controls"):
         return _wrap_with_controls(model, kind, kw)
+    if extra.get("scan"):
+        from xla_fsdp import ScannedLayers
+        model.layers = ScannedLayers(model.layers, **kw)
+        return FSDP(model, **kw)
     if extra.get("auto_wrap_checkpoint"):
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         return FSDP(model, auto_wrap_policy=policy,
