@@ -82,6 +82,14 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             return self
         return self._fsdp_wrapped_module[key]
 
+    def __getattr__(self, name: str) -> Any:
+        # the model's loop may read a setting off the layer it calls (Qwen2 picks its mask by
+        # ``layer.attention_type``): the layers agree on every setting (``check_identical``)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module[0], name)
+
     def _refuse_direct_call(self, index: int) -> Callable:
         def hook(_module: nn.Module, _args: Any) -> None:
             if not self._tracing:

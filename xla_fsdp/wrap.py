@@ -73,7 +73,10 @@ def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
 
 
 def _wrap(module, policy, wrapper_cls, ignored_modules, ignored_ids, only_children, kwargs):
-    if module in ignored_modules:
+    from .fully_sharded import XlaFullyShardedDataParallel
+    # an existing unit (e.g. ScannedLayers) has sharded its subtree already: wrapping inside
+    # it would build units around its placeholders
+    if module in ignored_modules or isinstance(module, XlaFullyShardedDataParallel):
         return module, 0
     if not policy(module=module, recurse=True,
                   unwrapped_params=_unwrapped_numel(module, ignored_ids)):

@@ -242,6 +242,7 @@ class Architecture:
     block: type                    # the layer class each FSDP unit wraps
     batch: Callable[[str, int], Dict[str, torch.Tensor]]
     hf: bool = True                # a transformers model: loss in .loss, tie_weights()
+    scan: str = ""                 # the layer list to run as ScannedLayers, unchanged code
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -251,6 +252,10 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "bert": Architecture(bert, BertLayer, masked_lm_batch),
     "t5": Architecture(t5, T5Block, seq2seq_batch),
     "moe": Architecture(moe, MoEBlock, moe_batch, hf=False),
+    # the decoder layers as one ScannedLayers unit; the models' own loops drive it
+    "llama_scanned": Architecture(llama, LlamaDecoderLayer, causal_lm_batch, scan="model.layers"),
+    "qwen2_scanned": Architecture(qwen2, Qwen2DecoderLayer, causal_lm_batch, scan="model.layers"),
+    "gpt2_scanned": Architecture(gpt2, GPT2Block, causal_lm_batch, scan="transformer.h"),
 }
 
 
@@ -296,7 +301,7 @@ def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
     import torch_xla.runtime as xr
     # the wrapper is imported here, as in tests/fsdp_settings.py, so that the test process
     # (which only launches and reads files) never registers its torch.xla device module
-    from xla_fsdp import FSDP
+    from xla_fsdp import FSDP, ScannedLayers
     from xla_fsdp.checkpoint import save_sharded
 
     arch = ARCHITECTURES[name]
@@ -304,7 +309,12 @@ def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
     world = xr.world_size()
 
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={arch.block})
-    sharded = FSDP(build(name), auto_wrap_policy=policy)
+    model = build(name)
+    if arch.scan:
+        owner, attr = arch.scan.rsplit(".", 1)
+        owner = model.get_submodule(owner)
+        setattr(owner, attr, ScannedLayers(getattr(owner, attr)))
+    sharded = FSDP(model, auto_wrap_policy=policy)
     opt = optimizer(sharded)
 
     plain = build(name)
