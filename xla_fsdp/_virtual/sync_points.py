@@ -31,9 +31,11 @@ from torch.overrides import TorchFunctionMode
 
 from .turn_ring import TurnRing
 
+# a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
+# shows as one opaque node: counted as a collective
 _COLLECTIVE_IR = re.compile(
     r"xla::(cross_replica_sum|all_reduce|all_gather|reduce_scatter|all_to_all|"
-    r"collective_permute|send|recv)")
+    r"collective_permute|send|recv|scan)")
 _COLLECTIVE_BINDINGS = (
     "_xla_all_reduce", "_xla_all_reduce_inplace", "_xla_all_gather", "_xla_all_gather_out",
     "_xla_all_gather_coalesced", "_xla_all_gather_coalesced_out", "_xla_reduce_scatter",
