@@ -148,6 +148,8 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                tuple(repr(x) for i, x in enumerate(leaves) if i not in set(tensors)),
                stack[0].training, tuple(g.shard.requires_grad for g in groups))
         if key not in self._scan_cache:
+            if stack[0].training:
+                _refuse_dropout(stack[0])
             self._scan_cache[key] = self._trace(hidden, invariants, differentiable, leaves,
                                                 tensors, spec, buffer_slots)
         graphs, rebuild = self._scan_cache[key]
@@ -239,6 +241,20 @@ def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Calla
     if kind is None:
         return first, lambda h: h
     return first, lambda h: kind((h,) + rest)
+
+
+def _refuse_dropout(layer: nn.Module) -> None:
+    """A dropout mask saved for backward does not survive the loop's stacking in torch_xla
+    2.9 (a boolean stacked as float fails to lower), so training-mode dropout is refused."""
+    for path, m in layer.named_modules():
+        rates = {"p": m.p} if isinstance(m, nn.modules.dropout._DropoutNd) else {
+            k: v for k, v in vars(m).items()
+            if ("dropout" in k or "pdrop" in k) and isinstance(v, float)}
+        for name, rate in rates.items():
+            if rate > 0:
+                raise NotImplementedError(
+                    f"{path or '(the layer)'}.{name} = {rate}: dropout inside scanned layers is "
+                    f"not supported in training; set it to 0 (or call eval())")
 
 
 def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:

@@ -198,3 +198,15 @@ def test_what_a_scan_cannot_run_is_refused():
     hooked[0].up.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="module hooks"):
         _check(hooked)
+
+
+def test_dropout_in_training_is_refused():
+    from xla_fsdp.scanned_layers import _refuse_dropout
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
+    with pytest.raises(NotImplementedError, match=r"1.p = 0.1: dropout"):
+        _refuse_dropout(layer)
+    _refuse_dropout(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.0)))
+    attention = nn.Linear(8, 8)
+    attention.attention_dropout = 0.2  # Hugging Face attention modules keep a float rate
+    with pytest.raises(NotImplementedError, match="attention_dropout = 0.2"):
+        _refuse_dropout(attention)
