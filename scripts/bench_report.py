@@ -4,6 +4,36 @@ from __future__ import annotations
 from typing import List
 
 MB = 2**20  # "MB" in the tables is MiB, for measurements and minima alike
+SPMD = "fsdpv2"  # torch_xla's SPMD FSDPv2: an extra column where it ran
+DEFAULT_IMPLS = ["xla_fsdp", "torch_xla", SPMD]
+
+# What the phase rows mean, here and on a TPU pod (shared with bench_depth's report).
+PHASES_TEXT = (
+    "Phases of a step after warm-up: *host* is the CPU time a rank's own thread spends from "
+    "the step's start until `torch_xla.sync()` returns (tracing forward, backward and "
+    "AdamW, hashing the graph, launching it); *dispatch wall* is the wall time of that span, "
+    "which on virtual devices also holds the other ranks' tracing, since the N ranks are "
+    "threads of one process sharing one GIL and the launcher's sync waits for all of them; "
+    "*wait* is the wall time from there until the loss is on the host, i.e. the devices "
+    "executing the step; *execute* is torch_xla's own execute-time metric per execution. "
+    "FSDPv2 traces once for all N devices in its one process, so its dispatch wall is its "
+    "host time. On a TPU pod every host traces its own ranks in parallel: a rank's step "
+    "there costs about *host* + *device execution* (the step blocks on the loss), and the "
+    "serialized N x host seen here disappears (the *host + wait* row estimates such a "
+    "step); FSDPv2's process on each host traces the "
+    "whole (global) step once, which is its *host*. Device times here are N virtual devices "
+    "sharing 2 CPU cores and say little about a TPU. Compile time is torch_xla's "
+    "`CompileTime` metric over the run (every graph, once per process: the virtual devices "
+    "share one compilation cache, and FSDPv2 compiles one SPMD program and partitions it); "
+    "time to first step counts from the parent starting the fresh process (Python, torch "
+    "and torch_xla imports included) until the first step's loss is on the host.")
+SPMD_MEMORY_TEXT = (
+    "FSDPv2's memory is XLA's compiled-program statistics of its SPMD program, which are "
+    "those of the partitioned per-device program (its graph inputs are the parameter and "
+    "optimizer-state shards of one device, not N of them): they are used as they are, as "
+    "per-rank memory, not divided by N. Its collectives are read from that per-device "
+    "program after XLA's optimizations (before them the SPMD program has none); a "
+    "collective inside a while loop (scan) is counted once.")
 
 
 def _pairs(results: List[dict]):
@@ -36,6 +66,30 @@ def _ratio(ours: dict, theirs: dict, key: str) -> str:
     return f"{ours[key] / theirs[key]:.3f}" if key in ours and key in theirs else "n/a"
 
 
+def spmd_summary(results: List[dict]) -> List[str]:
+    """Ratios ours/FSDPv2 of the groups where FSDPv2 ran (none: no lines)."""
+    rows = []
+    for (setting, devices), group in _pairs(results):
+        ours, spmd = group.get("xla_fsdp", {}), group.get(SPMD)
+        if spmd is None:
+            continue
+        if "crashed" in ours or "crashed" in spmd:
+            who = "xla_fsdp" if "crashed" in ours else "FSDPv2"
+            rows.append(f"| {setting} | {devices} | {who}: "
+                        f"{(ours if who == 'xla_fsdp' else spmd)['crashed']} | | | | | |")
+            continue
+        rows.append(f"| {setting} | {devices} | " + " | ".join(
+            _ratio(ours, spmd, k) for k in ("step_seconds", "startup_seconds",
+                                            "compile_seconds", "host_seconds",
+                                            "wait_seconds", "peak_bytes")) + " |")
+    if not rows:
+        return []
+    return ["## Summary against torch_xla's SPMD FSDPv2 (ratios ours/FSDPv2)", "",
+            "| options | N | step time | time to first step | compile time | host per rank "
+            "| wait for device | peak memory per rank |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"] + rows + [""]
+
+
 def _verdict(ok: bool) -> str:
     return "met" if ok else "**missed**"
 
@@ -46,14 +100,18 @@ def _bound(limit, ok) -> str:
 
 
 def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
+    spmd_ran = any(r["impl"] == SPMD for r in results)
+    impls = getattr(args, "impls", None)
     lines = [
-        "# Training step: xla_fsdp vs torch_xla's FSDP",
+        "# Training step: xla_fsdp vs torch_xla's FSDP" + (" and SPMD FSDPv2" if spmd_ran else ""),
         "",
         f"Machine: {machine}. Virtual XLA:CPU devices in one process (`xla_fsdp.launch`).",
         "",
         f"Command: `python scripts/bench.py --devices {' '.join(map(str, args.devices))} "
         f"--settings {' '.join(args.settings)} --repeats {args.repeats} --steps {cfg.steps} "
-        f"--warmup {args.warmup}{_changed_fields(cfg)}`",
+        f"--warmup {args.warmup}{_changed_fields(cfg)}"
+        f"{' --impls ' + ' '.join(impls) if impls and impls != DEFAULT_IMPLS else ''}"
+        f"{'' if getattr(args, 'inspect', True) else ' --no-inspect'}`",
         "",
         f"Model: GPT, {cfg.layers} blocks of width {cfg.dim}, {cfg.heads} heads, vocabulary "
         f"{cfg.vocab}, untied head; {cfg.batch} sequence(s) of {cfg.seq} tokens per rank; "
@@ -75,6 +133,15 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         "result or of a reduce-scatter's input. MB means 2^20 bytes throughout.",
         "",
     ]
+    if spmd_ran:
+        lines += ["FSDPv2 (torch_xla's `SpmdFullyShardedDataParallel`, "
+                  "`scripts/bench_spmd.py`): one process holding the N devices, mesh "
+                  "`(N, 1)` over `('fsdp', 'model')`, every block wrapped and then the root, "
+                  "the same global batch sharded along the batch; same weights and AdamW. "
+                  "Its loss is the global mean, compared with the mean of our ranks' losses.",
+                  "", SPMD_MEMORY_TEXT, ""]
+    if any("host_seconds" in r for r in results):
+        lines += [PHASES_TEXT, ""]
     lines += ["## Summary (ratios ours/theirs)", "",
               "| options | N | step time | first step | wrap + first step | graphs "
               "| MB moved / minimum | peak memory | peak / minimum |",
@@ -94,8 +161,11 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
             f"{_ratio(ours, theirs, 'peak_bytes')} | "
             f"{ours['peak_bytes'] / ours['analytic']['min_peak_bytes']:.3f} |")
     lines.append("")
+    lines += spmd_summary(results)
     for (setting, devices), pair in _pairs(results):
         ours, theirs = pair["xla_fsdp"], pair["torch_xla"]
+        spmd = pair.get(SPMD)
+        spmd_ok = spmd is not None and "crashed" not in spmd
         bound = ours["analytic"]
         if "crashed" in ours:
             lines += [f"## {setting}, N = {devices}", "", f"xla_fsdp: {ours['crashed']}", ""]
@@ -105,23 +175,34 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         lines += [f"## {setting}, N = {devices}", "",
                   f"{bound['params'] / 1e6:.1f} M parameters in {bound['units']} units, "
                   f"largest {bound['largest_unit'] / 1e6:.2f} M.", "",
-                  "| | xla_fsdp | torch_xla | ours/theirs | target |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| | xla_fsdp | torch_xla | ours/theirs |"
+                  + (" FSDPv2 | ours/FSDPv2 |" if spmd else "") + " target |",
+                  "| --- | --- | --- | --- | --- |" + (" --- | --- |" if spmd else "")]
 
-        def row(label, a, b, fmt, target="", ratio=True):
-            """``b`` is None when torch_xla crashed in this setting."""
+        def cells(a, b, fmt, ratio, missing="crashed"):
             shown = "" if b is None or not ratio else f"{a / b:.3f}" if b else "nan"
-            them = "crashed" if b is None else f"{b:{fmt}}"
-            lines.append(f"| {label} | {a:{fmt}} | {them} | {shown} | {target} |")
+            return f"{missing if b is None else f'{b:{fmt}}'} | {shown}"
+
+        def row(label, a, b, fmt, target="", ratio=True, c=None):
+            """``b`` is None when torch_xla crashed in this setting, ``c`` FSDPv2's value."""
+            extra = ""
+            if spmd:
+                extra = " " + cells(a, c, fmt, ratio, spmd.get("crashed", "n/a")
+                                    if c is None else "") + " |"
+            lines.append(f"| {label} | {a:{fmt}} | {cells(a, b, fmt, ratio)} |{extra}"
+                         f" {target} |")
 
         def theirs_of(key):
             return None if "crashed" in theirs else theirs[key]
+
+        def spmd_of(key):
+            return spmd.get(key) if spmd_ok else None
 
         def both(label, key, fmt, limit=None):
             """A row whose target, if any, bounds the ratio ours/theirs."""
             a, b = ours[key], theirs_of(key)
             row(label, a, b, fmt, "" if limit is None else
-                _bound(limit, None if b is None else a / b <= limit))
+                _bound(limit, None if b is None else a / b <= limit), c=spmd_of(key))
 
         both("median step time (s)", "step_seconds", ".3f", 0.85)
         both("time to first step (s)", "first_step_seconds", ".2f", 0.8)
@@ -130,29 +211,53 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         both("second step (s; compiles the graph with optimizer state)",
              "second_step_seconds", ".2f")
         both("wrapping the model (s)", "wrap_seconds", ".2f")
+        if "host_seconds" in ours:  # runs saved before the phases were measured lack them
+            both("time to first step from process start (s)", "startup_seconds", ".2f")
+            both("compile time, all graphs (s, CompileTime)", "compile_seconds", ".2f")
+            both("host time per rank per step (s, CPU)", "host_seconds", ".3f")
+            both("dispatch wall per step (s)", "dispatch_seconds", ".3f")
+            both("waiting for the device per step (s)", "wait_seconds", ".3f")
+            both("device execution per graph (s, execute metric)", "execute_seconds", ".3f")
+            both("host + wait: a step without serialized tracing (s)",
+                 "pod_estimate_seconds", ".3f")
+
+        def scaled(value, by):
+            return None if value is None else value / by
+
         a, b = ours["graphs_compiled"], theirs_of("graphs_compiled")
-        row("graphs compiled", a, b, "d", _bound("theirs", None if b is None else a <= b))
+        row("graphs compiled", a, b, "d", _bound("theirs", None if b is None else a <= b),
+            c=spmd_of("graphs_compiled"))
         a = ours["recompiles_after_step_2"]
         row("recompilations after step 2", a, theirs_of("recompiles_after_step_2"), "d",
-            f"0 ({_verdict(a == 0)})", ratio=False)
-        for kind in sorted(set(ours["collectives"]) | set(theirs.get("collectives", {}))):
+            f"0 ({_verdict(a == 0)})", ratio=False, c=spmd_of("recompiles_after_step_2"))
+        others = [r for r in (theirs, spmd) if r and "crashed" not in r]
+        for kind in sorted(set(ours["collectives"]).union(*(r["collectives"] for r in others))):
             count = {r["impl"]: r["collectives"].get(kind, {"count": 0})["count"]
-                     for r in (ours, theirs) if "crashed" not in r}
-            row(f"{kind} per step", count["xla_fsdp"], count.get("torch_xla"), "d")
+                     for r in [ours] + others}
+            row(f"{kind} per step", count["xla_fsdp"], count.get("torch_xla"), "d",
+                c=count.get(SPMD))
         a, b = ours["collective_bytes"], theirs_of("collective_bytes")
-        row("MB moved per step per rank", a / MB, None if b is None else b / MB, ".2f")
+        c = spmd_of("collective_bytes")
+        row("MB moved per step per rank", a / MB, scaled(b, MB), ".2f", c=scaled(c, MB))
         minimum = bound["min_collective_bytes"]
         row(f"... over the analytic minimum ({minimum / MB:.2f} MB)", a / minimum,
-            None if b is None else b / minimum, ".4f", _bound(1.02, a / minimum <= 1.02),
-            ratio=False)
-        a, b = ours["peak_bytes"], theirs_of("peak_bytes")
-        row("peak memory per rank (MB, XLA)", a / MB, None if b is None else b / MB, ".1f",
-            _bound("theirs", None if b is None else a <= b))
+            scaled(b, minimum), ".4f", _bound(1.02, a / minimum <= 1.02),
+            ratio=False, c=scaled(c, minimum))
+        a, b, c = ours["peak_bytes"], theirs_of("peak_bytes"), spmd_of("peak_bytes")
+        row("peak memory per rank (MB, XLA)", a / MB, scaled(b, MB), ".1f",
+            _bound("theirs", None if b is None else a <= b), c=scaled(c, MB))
         minimum = bound["min_peak_bytes"]
         row(f"... over the analytic minimum ({minimum / MB:.1f} MB)", a / minimum,
-            None if b is None else b / minimum, ".3f", _bound(1.25, a / minimum <= 1.25),
-            ratio=False)
+            scaled(b, minimum), ".3f", _bound(1.25, a / minimum <= 1.25),
+            ratio=False, c=scaled(c, minimum))
         lines.append("")
+        if spmd_ok and "global_losses" in ours:
+            diff = max(abs(x - y) for x, y in zip(ours["global_losses"], spmd["global_losses"]))
+            lines += [f"Largest difference between our global loss (mean over ranks) and "
+                      f"FSDPv2's: {diff:.2e}. Per-run step times (s), FSDPv2: "
+                      f"{', '.join(f'{t:.3f}' for t in spmd['step_seconds_runs'])}.", ""]
+        elif spmd and not spmd_ok:
+            lines += [f"FSDPv2: {spmd['crashed']}", ""]
         if "crashed" in theirs:
             lines += [f"torch_xla: {theirs['crashed']}", ""]
             continue
@@ -175,17 +280,19 @@ def plot(results: List[dict], path: str) -> None:
               ("MB moved per step per rank", "collective_bytes", MB, "min_collective_bytes"),
               ("peak memory per rank (MB)", "peak_bytes", MB, "min_peak_bytes")]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    width = 0.38
+    impls = list(dict.fromkeys(r["impl"] for r in results))
+    width = 0.8 / len(impls)
     for ax, (title, key, scale, bound) in zip(axes, panels):
         xs = range(len(pairs))
-        for offset, impl in ((-width / 2, "xla_fsdp"), (width / 2, "torch_xla")):
-            # a wrapper that crashed in a setting gets no bar there
+        for i, impl in enumerate(impls):
+            # a wrapper that crashed in a setting, or did not run there, gets no bar
+            offset = (i - (len(impls) - 1) / 2) * width
             ax.bar([x + offset for x in xs],
-                   [p[impl].get(key, float("nan")) / scale for _, p in pairs], width,
-                   label=impl)
+                   [p.get(impl, {}).get(key, float("nan")) / scale for _, p in pairs],
+                   width, label=impl)
         if bound:
             for x, (_, p) in zip(xs, pairs):
-                ax.hlines(p["xla_fsdp"]["analytic"][bound] / scale, x - width, x + width,
+                ax.hlines(p["xla_fsdp"]["analytic"][bound] / scale, x - 0.4, x + 0.4,
                           colors="black", linestyles="dashed",
                           label="analytic minimum" if x == 0 else None)
         ax.set_xticks(list(xs), [f"{s}\nN={d}" for (s, d), _ in pairs], fontsize=8)
