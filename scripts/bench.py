@@ -6,12 +6,12 @@ Both wrap the same GPT (each block a unit, the rest in the root), start from the
 weights, see the same batches and run AdamW, on N virtual XLA:CPU devices under
 ``xla_fsdp.launch``. In the ``defaults`` setting torch_xla's SPMD FSDPv2 is a third
 competitor: one process holding the N devices, the same global batch sharded along the batch
-dimension (``scripts/bench_spmd.py``). torch_xla's runs with ``pin_layout_in_collective_ops=False`` because
-its pinned all-gather cannot run on virtual devices; xla_fsdp runs with its defaults. Every
-run is a fresh process (so compilation is measured), and the order alternates between
-repetitions. Per implementation and device count, one extra *inspection* run dumps the step
-graph's HLO (collectives, bytes they move) and XLA's compiled-program memory statistics;
-its timings are not used.
+dimension (``scripts/bench_spmd.py``). torch_xla's FSDP runs with
+``pin_layout_in_collective_ops=False`` because its pinned all-gather cannot run on virtual
+devices; xla_fsdp runs with its defaults. Every run is a fresh process (so compilation is
+measured), and the order alternates between repetitions. Per implementation and device
+count, one extra *inspection* run dumps the step graph's HLO (collectives, bytes they move)
+and XLA's compiled-program memory statistics; its timings are not used.
 
 Writes ``benchmarks/results/train_step.md`` and ``train_step.png``.
 """
@@ -382,10 +382,6 @@ def phases(runs: List[dict], warmup: int) -> dict:
         "startup_seconds": statistics.median(r["startup_seconds"] for r in runs),
         "compile_seconds": statistics.median(r["compile_seconds"] for r in runs),
         "compile_seconds_step_1": statistics.median(r["compile_seconds_step_1"] for r in runs),
-        # a pod traces its ranks in parallel: one rank's tracing, then the devices
-        "pod_estimate_seconds": statistics.median(
-            statistics.median(statistics.median(h[warmup:]) for h in r["host_per_rank"])
-            + statistics.median(r["wait"][warmup:]) for r in runs),
     }
 
 

@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402
-from bench_report import MB, PHASES_TEXT, SPMD_MEMORY_TEXT  # noqa: E402
+from bench_report import MB, PHASES_TEXT, SPMD_MEMORY_TEXT, with_estimates  # noqa: E402
 
 VARIANTS = ("xla_fsdp", "xla_fsdp_scanned", "fsdpv2", "fsdpv2_scan")
 DEFAULTS = dict(dim=256, heads=4, vocab=2048, seq=64, batch=1, steps=6)
@@ -40,8 +40,9 @@ COLUMNS = [("time to first step from process start (s)", "startup_seconds", 1, "
            ("median step (s)", "step_seconds", 1, ".3f"),
            ("host per rank (s)", "host_seconds", 1, ".3f"),
            ("dispatch wall (s)", "dispatch_seconds", 1, ".3f"),
-           ("wait for device (s)", "wait_seconds", 1, ".3f"),
-           ("host + wait (s)", "pod_estimate_seconds", 1, ".3f"),
+           ("wait (s)", "wait_seconds", 1, ".3f"),
+           ("execute (s)", "execute_seconds", 1, ".3f"),
+           ("host + execute (s)", "pod_estimate_seconds", 1, ".3f"),
            ("peak memory per rank (MB)", "peak_bytes", MB, ".1f")]
 # (label, numerator variant, denominator variant, key, target) of the ratio table
 RATIOS = [("ours scanned / ours unscanned, first step from process start",
@@ -49,10 +50,13 @@ RATIOS = [("ours scanned / ours unscanned, first step from process start",
           ("ours scanned / ours unscanned, compile time",
            "xla_fsdp_scanned", "xla_fsdp", "compile_seconds", None),
           ("ours / FSDPv2, median step", "xla_fsdp", "fsdpv2", "step_seconds", 1.0),
-          ("ours / FSDPv2, host + wait", "xla_fsdp", "fsdpv2", "pod_estimate_seconds", None),
+          ("ours / FSDPv2, host + execute", "xla_fsdp", "fsdpv2", "pod_estimate_seconds",
+           None),
           ("ours / FSDPv2, peak memory", "xla_fsdp", "fsdpv2", "peak_bytes", 1.0),
           ("ours scanned / FSDPv2 scan, median step",
            "xla_fsdp_scanned", "fsdpv2_scan", "step_seconds", 1.0),
+          ("ours scanned / FSDPv2 scan, host + execute", "xla_fsdp_scanned", "fsdpv2_scan",
+           "pod_estimate_seconds", None),
           ("ours scanned / FSDPv2 scan, peak memory",
            "xla_fsdp_scanned", "fsdpv2_scan", "peak_bytes", 1.0),
           ("FSDPv2 scan / FSDPv2, first step from process start",
@@ -78,6 +82,14 @@ def _cell(result: Optional[dict], key: str, scale: float, fmt: str) -> str:
     return f"{value / scale if scale != 1 else value:{fmt}}"
 
 
+def loss_gap(group: Dict[str, dict], variant: str, reference: str = "xla_fsdp") -> str:
+    """Largest difference of a variant's global loss from ours unscanned, over the steps."""
+    a, b = group.get(variant, {}), group.get(reference, {})
+    if "global_losses" not in a or "global_losses" not in b:
+        return ""
+    return f"{max(abs(x - y) for x, y in zip(a['global_losses'], b['global_losses'])):.1e}"
+
+
 def ratio(results: Dict[str, dict], top: str, bottom: str, key: str) -> Optional[float]:
     a, b = results.get(top), results.get(bottom)
     if not a or not b or "crashed" in a or "crashed" in b:
@@ -89,7 +101,7 @@ def ratio(results: Dict[str, dict], top: str, bottom: str, key: str) -> Optional
 
 
 def markdown(args, cfg: bench.Config, results: List[dict], machine: str) -> str:
-    depths = by_depth(results)
+    depths = by_depth(with_estimates(results))
     variants = list(dict.fromkeys(r["impl"] for r in results))
     lines = [
         "# Depth sweep: ours (unscanned, scanned) and torch_xla's SPMD FSDPv2 (with and "
@@ -99,7 +111,8 @@ def markdown(args, cfg: bench.Config, results: List[dict], machine: str) -> str:
         f"--devices {args.devices} --repeats {args.repeats} --steps {cfg.steps} "
         f"--warmup {args.warmup} --dim {cfg.dim} --heads {cfg.heads} --vocab {cfg.vocab} "
         f"--seq {cfg.seq} --batch {cfg.batch}"
-        f"{'' if list(args.variants) == list(VARIANTS) else ' --variants ' + ' '.join(args.variants)}"
+        f"{'' if list(args.variants) == list(VARIANTS) else ' --variants '}"
+        f"{'' if list(args.variants) == list(VARIANTS) else ' '.join(args.variants)}"
         f"{'' if args.inspect else ' --no-inspect'}`", "",
         f"Model: the GPT of `scripts/bench.py` with width {cfg.dim}, {cfg.heads} heads, "
         f"vocabulary {cfg.vocab}; {cfg.batch} sequence(s) of {cfg.seq} tokens per rank "
@@ -109,17 +122,20 @@ def markdown(args, cfg: bench.Config, results: List[dict], machine: str) -> str:
         "Peak memory: XLA's compiled-program statistics of the step-2 graph (arguments + "
         "outputs - aliased + temporaries), from one extra inspection run per variant.", "",
         PHASES_TEXT, "", SPMD_MEMORY_TEXT, "",
-        "`-`: the variant did not run (reason below the table); `n/a`: not measured.", "",
+        "`-`: the variant did not run (reason below the table); `n/a`: not measured. *loss vs "
+        "xla_fsdp*: the largest difference of the global loss (mean over ranks; FSDPv2's "
+        "own) from ours unscanned over the steps.", "",
     ]
     for depth, group in depths.items():
         lines += [f"## {depth} blocks", "",
-                  "| | " + " | ".join(label for label, *_ in COLUMNS) + " |",
-                  "| --- |" + " --- |" * len(COLUMNS)]
+                  "| | " + " | ".join(label for label, *_ in COLUMNS)
+                  + " | loss vs xla_fsdp |",
+                  "| --- |" + " --- |" * (len(COLUMNS) + 1)]
         for variant in variants:
             if variant in group:
                 lines.append(f"| {variant} | " + " | ".join(
                     _cell(group[variant], key, scale, fmt)
-                    for _, key, scale, fmt in COLUMNS) + " |")
+                    for _, key, scale, fmt in COLUMNS) + f" | {loss_gap(group, variant)} |")
         lines.append("")
         lines += [f"{v}: {r['crashed']}" for v, r in group.items() if "crashed" in r]
         lines.append("")

@@ -40,7 +40,14 @@ def test_phases_take_medians_after_warmup_and_a_rank_s_own_host_time():
     assert out["host_seconds"] == 0.4        # medians over ranks: 0.2, 0.4, 0.6
     assert out["wait_seconds"] == 0.7
     assert out["startup_seconds"] == 20.0
-    assert abs(out["pod_estimate_seconds"] - 1.1) < 1e-12  # 0.2+0.5, 0.4+0.7, 0.6+0.9
+    assert out["execute_seconds"] == 0.7
+
+
+def test_pod_estimate_is_host_plus_execute():
+    out = bench_report.with_estimates([{"host_seconds": 0.25, "execute_seconds": 0.5},
+                                       {"crashed": "x"}])
+    assert out == [{"host_seconds": 0.25, "execute_seconds": 0.5,
+                    "pod_estimate_seconds": 0.75}, {"crashed": "x"}]
 
 
 def test_crash_reason_tells_an_unavailable_variant_from_a_crash():
@@ -68,7 +75,7 @@ def _result(impl, setting="defaults", **extra):
             "collective_bytes": 1000.0, "peak_bytes": 130.0, "losses": [1.0],
             "global_losses": [1.0], "step_seconds_runs": [1.0], "startup_seconds": 10.0,
             "compile_seconds": 3.0, "host_seconds": 0.2, "dispatch_seconds": 0.8,
-            "wait_seconds": 0.2, "execute_seconds": 0.2, "pod_estimate_seconds": 0.4}
+            "wait_seconds": 0.2, "execute_seconds": 0.2}
     base.update(extra)
     return base
 
@@ -83,7 +90,8 @@ def test_report_adds_the_fsdpv2_column_and_its_summary():
                               warmup=1, impls=["xla_fsdp", "torch_xla", "fsdpv2"])
     text = bench_report.markdown_report(args, cfg, results, "test machine")
     assert text.startswith("# Training step: xla_fsdp vs torch_xla's FSDP and SPMD FSDPv2")
-    assert "| defaults | 4 | 2.000 | 1.000 | 1.000 | 1.000 | 1.000 | 0.500 |" in text
+    assert "| defaults | 4 | 2.000 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 0.500 |" in text
+    assert "| host + execute: a step without serialized tracing (s) | 0.400 |" in text
     assert ("| median step time (s) | 1.000 | 2.000 | 0.500 | 0.500 | 2.000 | "
             "<= 0.85 (met) |") in text
     assert "| graphs compiled | 4 | 4 | 1.000 | 2 | 2.000 | <= theirs (met) |" in text
@@ -113,7 +121,7 @@ def _depth_results():
         out += [dict(_result("xla_fsdp", startup_seconds=unscanned_startup), layers=depth),
                 dict(_result("xla_fsdp_scanned", startup_seconds=40.0,
                              peak_bytes=float("nan")), layers=depth),
-                dict(_result("fsdpv2", step_seconds=0.5), layers=depth),
+                dict(_result("fsdpv2", step_seconds=0.5, global_losses=[1.25]), layers=depth),
                 {"impl": "fsdpv2_scan", "setting": "defaults", "devices": 4, "layers": depth,
                  "crashed": "unavailable: No module named 'jax'"}]
     return out
@@ -125,8 +133,9 @@ def test_depth_sweep_tables_and_ratios():
     cfg = bench.Config(dim=256, heads=4, vocab=2048, seq=64, steps=6)
     text = bench_depth.markdown(args, cfg, _depth_results(), "test machine")
     assert "--depths 4 64 --devices 4 --repeats 2 --steps 6" in text
-    assert ("| xla_fsdp | 20.0 | 5.00 | 3.00 | 4 | 1.000 | 0.200 | 0.800 | 0.200 | 0.400 "
-            "| 0.0 |") in text
+    assert ("| xla_fsdp | 20.0 | 5.00 | 3.00 | 4 | 1.000 | 0.200 | 0.800 | 0.200 | 0.200 "
+            "| 0.400 | 0.0 | 0.0e+00 |") in text
+    assert "| 0.0 | 2.5e-01 |" in text  # fsdpv2's global loss 1.25 against 1.0
     assert "| xla_fsdp_scanned | 40.0 |" in text and "| n/a |" in text  # NaN memory
     assert "| fsdpv2_scan | - | - |" in text
     assert "fsdpv2_scan: unavailable: No module named 'jax'" in text
