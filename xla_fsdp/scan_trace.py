@@ -5,12 +5,13 @@ graphs hold no collectives: the bodies gather before calling them and reduce-sca
 so the trace needs nothing from torch_xla but ordinary ATen ops.
 
 [Note: what the scan saves for backward]
-AOTAutograd's partitioners decide which forward values the backward reads. Left alone, both
-save values computed from the weights alone (``t(W)`` for a matmul, a cast), and the forward
-loop would stack every layer's full weights for the backward: all layers unsharded at once.
+AOTAutograd's partitioners decide which forward values the backward reads. Any value they
+save that is computed from the weights alone (a transpose, a cast, ``1 + w``) is weight-
+sized, and the forward loop would stack it for every layer: all layers' weights at once.
 The partition here marks every forward op whose inputs are, transitively, parameters only as
 ``MUST_RECOMPUTE``; the min-cut partitioner then recomputes them in the backward graph from
-the parameters, which the backward body has gathered again. A saved value that *is* an
+the parameters, which the backward body has gathered again. (For plain linear layers the
+partitioners save the weight itself, an input, so the marking changes nothing there.) A saved value that *is* an
 input (a parameter, the layer input, an invariant argument) is not stacked either: the
 backward body has it already (``LayerGraphs.saved_inputs``).
 """
