@@ -91,6 +91,9 @@ def _recompute_weight_ops(weights: Set[int]) -> Callable:
             if inputs and all(a in weight_only for a in inputs):
                 weight_only.add(node)
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                # one region: the partitioner would otherwise save the boundary between two
+                # chained marked ops as if they belonged to consecutive checkpointed regions
+                node.meta["ac_graph_id"] = 0
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     return partition
