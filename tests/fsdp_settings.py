@@ -60,12 +60,27 @@ class TiedLM(nn.Module):
         return self.head(self.b2(self.b1(self.emb(tokens))))
 
 
+class MaskedBlock(Block):
+    """A block that reads booleans, as attention does: a boolean buffer, and a causal mask
+    built inside the layer, which its backward reads again."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("keep", torch.arange(HIDDEN) % 3 != 0)
+
+    def forward(self, x):
+        h = self.up(self.norm(x)).masked_fill(~self.keep, 0.0)
+        causal = torch.ones(HIDDEN, HIDDEN, dtype=torch.bool, device=x.device).tril()
+        scores = (h.unsqueeze(-1) * h.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
+        h = (scores.softmax(-1) @ h.unsqueeze(-1)).squeeze(-1)
+        return x + self.down(torch.nn.functional.gelu(h))
+
+
 class Stack(nn.Module):
     """Identical blocks in a ModuleList, run by a Python loop: the shape ScannedLayers takes."""
-    def __init__(self, layers=3):
+    def __init__(self, layers=3, block=Block):
         super().__init__()
         self.inp = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList([Block() for _ in range(layers)])
+        self.layers = nn.ModuleList([block() for _ in range(layers)])
         self.head = nn.Linear(DIM, CLASSES)
 
     def forward(self, x):
@@ -124,12 +139,14 @@ SETTINGS = {
     "scanned_groups_frozen": ("stack", {}, "sgd", {
         "scan": True, "groups": 2,
         "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
+    # torch_xla's loop turns booleans into int64, where ~mask is always true
+    "scanned_masked": ("stack_masked", {}, "adamw", {"scan": True}),
 }
 
 
 def build_model(kind):
-    if kind == "stack":
-        return Stack()
+    if kind.startswith("stack"):
+        return Stack(block=MaskedBlock if kind == "stack_masked" else Block)
     return TiedLM() if kind == "tied" else Net(batchnorm=(kind == "bn"))
 
 

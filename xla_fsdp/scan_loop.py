@@ -15,6 +15,13 @@ torch_xla chains the collectives of a device through a per-device token. A colle
 inside a body would leave the body's token as the device's token, and the next collective
 outside would depend on a value of another computation (the process dies, SIGSEGV). The
 bodies are traced with a fresh token, and the outer one is put back after.
+
+[Note: booleans through the loop]
+torch_xla 2.9's scan hands a body a boolean ``xs`` slice as int64 and stacks a boolean ``ys``
+as int64, silently. Boolean values still mean the same as masks, but ``~mask`` of an int64
+is ``-1``/``-2``, both true: a causal mask saved for backward (``ones(t, t).tril()``) or a
+boolean buffer then masks everything, and gradients come out wrong with no error. Booleans
+cross the loop boundary as uint8 and are made boolean again on each side.
 """
 from __future__ import annotations
 
@@ -146,9 +153,20 @@ def run_forward_only(loop: ScanLoop, hidden: torch.Tensor) -> torch.Tensor:
 def _loop(body: Any, init: List[torch.Tensor], xs: List[torch.Tensor],
           reverse: bool = False) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     from torch_xla.experimental.scan import _scan_impl_flat
+    # see [Note: booleans through the loop]
+    xs_bool = [x.dtype == torch.bool for x in xs]
+    ys_bool: List[bool] = []
+
+    def bool_safe(carry: List[torch.Tensor], layer_xs: List[torch.Tensor]):
+        layer_xs = [x.bool() if b else x for x, b in zip(layer_xs, xs_bool)]
+        carry, ys = body(carry, layer_xs)
+        ys_bool[:] = [y.dtype == torch.bool for y in ys]
+        return carry, [y.to(torch.uint8) if b else y for y, b in zip(ys, ys_bool)]
+
+    xs = [x.to(torch.uint8) if b else x for x, b in zip(xs, xs_bool)]
     with torch.no_grad(), _fresh_collective_token():
-        carry, ys = _scan_impl_flat(body, init, xs, reverse=reverse)
-    return list(carry), list(ys)
+        carry, ys = _scan_impl_flat(bool_safe, init, xs, reverse=reverse)
+    return list(carry), [y.bool() if b else y for y, b in zip(ys, ys_bool)]
 
 
 @contextlib.contextmanager
