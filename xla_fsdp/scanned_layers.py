@@ -35,8 +35,20 @@ from .scan_trace import LayerGraphs, trace_layer
 from .shard_group import build_stacked_group
 
 # attributes that may differ between layers because they only index a per-layer cache,
-# which training does not use (Hugging Face's ``layer_idx``)
+# which training does not use (Hugging Face's ``layer_idx``); see
+# [Note: attributes that differ between layers]
 IGNORED_ATTRIBUTES = ("layer_idx",)
+
+# [Note: attributes that differ between layers]
+# The scan runs every layer with one trace, made on layer 0. An attribute allowed to differ
+# (``ignored_attributes``) is harmless only if the computation does not read it, and some
+# models do: GPT-2 with ``scale_attn_by_inverse_layer_idx`` divides its scores by
+# ``layer_idx + 1``. Running that with layer 0's trace trains silently wrong. So when such
+# attributes differ, the layer's forward is traced again (make_fx, fake tensors, ~0.1 s for
+# a decoder layer) with the values of a few other layers, and any change in the graph is
+# refused. The layers compared are 1, the middle one and the last, not all of them (which
+# would cost a trace per layer): a use that agrees on those and differs elsewhere, or one
+# that reaches the graph only as a tensor constant's value, is not caught.
 
 
 class ScannedLayers(XlaFullyShardedDataParallel):
@@ -61,6 +73,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             raise TypeError(f"ScannedLayers takes a non-empty nn.ModuleList or nn.Sequential "
                             f"of identical layers, got {type(layers).__name__}")
         check_identical(list(layers), tuple(ignored_attributes))
+        self.__dict__["_varying"] = _varying_attributes(list(layers), tuple(ignored_attributes))
         self.__dict__["_scan_cache"] = {}
         self.__dict__["_tracing"] = False
         super().__init__(layers, **kwargs)
@@ -191,7 +204,10 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                                            for _ in g.layout.layer.shapes]
         grads += [False] * len(buffer_slots)
         weights = set(range(1 + n_inv, 1 + n_inv + n_par))
-        return trace_layer(layer, inputs, grads, weights), structure["rebuild"]
+        graphs = trace_layer(layer, inputs, grads, weights)
+        if self._varying:
+            _refuse_varying_computation(layer, inputs, template, self._varying)
+        return graphs, structure["rebuild"]
 
     @contextlib.contextmanager
     def _holding(self, template: nn.Module, owners: List[List[Tuple[nn.Module, str]]],
@@ -241,6 +257,48 @@ def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Calla
     if kind is None:
         return first, lambda h: h
     return first, lambda h: kind((h,) + rest)
+
+
+def _varying_attributes(layers: List[nn.Module], ignored: Tuple[str, ...]
+                        ) -> List[Tuple[str, str, List[Any]]]:
+    """(submodule path, attribute, value per layer) of each ignored attribute that differs."""
+    out = []
+    for path, m in layers[0].named_modules():
+        for name in ignored:
+            if name in vars(m):
+                values = [vars(layer.get_submodule(path)).get(name) for layer in layers]
+                if any(v != values[0] for v in values):
+                    out.append((path, name, values))
+    return out
+
+
+def _refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[torch.Tensor],
+                                template: nn.Module,
+                                varying: List[Tuple[str, str, List[Any]]]) -> None:
+    """See [Note: attributes that differ between layers]; ``template`` is layer 0."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def graph_with_values_of(k: int) -> str:
+        for path, name, values in varying:
+            template.get_submodule(path).__dict__[name] = values[k]
+        try:
+            traced = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+        finally:
+            for path, name, values in varying:
+                template.get_submodule(path).__dict__[name] = values[0]
+        return traced.code
+
+    layers = len(varying[0][2])
+    reference = graph_with_values_of(0)
+    for k in sorted({1, layers // 2, layers - 1} - {0}):
+        if graph_with_values_of(k) != reference:
+            differ = ", ".join(f"'{path + '.' if path else ''}{name}' (layer 0: {values[0]!r}, "
+                               f"layer {k}: {values[k]!r})" for path, name, values in varying
+                               if values[k] != values[0])
+            raise ValueError(
+                f"scanned layers differ in {differ}, and the layer's computation reads it: "
+                f"the scan would run every layer as layer 0. Make the layers compute alike "
+                f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
 
 
 def _refuse_dropout(layer: nn.Module) -> None:

@@ -200,6 +200,56 @@ def test_what_a_scan_cannot_run_is_refused():
         _check(hooked)
 
 
+class ScaledByDepth(MemBlock):
+    """Reads its ``layer_idx``, as GPT-2's attention does under
+    ``scale_attn_by_inverse_layer_idx``."""
+    def forward(self, x):
+        return super().forward(x) / (self.layer_idx + 1)
+
+
+def _indexed(cls, layers=4):
+    stack = [cls(8, 12) for _ in range(layers)]
+    for i, layer in enumerate(stack):
+        layer.layer_idx = i
+    return stack
+
+
+def test_a_differing_attribute_the_computation_reads_is_refused():
+    """See [Note: attributes that differ between layers]."""
+    from xla_fsdp.scanned_layers import (IGNORED_ATTRIBUTES, _refuse_varying_computation,
+                                         _varying_attributes)
+    x = torch.randn(2, 8)
+    for cls, reads in ((MemBlock, False), (ScaledByDepth, True)):
+        layers = _indexed(cls)
+        varying = _varying_attributes(layers, IGNORED_ATTRIBUTES)
+        assert varying == [("", "layer_idx", [0, 1, 2, 3])]
+        check = lambda: _refuse_varying_computation(layers[0], [x], layers[0], varying)
+        if reads:
+            with pytest.raises(ValueError, match=r"'layer_idx' \(layer 0: 0, layer 1: 1\)"):
+                check()
+        else:
+            check()
+        assert layers[0].layer_idx == 0  # put back
+
+
+def _forward_scaled_by_depth(_rank):
+    import torch_xla
+    from xla_fsdp import FSDP, ScannedLayers
+    model = MemStack(layers=3, dim=8, hidden=12)
+    model.layers = ScannedLayers(_indexed(ScaledByDepth, 3))
+    model = FSDP(model)
+    try:
+        model(torch.randn(2, 8).to(torch_xla.device()))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_stack_whose_layers_read_their_index_is_refused_at_its_first_call():
+    (message,) = launch(_forward_scaled_by_depth, (), num_devices=1).values()
+    assert "differ in 'layer_idx'" in message, message
+
+
 def test_dropout_in_training_is_refused():
     from xla_fsdp.scanned_layers import _refuse_dropout
     layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1))
