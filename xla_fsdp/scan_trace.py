@@ -18,7 +18,7 @@ backward body has it already (``LayerGraphs.saved_inputs``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -30,6 +30,12 @@ class LayerGraphs:
     backward: fx.GraphModule   # (*saved, grad of output) -> grad of each input (or None)
     saved_inputs: Tuple[Optional[int], ...]  # per saved value: the input it is, or None
     num_inputs: int
+
+    @property
+    def draws_random(self) -> bool:
+        """The forward draws random numbers (dropout): see [Note: dropout in a scanned layer]."""
+        return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+                   for n in self.forward.graph.nodes if n.op == "call_function")
 
     @property
     def stacked_saved(self) -> List[int]:
@@ -56,7 +62,8 @@ def trace_layer(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
     examples = [torch.empty_like(t).requires_grad_(g) for t, g in zip(inputs, requires_grad)]
     with torch.enable_grad():
         traced = aot_function(no_alias, fw_compiler=keep, bw_compiler=keep,
-                              partition_fn=_recompute_weight_ops(weights))
+                              partition_fn=_recompute_weight_ops(weights),
+                              decompositions=_dropout_decompositions())
         out = traced(*examples)
         if not out.requires_grad:
             raise ValueError("the layer's output does not depend on its input or parameters")
@@ -74,6 +81,21 @@ def trace_layer(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
     return LayerGraphs(forward, backward,
                        tuple(index.get(n) if isinstance(n, fx.Node) else None for n in saved),
                        len(inputs))
+
+
+def _dropout_decompositions() -> Dict[Any, Callable]:
+    # [Note: dropout in a scanned layer]
+    # Traced, ``nn.Dropout`` becomes ``aten.native_dropout``, which eager torch_xla never
+    # calls (its ``F.dropout`` draws a Bernoulli mask instead), and whose XLA kernel in 2.9
+    # is wrong: for p = 0.3 it scales the kept values by 1/p, not 1/(1 - p), and returns a
+    # mask whose mean is 2.4. PyTorch's own decomposition (a Bernoulli draw, a boolean mask
+    # saved for backward) is traced instead. Each loop iteration draws its own mask.
+    # The loop's draws do not follow torch_xla's seed (``xm.set_rng_state``), so a stack that
+    # draws cannot be recomputed consistently: a call from inside backward (reentrant
+    # ``torch.utils.checkpoint`` around the stack) is refused by ``ScannedLayers``.
+    from torch._decomp import get_decompositions
+    aten = torch.ops.aten
+    return get_decompositions([aten.native_dropout, aten.native_dropout_backward])
 
 
 def _recompute_weight_ops(weights: Set[int]) -> Callable:

@@ -161,11 +161,16 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                tuple(repr(x) for i, x in enumerate(leaves) if i not in set(tensors)),
                stack[0].training, tuple(g.shard.requires_grad for g in groups))
         if key not in self._scan_cache:
-            if stack[0].training:
-                _refuse_dropout(stack[0])
             self._scan_cache[key] = self._trace(hidden, invariants, differentiable, leaves,
                                                 tensors, spec, buffer_slots)
         graphs, rebuild = self._scan_cache[key]
+        if graphs.draws_random and torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "a ScannedLayers stack whose layers draw random numbers (dropout) is being "
+                "recomputed inside backward (torch.utils.checkpoint around it): the loop's "
+                "draws ignore the restored seed, so the recomputation would use other dropout "
+                "masks than the forward. Do not checkpoint the stack (the scan saves only "
+                "activations, never weights), or set dropout to 0")
         loop = ScanLoop(graphs, invariants, differentiable, groups, buffers,
                         self._collectives, self._options, self._state.divide)
         grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
@@ -299,20 +304,6 @@ def _refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[to
                 f"scanned layers differ in {differ}, and the layer's computation reads it: "
                 f"the scan would run every layer as layer 0. Make the layers compute alike "
                 f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
-
-
-def _refuse_dropout(layer: nn.Module) -> None:
-    """A dropout mask saved for backward does not survive the loop's stacking in torch_xla
-    2.9 (a boolean stacked as float fails to lower), so training-mode dropout is refused."""
-    for path, m in layer.named_modules():
-        rates = {"p": m.p} if isinstance(m, nn.modules.dropout._DropoutNd) else {
-            k: v for k, v in vars(m).items()
-            if ("dropout" in k or "pdrop" in k) and isinstance(v, float)}
-        for name, rate in rates.items():
-            if rate > 0:
-                raise NotImplementedError(
-                    f"{path or '(the layer)'}.{name} = {rate}: dropout inside scanned layers is "
-                    f"not supported in training; set it to 0 (or call eval())")
 
 
 def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
