@@ -24,13 +24,14 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ._tensor_tree import cast_floating
 from .fully_sharded import XlaFullyShardedDataParallel
 from .init_sharding import find_parameters, group_parameters, place_buffers
 from .scan_loop import ScanFunction, ScanLoop, run_forward_only
+from .scan_checks import (check_identical, forward_graph, refuse_input_mutation,
+                          refuse_varying_computation, varying_attributes)
 from .scan_trace import LayerGraphs, trace_layer
 from .shard_group import build_stacked_group
 
@@ -39,16 +40,6 @@ from .shard_group import build_stacked_group
 # [Note: attributes that differ between layers]
 IGNORED_ATTRIBUTES = ("layer_idx",)
 
-# [Note: attributes that differ between layers]
-# The scan runs every layer with one trace, made on layer 0. An attribute allowed to differ
-# (``ignored_attributes``) is harmless only if the computation does not read it, and some
-# models do: GPT-2 with ``scale_attn_by_inverse_layer_idx`` divides its scores by
-# ``layer_idx + 1``. Running that with layer 0's trace trains silently wrong. So when such
-# attributes differ, the layer's forward is traced again (make_fx, fake tensors, ~0.1 s for
-# a decoder layer) with the values of a few other layers, and any change in the graph is
-# refused. The layers compared are 1, the middle one and the last, not all of them (which
-# would cost a trace per layer): a use that agrees on those and differs elsewhere, or one
-# that reaches the graph only as a tensor constant's value, is not caught.
 
 
 class ScannedLayers(XlaFullyShardedDataParallel):
@@ -73,7 +64,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             raise TypeError(f"ScannedLayers takes a non-empty nn.ModuleList or nn.Sequential "
                             f"of identical layers, got {type(layers).__name__}")
         check_identical(list(layers), tuple(ignored_attributes))
-        self.__dict__["_varying"] = _varying_attributes(list(layers), tuple(ignored_attributes))
+        self.__dict__["_varying"] = varying_attributes(list(layers), tuple(ignored_attributes))
         self.__dict__["_scan_cache"] = {}
         self.__dict__["_tracing"] = False
         super().__init__(layers, **kwargs)
@@ -209,9 +200,25 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                                            for _ in g.layout.layer.shapes]
         grads += [False] * len(buffer_slots)
         weights = set(range(1 + n_inv, 1 + n_inv + n_par))
-        graphs = trace_layer(layer, inputs, grads, weights)
-        if self._varying:
-            _refuse_varying_computation(layer, inputs, template, self._varying)
+        paths = {m: p for p, m in template.named_modules()}
+        names = (["the hidden state"] + [f"argument {i + 1}" for i in range(n_inv)]
+                 + [f"parameter '{(paths[m] + '.' if paths[m] else '') + a}'"
+                    for m, a in (ows[0] for ows in owners)]
+                 + [f"buffer '{n}'" for n, _ in buffer_slots])
+        try:
+            forward = forward_graph(layer, inputs)
+            refuse_input_mutation(forward, names)
+            if self._varying:
+                refuse_varying_computation(layer, inputs, template, self._varying, forward.code)
+            graphs = trace_layer(layer, inputs, grads, weights)
+        except AssertionError as e:
+            loose = _tensor_attributes(template, {(id(m), a) for ows in owners for m, a in ows})
+            if "FakeTensor" not in str(e) or not loose:
+                raise
+            raise TypeError(f"a scanned layer reads tensors that are neither parameters nor "
+                            f"buffers ({', '.join(loose)}); the scan traces one layer and "
+                            f"takes per-layer tensors only from parameters and buffers: "
+                            f"register them with register_buffer") from e
         return graphs, structure["rebuild"]
 
     @contextlib.contextmanager
@@ -241,6 +248,13 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 m._buffers[a] = old
 
 
+def _tensor_attributes(layer: nn.Module, placeholders: set) -> List[str]:
+    """Plain tensor attributes, other than the parameters' placeholders."""
+    return [f"{path + '.' if path else ''}{name}" for path, m in layer.named_modules()
+            for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and (id(m), name) not in placeholders]
+
+
 def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Callable]:
     """The next hidden state in a layer's output, and how to rebuild that output around the
     last layer's."""
@@ -262,92 +276,3 @@ def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Calla
     if kind is None:
         return first, lambda h: h
     return first, lambda h: kind((h,) + rest)
-
-
-def _varying_attributes(layers: List[nn.Module], ignored: Tuple[str, ...]
-                        ) -> List[Tuple[str, str, List[Any]]]:
-    """(submodule path, attribute, value per layer) of each ignored attribute that differs."""
-    out = []
-    for path, m in layers[0].named_modules():
-        for name in ignored:
-            if name in vars(m):
-                values = [vars(layer.get_submodule(path)).get(name) for layer in layers]
-                if any(v != values[0] for v in values):
-                    out.append((path, name, values))
-    return out
-
-
-def _refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[torch.Tensor],
-                                template: nn.Module,
-                                varying: List[Tuple[str, str, List[Any]]]) -> None:
-    """See [Note: attributes that differ between layers]; ``template`` is layer 0."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def graph_with_values_of(k: int) -> str:
-        for path, name, values in varying:
-            template.get_submodule(path).__dict__[name] = values[k]
-        try:
-            traced = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
-        finally:
-            for path, name, values in varying:
-                template.get_submodule(path).__dict__[name] = values[0]
-        return traced.code
-
-    layers = len(varying[0][2])
-    reference = graph_with_values_of(0)
-    for k in sorted({1, layers // 2, layers - 1} - {0}):
-        if graph_with_values_of(k) != reference:
-            differ = ", ".join(f"'{path + '.' if path else ''}{name}' (layer 0: {values[0]!r}, "
-                               f"layer {k}: {values[k]!r})" for path, name, values in varying
-                               if values[k] != values[0])
-            raise ValueError(
-                f"scanned layers differ in {differ}, and the layer's computation reads it: "
-                f"the scan would run every layer as layer 0. Make the layers compute alike "
-                f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
-
-
-def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
-    """Refuses layers the scan cannot run as copies of one: differing structure, shapes,
-    settings, shared parameters, hooks, nested units or running statistics."""
-    def describe(layer: nn.Module) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for path, m in layer.named_modules(remove_duplicate=False):
-            where = path or "(the layer)"
-            if isinstance(m, XlaFullyShardedDataParallel):
-                raise ValueError(f"{where} of a scanned layer is an FSDP unit; a scanned stack "
-                                 f"is one unit, with nothing wrapped inside it")
-            if isinstance(m, _BatchNorm) and m.track_running_stats:
-                raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
-                                 f"in forward, which a scan cannot carry out per layer")
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
-                raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
-                                 f"scan would not call")
-            out[f"{path}:type"] = type(m)
-            for name, p in m._parameters.items():
-                if p is not None:
-                    out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype,
-                                             p.requires_grad)
-            for name, b in m._buffers.items():
-                if b is not None:
-                    out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)
-            for name, v in vars(m).items():
-                if name.startswith("_") or name in ignored or isinstance(v, (torch.Tensor, nn.Module)):
-                    continue
-                out[f"{path}.{name}"] = ("attribute", v)
-        return out
-
-    reference = describe(layers[0])
-    seen: Dict[int, int] = {}
-    for i, layer in enumerate(layers):
-        for p in layer.parameters():
-            if seen.setdefault(id(p), i) != i:
-                raise ValueError(f"layers {seen[id(p)]} and {i} share a parameter; scanned "
-                                 f"layers must each hold their own")
-        if i == 0:
-            continue
-        other = describe(layer)
-        for key in sorted(set(reference) | set(other)):
-            if reference.get(key) != other.get(key):
-                raise ValueError(
-                    f"scanned layers must be identical in structure; layer {i} differs from "
-                    f"layer 0 at '{key}': {other.get(key)!r} against {reference.get(key)!r}")

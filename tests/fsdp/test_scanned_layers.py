@@ -163,91 +163,39 @@ def test_scanned_checkpoints_name_every_layer_and_load_into_unscanned_models(tmp
         assert torch.equal(again[key], value), key
 
 
-# -- refusals (no XLA) ---------------------------------------------------------------------
-def _check(layers):
-    from xla_fsdp.scanned_layers import IGNORED_ATTRIBUTES, check_identical
-    check_identical(layers, IGNORED_ATTRIBUTES)
+class PlainTensorScale(MemBlock):
+    """Scales by a tensor held as a plain attribute, neither parameter nor buffer."""
+    def __init__(self):
+        super().__init__(8, 12)
+        self.scale = torch.full((8,), 2.0)
 
-
-def test_layers_must_be_identical():
-    _check([MemBlock(8, 12), MemBlock(8, 12)])
-    with pytest.raises(ValueError, match=r"layer 1 differs from layer 0 at 'down.in_features'"):
-        _check([MemBlock(8, 12), MemBlock(8, 16)])
-    odd = MemBlock(8, 12)
-    odd.up.weight.requires_grad_(False)
-    with pytest.raises(ValueError, match="layer 1 differs"):
-        _check([MemBlock(8, 12), odd])
-    other = MemBlock(8, 12)
-    other.norm.eps = 1e-3
-    with pytest.raises(ValueError, match=r"'norm.eps'"):
-        _check([MemBlock(8, 12), other])
-    indexed = [MemBlock(8, 12), MemBlock(8, 12)]
-    for i, layer in enumerate(indexed):
-        layer.layer_idx = i  # Hugging Face's cache index may differ
-    _check(indexed)
-
-
-def test_what_a_scan_cannot_run_is_refused():
-    shared = MemBlock(8, 12)
-    with pytest.raises(ValueError, match="share a parameter"):
-        _check([shared, shared])
-    with_bn = [nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)]
-    with pytest.raises(ValueError, match="running statistics"):
-        _check(with_bn)
-    hooked = [MemBlock(8, 12), MemBlock(8, 12)]
-    hooked[0].up.register_forward_hook(lambda *a: None)
-    with pytest.raises(ValueError, match="module hooks"):
-        _check(hooked)
-
-
-class ScaledByDepth(MemBlock):
-    """Reads its ``layer_idx``, as GPT-2's attention does under
-    ``scale_attn_by_inverse_layer_idx``."""
     def forward(self, x):
-        return super().forward(x) / (self.layer_idx + 1)
+        return super().forward(x) * self.scale.to(x.device)
 
 
-def _indexed(cls, layers=4):
-    stack = [cls(8, 12) for _ in range(layers)]
-    for i, layer in enumerate(stack):
-        layer.layer_idx = i
-    return stack
-
-
-def test_a_differing_attribute_the_computation_reads_is_refused():
-    """See [Note: attributes that differ between layers]."""
-    from xla_fsdp.scanned_layers import (IGNORED_ATTRIBUTES, _refuse_varying_computation,
-                                         _varying_attributes)
-    x = torch.randn(2, 8)
-    for cls, reads in ((MemBlock, False), (ScaledByDepth, True)):
-        layers = _indexed(cls)
-        varying = _varying_attributes(layers, IGNORED_ATTRIBUTES)
-        assert varying == [("", "layer_idx", [0, 1, 2, 3])]
-        check = lambda: _refuse_varying_computation(layers[0], [x], layers[0], varying)
-        if reads:
-            with pytest.raises(ValueError, match=r"'layer_idx' \(layer 0: 0, layer 1: 1\)"):
-                check()
-        else:
-            check()
-        assert layers[0].layer_idx == 0  # put back
-
-
-def _forward_scaled_by_depth(_rank):
+def _first_calls_refused(_rank):
     import torch_xla
+    from tests.fsdp.test_scan_checks import ScaledByDepth, indexed
     from xla_fsdp import FSDP, ScannedLayers
-    model = MemStack(layers=3, dim=8, hidden=12)
-    model.layers = ScannedLayers(_indexed(ScaledByDepth, 3))
-    model = FSDP(model)
-    try:
-        model(torch.randn(2, 8).to(torch_xla.device()))
-    except ValueError as e:
-        return str(e)
-    return "no error"
+    messages = []
+    for layers in (indexed(ScaledByDepth, 3), [PlainTensorScale() for _ in range(3)]):
+        model = MemStack(layers=3, dim=8, hidden=12)
+        model.layers = ScannedLayers(layers)
+        model = FSDP(model)
+        try:
+            model(torch.randn(2, 8).to(torch_xla.device()))
+            messages.append("no error")
+        except (ValueError, TypeError) as e:
+            messages.append(str(e))
+    return messages
 
 
-def test_a_stack_whose_layers_read_their_index_is_refused_at_its_first_call():
-    (message,) = launch(_forward_scaled_by_depth, (), num_devices=1).values()
-    assert "differ in 'layer_idx'" in message, message
+def test_what_only_the_layer_trace_shows_is_refused_at_the_first_call():
+    """A differing ``layer_idx`` the computation reads, and a plain tensor attribute (the
+    tracer's own error would name neither)."""
+    (messages,) = launch(_first_calls_refused, (), num_devices=1).values()
+    assert "differ in 'layer_idx'" in messages[0], messages[0]
+    assert "neither parameters nor buffers (scale)" in messages[1], messages[1]
 
 
 DROP_DIM, DROP_LAYERS, DROP_P = 12, 3, 0.3
