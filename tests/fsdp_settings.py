@@ -141,6 +141,9 @@ SETTINGS = {
         "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
     # torch_xla's loop turns booleans into int64, where ~mask is always true
     "scanned_masked": ("stack_masked", {}, "adamw", {"scan": True}),
+    # each body gathers the next layer beside the current one's compute (one carried
+    # tensor per parameter)
+    "scanned_prefetch": ("stack", {}, "sgd", {"scan": True, "prefetch": True, "clip": 0.05}),
 }
 
 
@@ -187,7 +190,8 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         return _wrap_with_controls(model, kind, kw)
     if extra.get("scan"):
         from xla_fsdp import ScannedLayers
-        model.layers = ScannedLayers(model.layers, **kw)
+        model.layers = ScannedLayers(model.layers,
+                                     prefetch_next_layer=extra.get("prefetch", False), **kw)
         return FSDP(model, **kw)
     if extra.get("auto_wrap_checkpoint"):
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})

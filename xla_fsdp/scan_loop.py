@@ -16,6 +16,16 @@ inside a body would leave the body's token as the device's token, and the next c
 outside would depend on a value of another computation (the process dies, SIGSEGV). The
 bodies are traced with a fresh token, and the outer one is put back after.
 
+[Note: gathering the next layer ahead]
+Without prefetch, a body gathers its own layer and then computes with it: the layer's
+compute waits for its gather. With ``prefetch=True`` the carry holds the current layer
+already gathered, and the body issues the gather of the next layer (in the loop's
+direction) beside the current layer's compute, which does not depend on it, so a runtime
+with asynchronous collectives (TPU) can overlap the two. The price: two layers' full
+parameters live at once, and one gather more than there are layers per loop (the carry
+wraps around to a layer that is not run). On XLA:CPU collectives are synchronous, so no
+time is gained here; only parity and the graph's structure can be checked.
+
 [Note: booleans through the loop]
 torch_xla 2.9's scan hands a body a boolean ``xs`` slice as int64 and stacks a boolean ``ys``
 as int64, silently. Boolean values still mean the same as masks, but ``~mask`` of an int64
@@ -49,20 +59,23 @@ class ScanLoop:
     collectives: Collectives
     options: FsdpOptions
     divide: Tuple[float, float]
+    prefetch: bool = False              # see [Note: gathering the next layer ahead]
 
     # -- the two loops ---------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, save: bool) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         stacked = self.graphs.stacked_saved if save else []
         save_hidden = save and 0 in self.graphs.saved_inputs
+        n = len(self.groups)
 
         def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
-            (h,) = carry
-            out = self.graphs.forward(*self._layer_inputs(h, xs))
+            h, ahead = carry[0], carry[1:]
+            params = ahead[1:] if self.prefetch else self._gather(xs[:n])
+            out = self.graphs.forward(*self._layer_inputs(h, params, xs[n:]))
             saved = out[1:]
             ys = [saved[i] for i in stacked] + ([h] if save_hidden else [])
-            return [out[0]], ys
+            return [out[0], *self._advance(ahead, 1)], ys
 
-        carry, ys = _loop(body, [hidden], self._xs())
+        carry, ys = _loop(body, [hidden, *self._start(0)], self._xs())
         return carry[0], ys
 
     def backward(self, grad: torch.Tensor, ys: Sequence[torch.Tensor]
@@ -70,13 +83,15 @@ class ScanLoop:
         stacked = self.graphs.stacked_saved
         carried = [i for i, d in enumerate(self.differentiable) if d]
         trainable = [i for i, g in enumerate(self.groups) if g.shard.requires_grad]
-        base = len(self._xs())
+        base, n = len(self._xs()), len(self.groups)
 
         def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
-            g_h, acc = carry[0], carry[1:]
+            g_h = carry[0]
+            acc, ahead = carry[1:1 + len(carried)], carry[1 + len(carried):]
             layer_ys = xs[base:]
             h = layer_ys[len(stacked)] if len(layer_ys) > len(stacked) else None
-            inputs = self._layer_inputs(h, xs[:base])
+            params = ahead[1:] if self.prefetch else self._gather(xs[:n])
+            inputs = self._layer_inputs(h, params, xs[n:base])
             news = dict(zip(stacked, layer_ys))
             saved = [inputs[k] if k is not None else news[i]
                      for i, k in enumerate(self.graphs.saved_inputs)]
@@ -84,30 +99,57 @@ class ScanLoop:
             g_prev = grads[0] if grads[0] is not None else torch.zeros_like(g_h)
             acc = [a if grads[1 + i] is None else a + grads[1 + i]
                    for a, i in zip(acc, carried)]
-            return [g_prev, *acc], self._reduce(grads, trainable, g_h.device)
+            # the next (lower) layer's gather is issued before this layer's reduce-scatter
+            ahead = self._advance(ahead, -1)
+            return [g_prev, *acc, *ahead], self._reduce(grads, trainable, g_h.device)
 
-        init = [grad] + [torch.zeros_like(self.invariants[i]) for i in carried]
+        init = ([grad] + [torch.zeros_like(self.invariants[i]) for i in carried]
+                + self._start(self._layers() - 1))
         carry, reduced = _loop(body, init, self._xs() + list(ys), reverse=True)
         g_inv: List[Optional[torch.Tensor]] = [None] * len(self.invariants)
-        for i, g in zip(carried, carry[1:]):
+        for i, g in zip(carried, carry[1:1 + len(carried)]):
             g_inv[i] = g
         g_shards: List[Optional[torch.Tensor]] = [None] * len(self.groups)
         for i, g in zip(trainable, reduced):
             g_shards[i] = g
         return carry[0], g_inv, g_shards
 
+    # -- prefetching (see [Note: gathering the next layer ahead]) ---------------------------
+    def _layers(self) -> int:
+        return self.groups[0].shard.shape[0]
+
+    def _start(self, layer: int) -> List[torch.Tensor]:
+        """The carry that holds the layer about to run, gathered: its index and parameters."""
+        if not self.prefetch:
+            return []
+        index = torch.tensor(layer, dtype=torch.int64, device=self.groups[0].shard.device)
+        return [index, *self._gather(self._rows(index))]
+
+    def _advance(self, ahead: List[torch.Tensor], step: int) -> List[torch.Tensor]:
+        """Gathers the layer after the current one in the loop's direction (wrapping at the
+        end: one gather more than layers)."""
+        if not self.prefetch:
+            return []
+        index = ahead[0] + step
+        return [index, *self._gather(self._rows(index))]
+
+    def _rows(self, index: torch.Tensor) -> List[torch.Tensor]:
+        row = torch.remainder(index, self._layers()).view(1)
+        return [torch.index_select(g.shard.detach(), 0, row).squeeze(0) for g in self.groups]
+
     # -- one layer -------------------------------------------------------------------------
     def _xs(self) -> List[torch.Tensor]:
         return [g.shard.detach() for g in self.groups] + list(self.buffers)
 
-    def _layer_inputs(self, hidden: Optional[torch.Tensor], xs: Sequence[torch.Tensor]
-                      ) -> List[Any]:
-        shards, buffers = xs[:len(self.groups)], xs[len(self.groups):]
+    def _gather(self, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         gathered = gather_pieces(self.collectives, self.options,
                                  [(g.layout.layer, s, g.compute_dtype)
                                   for g, s in zip(self.groups, shards)])
-        params = [t for g, full in zip(self.groups, gathered)
-                  for t in g.layout.layer.unshard_pieces(full)]
+        return [t for g, full in zip(self.groups, gathered)
+                for t in g.layout.layer.unshard_pieces(full)]
+
+    def _layer_inputs(self, hidden: Optional[torch.Tensor], params: Sequence[torch.Tensor],
+                      buffers: Sequence[torch.Tensor]) -> List[Any]:
         return [hidden, *self.invariants, *params, *buffers]
 
     def _reduce(self, grads: Sequence[Optional[torch.Tensor]], trainable: List[int],

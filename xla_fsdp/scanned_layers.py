@@ -49,12 +49,15 @@ class ScannedLayers(XlaFullyShardedDataParallel):
     options of ``XlaFullyShardedDataParallel``, except ``auto_wrap_policy``. Under
     ``no_sync`` the gradients are still reduce-scattered, one layer at a time (the sum is
     the same; the communication is not saved). ``ignored_attributes`` names plain
-    attributes that may differ between layers."""
+    attributes that may differ between layers. ``prefetch_next_layer=True`` gathers the next
+    layer beside the current layer's compute, at the cost of a second layer's full
+    parameters (see [Note: gathering the next layer ahead] in ``scan_loop``)."""
 
     _calls_wrapped_module = False  # its forward runs the layers, not the ModuleList
 
     def __init__(self, layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
-                 ignored_attributes: Sequence[str] = IGNORED_ATTRIBUTES, **kwargs: Any) -> None:
+                 ignored_attributes: Sequence[str] = IGNORED_ATTRIBUTES,
+                 prefetch_next_layer: bool = False, **kwargs: Any) -> None:
         if kwargs.get("auto_wrap_policy") is not None:
             raise ValueError("ScannedLayers shards the stack as one unit; auto_wrap_policy "
                              "would wrap inside its layers, which the scan cannot run")
@@ -67,6 +70,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         self.__dict__["_varying"] = varying_attributes(list(layers), tuple(ignored_attributes))
         self.__dict__["_scan_cache"] = {}
         self.__dict__["_tracing"] = False
+        self.__dict__["_prefetch"] = bool(prefetch_next_layer)
         super().__init__(layers, **kwargs)
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._refuse_direct_call(i))
@@ -163,7 +167,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 "masks than the forward. Do not checkpoint the stack (the scan saves only "
                 "activations, never weights), or set dropout to 0")
         loop = ScanLoop(graphs, invariants, differentiable, groups, buffers,
-                        self._collectives, self._options, self._state.divide)
+                        self._collectives, self._options, self._state.divide, self._prefetch)
         grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
                                             any(g.shard.requires_grad for g in groups))
         if not grad:

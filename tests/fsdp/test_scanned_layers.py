@@ -304,3 +304,39 @@ def test_values_computed_from_weights_alone_are_recomputed_not_saved():
     stacked = [tuple(returned[1 + i].meta["val"].shape) for i in graphs.stacked_saved]
     assert (16, 16) not in stacked, stacked
     assert 1 in graphs.saved_inputs  # the weight itself, gathered again in backward
+
+
+def _carries(_rank):
+    import torch_xla
+    import xla_fsdp.scan_loop as scan_loop
+    from xla_fsdp import FSDP, ScannedLayers
+    seen = {}
+    real_loop = scan_loop._loop
+
+    def spy(body, init, xs, reverse=False):
+        seen["backward" if reverse else "forward"] = [tuple(t.shape) for t in init]
+        return real_loop(body, init, xs, reverse)
+    scan_loop._loop = spy
+    try:
+        out = {}
+        for prefetch in (False, True):
+            torch.manual_seed(0)
+            model = MemStack(layers=3, dim=8, hidden=12)
+            model.layers = ScannedLayers(model.layers, prefetch_next_layer=prefetch)
+            FSDP(model)(torch.randn(2, 8).to(torch_xla.device())).sum().backward()
+            torch_xla.sync()
+            out[prefetch] = dict(seen)
+        return out
+    finally:
+        scan_loop._loop = real_loop
+
+
+def test_prefetch_carries_the_next_layer_gathered():
+    """See [Note: gathering the next layer ahead]: with prefetch both loops start with a
+    layer already gathered (its index and full parameters in the carry); without, only the
+    hidden state (forward) or its gradient (backward) is carried. Parity is the
+    ``scanned_prefetch`` setting."""
+    out = launch(_carries, (), num_devices=2)[0]
+    layer = [(8,), (8,), (12, 8), (12,), (8, 12), (8,)]  # norm, up, down: full shapes
+    assert out[False] == {"forward": [(2, 8)], "backward": [(2, 8)]}
+    assert out[True] == {"forward": [(2, 8), ()] + layer, "backward": [(2, 8), ()] + layer}
