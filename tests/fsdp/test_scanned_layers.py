@@ -323,20 +323,48 @@ def _carries(_rank):
             torch.manual_seed(0)
             model = MemStack(layers=3, dim=8, hidden=12)
             model.layers = ScannedLayers(model.layers, prefetch_next_layer=prefetch)
-            FSDP(model)(torch.randn(2, 8).to(torch_xla.device())).sum().backward()
+            model = FSDP(model)
+            y = model(torch.randn(2, 8).to(torch_xla.device()))
+            y.sum().backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            hlo = {"forward": torch_xla._XLAC._get_xla_tensors_hlo([y]),
+                   "backward": torch_xla._XLAC._get_xla_tensors_hlo(grads)}
             torch_xla.sync()
-            out[prefetch] = dict(seen)
+            out[prefetch] = dict(seen, hlo=hlo)
         return out
     finally:
         scan_loop._loop = real_loop
 
 
-def test_prefetch_carries_the_next_layer_gathered():
-    """See [Note: gathering the next layer ahead]: with prefetch both loops start with a
-    layer already gathered (its index and full parameters in the carry); without, only the
-    hidden state (forward) or its gradient (backward) is carried. Parity is the
-    ``scanned_prefetch`` setting."""
+def _matmuls_read_a_gather(hlo: str) -> bool:
+    """Whether, in some HLO computation, a dot reads (through any chain of ops) an
+    all-gather of that same computation: the layer's compute waits for its gather."""
+    tainted, found = set(), False
+    for line in hlo.splitlines():
+        if line.rstrip().endswith("{"):
+            tainted = set()  # a new computation
+            continue
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (.*)", line)
+        if not m:
+            continue
+        refs = set(re.findall(r"%([\w.\-]+)", m.group(2)))
+        if " all-gather(" in m.group(2) or refs & tainted:
+            found = found or (" dot(" in m.group(2) and bool(refs & tainted))
+            tainted.add(m.group(1))
+    return found
+
+
+def test_prefetch_gathers_the_next_layer_beside_the_current_ones_compute():
+    """See [Note: gathering the next layer ahead]. With prefetch both loops start with a
+    layer already gathered (its index and full parameters in the carry), and in the lowered
+    loop bodies no matmul reads that body's all-gather, so the gather can overlap the
+    compute; without, only the hidden state (or its gradient) is carried and the matmuls
+    read the gather. Parity is the ``scanned_prefetch`` setting."""
     out = launch(_carries, (), num_devices=2)[0]
     layer = [(8,), (8,), (12, 8), (12,), (8, 12), (8,)]  # norm, up, down: full shapes
-    assert out[False] == {"forward": [(2, 8)], "backward": [(2, 8)]}
-    assert out[True] == {"forward": [(2, 8), ()] + layer, "backward": [(2, 8), ()] + layer}
+    plain, ahead = out[False], out[True]
+    assert (plain["forward"], plain["backward"]) == ([(2, 8)], [(2, 8)])
+    assert ahead["forward"] == ahead["backward"] == [(2, 8), ()] + layer
+    for loop in ("forward", "backward"):
+        assert _matmuls_read_a_gather(plain["hlo"][loop]), loop
+        assert not _matmuls_read_a_gather(ahead["hlo"][loop]), loop
