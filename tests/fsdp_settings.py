@@ -134,16 +134,15 @@ SETTINGS = {
     "scanned": ("stack", {}, "sgd", {"scan": True, "clip": 0.05}),
     "scanned_flat_bf16": ("stack", {"flatten_parameters": True, "compute_dtype": torch.bfloat16,
                                     "fp32_reduce_scatter": True}, "sgd", {"scan": True}),
-    "scanned_dim0_adamw": ("stack", {"shard_param_on_dim_0": True}, "adamw", {"scan": True}),
+    # with prefetch: each body gathers the next layer beside the current one's compute
+    "scanned_dim0_adamw_prefetch": ("stack", {"shard_param_on_dim_0": True}, "adamw",
+                                    {"scan": True, "prefetch": True}),
     # a frozen parameter must be frozen in every layer (one stacked shard holds them all)
     "scanned_groups_frozen": ("stack", {}, "sgd", {
         "scan": True, "groups": 2,
         "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
     # torch_xla's loop turns booleans into int64, where ~mask is always true
     "scanned_masked": ("stack_masked", {}, "adamw", {"scan": True}),
-    # each body gathers the next layer beside the current one's compute (one carried
-    # tensor per parameter)
-    "scanned_prefetch": ("stack", {}, "sgd", {"scan": True, "prefetch": True, "clip": 0.05}),
 }
 
 

@@ -6,6 +6,7 @@ tests/fsdp_settings.py, N = 1, 2, 4, 8) and in the Hugging Face suite (``*_scann
 import glob
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -269,12 +270,22 @@ def _dropout_step(rank):
                 refusal=refusal)
 
 
-def test_dropout_trains_with_the_masks_its_forward_drew():
+def _dropout_and_prefetch(rank):
+    return {"dropout": _dropout_step(rank), "prefetch": _carries(rank)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One launch at N=2 for the dropout and prefetch checks (each launch compiles)."""
+    return launch(_dropout_and_prefetch, (), num_devices=2)
+
+
+def test_dropout_trains_with_the_masks_its_forward_drew(two_ranks):
     """See [Note: dropout in a scanned layer]. Each rank's forward is checked against the
     unscanned layers applying the masks the loop saved, and the step against the mean of
     the ranks' gradients of that computation. Without the decomposition torch_xla's
     ``native_dropout`` scales by 1/p and the output is off by 4.9."""
-    results = launch(_dropout_step, (), num_devices=2)
+    results = {rank: r["dropout"] for rank, r in two_ranks.items()}
     init = results[0]["init"]
     reference = DropStack()
     reference.load_state_dict(init)
@@ -306,34 +317,49 @@ def test_values_computed_from_weights_alone_are_recomputed_not_saved():
     assert 1 in graphs.saved_inputs  # the weight itself, gathered again in backward
 
 
+_LOOP_CARRIES = {}  # rank's device -> {"forward"/"backward": shapes of the initial carry}
+
+
+_PATCHING = threading.Lock()
+
+
+def _record_loop_carries():
+    """Wraps the loop runner of the launch's process (spawned for this launch alone, its
+    ranks are threads), once for all ranks."""
+    import xla_fsdp.scan_loop as scan_loop
+    with _PATCHING:
+        real_loop = scan_loop._loop
+        if getattr(real_loop, "records_carries", False):
+            return
+
+        def spy(body, init, xs, reverse=False):
+            # keyed by device: backward runs on autograd's threads, not the rank's
+            _LOOP_CARRIES.setdefault(str(init[0].device), {})[
+                "backward" if reverse else "forward"] = [tuple(t.shape) for t in init]
+            return real_loop(body, init, xs, reverse)
+        spy.records_carries = True
+        scan_loop._loop = spy
+
+
 def _carries(_rank):
     import torch_xla
-    import xla_fsdp.scan_loop as scan_loop
     from xla_fsdp import FSDP, ScannedLayers
-    seen = {}
-    real_loop = scan_loop._loop
-
-    def spy(body, init, xs, reverse=False):
-        seen["backward" if reverse else "forward"] = [tuple(t.shape) for t in init]
-        return real_loop(body, init, xs, reverse)
-    scan_loop._loop = spy
-    try:
-        out = {}
-        for prefetch in (False, True):
-            torch.manual_seed(0)
-            model = MemStack(layers=3, dim=8, hidden=12)
-            model.layers = ScannedLayers(model.layers, prefetch_next_layer=prefetch)
-            model = FSDP(model)
-            y = model(torch.randn(2, 8).to(torch_xla.device()))
-            y.sum().backward()
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            hlo = {"forward": torch_xla._XLAC._get_xla_tensors_hlo([y]),
-                   "backward": torch_xla._XLAC._get_xla_tensors_hlo(grads)}
-            torch_xla.sync()
-            out[prefetch] = dict(seen, hlo=hlo)
-        return out
-    finally:
-        scan_loop._loop = real_loop
+    _record_loop_carries()
+    out = {}
+    for prefetch in (False, True):
+        _LOOP_CARRIES[str(torch_xla.device())] = {}
+        torch.manual_seed(0)
+        model = MemStack(layers=3, dim=8, hidden=12)
+        model.layers = ScannedLayers(model.layers, prefetch_next_layer=prefetch)
+        model = FSDP(model)
+        y = model(torch.randn(2, 8).to(torch_xla.device()))
+        y.sum().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        hlo = {"forward": torch_xla._XLAC._get_xla_tensors_hlo([y]),
+               "backward": torch_xla._XLAC._get_xla_tensors_hlo(grads)}
+        torch_xla.sync()
+        out[prefetch] = dict(_LOOP_CARRIES[str(torch_xla.device())], hlo=hlo)
+    return out
 
 
 def _matmuls_read_a_gather(hlo: str) -> bool:
@@ -354,13 +380,13 @@ def _matmuls_read_a_gather(hlo: str) -> bool:
     return found
 
 
-def test_prefetch_gathers_the_next_layer_beside_the_current_ones_compute():
+def test_prefetch_gathers_the_next_layer_beside_the_current_ones_compute(two_ranks):
     """See [Note: gathering the next layer ahead]. With prefetch both loops start with a
     layer already gathered (its index and full parameters in the carry), and in the lowered
     loop bodies no matmul reads that body's all-gather, so the gather can overlap the
     compute; without, only the hidden state (or its gradient) is carried and the matmuls
-    read the gather. Parity is the ``scanned_prefetch`` setting."""
-    out = launch(_carries, (), num_devices=2)[0]
+    read the gather. Parity is the ``scanned_dim0_adamw_prefetch`` setting."""
+    out = two_ranks[0]["prefetch"]
     layer = [(8,), (8,), (12, 8), (12,), (8, 12), (8,)]  # norm, up, down: full shapes
     plain, ahead = out[False], out[True]
     assert (plain["forward"], plain["backward"]) == ([(2, 8)], [(2, 8)])

@@ -243,7 +243,6 @@ class Architecture:
     batch: Callable[[str, int], Dict[str, torch.Tensor]]
     hf: bool = True                # a transformers model: loss in .loss, tie_weights()
     scan: str = ""                 # the layer list to run as ScannedLayers, unchanged code
-    prefetch: bool = False         # ScannedLayers(prefetch_next_layer=...)
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -257,8 +256,6 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "llama_scanned": Architecture(llama, LlamaDecoderLayer, causal_lm_batch, scan="model.layers"),
     "qwen2_scanned": Architecture(qwen2, Qwen2DecoderLayer, causal_lm_batch, scan="model.layers"),
     "gpt2_scanned": Architecture(gpt2, GPT2Block, causal_lm_batch, scan="transformer.h"),
-    "qwen2_scanned_prefetch": Architecture(qwen2, Qwen2DecoderLayer, causal_lm_batch,
-                                           scan="model.layers", prefetch=True),
 }
 
 
@@ -316,8 +313,7 @@ def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
     if arch.scan:
         owner, attr = arch.scan.rsplit(".", 1)
         owner = model.get_submodule(owner)
-        setattr(owner, attr, ScannedLayers(getattr(owner, attr),
-                                           prefetch_next_layer=arch.prefetch))
+        setattr(owner, attr, ScannedLayers(getattr(owner, attr)))
     sharded = FSDP(model, auto_wrap_policy=policy)
     opt = optimizer(sharded)
 
