@@ -56,6 +56,14 @@ def refuse_input_mutation(graph: fx.GraphModule, names: Sequence[str]) -> None:
                     f"back. Compute a new tensor instead, or do not scan this stack")
 
 
+def tensor_attributes(layer: nn.Module, placeholders: set) -> List[str]:
+    """Plain tensor attributes (neither parameters nor buffers), other than the parameters'
+    placeholders ``(id(module), name)``: the tracer cannot take them as per-layer inputs."""
+    return [f"{path + '.' if path else ''}{name}" for path, m in layer.named_modules()
+            for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and (id(m), name) not in placeholders]
+
+
 def _view_base(node: Any) -> Any:
     """The tensor a chain of views starts from."""
     while isinstance(node, fx.Node) and node.op == "call_function":

@@ -31,7 +31,7 @@ from .fully_sharded import XlaFullyShardedDataParallel
 from .init_sharding import find_parameters, group_parameters, place_buffers
 from .scan_loop import ScanFunction, ScanLoop, run_forward_only
 from .scan_checks import (check_identical, forward_graph, refuse_input_mutation,
-                          refuse_varying_computation, varying_attributes)
+                          refuse_varying_computation, tensor_attributes, varying_attributes)
 from .scan_trace import LayerGraphs, trace_layer
 from .shard_group import build_stacked_group
 
@@ -39,7 +39,6 @@ from .shard_group import build_stacked_group
 # which training does not use (Hugging Face's ``layer_idx``); see
 # [Note: attributes that differ between layers]
 IGNORED_ATTRIBUTES = ("layer_idx",)
-
 
 
 class ScannedLayers(XlaFullyShardedDataParallel):
@@ -216,7 +215,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 refuse_varying_computation(layer, inputs, template, self._varying, forward.code)
             graphs = trace_layer(layer, inputs, grads, weights)
         except AssertionError as e:
-            loose = _tensor_attributes(template, {(id(m), a) for ows in owners for m, a in ows})
+            loose = tensor_attributes(template, {(id(m), a) for ows in owners for m, a in ows})
             if "FakeTensor" not in str(e) or not loose:
                 raise
             raise TypeError(f"a scanned layer reads tensors that are neither parameters nor "
@@ -250,13 +249,6 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 object.__setattr__(m, a, old)
             for m, a, old in saved_buffers:
                 m._buffers[a] = old
-
-
-def _tensor_attributes(layer: nn.Module, placeholders: set) -> List[str]:
-    """Plain tensor attributes, other than the parameters' placeholders."""
-    return [f"{path + '.' if path else ''}{name}" for path, m in layer.named_modules()
-            for name, v in vars(m).items()
-            if isinstance(v, torch.Tensor) and (id(m), name) not in placeholders]
 
 
 def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Callable]:
