@@ -1,0 +1,579 @@
+"""The package's shape, checked on its source: the rules ARCHITECTURE.md states.
+
+Pure static analysis (``ast``), no import of the package, except the last test, which imports
+every module in a fresh interpreter to check that importing changes nothing process-wide.
+
+* layers: every module belongs to a layer, and imports go down the layers only;
+* no import cycles, between modules or between the packages that hold them (imports inside
+  functions and under ``TYPE_CHECKING`` count);
+* torch's and torch_xla's underscore APIs are used in one module only (the virtual launcher
+  aside), and no module reads another module's private fields;
+* a field of one of our classes is written only by the module that defines the class;
+* no file over 600 lines;
+* every ``[Note: ...]`` the code cites exists, once;
+* the glossary: "group" only in qualified names, "reshard" not in checkpoint code;
+* only ``xla_fsdp`` is installed, and importing it installs nothing process-wide.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "xla_fsdp"
+
+# Top to bottom. A module may import modules of its own layer or of layers below it.
+# An entry names a module and, with ".*", the package below it too.
+LAYERS: List[Tuple[str, List[str]]] = [
+    ("package root", ["xla_fsdp"]),
+    ("launcher", ["xla_fsdp.launch.*"]),
+    ("torch_xla compatibility", ["xla_fsdp.compat.*"]),
+    ("public API", ["xla_fsdp.fully_sharded", "xla_fsdp.scanned_layers", "xla_fsdp.wrap",
+                    "xla_fsdp.activation_checkpoint"]),
+    ("checkpoints and the scan", ["xla_fsdp.checkpoint.*", "xla_fsdp.scan.*"]),
+    ("construction", ["xla_fsdp._init.*"]),
+    ("unit", ["xla_fsdp._unit.*"]),
+    ("XLA glue", ["xla_fsdp._xla.*"]),
+    ("sharding", ["xla_fsdp._sharding.*"]),
+]
+PRIVATE_API_MODULE = "xla_fsdp._xla.private_api"
+VIRTUAL_LAUNCHER = "xla_fsdp.launch.virtual"
+COLLECTIVES_MODULE = "xla_fsdp._sharding.collectives"
+UPSTREAM = ("torch", "torch_xla", "functorch")
+# names torch_xla's FSDP puts on tensors and modules, kept for the code that reads them
+TORCH_XLA_ATTRIBUTES = {"_is_sharded", "_orig_size", "_orig_name",
+                        "_xla_checkpointed_forward_original", "_nn_linear_forward_original"}
+NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make"}
+MAX_LINES = 600
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+    is_package: bool
+    imports: List[Tuple[str, int]] = field(default_factory=list)   # (our module, line)
+    upstream: Dict[str, str] = field(default_factory=dict)         # local name -> dotted origin
+
+
+def _module_name(path: Path) -> Tuple[str, bool]:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        return ".".join(parts[:-1]), True
+    return ".".join(parts), False
+
+
+def _installed_roots() -> Tuple[List[str], List[str]]:
+    """(top-level packages, console-script targets) that setup.py installs."""
+    setup = ast.parse((ROOT / "setup.py").read_text())
+    includes, scripts = [], []
+    for node in ast.walk(setup):
+        if isinstance(node, ast.keyword) and node.arg == "include":
+            includes = ast.literal_eval(node.value)
+        if isinstance(node, ast.keyword) and node.arg == "entry_points":
+            scripts = ast.literal_eval(node.value).get("console_scripts", [])
+    return sorted({p.split(".")[0] for p in includes}), scripts
+
+
+ROOTS = _installed_roots()[0]
+
+
+def _load_package() -> Dict[str, Module]:
+    modules = {}
+    for root in ROOTS:
+        for path in sorted((ROOT / root).rglob("*.py")):
+            name, is_package = _module_name(path)
+            modules[name] = Module(name, path, ast.parse(path.read_text(), str(path)),
+                                   is_package)
+    for module in modules.values():
+        _read_imports(module, modules)
+    return modules
+
+
+def _resolve(name: str, modules: Dict[str, Module]) -> Optional[str]:
+    """The module of ours that importing ``name`` runs last (the longest existing prefix)."""
+    while name:
+        if name in modules:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _read_imports(module: Module, modules: Dict[str, Module]) -> None:
+    package = module.name if module.is_package else module.name.rpartition(".")[0]
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ROOTS:
+                    module.imports.append((_resolve(alias.name, modules), node.lineno))
+                elif alias.name.split(".")[0] in UPSTREAM:
+                    local = alias.asname or alias.name.split(".")[0]
+                    module.upstream[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.rpartition(".")[0]
+                base = ".".join(p for p in (base, node.module) if p)
+            else:
+                base = node.module or ""
+            if base.split(".")[0] in ROOTS:
+                for alias in node.names:
+                    target = f"{base}.{alias.name}"
+                    module.imports.append((target if target in modules else _resolve(base, modules),
+                                           node.lineno))
+            elif base.split(".")[0] in UPSTREAM:
+                for alias in node.names:
+                    module.upstream[alias.asname or alias.name] = f"{base}.{alias.name}"
+        elif isinstance(node, ast.Call) and _called_name(node) in ("import_module", "__import__"):
+            arg = node.args[0] if node.args else None
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str) \
+                    and arg.value.split(".")[0] in ROOTS:
+                module.imports.append((_resolve(arg.value, modules), node.lineno))
+            elif not isinstance(arg, ast.Constant):
+                module.imports.append(("<computed import>", node.lineno))
+
+
+def _called_name(call: ast.Call) -> str:
+    func = call.func
+    return func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+
+
+MODULES = _load_package()
+
+
+def _where(module: Module, line: int) -> str:
+    return f"{module.path.relative_to(ROOT)}:{line}"
+
+
+# -- layers -----------------------------------------------------------------------------------
+def _layer_of(name: str) -> Optional[int]:
+    best, best_len = None, -1
+    for index, (_, patterns) in enumerate(LAYERS):
+        for pattern in patterns:
+            subtree = pattern.endswith(".*")
+            base = pattern[:-2] if subtree else pattern
+            if (name == base or subtree and name.startswith(base + ".")) and len(base) > best_len:
+                best, best_len = index, len(base)
+    return best
+
+
+def test_every_module_has_a_layer():
+    lost = sorted(n for n in MODULES if _layer_of(n) is None)
+    assert not lost, f"modules in no layer of ARCHITECTURE.md: {lost}"
+
+
+def test_imports_go_down_the_layers():
+    problems = []
+    for module in MODULES.values():
+        mine = _layer_of(module.name)
+        for target, line in module.imports:
+            if target == "<computed import>":
+                problems.append(f"{_where(module, line)}: an import whose name is computed")
+                continue
+            theirs = _layer_of(target)
+            if mine is not None and theirs is not None and theirs < mine:
+                problems.append(f"{_where(module, line)}: {module.name} ({LAYERS[mine][0]}) "
+                                f"imports {target} ({LAYERS[theirs][0]}), a layer above it")
+    assert not problems, "\n".join(problems)
+
+
+# -- cycles -----------------------------------------------------------------------------------
+def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
+    """The strongly connected components of ``graph`` with more than one node (Tarjan)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    out: List[List[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for node in sorted(set(graph) | {n for ts in graph.values() for n in ts}):
+        if node not in index:
+            visit(node)
+    return out
+
+
+def _module_graph() -> Dict[str, Set[str]]:
+    graph: Dict[str, Set[str]] = defaultdict(set)
+    for module in MODULES.values():
+        for target, _ in module.imports:
+            if target in MODULES and target != module.name:
+                graph[module.name].add(target)
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    cycles = _cycles(_module_graph())
+    assert not cycles, "modules that import each other, directly or not:\n" + "\n".join(
+        " <-> ".join(c) for c in cycles)
+
+
+def test_no_import_cycle_between_packages():
+    """Within each package, its subpackages and modules import each other without a cycle
+    (``a.x`` importing ``a.y.z`` counts as ``x`` -> ``y``)."""
+    packages = [""] + [n for n, m in MODULES.items() if m.is_package]
+    problems = []
+    for package in packages:
+        def child(name: str) -> Optional[str]:
+            if not package:
+                return name.split(".")[0]
+            if not name.startswith(package + "."):
+                return None
+            return name[len(package) + 1:].split(".")[0]
+        graph: Dict[str, Set[str]] = defaultdict(set)
+        for a, targets in _module_graph().items():
+            for b in targets:
+                ca, cb = child(a), child(b)
+                if ca and cb and ca != cb:
+                    graph[ca].add(cb)
+        for cycle in _cycles(graph):
+            problems.append(f"in {package or 'the installed packages'}: "
+                            + " <-> ".join(cycle))
+    assert not problems, "package-level import cycles:\n" + "\n".join(problems)
+
+
+# -- private APIs and private fields ----------------------------------------------------------
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__")) \
+        and name != "_"
+
+
+def _chain(node: ast.AST) -> Optional[List[str]]:
+    """``a.b.c`` as ["a", "b", "c"], or None when the root is not a name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id] + parts[::-1]
+    return None
+
+
+def _defined_names(module: Module) -> Set[str]:
+    """Private names this module defines: functions, classes, attributes it assigns, class
+    fields, and names set through ``setattr``/``__dict__``."""
+    out = set()
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                for sub in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t]):
+                    if isinstance(sub, ast.Attribute):
+                        out.add(sub.attr)
+                    elif isinstance(sub, ast.Name):
+                        out.add(sub.id)
+        elif isinstance(node, ast.Call) and _called_name(node) in ("setattr", "__setattr__"):
+            for arg in node.args[1:2]:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    out.add(arg.value)
+        elif isinstance(node, ast.Subscript) and _chain(node.value) and \
+                _chain(node.value)[-1] == "__dict__" and isinstance(node.slice, ast.Constant):
+            out.add(node.slice.value)
+    return {n for n in out if isinstance(n, str) and _is_private(n)}
+
+
+OURS: Dict[str, Set[str]] = {n: _defined_names(m) for n, m in MODULES.items()}
+OUR_PRIVATE = set().union(*OURS.values())
+
+
+def _private_api_uses(module: Module) -> List[str]:
+    found = []
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            base = node.module if isinstance(node, ast.ImportFrom) else ""
+            names = [f"{base}.{a.name}" if base else a.name for a in node.names]
+            if isinstance(node, ast.ImportFrom) and node.level:
+                continue
+            for dotted in names:
+                if dotted.split(".")[0] in UPSTREAM and any(
+                        _is_private(p) for p in dotted.split(".")):
+                    found.append(f"{_where(module, node.lineno)}: imports {dotted}")
+        elif isinstance(node, ast.Attribute) and _is_private(node.attr):
+            chain = _chain(node)
+            if chain and chain[0] in module.upstream:
+                origin = module.upstream[chain[0]]
+                found.append(f"{_where(module, node.lineno)}: {'.'.join(chain)} "
+                             f"({origin}{'.' + '.'.join(chain[1:])})")
+            elif node.attr not in OUR_PRIVATE and node.attr not in NAMEDTUPLE_API and \
+                    node.attr not in TORCH_XLA_ATTRIBUTES and not _is_stdlib_root(chain, module):
+                found.append(f"{_where(module, node.lineno)}: .{node.attr}, a private "
+                             f"attribute none of our modules defines (torch's)")
+    return found
+
+
+def _is_stdlib_root(chain: Optional[List[str]], module: Module) -> bool:
+    if not chain:
+        return False
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if (alias.asname or alias.name.split(".")[0]) == chain[0] and \
+                        alias.name.split(".")[0] in sys.stdlib_module_names:
+                    return True
+    return False
+
+
+def test_upstream_private_apis_in_one_module():
+    problems = []
+    for name, module in MODULES.items():
+        if name == PRIVATE_API_MODULE or name.startswith(VIRTUAL_LAUNCHER):
+            continue
+        problems += _private_api_uses(module)
+    assert not problems, (f"torch/torch_xla private APIs outside {PRIVATE_API_MODULE}:\n"
+                          + "\n".join(problems))
+
+
+def test_no_private_field_read_across_modules():
+    problems = []
+    for name, module in MODULES.items():
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) \
+                    and node.attr in OUR_PRIVATE and node.attr not in OURS[name] \
+                    and node.attr not in TORCH_XLA_ATTRIBUTES:
+                owners = sorted(n for n, names in OURS.items() if node.attr in names)
+                problems.append(f"{_where(module, node.lineno)}: .{node.attr}, private to "
+                                f"{', '.join(owners)}")
+    assert not problems, "\n".join(problems)
+
+
+# -- one writer per field ---------------------------------------------------------------------
+def _is_frozen_dataclass(cls: ast.ClassDef) -> bool:
+    return any(isinstance(d, ast.Call) and (_chain(d.func) or [""])[-1] == "dataclass"
+               and any(k.arg == "frozen" and getattr(k.value, "value", False) for k in d.keywords)
+               for d in cls.decorator_list)
+
+
+def _class_fields(module: Module) -> Set[str]:
+    out = set()
+    for cls in (n for n in ast.walk(module.tree) if isinstance(n, ast.ClassDef)):
+        if _is_frozen_dataclass(cls):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                out.add(node.target.id)
+            for t in _store_targets(node):
+                if isinstance(t.value, ast.Name) and t.value.id == "self":
+                    out.add(t.attr)
+    return out
+
+
+def _store_targets(node: ast.AST) -> Iterator[ast.Attribute]:
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = node.targets
+    else:
+        return
+    for t in targets:
+        for sub in ast.walk(t):
+            if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, (ast.Store, ast.Del)):
+                yield sub
+
+
+def test_fields_have_one_writer():
+    fields = {name: _class_fields(m) for name, m in MODULES.items()}
+    problems = []
+    for name, module in MODULES.items():
+        for node in ast.walk(module.tree):
+            for t in _store_targets(node):
+                if isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"):
+                    continue
+                if t.attr in fields[name]:
+                    continue
+                owners = sorted(n for n, f in fields.items() if t.attr in f)
+                if owners:
+                    problems.append(f"{_where(module, node.lineno)}: writes .{t.attr}, a field "
+                                    f"of a class in {', '.join(owners)}")
+    assert not problems, "\n".join(problems)
+
+
+# -- size, collectives, Notes -----------------------------------------------------------------
+def _tracked_python_files() -> List[Path]:
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    files = [ROOT / p for p in out.stdout.split()] if out.returncode == 0 else []
+    return files or sorted(ROOT.rglob("*.py"))
+
+
+def test_no_file_over_600_lines():
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in _tracked_python_files()
+            if p.exists() and (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, "\n".join(long)
+
+
+COLLECTIVE_CALLS = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all",
+                    "collective_permute", "optimization_barrier_", "send", "recv"}
+
+
+def test_only_the_collectives_module_issues_collectives():
+    problems = []
+    for name, module in MODULES.items():
+        if name == COLLECTIVES_MODULE or name.startswith(VIRTUAL_LAUNCHER):
+            continue
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and node.attr in COLLECTIVE_CALLS:
+                chain = _chain(node)
+                if chain and chain[0] in module.upstream:
+                    problems.append(f"{_where(module, node.lineno)}: {'.'.join(chain)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_sharding_layer_is_pure():
+    """``_sharding`` holds arithmetic on tensors and the collectives: no modules, no hooks, and
+    torch_xla only in its collectives module."""
+    problems = []
+    for name, module in MODULES.items():
+        if not name.startswith("xla_fsdp._sharding"):
+            continue
+        for origin in module.upstream.values():
+            if origin.startswith("torch_xla") and name != COLLECTIVES_MODULE:
+                problems.append(f"{module.path.name}: imports {origin}")
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("register_") \
+                    and "hook" in node.attr:
+                problems.append(f"{_where(module, node.lineno)}: {node.attr}")
+            if isinstance(node, ast.ClassDef) and any(
+                    (_chain(b) or [""])[-1] == "Module" for b in node.bases):
+                problems.append(f"{_where(module, node.lineno)}: class {node.name} is a Module")
+    assert not problems, "\n".join(problems)
+
+
+NOTE = re.compile(r"\[Note:\s*([^\]]+?)\s*\]", re.S)
+
+
+def _notes() -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
+    """({title: where defined}, [(title, where cited)]). A citation is preceded by "see"."""
+    defined: Dict[str, List[str]] = defaultdict(list)
+    cited = []
+    for path in sorted((ROOT / PACKAGE).rglob("*.py")):
+        text = path.read_text()
+        for match in NOTE.finditer(text):
+            title = " ".join(w for w in match.group(1).replace("#", " ").split())
+            before = " ".join(text[max(0, match.start() - 12):match.start()]
+                              .replace("#", " ").split())
+            where = f"{path.relative_to(ROOT)}:{text.count(chr(10), 0, match.start()) + 1}"
+            if before.lower().endswith("see"):
+                cited.append((title, where))
+            else:
+                defined[title].append(where)
+    return defined, cited
+
+
+def test_every_cited_note_exists_once():
+    defined, cited = _notes()
+    problems = [f"{where}: cites [Note: {title}], which no Note has as its title"
+                for title, where in cited if title not in defined]
+    problems += [f"[Note: {title}] is defined {len(wheres)} times: {wheres}"
+                 for title, wheres in defined.items() if len(wheres) > 1]
+    assert not problems, "\n".join(problems)
+
+
+# -- glossary ---------------------------------------------------------------------------------
+# "group" alone could be a shard group, a list of ranks, a module group or an optimizer's
+# param group; these are torch_xla's or torch's own parameter names, kept as they are
+GROUP_WORD = re.compile(r"^_*groups?(_|$)")
+EXTERNAL_GROUP_NAMES = {
+    ("xla_fsdp.fully_sharded", "groups"),          # clip_grad_norm_(..., groups=None)
+    ("xla_fsdp.compat.torch_xla_fsdp.utils", "groups"),  # torch_xla's dummy collectives
+    ("xla_fsdp.launch.virtual.sync_points", "groups"),   # xm.all_gather(..., groups=None)
+}
+
+
+def _bound_names(module: Module) -> Iterator[Tuple[str, int]]:
+    for node in ast.walk(module.tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node.lineno
+        elif isinstance(node, ast.arg):
+            yield node.arg, node.lineno
+        elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+            yield (node.id if isinstance(node, ast.Name) else node.attr), node.lineno
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            yield node.target.id, node.lineno
+
+
+def test_glossary_group_is_always_qualified():
+    problems = [f"{_where(m, line)}: '{word}'" for name, m in MODULES.items()
+                for word, line in _bound_names(m)
+                if GROUP_WORD.match(word) and (name, word) not in EXTERNAL_GROUP_NAMES]
+    assert not problems, ("'group' alone is ambiguous: say shard_group, rank_groups, "
+                          "module_group or param_group\n" + "\n".join(problems))
+
+
+def test_glossary_reshard_means_freeing_full_parameters():
+    """Checkpoint code rewrites a checkpoint for another number of ranks; only the CLI's
+    ``--reshard N`` flag keeps that name, as users know it."""
+    problems = [f"{_where(m, line)}: '{word}'" for name, m in MODULES.items()
+                if name.startswith("xla_fsdp.checkpoint")
+                for word, line in _bound_names(m) if "reshard" in word.lower()]
+    assert not problems, "\n".join(problems)
+
+
+# -- what is installed, and what importing does -----------------------------------------------
+def test_only_xla_fsdp_is_installed():
+    roots, scripts = _installed_roots()
+    assert roots == [PACKAGE], f"setup.py installs the top-level packages {roots}"
+    assert all(s.split("=")[1].strip().startswith(PACKAGE + ".") for s in scripts), scripts
+
+
+IMPORT_EVERYTHING = """
+import importlib, json, os, sys
+import torch
+import torch_xla, torch_xla.core.xla_model, torch_xla.runtime  # set variables of their own
+before = dict(os.environ)
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+from torch.optim import optimizer
+print(json.dumps({
+    "torch.xla": hasattr(torch, "xla"),
+    "optimizer hooks": len(optimizer._global_optimizer_pre_hooks)
+                       + len(optimizer._global_optimizer_post_hooks),
+    "environment": sorted(k for k in set(os.environ) | set(before)
+                          if os.environ.get(k) != before.get(k)),
+}))
+"""
+
+
+def test_importing_changes_nothing_process_wide():
+    """Process-wide effects (the ``torch.xla`` device module, optimizer step hooks,
+    ``ACCELERATE_USE_FSDP``) are installed when the first unit is built, never at import."""
+    names = sorted(n for n in MODULES if not n.startswith(VIRTUAL_LAUNCHER)
+                   and not n.endswith("__main__"))
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    env.pop("ACCELERATE_USE_FSDP", None)
+    out = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING, *names], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    effects = json.loads(out.stdout.strip().splitlines()[-1])
+    assert effects == {"torch.xla": False, "optimizer hooks": 0, "environment": []}, effects
