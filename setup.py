@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices, with "
                 "streaming checkpoint consolidation",
-    packages=find_packages(include=["xla_fsdp", "xla_fsdp.*", "consolidate", "consolidate.*"]),
+    packages=find_packages(include=["xla_fsdp", "xla_fsdp.*"]),
     python_requires=">=3.10,<3.14",
     # torch_xla 2.9.0 declares no torch pin, but its C++ ABI needs torch 2.9.x.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
@@ -14,6 +14,6 @@ setup(
                              "lightning==2.6.6", "matplotlib"],
                     "example": ["matplotlib"]},  # examples/train_lm.py's loss curve
     entry_points={"console_scripts": [
-        "consolidate_sharded_ckpts = consolidate.cli:main",
+        "consolidate_sharded_ckpts = xla_fsdp.checkpoint.consolidate.cli:main",
     ]},
 )

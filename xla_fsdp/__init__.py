@@ -1,24 +1,34 @@
-"""Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices."""
+"""Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices.
+
+The public API: the wrapper (``XlaFullyShardedDataParallel``, also ``FSDP``), scanned layers,
+auto-wrap policies, ``checkpoint_module``, the launcher and ``patch_torch_xla()``;
+``xla_fsdp.checkpoint`` for checkpoints. ARCHITECTURE.md describes the layers below them.
+"""
+from typing import Any
+
+from .compat.patch import patch_torch_xla
 from .launch import LaunchError, launch
-from .patch import patch_torch_xla
 
-_LAZY = {
-    "XlaFullyShardedDataParallel": "fully_sharded", "FSDP": "fully_sharded",
-    "checkpoint_module": "activation_checkpoint", "ScannedLayers": "scanned_layers",
-    "always_wrap_policy": "wrap", "size_based_auto_wrap_policy": "wrap",
-    "transformer_auto_wrap_policy": "wrap", "lambda_auto_wrap_policy": "wrap",
-    "recursive_wrap": "wrap",
-}
-
-__all__ = ["launch", "LaunchError", "patch_torch_xla", *_LAZY]
+__all__ = ["launch", "LaunchError", "patch_torch_xla", "XlaFullyShardedDataParallel", "FSDP",
+           "ScannedLayers", "checkpoint_module", "always_wrap_policy",
+           "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "lambda_auto_wrap_policy", "recursive_wrap"]
+_WRAP = {"always_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
+         "lambda_auto_wrap_policy", "recursive_wrap"}
 
 
-def __getattr__(name):
-    # The wrapper imports torch_xla; keep `from xla_fsdp import launch` light.
-    if name in _LAZY:
-        import importlib
-        module = importlib.import_module(f".{_LAZY[name]}", __name__)
-        value = getattr(module, "XlaFullyShardedDataParallel" if name == "FSDP" else name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'xla_fsdp' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    # the wrapper imports torch; keep `from xla_fsdp import launch` light
+    if name in ("XlaFullyShardedDataParallel", "FSDP"):
+        from .fully_sharded import XlaFullyShardedDataParallel as value
+    elif name == "ScannedLayers":
+        from .scanned_layers import ScannedLayers as value
+    elif name == "checkpoint_module":
+        from .activation_checkpoint import checkpoint_module as value
+    elif name in _WRAP:
+        from . import wrap
+        value = getattr(wrap, name)
+    else:
+        raise AttributeError(f"module 'xla_fsdp' has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -1,51 +1,56 @@
 """XlaFullyShardedDataParallel: ZeRO-3 sharding of an ``nn.Module`` on XLA devices.
 
 Each unit keeps only this rank's shard of its parameters. The original parameters stay in
-their modules as *full-parameter placeholders* (``param_record``): leaf tensors that hold the
-all-gathered full value while the unit computes and a one-element dummy otherwise. Autograd
-still sees one leaf per original parameter, so gradients arrive per parameter; they are
-reduce-scattered into the shard's ``.grad`` once every parameter of a shard group has its
+their modules as *full-parameter placeholders* (``_unit.param_record``): leaf tensors that
+hold the all-gathered full value while the unit computes and a one-element dummy otherwise.
+Autograd still sees one leaf per original parameter, so gradients arrive per parameter; they
+are reduce-scattered into the shard's ``.grad`` once every parameter of a shard group has its
 gradient.
 
-The package, in the order a unit uses it:
-
-* ``fully_sharded`` (this file): the ``nn.Module``, construction and the public API;
-* ``init_sharding``, ``shard_group``, ``shard_layout``, ``param_record``: finding the
-  parameters, sharding them, and the per-parameter records;
-* ``unit_state``: one object per unit, owning its hooks, training state and counters;
-  ``root_context``: what the units of one model share; ``unit_params``: gathering, freeing
-  and gradient reduction; ``collectives``: the XLA collectives;
-* ``module_group``: units over several modules; ``full_state_dict``, ``shard_metadata``,
-  ``checkpoint``: the unwrapped state dict and checkpoints, through the public interface.
+This module is the public class: construction and the methods users call. The work is in
+the layers below it (see ARCHITECTURE.md): ``_init`` (finding and grouping parameters),
+``_unit`` (one state object per unit, owning its hooks and shard groups), ``_sharding``
+(layouts and collectives) and ``checkpoint`` (state dicts and shard metadata).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
-from .collectives import Collectives
-from .init_sharding import find_parameters, group_parameters, materialize_meta, place_buffers
-from .module_group import ModuleGroup, check_members, place_grouping_units
-from .mixed_precision import float32_modules, run_in_float32
-from .module_view import ModuleView
-from .options import FsdpOptions
-from .patched_linear import patch_linear_layers
-from .safety import declare_sharded_gradients, install_optimizer_guard, validate_module
-from .shard_layout import Dim0Layout
-from .shard_group import ShardGroup, build_group
-from .shard_metadata import original_names_and_shards, shard_metadata
-from .torch_device_module import register as _register_torch_xla_device_module
-from .training_state import TrainingState
-from .unit_params import FullParams, UnitParams
-from .unit_state import UnitState
+from ._init.find_parameters import find_parameters, shard_group_members
+from ._init.meta_init import materialize_meta
+from ._init.mixed_precision import float32_modules, run_in_float32
+from ._init.module_group import ModuleGroup, attach_module_groups, check_members, mark_grouped
+from ._init.validate import validate_module
+from ._sharding.collectives import Collectives
+from ._sharding.layout import Dim0Layout
+from ._unit import process_effects
+from ._unit.buffers import place_buffers
+from ._unit.module_view import ModuleView
+from ._unit.options import FsdpOptions
+from ._unit.param_record import Owner
+from ._unit.shard_group import ShardGroup, build_shard_group
+from ._unit.training_state import TrainingState
+from ._unit.unit_params import UnitParams
+from ._unit.unit_state import UnitState
+from ._xla.patched_linear import patch_linear_layers
+from .checkpoint.full_state_dict import full_state_dict, load_full_state_dict
+from .checkpoint.metadata import original_names_and_shards, shard_metadata
+from .wrap import recursive_wrap
 
-_register_torch_xla_device_module()  # torch.utils.checkpoint on XLA tensors
+
+@dataclass
+class ShardedParameters:
+    """What sharding a unit's modules produced (``_shard_members``)."""
+    shard_groups: List[ShardGroup]
+    shared_params: List[Tuple[str, str]]   # (alias, source) names of tied parameters
+    param_order: List[str]                 # names in the unwrapped modules' order
 
 
 class XlaFullyShardedDataParallel(nn.Module):
@@ -132,12 +137,12 @@ class XlaFullyShardedDataParallel(nn.Module):
     ) -> None:
         grouping = isinstance(module, (list, tuple))
         if grouping:
-            members = check_members(module, XlaFullyShardedDataParallel)
+            members = check_members(module)
             if auto_wrap_policy is not None:
                 raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
                                  "combined with a list of modules to group")
         else:
-            validate_module(module, XlaFullyShardedDataParallel, self._calls_wrapped_module)
+            validate_module(module, self._calls_wrapped_module)
             members = [module]
         options = FsdpOptions.build(
             reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
@@ -167,7 +172,6 @@ class XlaFullyShardedDataParallel(nn.Module):
             debug_dummy_optimization_barrier_op=_debug_dummy_optimization_barrier_op)
         super().__init__()
         if auto_wrap_policy is not None:
-            from .wrap import recursive_wrap
             recursive_wrap(module, auto_wrap_policy,
                            wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
                            only_wrap_children=True, **options.as_kwargs())
@@ -183,7 +187,7 @@ class XlaFullyShardedDataParallel(nn.Module):
             warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
                           "torch_xla and has no effect in xla_fsdp: the real forward runs")
         for m in members:
-            materialize_meta(m, param_init_fn, XlaFullyShardedDataParallel)
+            materialize_meta(m, param_init_fn)
             if options.use_xla_patched_linear:
                 patch_linear_layers(m)
         self._fsdp_wrapped_module = ModuleGroup(members) if grouping else module
@@ -191,28 +195,22 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.xla_device = torch_xla.device()
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names
         self._param_order: List[str] = []
-        self._state = UnitState(type(members[0]).__name__ if not grouping else
+        self._state = UnitState(self, type(members[0]).__name__ if not grouping else
                                 "+".join(type(m).__name__ for m in members), members,
-                                UnitParams([], self._collectives, options, self.xla_device),
-                                options)
+                                UnitParams(self._collectives, options, self.xla_device),
+                                options, detached=grouping)
         self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
                                          self.world_size
                                          / _default_predivide_factor(self.world_size), False)
-        for m in members:
-            m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, m),
-                                        with_kwargs=True, prepend=True)
-            m.register_forward_hook(functools.partial(self._post_forward_hook, m))
+        self._state.hook_members()
         self.register_load_state_dict_post_hook(_after_load)
         if grouping:
-            for m in members:
-                object.__setattr__(m, "_fsdp_group_unit", self)
-            self._state.unplaced = True
+            mark_grouped(members, self)
         else:
-            place_grouping_units(self)
-            self._shard_parameters([("", module)])
+            attach_module_groups(self)
+            self._shard([("", module)])
             self._state.adopt([u._state for u in self.units()])
-        install_optimizer_guard()
-        declare_sharded_gradients()
+        process_effects.install()
         if options.execute_sharding_on_init:
             torch_xla.sync()
 
@@ -235,7 +233,7 @@ class XlaFullyShardedDataParallel(nn.Module):
     @property
     def shard_groups(self) -> List[ShardGroup]:
         """This unit's shard groups (not its nested units'), read by checkpoint code."""
-        return list(self._state.params.groups)
+        return list(self._state.shard_groups)
 
     @property
     def shared_params(self) -> List[Tuple[str, str]]:
@@ -282,7 +280,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
-        self._state.explicit_reshard_after_forward = bool(value)
+        self._state.set_reshard_after_forward(value)
 
     @property
     def reshard_after_backward(self) -> bool:
@@ -306,7 +304,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         return self._fsdp_wrapped_module.__getitem__(key)
 
     def extra_repr(self) -> str:
-        padded = [n for g in self._state.params.groups if isinstance(g.layout, Dim0Layout)
+        padded = [n for g in self._state.shard_groups if isinstance(g.layout, Dim0Layout)
                   and g.layout.pad_rows for n in g.names]
         text = (f"world_size={self.world_size}, rank={self.rank}, "
                 f"compute_dtype={self.compute_dtype}, flatten_parameters="
@@ -334,7 +332,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         headroom, so there both divisions happen after it."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
-            unit._state.divide = (float(pre), float(post))
+            unit._state.set_divide(pre, post)
 
     # -- explicit control (FSDP2's names) ---------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -343,7 +341,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
-            unit._state.explicit_reshard_after_forward = bool(reshard_after_forward)
+            unit._state.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool,
                                    recurse: bool = True) -> None:
@@ -353,7 +351,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         load) has changed since they were gathered are gathered again, never reused."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
-            unit._state.reshard_after_backward = bool(reshard_after_backward)
+            unit._state.set_reshard_after_backward(reshard_after_backward)
 
     def set_modules_to_forward_prefetch(
             self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
@@ -362,13 +360,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         instead of running them after it; the cost is holding their full parameters for
         longer. Without it, a unit's gather is tied to its inputs, i.e. to the previous
         unit's output."""
-        self._state.forward_prefetch = self._prefetch_targets(modules, "forward")
+        self._state.set_prefetch(forward=self._prefetch_targets(modules, "forward"))
 
     def set_modules_to_backward_prefetch(
             self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
         """Units whose all-gathers are issued when this unit's backward starts, usually the
         unit(s) whose backward runs next (the ones before it in forward order)."""
-        self._state.backward_prefetch = self._prefetch_targets(modules, "backward")
+        self._state.set_prefetch(backward=self._prefetch_targets(modules, "backward"))
 
     def _prefetch_targets(self, modules: Sequence[Any], which: str) -> List[UnitState]:
         modules = list(modules)
@@ -386,13 +384,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         forward uses them instead of gathering (then frees them if ``reshard_after_forward``).
         E.g. to start a unit's gather before unrelated work of the step."""
         self.assert_state(TrainingState.IDLE)
-        self._state.params.unshard([], self._options.optimization_barrier_in_forward)
+        self._state.unshard_now()
 
     def reshard(self) -> None:
         """Frees this unit's full parameters (and any gather issued for it)."""
         self.assert_state(TrainingState.IDLE)
-        params = self._state.params
-        params.reshard(params.groups, [], self._options.optimization_barrier_in_forward)
+        self._state.reshard_now()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -405,12 +402,12 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._check_root_call("no_sync")
         saved = [(u._state, u._state.require_grad_sync) for u in self.units()]
         for state, _ in saved:
-            state.require_grad_sync = False
+            state.set_require_grad_sync(False)
         try:
             yield
         finally:
             for state, flag in saved:
-                state.require_grad_sync = flag
+                state.set_require_grad_sync(flag)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
@@ -445,7 +442,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         """Also drops full gradients a ``no_sync`` backward left unreduced."""
         super().zero_grad(set_to_none)
         for unit in self.units():
-            unit._state.params.drop_abandoned()
+            unit._state.drop_abandoned()
 
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """(name in the unwrapped model, shard) for every shard of every unit in this tree."""
@@ -454,7 +451,6 @@ class XlaFullyShardedDataParallel(nn.Module):
     def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
         """The unwrapped model's state dict on the CPU (see ``full_state_dict.py``)."""
         self._check_root_call("full_state_dict")
-        from .full_state_dict import full_state_dict
         return full_state_dict(self, rank0_only)
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
@@ -462,7 +458,6 @@ class XlaFullyShardedDataParallel(nn.Module):
         """Loads an unwrapped model's state dict, e.g. a consolidated checkpoint, at any
         world size: each rank keeps only its shard."""
         self._check_root_call("load_full_state_dict")
-        from .full_state_dict import load_full_state_dict
         return load_full_state_dict(self, state_dict, strict)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
@@ -476,43 +471,51 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     # -- sharding at construction ------------------------------------------------------------
     @property
-    def is_placed(self) -> bool:
-        return not self._state.unplaced
+    def is_attached(self) -> bool:
+        return not self._state.detached
 
-    def place(self, member_paths: List[str]) -> None:
-        """Shards a grouping unit's modules, named as in the unit that places it (see
-        ``module_group``)."""
-        self._state.unplaced = False
-        self._shard_parameters(list(zip(member_paths, self._state.members)))
+    def attach(self, member_paths: List[str]) -> None:
+        """Shards a grouping unit's modules, named as in the unit that attaches it (see
+        ``_init.module_group``)."""
+        self._state.mark_attached()
+        self._shard(list(zip(member_paths, self._state.members)))
 
-    def _shard_parameters(self, roots: List[Tuple[str, nn.Module]]) -> None:
+    def _shard(self, roots: List[Tuple[str, nn.Module]]) -> None:
+        sharded = self._shard_members(roots, self._state.name)
+        for g in sharded.shard_groups:
+            self.register_parameter(g.shard_name, g.shard)
+        self._state.add_shard_groups(sharded.shard_groups)
+        self._shared_params = sharded.shared_params
+        self._param_order = sharded.param_order
+
+    def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
+                       ) -> ShardedParameters:
+        """Shards the parameters below ``roots`` ((name prefix, module) pairs) and places
+        their buffers; ``ScannedLayers`` shards a stack of layers its own way."""
         opts = self._options
         found = find_parameters(roots, self)
-        self._param_order = [names[0] for _, _, names in found]
         modules = [m for _, root in roots for m in root.modules()]
         fp32 = float32_modules(modules, self.compute_dtype)
 
-        def dtype_of(owners: List[Tuple[nn.Module, str]]) -> torch.dtype:
+        def dtype_of(owners: List[Owner]) -> torch.dtype:
             return torch.float32 if any(id(m) in fp32 for m, _ in owners) else self.compute_dtype
 
-        groups = []
-        for index, members in enumerate(group_parameters(found, self.flatten_parameters,
-                                                         dtype_of)):
-            group = build_group(
+        shard_groups, shared = [], []
+        for index, members in enumerate(shard_group_members(found, self.flatten_parameters,
+                                                            dtype_of)):
+            shard_groups.append(build_shard_group(
                 members, index, flatten=self.flatten_parameters,
                 dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
                 multiple=opts.shard_size_multiple, device=self.xla_device,
-                compute_dtype=dtype_of(members[0][1]), unit_name=self._state.name)
-            self.register_parameter(group.shard_name, group.shard)
-            groups.append(group)
+                compute_dtype=dtype_of(members[0][1]), unit_name=unit_name))
             for _, _, names in members:
-                self._shared_params.extend((alias, names[0]) for alias in names[1:])
-        self._state.add_groups(groups)
+                shared.extend((alias, names[0]) for alias in names[1:])
         for m in modules:
             if id(m) in fp32:
                 run_in_float32(m, self.compute_dtype)
         for _, m in roots:
             place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
+        return ShardedParameters(shard_groups, shared, [names[0] for _, _, names in found])
 
     # -- root ---------------------------------------------------------------------------------
     def _check_root_call(self, what: str) -> None:
@@ -532,25 +535,18 @@ class XlaFullyShardedDataParallel(nn.Module):
         # and calling the group itself raises)
         return self._fsdp_wrapped_module(*args, **kwargs)
 
-    def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
-                          kwargs: dict) -> Tuple[tuple, dict]:
-        return self._state.pre_forward(member, args, kwargs, _in_checkpoint_recompute())
-
-    def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
-                           outputs: Any) -> Any:
-        return self._state.post_forward(member, outputs, _in_checkpoint_recompute())
-
 
 def _after_load(unit: XlaFullyShardedDataParallel, _incompatible: Any) -> None:
     """``load_state_dict`` wrote the shards, or with ``assign=True`` replaced them: keep the
     shards the optimizer and the unit hold (moving the loaded values into them) and count
     the update, so that full parameters gathered before it are not reused."""
+    own = dict(unit.named_parameters(recurse=False))
     for g in unit.shard_groups:
-        loaded = unit._parameters.get(g.shard_name)
+        loaded = own.get(g.shard_name)
         if loaded is not None and loaded is not g.shard:
             with torch.no_grad():
                 g.shard.copy_(loaded.detach().to(g.shard.device, g.shard.dtype))
-            unit._parameters[g.shard_name] = g.shard
+            unit.register_parameter(g.shard_name, g.shard)
         g.mark_updated()
 
 
@@ -561,11 +557,3 @@ def _default_predivide_factor(world_size: int) -> float:
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2
     return float(factor)
-
-
-def _in_checkpoint_recompute() -> bool:
-    """Whether this forward recomputes activations during backward: activation
-    checkpointing around the unit (``torch.utils.checkpoint``, reentrant or not, or
-    torch_xla's), which runs the unit's forward again from inside the autograd engine."""
-    from torch_xla.utils.checkpoint import chkpt_status
-    return bool(chkpt_status.in_chkpt_bwd) or torch._C._current_graph_task_id() != -1

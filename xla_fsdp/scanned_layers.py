@@ -4,7 +4,7 @@
     model = XlaFullyShardedDataParallel(model, **fsdp_options)
 
 The step then compiles one layer's forward and one layer's backward, whatever the depth:
-the layers run as a while loop over stacked shards (``scan_loop``), one layer gathered at a
+the layers run as a while loop over stacked shards (``scan.loop``), one layer gathered at a
 time, forward and backward. The model's code does not change: iterating the stack yields
 one callable that runs every layer, so ``for layer in self.layers: h = layer(h, ...)`` (or
 Hugging Face's ``for layer in self.layers[:n]``) runs the scan once.
@@ -24,16 +24,18 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ._tensor_tree import cast_floating
-from .fully_sharded import XlaFullyShardedDataParallel
-from .init_sharding import find_parameters, group_parameters, place_buffers
-from .scan_loop import ScanFunction, ScanLoop, run_forward_only
-from .scan_checks import (check_identical, forward_graph, refuse_input_mutation,
+from ._init.find_parameters import find_parameters, shard_group_members
+from ._sharding.tensor_tree import cast_floating
+from ._unit.buffers import place_buffers
+from ._unit.param_record import Owner
+from ._unit.shard_group import build_stacked_shard_group
+from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
+from .fully_sharded import ShardedParameters, XlaFullyShardedDataParallel
+from .scan.checks import (check_identical, forward_graph, refuse_input_mutation,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
-from .scan_trace import LayerGraphs, trace_layer
-from .shard_group import build_stacked_group
+from .scan.loop import ScanFunction, ScanLoop, run_forward_only
+from .scan.trace import LayerGraphs, trace_layer
 
 # attributes that may differ between layers because they only index a per-layer cache,
 # which training does not use (Hugging Face's ``layer_idx``); see
@@ -50,7 +52,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
     the same; the communication is not saved). ``ignored_attributes`` names plain
     attributes that may differ between layers. ``prefetch_next_layer=True`` gathers the next
     layer beside the current layer's compute, at the cost of a second layer's full
-    parameters (see [Note: gathering the next layer ahead] in ``scan_loop``)."""
+    parameters (see [Note: gathering the next layer ahead] in ``scan.loop``)."""
 
     _calls_wrapped_module = False  # its forward runs the layers, not the ModuleList
 
@@ -76,7 +78,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
 
     # -- the stack as Hugging Face's loops see it ------------------------------------------
     def __len__(self) -> int:
-        return len(self._fsdp_wrapped_module)
+        return len(self.wrapped_module)
 
     def __iter__(self) -> Iterator[nn.Module]:
         return iter([self])  # one step that runs every layer
@@ -87,7 +89,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 raise IndexError(f"a ScannedLayers stack runs as a whole; {key} selects only "
                                  f"some of its {len(self)} layers")
             return self
-        return self._fsdp_wrapped_module[key]
+        return self.wrapped_module[key]
 
     def __getattr__(self, name: str) -> Any:
         # the model's loop may read a setting off the layer it calls (Qwen2 picks its mask by
@@ -95,7 +97,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self._fsdp_wrapped_module[0], name)
+            return getattr(self.wrapped_module[0], name)
 
     def _refuse_direct_call(self, index: int) -> Callable:
         def hook(_module: nn.Module, _args: Any) -> None:
@@ -109,30 +111,32 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                            "are no full parameters to gather for the whole stack")
 
     # -- sharding at construction ----------------------------------------------------------
-    def _shard_parameters(self, roots: List[Tuple[str, nn.Module]]) -> None:
+    def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
+                       ) -> ShardedParameters:
         ((_, stack),) = roots
-        opts = self._options
+        opts = self.options
         found = [find_parameters([(str(i), layer)], self) for i, layer in enumerate(stack)]
         layer_found = find_parameters([("", stack[0])], self)
         position = {names[0]: k for k, (_, _, names) in enumerate(layer_found)}
-        groups = []
-        for index, members in enumerate(group_parameters(
-                layer_found, self.flatten_parameters, lambda _owners: self.compute_dtype)):
+
+        def dtype_of(_owners: List[Owner]) -> torch.dtype:
+            return self.compute_dtype
+
+        shard_groups = []
+        for index, members in enumerate(shard_group_members(
+                layer_found, self.flatten_parameters, dtype_of)):
             names = [n[0] for _, _, n in members]
-            group = build_stacked_group(
+            shard_groups.append(build_stacked_shard_group(
                 [[layer[position[n]] for n in names] for layer in found], names, index,
                 flatten=self.flatten_parameters, dim0=opts.shard_param_on_dim_0,
                 world_size=self.world_size, rank=self.rank, multiple=opts.shard_size_multiple,
                 device=self.xla_device, compute_dtype=self.compute_dtype,
-                unit_name=self._state.name)
-            self.register_parameter(group.shard_name, group.shard)
-            groups.append(group)
-        for layer in found:
-            for _, _, names in layer:
-                self._shared_params.extend((alias, names[0]) for alias in names[1:])
-        self._param_order = [names[0] for layer in found for _, _, names in layer]
-        self._state.add_groups(groups)
+                unit_name=unit_name))
+        shared = [(alias, names[0]) for layer in found for _, _, names in layer
+                  for alias in names[1:]]
         place_buffers(stack, self.buffer_dtype, self.xla_device)
+        return ShardedParameters(shard_groups, shared,
+                                 [names[0] for layer in found for _, _, names in layer])
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -145,44 +149,46 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         invariants = [leaves[i] for i in tensors]
         differentiable = [t.is_floating_point() and t.requires_grad for t in invariants]
-        groups = self.shard_groups
-        stack = self._fsdp_wrapped_module
+        shard_groups = self.shard_groups
+        stack = self.wrapped_module
         buffer_slots = [(name, [layer.get_buffer(name) for layer in stack])
                         for name, _ in stack[0].named_buffers()]
         buffers = [torch.stack(values) for _, values in buffer_slots]
         key = (tuple((tuple(t.shape), t.dtype) for t in [hidden] + invariants),
                tuple(differentiable), str(spec),
                tuple(repr(x) for i, x in enumerate(leaves) if i not in set(tensors)),
-               stack[0].training, tuple(g.shard.requires_grad for g in groups))
+               stack[0].training, tuple(g.shard.requires_grad for g in shard_groups))
         if key not in self._scan_cache:
             self._scan_cache[key] = self._trace(hidden, invariants, differentiable, leaves,
                                                 tensors, spec, buffer_slots)
         graphs, rebuild = self._scan_cache[key]
-        if graphs.draws_random and torch._C._current_graph_task_id() != -1:
+        if graphs.draws_random and in_backward():
             raise RuntimeError(
                 "a ScannedLayers stack whose layers draw random numbers (dropout) is being "
                 "recomputed inside backward (torch.utils.checkpoint around it): the loop's "
                 "draws ignore the restored seed, so the recomputation would use other dropout "
                 "masks than the forward. Do not checkpoint the stack (the scan saves only "
                 "activations, never weights), or set dropout to 0")
-        loop = ScanLoop(graphs, invariants, differentiable, groups, buffers,
-                        self._collectives, self._options, self._state.divide, self._prefetch)
+        divide = (self.gradient_predivide_factor, self.gradient_postdivide_factor)
+        loop = ScanLoop(graphs, invariants, differentiable, shard_groups, buffers,
+                        self.collectives, self.options, divide, self._prefetch)
         grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
-                                            any(g.shard.requires_grad for g in groups))
+                                            any(g.shard.requires_grad for g in shard_groups))
         if not grad:
             return rebuild(run_forward_only(loop, hidden))
         return rebuild(ScanFunction.apply(loop, hidden, *invariants,
-                                          *[g.shard for g in groups]))
+                                          *[g.shard for g in shard_groups]))
 
     def _trace(self, hidden: torch.Tensor, invariants: List[torch.Tensor],
                differentiable: List[bool], leaves: List[Any], tensors: List[int], spec: Any,
                buffer_slots: List[Tuple[str, List[torch.Tensor]]]
                ) -> Tuple[LayerGraphs, Callable[[torch.Tensor], Any]]:
-        template = self._fsdp_wrapped_module[0]
-        groups = self.shard_groups
-        owners = [r.owners for g in groups for r in g.records[:len(g.layout.layer.shapes)]]
+        template = self.wrapped_module[0]
+        shard_groups = self.shard_groups
+        owners = [r.owners for g in shard_groups
+                  for r in g.records[:len(g.layout.layer.shapes)]]
         params = [torch.empty(s, dtype=g.compute_dtype, device=self.xla_device)
-                  for g in groups for s in g.layout.layer.shapes]
+                  for g in shard_groups for s in g.layout.layer.shapes]
         n_inv, n_par = len(invariants), len(params)
         structure: Dict[str, Any] = {}
 
@@ -199,7 +205,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             return first
 
         inputs = [hidden, *invariants, *params, *[values[0] for _, values in buffer_slots]]
-        grads = [True] + differentiable + [g.shard.requires_grad for g in groups
+        grads = [True] + differentiable + [g.shard.requires_grad for g in shard_groups
                                            for _ in g.layout.layer.shapes]
         grads += [False] * len(buffer_slots)
         weights = set(range(1 + n_inv, 1 + n_inv + n_par))
@@ -235,8 +241,8 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         for name, value in zip(buffer_names, buffers):
             path, _, attr = name.rpartition(".")
             module = template.get_submodule(path)
-            saved_buffers.append((module, attr, module._buffers[attr]))
-            module._buffers[attr] = value
+            saved_buffers.append((module, attr, module.get_buffer(attr)))
+            setattr(module, attr, value)
         for ows, value in zip(owners, params):
             for m, a in ows:
                 object.__setattr__(m, a, value)
@@ -248,7 +254,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             for m, a, old in saved_params:
                 object.__setattr__(m, a, old)
             for m, a, old in saved_buffers:
-                m._buffers[a] = old
+                setattr(m, a, old)
 
 
 def _carried_output(out: Any, hidden: torch.Tensor) -> Tuple[torch.Tensor, Callable]:

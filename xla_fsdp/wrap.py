@@ -7,9 +7,11 @@ below ``module`` that no inner unit has taken yet.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Set, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type
 
 import torch.nn as nn
+
+from ._unit.unit_state import is_unit
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
@@ -65,18 +67,18 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
 
 
 def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
-    from .fully_sharded import XlaFullyShardedDataParallel
-    if isinstance(module, XlaFullyShardedDataParallel):
+    if is_unit(module):
         return 0
     return sum(p.numel() for p in module.parameters()
                if id(p) not in ignored_ids and not getattr(p, "_is_sharded", False))
 
 
-def _wrap(module, policy, wrapper_cls, ignored_modules, ignored_ids, only_children, kwargs):
-    from .fully_sharded import XlaFullyShardedDataParallel
+def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
+          ignored_modules: Set[nn.Module], ignored_ids: Set[int], only_children: bool,
+          kwargs: Dict[str, Any]) -> Tuple[nn.Module, int]:
     # an existing unit (e.g. ScannedLayers) has sharded its subtree already: wrapping inside
     # it would build units around its placeholders
-    if module in ignored_modules or isinstance(module, XlaFullyShardedDataParallel):
+    if module in ignored_modules or is_unit(module):
         return module, 0
     if not policy(module=module, recurse=True,
                   unwrapped_params=_unwrapped_numel(module, ignored_ids)):

@@ -1,0 +1,153 @@
+"""The only place that calls XLA collectives and optimization barriers, and the stateless
+steps FSDP builds from them: gathering a unit's shards, padding its gradients for the
+reduce-scatter, and reducing them. Ordinary units (``UnitParams``) and the scanned layers'
+loop bodies use the same steps.
+
+All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
+``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
+``world_size`` times the data and bakes the rank into the graph. Given an ``output``
+buffer, the same call lowers to a native all-gather with its layout pinned. torch_xla has
+no pinned form of the coalesced (list) all-gather, so coalesced gathers are never pinned.
+"""
+from __future__ import annotations
+
+from typing import AbstractSet, List, Optional, Sequence, Tuple
+
+import torch
+
+from .layout import Layout
+
+RankGroups = Optional[List[List[int]]]  # torch_xla's ``groups``: lists of ranks, None for all
+
+
+class Collectives:
+    """Collectives over the ranks of one sharding group, as FSDP uses them."""
+
+    def __init__(self, world_size: int, rank_groups: RankGroups, pin_layout: bool,
+                 rank: int = 0, dummy: AbstractSet[str] = frozenset()) -> None:
+        self.world_size = world_size
+        self.rank_groups = rank_groups
+        self.pin_layout = pin_layout
+        self.rank = rank
+        # torch_xla's _debug_dummy_*_op switches: local stand-ins with the collectives'
+        # shapes, to measure what a step costs without them. Their results are wrong.
+        self.dummy = frozenset(dummy)
+
+    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
+        """Concatenations along dim 0 of every rank's shard, one per input."""
+        import torch_xla.core.xla_model as xm
+        if not shards:
+            return []
+        if "all_gather" in self.dummy:
+            return [s.repeat((self.world_size,) + (1,) * (s.dim() - 1)) for s in shards]
+        if coalesce and len(shards) > 1 or not self.pin_layout:
+            return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
+                                      pin_layout=False))
+        return [xm.all_gather(s, dim=0, groups=self.rank_groups, pin_layout=True,
+                              output=s.new_empty((s.shape[0] * self.world_size,) + s.shape[1:]))
+                for s in shards]
+
+    def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
+        """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.
+
+        Several inputs go out as one reduce-scatter of a single buffer whose row ``r`` holds
+        rank ``r``'s block of every input. torch_xla's coalesced (list) reduce-scatter aborts
+        the process with ``pin_layout=True`` (torch_xla 2.9, any world size)."""
+        import torch_xla.core.xla_model as xm
+        if not tensors:
+            return []
+        n = self.world_size
+        if len(tensors) == 1:
+            buffer = tensors[0]
+        else:
+            buffer = torch.cat([t.reshape(n, -1) for t in tensors], dim=1).reshape(-1)
+        if "reduce_scatter" in self.dummy:
+            block = buffer.shape[0] // n
+            reduced = buffer.narrow(0, self.rank * block, block) * scale
+        else:
+            reduced = xm.reduce_scatter(xm.REDUCE_SUM, buffer, scale=scale, scatter_dim=0,
+                                        shard_count=n, groups=self.rank_groups,
+                                        pin_layout=self.pin_layout)
+        if len(tensors) == 1:
+            return [reduced]
+        # Clones, not views: a live view keeps its base alive too, and torch_xla then makes
+        # both outputs of the step graph, doubling the gradients' memory.
+        sizes = [t.numel() // n for t in tensors]
+        return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:])).clone()
+                for part, t in zip(reduced.split(sizes), tensors)]
+
+    def all_reduce_sum(self, tensor: torch.Tensor,
+                       rank_groups: RankGroups = None) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        if "all_reduce" in self.dummy:
+            return tensor.clone()
+        return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=rank_groups,
+                             pin_layout=self.pin_layout)
+
+    def all_reduce_max(self, tensor: torch.Tensor,
+                       rank_groups: RankGroups = None) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+        if "all_reduce" in self.dummy:
+            return tensor.clone()
+        return xm.all_reduce(xm.REDUCE_MAX, tensor, groups=rank_groups,
+                             pin_layout=self.pin_layout)
+
+
+def optimization_barrier(tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """Stops XLA from fusing or reordering work across this point (e.g. merging a unit's
+    forward and backward all-gathers, which keeps its full parameters alive in between)."""
+    import torch_xla.core.xla_model as xm
+    tensors = [t for t in tensors if t is not None]
+    if tensors:
+        xm.optimization_barrier_(list(tensors))
+
+
+def gather_pieces(collectives: Collectives,
+                  shards: Sequence[Tuple[Layout, torch.Tensor, torch.dtype]],
+                  coalesce: bool) -> List[List[torch.Tensor]]:
+    """All-gathers (layout, shard, compute dtype) triples, cast to the compute dtype first so
+    that low-precision compute moves low-precision bytes; per triple, what its layout's
+    ``unshard_pieces`` takes."""
+    pieces = [layout.pieces(shard if shard.dtype == dtype else shard.to(dtype))
+              for layout, shard, dtype in shards]
+    gathered = collectives.all_gather([p for ps in pieces for p in ps], coalesce)
+    out, at = [], 0
+    for ps in pieces:
+        out.append(gathered[at:at + len(ps)])
+        at += len(ps)
+    return out
+
+
+def padded_gradient(layout: Layout, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,
+                    device: torch.device, fp32_reduce_scatter: bool,
+                    divide: Tuple[float, float]) -> torch.Tensor:
+    """A shard group's full gradients as the padded tensor its reduce-scatter takes; a
+    parameter without a gradient contributes zeros. Low-precision sums are pre-divided for
+    headroom."""
+    full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+            for g, shape in zip(grads, layout.shapes)]
+    flat = layout.pad(full)
+    if fp32_reduce_scatter and flat.dtype != torch.float32:
+        flat = flat.float()
+    pre, _ = divide
+    if flat.dtype != torch.float32 and pre != 1:
+        flat = flat / pre
+    return flat
+
+
+def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
+                      inputs: List[torch.Tensor], replica_groups: RankGroups
+                      ) -> List[torch.Tensor]:
+    """Reduce-scatters ``padded_gradient`` outputs into float32 shard gradients, averaged
+    over the ranks (and over the replicas, with ``replica_groups``: hybrid sharding)."""
+    # A float32 sum cannot overflow where the pre-division would matter, so the whole
+    # division is the reduce-scatter's scale on the shard: one pass over the full
+    # gradients fewer, and the same bits when both factors are powers of two.
+    pre, post = divide
+    divisor = post * pre if inputs[0].dtype == torch.float32 else post
+    if replica_groups:  # then averaged over the sharding groups too
+        divisor *= len(replica_groups[0])
+    outputs = collectives.reduce_scatter(inputs, scale=1.0 / divisor)
+    if replica_groups:
+        outputs = [collectives.all_reduce_sum(t, replica_groups) for t in outputs]
+    return [t if t.dtype == torch.float32 else t.float() for t in outputs]

@@ -1,0 +1,95 @@
+"""What every optimizer step checks and records for FSDP shards.
+
+Installed as global optimizer step hooks (``process_effects``): before a step, refuse what
+would train silently wrong (an optimizer over the parameters FSDP replaced, a step after a
+``no_sync`` backward whose gradients were never reduced, ``xm.optimizer_step`` or
+accelerate averaging the already-sharded gradients across ranks); after it, count the
+update of each shard it stepped (see ``ShardGroup.generation``).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from .param_record import taken_name
+from .shard_group import shard_group_of
+
+ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
+
+
+def declare_sharded_gradients() -> None:
+    """Tells Hugging Face accelerate that this process trains an FSDP model.
+
+    Without ``ACCELERATE_USE_FSDP`` accelerate all-reduces every gradient on XLA, in its
+    optimizer step and its ``clip_grad_norm_``, averaging different ranks' shards together;
+    transformers' Trainer sets it only for non-XLA FSDP. accelerate reads it at each step,
+    so setting it when a unit is built is in time. A value the user set is kept, and
+    ``check_step`` refuses the step it would corrupt."""
+    value = os.environ.setdefault(ACCELERATE_FSDP, "true")
+    if not _accelerate_told():
+        warnings.warn(f"{ACCELERATE_FSDP}={value}: accelerate (and Hugging Face Trainer) will "
+                      f"all-reduce the sharded gradients of this FSDP model, averaging different "
+                      f"ranks' shards; its optimizer step will be refused")
+
+
+def _accelerate_told() -> bool:
+    return os.environ.get(ACCELERATE_FSDP, "").lower() in ("1", "true")
+
+
+def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook."""
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            shard_group = shard_group_of(p)
+            if shard_group is not None:
+                shard_group.mark_updated()
+
+
+def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook."""
+    stale, unreduced, sharded = [], [], False
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            shard_group = shard_group_of(p)
+            if shard_group is not None:
+                sharded = True
+                if shard_group.accumulating():
+                    unreduced.append(shard_group.names[0])
+            elif taken_name(p) is not None:
+                stale.append(taken_name(p))
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
+            f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
+            f"after wrapping, from the wrapped model's parameters().")
+    if unreduced:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() after a backward under no_sync() and no "
+            f"synchronised backward since: the gradients of {', '.join(unreduced[:5])}"
+            f"{', ...' if len(unreduced) > 5 else ''} are not reduced across ranks yet. Run "
+            f"the last micro-batch's backward outside no_sync().")
+    if sharded and _called_from("optimizer_step", "torch_xla/core/xla_model.py"):
+        raise RuntimeError(
+            "xm.optimizer_step() averages gradients across all replicas, but FSDP gradients "
+            "are already reduced and each rank holds a different shard. Call "
+            "optimizer.step() instead.")
+    if sharded and not _accelerate_told() and _called_from("step", "accelerate/optimizer.py"):
+        raise RuntimeError(
+            "accelerate has just all-reduced the FSDP gradients across replicas, averaging "
+            "different ranks' shards together, because ACCELERATE_USE_FSDP is not set "
+            "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
+            "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
+
+
+def _called_from(function: str, file_suffix: str) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == function and code.co_filename.endswith(file_suffix):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,121 @@
+"""The constructor options of an FSDP unit, validated once and handed whole to auto-wrapped
+children (torch_xla forgets some of them there)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class FsdpOptions:
+    reshard_after_forward: bool
+    flatten_parameters: bool
+    execute_sharding_on_init: bool
+    optimization_barrier_in_forward: bool
+    optimization_barrier_in_backward: bool
+    sync_on_finalization: bool
+    disable_reshard_on_root: bool
+    compute_dtype: torch.dtype
+    buffer_dtype: Optional[torch.dtype]   # None: buffers keep their own dtype
+    fp32_reduce_scatter: bool
+    sharding_groups: Optional[List[List[int]]]
+    sharding_rank: Optional[int]
+    sharding_world_size: Optional[int]
+    replicate_across_groups: bool
+    zero_missing_gradients: bool
+    shard_param_on_dim_0: bool
+    pin_layout_in_collective_ops: bool
+    reduce_scatter_bucket_size_mb: int
+    coalesce_all_gather_ops: bool
+    param_init_fn: Optional[Callable]
+    shard_size_multiple: int
+    use_xla_patched_linear: bool
+    debug_dummy_forward_pass: bool
+    debug_msg: str
+    debug_print: bool
+    debug_dummy_all_gather_op: bool
+    debug_dummy_all_reduce_op: bool
+    debug_dummy_reduce_scatter_op: bool
+    debug_dummy_optimization_barrier_op: bool
+    rank: int
+    world_size: int
+
+    @staticmethod
+    def build(**kw: Any) -> "FsdpOptions":
+        compute = kw.pop("compute_dtype") or torch.float32
+        # torch_xla casts buffers to the compute dtype by default, which turns BatchNorm's
+        # running statistics (and rotary frequencies) into bf16 accumulators
+        buffer = kw.pop("buffer_dtype")
+        for label, dtype in (("compute_dtype", compute), ("buffer_dtype", buffer or compute)):
+            if dtype not in COMPUTE_DTYPES:
+                raise ValueError(f"{label} must be one of {list(COMPUTE_DTYPES)}, got {dtype}")
+        rank, world = _resolve_ranks(kw["sharding_groups"], kw["sharding_rank"],
+                                     kw["sharding_world_size"])
+        if kw["replicate_across_groups"] and kw["sharding_groups"] is None:
+            raise ValueError("replicate_across_groups=True needs sharding_groups")
+        if kw["shard_size_multiple"] < 1:
+            raise ValueError("_shard_size_multiple must be >= 1")
+        return FsdpOptions(compute_dtype=compute, buffer_dtype=buffer, rank=rank,
+                           world_size=world, **kw)
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """Constructor arguments that rebuild these options on an auto-wrapped child."""
+        kw = asdict(self)
+        for derived in ("rank", "world_size"):
+            kw.pop(derived)
+        for name in _UNDERSCORED:
+            kw["_" + name] = kw.pop(name)
+        return kw
+
+    @property
+    def replica_groups(self) -> Optional[List[List[int]]]:
+        """With ``replicate_across_groups``: the ranks holding the same shard in every
+        sharding group, over which gradients are averaged."""
+        if not self.replicate_across_groups:
+            return None
+        sharding = self.sharding_groups
+        return [[g[i] for g in sharding] for i in range(len(sharding[0]))]
+
+    @property
+    def dummy_collectives(self) -> frozenset:
+        """The collectives replaced by local stand-ins of the same shapes (debugging)."""
+        return frozenset(op for op in ("all_gather", "all_reduce", "reduce_scatter")
+                         if getattr(self, f"debug_dummy_{op}_op"))
+
+
+# Options spelled with a leading underscore in the constructor (torch_xla's private ones).
+_UNDERSCORED = ("shard_size_multiple", "use_xla_patched_linear", "debug_dummy_forward_pass",
+                "debug_msg", "debug_print", "debug_dummy_all_gather_op",
+                "debug_dummy_all_reduce_op", "debug_dummy_reduce_scatter_op",
+                "debug_dummy_optimization_barrier_op")
+
+
+def _resolve_ranks(rank_groups: Optional[List[List[int]]], rank: Optional[int],
+                   world: Optional[int]) -> tuple:
+    import torch_xla.runtime as xr
+    if rank_groups is None:
+        if rank is not None or world is not None:
+            raise ValueError("sharding_rank and sharding_world_size only apply together with "
+                             "sharding_groups")
+        return xr.global_ordinal(), xr.world_size()
+    if rank is None or world is None:
+        raise ValueError("sharding_groups needs sharding_rank and sharding_world_size "
+                         "(this rank's index within its group, and the group size)")
+    total = xr.world_size()
+    members = sorted(r for g in rank_groups for r in g)
+    if members != list(range(total)):
+        raise ValueError(f"sharding_groups {rank_groups} must contain every rank "
+                         f"0..{total - 1} exactly once")
+    if any(len(g) != world for g in rank_groups):
+        raise ValueError(f"every group in sharding_groups {rank_groups} must have "
+                         f"sharding_world_size={world} ranks")
+    me = xr.global_ordinal()
+    mine = next(g for g in rank_groups if me in g)
+    if mine.index(me) != rank:
+        raise ValueError(f"sharding_rank={rank} does not match rank {me}'s position "
+                         f"{mine.index(me)} in its group {mine}")
+    return rank, world

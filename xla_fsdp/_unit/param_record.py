@@ -1,0 +1,97 @@
+"""One record per original parameter of a unit: the placeholder that stands in its modules,
+every place and name it has, and whether the placeholder holds the full value now.
+
+No FSDP state lives on tensors except the three attributes other frameworks read on a
+shard (``_is_sharded``, ``_orig_size``, ``_orig_name``). The records are found from their
+tensors through identity-keyed weak maps, so a tensor that dies takes its entry with it.
+
+[Note: swapping .data]
+The placeholder is one leaf tensor per parameter, kept for the unit's lifetime, so autograd
+delivers one gradient per parameter to a hook registered once. Installing the gathered
+value assigns ``.data``. torch_xla's ``_replace_xla_tensor`` would avoid ``set_`` but keeps
+the old ``numel()`` (torch_xla gets away with it because its placeholders keep full size;
+ours are one element, so nothing full-size ever reaches the device outside the gather), and
+XLA tensors have no storage to resize as FSDP2 does on GPU. The swap is confined to
+``install``/``free`` below, the one place to change when a functional gather (all-gather
+whose backward reduce-scatters) replaces placeholders.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._xla.private_api import preserve_version_counter
+
+Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the parameter
+Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
+
+_BY_PLACEHOLDER: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # original parameter -> its name
+
+
+class ParamRecord:
+    """An original parameter, replaced in its modules by ``placeholder``."""
+
+    def __init__(self, placeholder: torch.Tensor, names: List[str], owners: List[Owner],
+                 unit_name: str) -> None:
+        self.placeholder = placeholder
+        self.names = names            # relative to the unit; the first is the canonical one
+        self.owners = owners
+        self.unit_name = unit_name    # for error messages
+        self.gathered = False         # the placeholder holds the full value
+        self.requires_grad = placeholder.requires_grad  # as last agreed with the shard
+        self.grad_hook: Optional[RemovableHandle] = None
+        _BY_PLACEHOLDER[placeholder] = self
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def install(self, value: torch.Tensor) -> None:
+        _swap(self.placeholder, value)
+        self.gathered = True
+
+    def free(self, dummy: torch.Tensor) -> None:
+        if self.gathered:
+            _swap(self.placeholder, dummy)
+            self.gathered = False
+
+    def agree_requires_grad(self, requires_grad: bool) -> None:
+        """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no
+        gradient."""
+        self.placeholder.requires_grad_(requires_grad)
+        self.requires_grad = requires_grad
+        if not requires_grad:
+            self.placeholder.grad = None
+
+    def hook_gradient(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` after every gradient accumulated into the placeholder, in any
+        backward, for the unit's lifetime: registered once, so nothing piles up."""
+        if self.grad_hook is None and self.placeholder.requires_grad:
+            self.grad_hook = self.placeholder.register_post_accumulate_grad_hook(
+                lambda _t: fn())
+
+
+def mark_taken(original: torch.Tensor, name: str) -> None:
+    """Marks an original parameter as replaced by a shard (its memory is no longer used)."""
+    _TAKEN[original] = name
+
+
+def taken_name(t: torch.Tensor) -> Optional[str]:
+    """The name of the parameter ``t`` was before FSDP took it (an original parameter or a
+    placeholder), or None for a tensor FSDP never took."""
+    record = _BY_PLACEHOLDER.get(t)
+    if record is not None:
+        return record.name
+    return _TAKEN.get(t)
+
+
+def _swap(placeholder: torch.Tensor, value: torch.Tensor) -> None:
+    # see [Note: swapping .data]; the version counter is kept so that autograd does not
+    # mistake the swap for an in-place update of a tensor it saved for backward
+    with preserve_version_counter(placeholder):
+        placeholder.data = value

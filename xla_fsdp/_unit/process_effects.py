@@ -1,0 +1,33 @@
+"""Everything FSDP changes outside its own objects, installed from here, once per process,
+when the first unit is built (never at import):
+
+* the global optimizer step hooks: the guard (``optimizer_guard``) and the reissue that
+  keeps donated buffers updated in place (``_xla.donation_order``);
+* ``torch.xla``, the device module ``torch.utils.checkpoint`` needs for XLA tensors
+  (``_xla.torch_device_module``);
+* ``ACCELERATE_USE_FSDP=true`` unless set, so that accelerate does not average sharded
+  gradients across ranks (``optimizer_guard.declare_sharded_gradients``).
+"""
+from __future__ import annotations
+
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from .._xla import torch_device_module
+from .._xla.donation_order import reissue_in_order
+from .optimizer_guard import check_step, count_updates, declare_sharded_gradients
+
+_installed = False
+
+
+def install() -> None:
+    """Called by every unit's constructor; acts on the first call only."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    register_optimizer_step_pre_hook(check_step)
+    register_optimizer_step_post_hook(count_updates)
+    register_optimizer_step_post_hook(reissue_in_order)
+    torch_device_module.register()
+    declare_sharded_gradients()

@@ -1,0 +1,78 @@
+"""What the units of one model share: which forward pass this is, whether the end of the
+backward is already scheduled, and the tensors the backward's barriers order.
+
+The context belongs to the root, the unit no other unit was built around; it is fixed by
+the structure of the model when units are built, not by which unit runs first. So a nested
+unit used before the root (``inner.no_sync()``, a forward over a submodule only) never
+mistakes itself for the root, and any unit can schedule the end of a backward that does not
+pass through the root's outputs.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Protocol, Sequence
+
+import torch
+
+from .._sharding.collectives import optimization_barrier
+from .._xla.private_api import queue_backward_callback
+
+
+class Participant(Protocol):
+    """What the context asks of each unit's state (``UnitState``)."""
+
+    def end_of_model_forward(self, grad_enabled: bool) -> None: ...
+
+    def finish_backward(self) -> None: ...
+
+    def shard_gradients(self) -> List[torch.Tensor]: ...
+
+
+class RootContext:
+    def __init__(self, root: Participant, sync_on_finalization: bool, barrier: bool) -> None:
+        self.states: List[Participant] = [root]  # the root's first, then in module order
+        self.forward_id = 0               # root forwards started; tells passes apart
+        self.backward_barrier: List[torch.Tensor] = []
+        self._callback_queued = False
+        self._sync = sync_on_finalization
+        self._barrier = barrier
+        self._initialized = False
+
+    @property
+    def root(self) -> Participant:
+        return self.states[0]
+
+    def set_participants(self, others: Sequence[Participant]) -> None:
+        """The states of every unit below the root, in module order."""
+        self.states = [self.root] + [s for s in others if s is not self.root]
+
+    def begin_forward(self, first_time: Callable[[], None]) -> None:
+        if not self._initialized:
+            first_time()
+            self._initialized = True
+        self.forward_id += 1
+
+    def end_forward(self, grad_enabled: bool) -> None:
+        """After the root's forward: units whose forward did not complete (a grouped unit
+        whose member was skipped) finish it, and without grad (eval) every unit frees its
+        full parameters, since no backward will."""
+        for state in self.states:
+            state.end_of_model_forward(grad_enabled)
+
+    def queue_final_callback(self) -> None:
+        """Schedules ``finish_backward`` at the end of the current backward, once."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            queue_backward_callback(self._finish_backward)
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        self._callback_queued = False
+        for state in self.states:
+            state.finish_backward()
+        if self._barrier:
+            grads = [g for s in self.states for g in s.shard_gradients()]
+            optimization_barrier(grads + self.backward_barrier)
+        self.backward_barrier.clear()
+        if self._sync:
+            import torch_xla
+            torch_xla.sync()

@@ -1,0 +1,174 @@
+"""Shard groups: parameters sharded as one tensor, and the per-backward facts about them.
+
+A unit owns one or more shard groups (one per parameter, or per flattened set). A shard group
+knows its layout, its shard (the ``nn.Parameter`` the optimizer sees), the records of its
+original parameters, how often the shard was updated (optimizer steps and loads), which of
+its gradients arrived in the current backward, and whether a ``no_sync`` accumulation is
+pending. Those facts change only through the methods here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Set, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
+from .._xla.private_api import version
+from .param_record import Member, ParamRecord, mark_taken
+
+_SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
+_BY_SHARD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+@dataclass(eq=False)
+class ShardGroup:
+    layout: Layout
+    shard: nn.Parameter
+    records: List[ParamRecord]
+    shard_name: str                      # where the unit registers the shard
+    orig_name: str                       # torch_xla's name for it, relative to the unit
+    compute_dtype: torch.dtype           # dtype of the gathered full parameters
+    updates: int = 0                     # optimizer steps and loads, equal on every rank
+    arrived: Set[int] = field(default_factory=set)   # records whose gradient arrived
+    reduced: bool = False                # reduced in this backward
+    # a gradient left by a no_sync backward stands for the full gradients still held by
+    # the placeholders; if the optimizer drops it, the accumulation was abandoned
+    sentinel: Optional[Tuple[torch.Tensor, int]] = None
+
+    @property
+    def names(self) -> List[str]:
+        return [r.name for r in self.records]
+
+    @property
+    def placeholders(self) -> List[torch.Tensor]:
+        return [r.placeholder for r in self.records]
+
+    # -- updates ------------------------------------------------------------------------------
+    def generation(self) -> Tuple[int, int]:
+        """Changes whenever the shard's values may have: counted updates (torch_xla's
+        foreach kernels do not bump version counters) or any other in-place write."""
+        return (version(self.shard), self.updates)
+
+    def mark_updated(self) -> None:
+        self.updates += 1
+
+    # -- gradients of one backward ------------------------------------------------------------
+    def trainable_records(self) -> List[int]:
+        return [i for i, r in enumerate(self.records) if r.placeholder.requires_grad]
+
+    def note_gradient(self, index: int) -> bool:
+        """Record ``index`` got its gradient; returns whether every trainable one has."""
+        self.arrived.add(index)
+        return self.arrived.issuperset(self.trainable_records())
+
+    def start_reduction(self) -> None:
+        self.arrived.clear()
+        self.reduced = True
+
+    def needs_reduction(self, zero_fill: bool) -> bool:
+        """At the end of backward: whether a gradient arrived that was not reduced yet, or,
+        with ``zero_fill``, whether the shard group was not reduced at all (see [Note:
+        parameters without a gradient])."""
+        return self.shard.requires_grad and (bool(self.arrived) or zero_fill and not self.reduced)
+
+    def end_backward(self) -> None:
+        self.arrived.clear()
+        self.reduced = False
+
+    # -- no_sync accumulation -----------------------------------------------------------------
+    def mark_accumulation(self) -> None:
+        """After a ``no_sync`` backward that left full gradients on the placeholders: gives
+        the shard a gradient the next reduction adds to, and remembers it."""
+        if self.shard.grad is None:
+            self.shard.grad = torch.zeros_like(self.shard)
+        self.sentinel = (self.shard.grad, version(self.shard.grad))
+
+    def accumulating(self) -> bool:
+        """Whether the shard's gradient is still the one a ``no_sync`` backward left."""
+        if self.sentinel is None:
+            return False
+        tensor, seen = self.sentinel
+        return self.shard.grad is tensor and version(tensor) == seen
+
+    def accumulation_abandoned(self) -> bool:
+        """The accumulation's gradient was dropped (``zero_grad()``) before any reduction."""
+        return self.sentinel is not None and not self.accumulating()
+
+    def end_accumulation(self) -> None:
+        self.sentinel = None
+
+
+def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:
+    return _BY_SHARD.get(shard)
+
+
+def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,
+            multiple: int) -> Layout:
+    if flatten:
+        return InterleavedLayout(shapes, world_size, multiple)
+    if dim0:
+        return Dim0Layout(shapes[0], world_size)
+    return FlatLayout(shapes, world_size, multiple)
+
+
+@torch.no_grad()
+def build_shard_group(members: List[Member], index: int, *, flatten: bool, dim0: bool,
+                      world_size: int, rank: int, multiple: int, device: torch.device,
+                      compute_dtype: torch.dtype, unit_name: str) -> ShardGroup:
+    """Shards one group of parameters and puts placeholders where they were.
+
+    ``members`` are (parameter, every (module, attribute) holding it, every name it has).
+    Only the shard is copied to ``device``."""
+    params = [p for p, _, _ in members]
+    layout = _layout(tuple(p.shape for p in params), flatten, dim0, world_size, multiple)
+    first = members[0][2][0]
+    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
+    size = torch.Size([layout.numel]) if flatten else params[0].shape
+    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
+                   members, device, compute_dtype, unit_name)
+
+
+@torch.no_grad()
+def build_stacked_shard_group(layers: List[List[Member]], layer_names: List[str], index: int,
+                              *, flatten: bool, dim0: bool, world_size: int, rank: int,
+                              multiple: int, device: torch.device, compute_dtype: torch.dtype,
+                              unit_name: str) -> ShardGroup:
+    """The same shard group of every layer of a scanned stack, as one ``StackedLayout``
+    shard. ``layers[i]`` are layer ``i``'s members; ``layer_names`` their names within a
+    layer."""
+    params = [p for members in layers for p, _, _ in members]
+    shapes = tuple(p.shape for p, _, _ in layers[0])
+    layout = StackedLayout(_layout(shapes, flatten, dim0, world_size, multiple), len(layers))
+    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else layer_names[0])
+    size = torch.Size([len(layers), layout.layer.numel] if flatten
+                      else (len(layers),) + tuple(shapes[0]))
+    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
+                   [m for members in layers for m in members], device, compute_dtype,
+                   unit_name)
+
+
+def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,
+            members: List[Member], device: torch.device, compute_dtype: torch.dtype,
+            unit_name: str) -> ShardGroup:
+    shard = nn.Parameter(shard_value.to(device), requires_grad=members[0][0].requires_grad)
+    # the three attributes torch_xla's users and tools read on a shard
+    shard._is_sharded = True
+    shard._orig_size = orig_size
+    shard._orig_name = orig_name
+    records = []
+    for p, owners, names in members:
+        mark_taken(p, names[0])
+        full = torch.zeros(1, dtype=compute_dtype, device=device)
+        full.requires_grad_(p.requires_grad)
+        for m, attr in owners:
+            delattr(m, attr)                     # no longer a registered parameter...
+            object.__setattr__(m, attr, full)    # ...but a plain attribute: the placeholder
+        records.append(ParamRecord(full, list(names), list(owners), unit_name))
+    shard_group = ShardGroup(layout, shard, records,
+                             ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR), orig_name,
+                             compute_dtype)
+    _BY_SHARD[shard] = shard_group
+    return shard_group

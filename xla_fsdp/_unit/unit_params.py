@@ -1,0 +1,187 @@
+"""A unit's parameters: its shard groups, where their full values are, and the reduction of
+their gradients.
+
+The full parameters are in one of three states:
+
+* ``SHARDED``: every placeholder holds a one-element dummy;
+* ``GATHERING``: the all-gather is in the traced graph (issued by a prefetch), its result
+  held here, not yet behind the barrier that marks where it is used;
+* ``UNSHARDED``: the placeholders hold slices of the gathered tensors.
+
+Gradients of complete shard groups are queued and reduce-scattered into the shards' ``.grad``
+in buckets (``reduce_scatter_bucket_size_mb``); under ``no_sync`` they stay on the
+placeholders until the next synchronised backward.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
+                                     padded_gradient, scatter_gradients)
+from .options import FsdpOptions
+from .shard_group import ShardGroup
+
+
+class FullParams(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    UNSHARDED = "unsharded"
+
+
+class UnitParams:
+    def __init__(self, collectives: Collectives, options: FsdpOptions,
+                 device: torch.device) -> None:
+        self.shard_groups: List[ShardGroup] = []
+        self.collectives = collectives
+        self.options = options
+        self.device = device
+        self.state = FullParams.SHARDED
+        self._gathered: Optional[List[List[torch.Tensor]]] = None
+        self._gathered_generation: Tuple[tuple, ...] = ()
+        self._dummies: Dict[torch.dtype, torch.Tensor] = {}
+        self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
+        self._queue_bytes = 0
+
+    def add(self, shard_groups: Sequence[ShardGroup]) -> None:
+        self.shard_groups.extend(shard_groups)
+
+    # -- gathering and freeing ---------------------------------------------------------------
+    @torch.no_grad()
+    def unshard(self, deps: Sequence[torch.Tensor], barrier: bool,
+                prefetch: Sequence["UnitParams"] = ()) -> bool:
+        """Makes the full parameters current, and issues the all-gathers of the ``prefetch``
+        units now, behind the same barrier, so that the compiler may run them during this
+        unit's compute. Returns whether ``deps`` went into a barrier."""
+        issue = [u for u in (self, *prefetch) if u._needs_gather()]
+        if issue and barrier:
+            optimization_barrier([g.shard for u in issue for g in u.shard_groups] + list(deps))
+        for unit in issue:
+            unit._issue_gather()
+        installing = self.state is not FullParams.UNSHARDED
+        if installing:
+            self._install(list(deps) if self not in issue else [], barrier)
+        return bool(issue) or installing
+
+    def _needs_gather(self) -> bool:
+        if self.state is not FullParams.SHARDED and self._stale():
+            self.reshard(self.shard_groups, [], barrier=False)
+        return bool(self.shard_groups) and self.state is FullParams.SHARDED
+
+    def _stale(self) -> bool:
+        """Whether the shards changed (an optimizer step, a load) since the full parameters
+        held here were gathered, e.g. with ``reshard_after_backward=False``."""
+        return self._gathered_generation != self._generation()
+
+    def _generation(self) -> Tuple[tuple, ...]:
+        return tuple(g.generation() for g in self.shard_groups)
+
+    def _issue_gather(self) -> None:
+        self._gathered = gather_pieces(
+            self.collectives, [(g.layout, g.shard, g.compute_dtype) for g in self.shard_groups],
+            self.options.coalesce_all_gather_ops)
+        self._gathered_generation = self._generation()
+        self.state = FullParams.GATHERING
+
+    def _install(self, deps: List[torch.Tensor], barrier: bool) -> None:
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            if barrier:
+                optimization_barrier([t for ts in gathered for t in ts] + deps)
+            for g, full in zip(self.shard_groups, gathered):
+                for record, value in zip(g.records, g.layout.unshard_pieces(full)):
+                    record.install(value)
+        self.state = FullParams.UNSHARDED
+
+    @torch.no_grad()
+    def reshard(self, shard_groups: Sequence[ShardGroup], deps: Sequence[torch.Tensor],
+                barrier: bool) -> None:
+        """Frees the full parameters of ``shard_groups`` (and a gather issued for them)."""
+        freed = False
+        for g in shard_groups:
+            for record in g.records:
+                freed |= record.gathered
+                record.free(self._dummy(g.compute_dtype))
+        if len(shard_groups) == len(self.shard_groups):
+            self._gathered = None
+        if self._gathered is None:
+            held = any(r.gathered for g in self.shard_groups for r in g.records)
+            self.state = FullParams.UNSHARDED if held else FullParams.SHARDED
+        if barrier and (freed or deps):
+            optimization_barrier([g.shard for g in shard_groups] + list(deps))
+
+    def drop_prefetch(self) -> None:
+        """Forgets a gather issued for a pass that never reached this unit."""
+        if self.state is FullParams.GATHERING:
+            self._gathered = None
+            self.state = FullParams.SHARDED
+
+    def _dummy(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._dummies:
+            self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.device)
+        return self._dummies[dtype]
+
+    # -- gradients ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def reduce(self, shard_group: ShardGroup, sync: bool, reshard: bool, barrier: bool,
+               divide: Tuple[float, float], barrier_out: List[torch.Tensor]) -> None:
+        """The shard group's gradients are complete for this backward (or as complete as
+        they will be: a parameter without a gradient contributes zeros, so that every rank
+        issues the same collectives whatever its data). Frees the shard group if
+        ``reshard``; with ``sync`` queues its reduce-scatter, otherwise leaves the full
+        gradients on the placeholders."""
+        shard_group.start_reduction()
+        grads = [r.placeholder.grad for r in shard_group.records]
+        if any(g is not None and g.requires_grad for g in grads):
+            raise RuntimeError("FSDP does not support gradients that require grad "
+                               "(create_graph=True)")
+        if not sync:
+            if reshard:
+                self.reshard([shard_group], [g for g in grads if g is not None], barrier)
+            return
+        shard_group.end_accumulation()  # the reduced gradient adds to the accumulated one
+        for r in shard_group.records:
+            r.placeholder.grad = None
+        flat = padded_gradient(shard_group.layout, grads, shard_group.compute_dtype,
+                               self.device, self.options.fp32_reduce_scatter, divide)
+        self.reshard([shard_group] if reshard else [], [flat], barrier)
+        self._queue.append((shard_group, flat))
+        self._queue_bytes += flat.numel() * flat.element_size()
+        if self._queue_bytes > self.options.reduce_scatter_bucket_size_mb * 1024 * 1024:
+            self.flush(barrier, divide, barrier_out)
+
+    @torch.no_grad()
+    def flush(self, barrier: bool, divide: Tuple[float, float],
+              barrier_out: List[torch.Tensor]) -> None:
+        if not self._queue:
+            return
+        queue, self._queue, self._queue_bytes = self._queue, [], 0
+        inputs = [flat for _, flat in queue]
+        if barrier:
+            optimization_barrier(inputs)
+        outputs = scatter_gradients(self.collectives, divide, inputs,
+                                    self.options.replica_groups)
+        for (shard_group, _), reduced in zip(queue, outputs):
+            if barrier:
+                optimization_barrier([reduced])
+                barrier_out.append(reduced)
+            shard = shard_group.shard
+            shard.grad = reduced if shard.grad is None else shard.grad + reduced
+
+    # -- abandoned accumulation ----------------------------------------------------------------
+    def mark_accumulating(self) -> None:
+        """After a ``no_sync`` backward: marks each shard group whose placeholders hold
+        unreduced gradients (see ``ShardGroup.mark_accumulation``)."""
+        for g in self.shard_groups:
+            if g.sentinel is None and any(r.placeholder.grad is not None for r in g.records):
+                g.mark_accumulation()
+
+    def drop_abandoned(self) -> None:
+        """Drops the full gradients of an accumulation whose shard gradient was dropped."""
+        for g in self.shard_groups:
+            if g.accumulation_abandoned():
+                for r in g.records:
+                    r.placeholder.grad = None
+                g.end_accumulation()

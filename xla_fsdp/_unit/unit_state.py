@@ -1,0 +1,386 @@
+"""The state of one FSDP unit and the hooks that drive it, one object per unit.
+
+A unit's hooks sit on the modules it wraps: on the wrapped module, or on each module of a
+module group (``_init.module_group``), the same hooks either way. The state registers them
+(``hook_members``) and is the only code they call.
+
+forward: pre-hook (gather, and issue the prefetched units' gathers; hook the inputs'
+gradients) -> the module -> post-hook (free if resharding, once every member ran; hook the
+outputs' gradients).
+backward: an output's gradient hook gathers again (if freed) -> each parameter's
+post-accumulate hook counts its shard group's gradients; a complete shard group is freed and
+queued for reduce-scatter -> the root context's callback finishes every unit that took part:
+shard groups still incomplete are reduced with zeros for what did not arrive (see [Note:
+parameters without a gradient]); the queue is flushed; the unit returns to ``IDLE``.
+
+Modules find their unit's state through ``state_of`` (a weak registry, as FSDP2 keeps its
+states), so code below the public API can tell a unit from a module without importing it.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .._sharding.collectives import optimization_barrier
+from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
+from .._xla.donation_order import pin_parameter_order
+from .._xla.private_api import in_backward
+from .options import FsdpOptions
+from .root_context import RootContext
+from .shard_group import ShardGroup
+from .training_state import TrainingState, TrainingStateError
+from .unit_params import FullParams, UnitParams
+
+_STATES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # unit module -> its UnitState
+
+
+def state_of(module: nn.Module) -> Optional["UnitState"]:
+    """The state of the FSDP unit ``module`` is, or None if it is not a unit."""
+    return _STATES.get(module)
+
+
+def is_unit(module: nn.Module) -> bool:
+    return module in _STATES
+
+
+def detached_message(members: Sequence[nn.Module]) -> str:
+    names = ", ".join(type(m).__name__ for m in members)
+    return (f"the FSDP unit grouping ({names}) was never attached: wrap a module that contains "
+            f"all of them (usually the whole model) in FSDP after building the group")
+
+
+class UnitState:
+    def __init__(self, unit: nn.Module, name: str, members: Sequence[nn.Module],
+                 params: UnitParams, options: FsdpOptions, detached: bool) -> None:
+        self.name = name                   # the wrapped module's class, for messages
+        self.members = list(members)
+        self.params = params
+        self.options = options
+        self.parent: Optional["UnitState"] = None
+        self.context = RootContext(self, options.sync_on_finalization,
+                                   options.optimization_barrier_in_backward)
+        self.training_state = TrainingState.IDLE
+        self.explicit_reshard_after_forward: Optional[bool] = None
+        self.reshard_after_backward = True
+        self.require_grad_sync = True
+        self.forward_prefetch: List["UnitState"] = []
+        self.backward_prefetch: List["UnitState"] = []
+        self.divide = (1.0, 1.0)           # gradient pre- and post-division factors
+        self.detached = detached           # a grouping unit no unit was built around yet
+        self._forward_id = -1              # the root forward this unit's members ran in
+        self._members_run: set = set()
+        self._took_part = False            # in the current backward
+        self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
+        self._warned_hidden = False
+        _STATES[unit] = self
+
+    def hook_members(self) -> None:
+        for m in self.members:
+            m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, m),
+                                        with_kwargs=True, prepend=True)
+            m.register_forward_hook(functools.partial(self._post_forward_hook, m))
+
+    @property
+    def shard_groups(self) -> List[ShardGroup]:
+        return self.params.shard_groups
+
+    def add_shard_groups(self, shard_groups: Sequence[ShardGroup]) -> None:
+        self.params.add(shard_groups)
+        for g in shard_groups:
+            self._hook_gradients(g)
+
+    def _hook_gradients(self, shard_group: ShardGroup) -> None:
+        for i, r in enumerate(shard_group.records):
+            r.hook_gradient(functools.partial(self._post_accumulate, shard_group, i))
+
+    def shard_gradients(self) -> List[torch.Tensor]:
+        return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
+
+    # -- settings (the public API's setters) -------------------------------------------------
+    def set_reshard_after_forward(self, value: bool) -> None:
+        self.explicit_reshard_after_forward = bool(value)
+
+    def set_reshard_after_backward(self, value: bool) -> None:
+        self.reshard_after_backward = bool(value)
+
+    def set_require_grad_sync(self, value: bool) -> None:
+        self.require_grad_sync = bool(value)
+
+    def set_divide(self, pre: float, post: float) -> None:
+        self.divide = (float(pre), float(post))
+
+    def set_prefetch(self, forward: Optional[List["UnitState"]] = None,
+                     backward: Optional[List["UnitState"]] = None) -> None:
+        if forward is not None:
+            self.forward_prefetch = list(forward)
+        if backward is not None:
+            self.backward_prefetch = list(backward)
+
+    def mark_attached(self) -> None:
+        self.detached = False
+
+    # -- explicit gather and free --------------------------------------------------------------
+    def unshard_now(self) -> None:
+        self.params.unshard([], self.options.optimization_barrier_in_forward)
+
+    def reshard_now(self) -> None:
+        self.params.reshard(self.shard_groups, [], self.options.optimization_barrier_in_forward)
+
+    def drop_abandoned(self) -> None:
+        self.params.drop_abandoned()
+
+    # -- structure -------------------------------------------------------------------------
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def adopt(self, states: Sequence["UnitState"]) -> None:
+        """Becomes the parent of the states no unit was built around yet, and gives every
+        state below it this root's context."""
+        for s in states:
+            if s is not self and s.parent is None:
+                s.parent = self
+        self.context.set_participants([s for s in states if s is not self])
+        for s in states:
+            s.context = self.context
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        if self.explicit_reshard_after_forward is not None:
+            return self.explicit_reshard_after_forward
+        if self.is_root and self.options.disable_reshard_on_root:
+            return False  # the root's parameters are needed first in backward
+        return self.options.reshard_after_forward
+
+    def assert_state(self, states: Sequence[TrainingState]) -> None:
+        if self.training_state not in states:
+            raise TrainingStateError(
+                f"FSDP unit around {self.name} is in state {self.training_state.name}, "
+                f"expected {[s.name for s in states]}. This happens when a nested unit is "
+                f"called outside its parent's forward, or when backward runs twice over the "
+                f"same forward without retain_graph.")
+
+    # -- forward ---------------------------------------------------------------------------
+    def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
+                          kwargs: dict) -> Tuple[tuple, dict]:
+        return self.pre_forward(member, args, kwargs, _in_checkpoint_recompute())
+
+    def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
+                           outputs: Any) -> Any:
+        return self.post_forward(member, outputs, _in_checkpoint_recompute())
+
+    def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
+                    recompute: bool) -> Tuple[tuple, dict]:
+        if self.detached:
+            raise ValueError(detached_message(self.members))
+        context = self.context
+        if self is context.root and not recompute:
+            context.begin_forward(self._first_root_forward)
+            pin_parameter_order(self.params.device)
+        if self._forward_id != context.forward_id or id(member) in self._members_run:
+            self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
+            self._members_run.clear()
+        self._members_run.add(id(member))
+        if not recompute:  # a recompute runs inside this unit's backward: keep its state
+            self._sync_trainable()
+            self.params.drop_abandoned()
+            self.training_state = TrainingState.FORWARD
+        if self.options.compute_dtype != torch.float32:
+            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
+        inputs = collect_tensors((args, kwargs))
+        barrier = self.options.optimization_barrier_in_forward
+        prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
+        self.params.unshard(inputs if barrier else [], barrier, prefetch)
+        if self.options.optimization_barrier_in_backward and torch.is_grad_enabled():
+            for t in inputs:
+                if t.requires_grad:
+                    self._hook(t, self._input_grad_barrier)
+        return args, kwargs
+
+    def post_forward(self, member: nn.Module, outputs: Any, recompute: bool) -> Any:
+        if recompute:
+            # the recomputed activations' backward comes next and reads the full
+            # parameters; it frees them as any backward does
+            return self._hook_outputs(outputs)[0]
+        grad = torch.is_grad_enabled()
+        last = len(self._members_run) >= len(self.members)
+        outputs, hooked = self._hook_outputs(outputs)
+        if last and (self.reshard_after_forward or not grad):
+            if grad and not hooked and any(g.shard.requires_grad for g in self.shard_groups):
+                self._keep_for_hidden_outputs()
+            else:
+                barrier = self.options.optimization_barrier_in_forward
+                deps = collect_tensors(outputs) if barrier else []
+                self.params.reshard(self.shard_groups, deps, barrier)
+        if last:
+            self.training_state = TrainingState.IDLE
+        if self is self.context.root:
+            self.context.end_forward(grad)
+        return outputs
+
+    def end_of_model_forward(self, grad_enabled: bool) -> None:
+        if self.training_state is TrainingState.FORWARD:  # a grouped member never ran
+            self.training_state = TrainingState.IDLE
+            if self.reshard_after_forward:
+                self.params.reshard(self.shard_groups, [], barrier=False)
+        if not grad_enabled and self.params.state is not FullParams.SHARDED:
+            self.params.reshard(self.shard_groups, [], barrier=False)
+
+    def _first_root_forward(self) -> None:
+        for state in self.context.states:
+            if isinstance(state, UnitState) and state.detached:
+                raise ValueError(detached_message(state.members))
+        if self.options.debug_print and self.options.rank == 0:
+            count = sum(len(s.shard_groups) for s in self.context.states
+                        if isinstance(s, UnitState))
+            print(f"root FSDP unit got {count} sharded parameters "
+                  f"(_debug_msg: {self.options.debug_msg})")
+
+    def _sync_trainable(self) -> None:
+        """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
+        was changed since wrapping (frozen through ``model.parameters()``, which yields
+        shards, or through a module attribute, which is a placeholder)."""
+        for g in self.shard_groups:
+            changed = [r for r in g.records if r.placeholder.requires_grad != r.requires_grad]
+            if changed:
+                want = changed[0].placeholder.requires_grad
+                if any(r.placeholder.requires_grad != want for r in g.records):
+                    names = ", ".join(r.name for r in g.records)
+                    raise ValueError(
+                        f"FSDP unit around {self.name}: parameters {names} are sharded as one "
+                        f"flat tensor and must all be trainable or all frozen; set "
+                        f"requires_grad on all of them (or wrap without flatten_parameters)")
+                g.shard.requires_grad_(want)
+            for r in g.records:
+                r.agree_requires_grad(g.shard.requires_grad)
+            self._hook_gradients(g)
+
+    # -- backward --------------------------------------------------------------------------
+    def _hook(self, t: torch.Tensor, fn: Any) -> None:
+        handle = t.register_hook(fn)
+        if t.grad_fn is None:  # a leaf outlives the step: its hook must not pile up
+            self._leaf_hooks.append(handle)
+
+    def _hook_outputs(self, outputs: Any) -> Tuple[Any, bool]:
+        """``outputs`` with a pre-backward hook on each tensor that requires grad, and
+        whether there was one."""
+        if not torch.is_grad_enabled():
+            return outputs, False
+        hooked = []
+
+        def attach(t: torch.Tensor) -> torch.Tensor:
+            if t.requires_grad:
+                self._hook(t, self._pre_backward)
+                hooked.append(t)
+            return t
+
+        return map_tensors(attach, outputs), bool(hooked)
+
+    def _keep_for_hidden_outputs(self) -> None:
+        """No output tensor to hook: if the backward reaches this unit, it comes without the
+        hook that would gather the parameters again, so they stay gathered (the per-
+        parameter hooks free them after their gradients, the end of backward at the latest)."""
+        if not self._warned_hidden:
+            self._warned_hidden = True
+            warnings.warn(
+                f"FSDP unit around {self.name}: its output holds no tensor that requires grad "
+                f"where FSDP looks (tensors, lists, tuples, dicts, dataclasses, attributes of "
+                f"an object), so its full parameters are kept from forward to backward. "
+                f"Return the tensors less deeply nested to let it free them.")
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        context = self.context
+        context.queue_final_callback()
+        barrier = self.options.optimization_barrier_in_backward
+        if barrier:
+            context.backward_barrier.append(grad)
+        if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
+                               [s.params for s in self.backward_prefetch]):
+            context.backward_barrier.clear()
+        if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
+            self.training_state = TrainingState.BACKWARD_PRE
+        self._took_part = True
+        if barrier:
+            optimization_barrier([grad])
+            grad = grad.view(grad.size())
+        return grad
+
+    def _input_grad_barrier(self, grad: torch.Tensor) -> torch.Tensor:
+        self.context.backward_barrier.append(grad)
+        optimization_barrier([grad])
+        return grad.view(grad.size())
+
+    def _post_accumulate(self, shard_group: ShardGroup, index: int) -> None:
+        self.context.queue_final_callback()
+        record = shard_group.records[index]
+        if not record.gathered:
+            raise RuntimeError(
+                f"FSDP unit around {self.name}: the gradient of '{record.name}' was computed "
+                f"while its full parameters were freed, so it is wrong. The unit's backward "
+                f"started without passing through its outputs' gradient hooks: return "
+                f"tensors (in lists, tuples, dicts, named tuples or dataclasses) from the "
+                f"wrapped module, or set_reshard_after_forward(False) on this unit.")
+        with torch.no_grad():
+            self.training_state = TrainingState.BACKWARD_POST
+            self._took_part = True
+            if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
+                self._reduce(shard_group)
+
+    def _reduce(self, shard_group: ShardGroup) -> None:
+        self.params.reduce(shard_group, self.require_grad_sync,
+                           self.reshard_after_backward_now(),
+                           self.options.optimization_barrier_in_backward, self.divide,
+                           self.context.backward_barrier)
+
+    def finish_backward(self) -> None:
+        """The end of a backward, for every unit of the model (from the root context)."""
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks.clear()
+        if self._took_part:
+            # [Note: parameters without a gradient]
+            # A shard group none of whose parameters got a gradient on this rank keeps a None
+            # gradient, as unsharded training does when no rank used them (a skipped module:
+            # the optimizer then leaves it alone, momentum and weight decay included). When
+            # ranks' data skip different modules (data-dependent expert routing), they would
+            # then issue different reduce-scatters, which hangs on hardware; with
+            # zero_missing_gradients every trainable shard group of a unit that took part is
+            # reduced here, at the end of backward and in shard group order (so also in the
+            # same order on every rank), zeros standing for what did not arrive. The price is
+            # holding the unit's full gradients until the end of backward.
+            zero_fill = self.options.zero_missing_gradients
+            for g in self.shard_groups:
+                if g.needs_reduction(zero_fill):
+                    self._reduce(g)
+            self.params.flush(self.options.optimization_barrier_in_backward, self.divide,
+                              self.context.backward_barrier)
+            if not self.require_grad_sync:
+                self.params.mark_accumulating()
+        for g in self.shard_groups:
+            g.end_backward()
+        self.params.drop_prefetch()  # prefetched for a backward that did not reach the unit
+        if self.reshard_after_backward_now():
+            self.params.reshard(self.shard_groups, [],
+                                self.options.optimization_barrier_in_backward)
+        self.training_state = TrainingState.IDLE
+        self._took_part = False
+
+    def reshard_after_backward_now(self) -> bool:
+        # under no_sync, a unit that keeps its parameters between forward and backward keeps
+        # them between accumulation steps too (torch_xla's behaviour)
+        keep_for_no_sync = not self.require_grad_sync and not self.reshard_after_forward
+        return self.reshard_after_backward and not keep_for_no_sync
+
+
+def _in_checkpoint_recompute() -> bool:
+    """Whether this forward recomputes activations during backward: activation
+    checkpointing around the unit (``torch.utils.checkpoint``, reentrant or not, or
+    torch_xla's), which runs the unit's forward again from inside the autograd engine."""
+    from torch_xla.utils.checkpoint import chkpt_status
+    return bool(chkpt_status.in_chkpt_bwd) or in_backward()

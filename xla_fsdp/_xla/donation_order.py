@@ -1,0 +1,67 @@
+"""Keeps torch_xla from copying every parameter and optimizer state tensor each step.
+
+torch_xla 2.9 marks the buffers of tensors that a step updates as donors but leaves the
+pairing of donors with outputs to XLA, which matches them by byte size alone: the k-th
+donated parameter of a size (in HLO parameter order) gets the k-th output of that size (in
+output order). Parameter order follows the traced graph (first read first), output order
+follows tensor creation. In a training step the two disagree: gradients, created in
+backward, come before every updated tensor, and AdamW writes its moments after the
+parameter is first read. Each wrongly paired buffer costs a full copy in and out of the
+step, i.e. one extra copy of the shards and the optimizer state held for the whole step.
+
+Two no-op operations make both orders the same list, ``donors()``:
+* ``pin_parameter_order`` at the start of the root unit's forward: one optimization barrier
+  over all donors numbers them in that order before anything else reads them;
+* ``reissue_in_order`` right after the optimizer step: ``mul_(1)`` (folded away by XLA)
+  gives every donor, and then every gradient, a newer tensor in that order.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, List
+
+import torch
+
+from .._sharding.collectives import optimization_barrier
+
+# in the order they first stepped shards, the same on every rank (a WeakSet's order follows
+# object addresses, which differ between ranks, and so would the ranks' step graphs)
+_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, None]" = \
+    weakref.WeakKeyDictionary()
+
+
+def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """Every tensor an optimizer step updates on an XLA device, parameter by parameter."""
+    out = []
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            if p.device.type != "xla":
+                continue
+            state = optimizer.state.get(p, {})
+            out.append(p)
+            out.extend(state[k] for k in sorted(state, key=str)
+                       if torch.is_tensor(state[k]) and state[k].device == p.device)
+    return out
+
+
+@torch.no_grad()
+def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
+    """Optimizer step post-hook; acts on optimizers that step FSDP shards."""
+    if not any(getattr(p, "_is_sharded", False)
+               for param_group in optimizer.param_groups for p in param_group["params"]):
+        return
+    _optimizers.setdefault(optimizer, None)
+    for t in donors(optimizer):
+        t.mul_(1)
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            if p.device.type == "xla" and p.grad is not None:
+                p.grad.mul_(1)
+
+
+@torch.no_grad()
+def pin_parameter_order(device: torch.device) -> None:
+    """Called by the root unit before its forward reads anything, for its device."""
+    tensors = [t for opt in list(_optimizers) for t in donors(opt) if t.device == device]
+    # the traced graph numbers a node's inputs last to first
+    optimization_barrier(list(reversed(tensors)))

@@ -1,0 +1,144 @@
+"""Every use of torch's and torch_xla's private (underscore) APIs, in one place.
+
+Nothing here is promised by either project, so each use sits behind a named function that
+says what it is for, and an upgrade of torch or torch_xla has one file to check. Checked
+against torch 2.9.0 and torch_xla 2.9.0. (The virtual-device launcher, ``launch.virtual``,
+patches torch_xla's internals of its own and is not routed through here.)
+
+torch_xla is imported inside the functions, so that importing this module stays cheap.
+"""
+from __future__ import annotations
+
+import contextlib
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import _pytree
+
+
+# -- autograd -------------------------------------------------------------------------------
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` when the current backward pass ends (what FSDP finishes a backward with)."""
+    Variable._execution_engine.queue_callback(fn)
+
+
+def in_backward() -> bool:
+    """Whether this code runs inside the autograd engine (e.g. a forward recomputed by
+    activation checkpointing during backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def preserve_version_counter(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Keeps ``t``'s version counter across a ``.data`` swap, so that autograd does not take
+    the swap for an in-place update of a tensor it saved."""
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter: bumped by every in-place write through autograd."""
+    return t._version
+
+
+# -- modules ----------------------------------------------------------------------------------
+def children(m: nn.Module) -> Dict[str, nn.Module]:
+    """``m``'s registered children under every name, duplicates included
+    (``named_children()`` yields a module registered twice once)."""
+    return {name: child for name, child in m._modules.items() if child is not None}
+
+
+def has_module_hooks(m: nn.Module) -> bool:
+    """Whether ``m`` has forward, forward-pre or backward hooks of its own."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
+
+
+def is_persistent_buffer(m: nn.Module, name: str) -> bool:
+    """Whether ``m``'s own buffer ``name`` goes into ``state_dict()``."""
+    return name not in m._non_persistent_buffers_set
+
+
+def is_batch_norm(m: nn.Module) -> bool:
+    """BatchNorm of any dimension, lazy and synchronised ones included."""
+    return isinstance(m, _BatchNorm)
+
+
+def register_device_module(name: str, module: ModuleType) -> None:
+    """Makes ``module`` ``torch.<name>``, where ``torch.utils.checkpoint`` looks up a
+    device's RNG state."""
+    torch._register_device_module(name, module)
+
+
+def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: List[Any], spec: Any) -> Any:
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def decompositions(ops: List[Any]) -> Dict[Any, Callable]:
+    """PyTorch's own decompositions of ``ops``, for tracing."""
+    from torch._decomp import get_decompositions
+    return get_decompositions(ops)
+
+
+# -- the torch.save format ------------------------------------------------------------------
+def file_writer(path: str) -> Any:
+    """The zip writer ``torch.save`` uses: one record at a time."""
+    return torch._C.PyTorchFileWriter(path)
+
+
+def rebuild_tensor() -> Callable:
+    """The function a ``torch.save`` pickle calls to rebuild a tensor from its storage."""
+    return torch._utils._rebuild_tensor_v2
+
+
+def storage_type_names() -> Dict[torch.dtype, str]:
+    """dtype -> the name of its typed storage class, as ``torch.save`` pickles it."""
+    return torch.storage._dtype_to_storage_type_map()
+
+
+# -- torch_xla ------------------------------------------------------------------------------
+def to_cpu(tree: Any) -> Any:
+    """``tree`` with its XLA tensors copied to the CPU in one transfer (what ``xm.save``
+    does)."""
+    import torch_xla.core.xla_model as xm
+    return xm._maybe_convert_to_cpu(tree)
+
+
+def scan_flat(body: Callable, init: List[torch.Tensor], xs: List[torch.Tensor],
+              reverse: bool) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """torch_xla's lowering of a scan to an XLA while loop, without its AOTAutograd wrapper:
+    ``body(carry, xs slice) -> (carry, ys slice)`` traced once."""
+    from torch_xla.experimental.scan import _scan_impl_flat
+    return _scan_impl_flat(body, init, xs, reverse=reverse)
+
+
+@contextlib.contextmanager
+def fresh_collective_token() -> Iterator[None]:
+    """Traces the body with a collective token of its own and puts the device's back after
+    (see [Note: the collective token inside a loop body] in ``scan.loop``)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    device = xm._get_device_context().device
+    outer = torch_xla._XLAC._get_all_reduce_token(device)
+    torch_xla._XLAC._set_all_reduce_token(device, None)
+    try:
+        yield
+    finally:
+        torch_xla._XLAC._set_all_reduce_token(device, outer)
+
+
+def run_single_process(fn: Callable[[], Any]) -> Any:
+    """torch_xla's launcher for one device of an accelerator, in this process."""
+    from torch_xla._internal import pjrt
+    return pjrt._run_singleprocess(fn)
+
+
+def run_multiprocess(fn: Callable[[], Any]) -> Dict[int, Any]:
+    """torch_xla's launcher for every local device of an accelerator, a process each."""
+    from torch_xla._internal import pjrt
+    return pjrt.run_multiprocess(fn)

@@ -1,0 +1,144 @@
+"""``consolidate_sharded_ckpts``: per-rank FSDP checkpoints to one ordinary state dict (model
+and optimizer), or to a set of per-rank checkpoints for another number of ranks.
+
+Accepts torch_xla's flags (``--ckpt_prefix``, ``--ckpt_suffix``, ``--save_path``) and reads
+checkpoints written by torch_xla's FSDP as well as by ``xla_fsdp.checkpoint.save_sharded``.
+Tensors are streamed one at a time from the shard files to the output, so memory stays near
+the size of the largest tensor whatever the checkpoint's size. Inputs are never modified;
+outputs are written to a temporary file and renamed into place when complete.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from typing import List, Optional, Sequence
+
+from ..files import CheckpointError, CheckpointFile, atomic_path
+from ..metadata import MODEL, sharded_checkpoint_path
+from .optimizer import why_not_consolidated
+from .output import entry_specs, verify_output, write_consolidated
+from .plan import ModelPlan, plan_model
+from .redistribute import redistribute
+from .shard_set import ShardSet, find_shard_set
+
+DEFAULT_SUFFIX = "_rank-*-of-*.pth"
+
+
+def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFFIX
+               ) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="consolidate_sharded_ckpts",
+        description="Consolidate per-rank FSDP checkpoints into one state dict, or reshard "
+                    "them for another number of ranks.")
+    p.add_argument("--ckpt_prefix", required=True,
+                   help="path prefix of the per-rank files")
+    p.add_argument("--ckpt_suffix", default=default_suffix,
+                   help=f"glob completing the prefix to the per-rank files "
+                        f"(default {default_suffix!r})")
+    p.add_argument("--save_path", default="",
+                   help="output file (default: <prefix>_consolidated.pth or .safetensors); with "
+                        "--reshard, the output prefix (default: <prefix>_reshard<N>)")
+    p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
+                   help="pt: {'model', 'optimizer', 'optimizer_param_names'} for torch.load; "
+                        "safetensors: the model state dict, optimizer beside it as "
+                        "<save_path stem>.optimizer.pth")
+    p.add_argument("--reshard", type=int, metavar="N", default=0,
+                   help="write per-rank checkpoints for N ranks instead of consolidating")
+    p.add_argument("--no_optimizer", action="store_true", help="leave the optimizer state out")
+    p.add_argument("--no_verify", action="store_true",
+                   help="skip the CRC-32 check of every input record before reading")
+    return p.parse_args(argv)
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, total: int, label: str) -> None:
+        self.total, self.done, self.label = max(total, 1), 0, label
+        self._last = 0.0
+        self._start = time.monotonic()
+
+    def __call__(self, numel: int) -> None:
+        self.done += numel
+        now = time.monotonic()
+        if now - self._last > 0.1 or self.done >= self.total:
+            self._last = now
+            fraction = min(self.done / self.total, 1.0)
+            bar = "#" * int(30 * fraction)
+            sys.stderr.write(f"\r{self.label} [{bar:<30}] {fraction:6.1%} "
+                             f"{self.done / 1e6:,.1f}M elements, {now - self._start:.1f}s")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def _total_elements(plan: ModelPlan, shards: ShardSet) -> int:
+    model = shards.files[0].tree[MODEL]
+    return sum(g.numel for g in plan.shard_groups) + sum(model[k].numel for k in plan.buffers)
+
+
+def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
+    """Consolidates or redistributes as ``args`` say; returns the paths written. An output that
+    matches the input pattern is refused, or with ``skip_outputs`` left out of the inputs."""
+    prefix = args.ckpt_prefix
+    if args.reshard:
+        if args.reshard < 1:
+            raise CheckpointError(f"--reshard must be at least 1, got {args.reshard}")
+        out_prefix = args.save_path or f"{prefix}_reshard{args.reshard}"
+        outputs = [sharded_checkpoint_path(out_prefix, r, args.reshard)
+                   for r in range(args.reshard)]
+    else:
+        ext = ".safetensors" if args.format == "safetensors" else ".pth"
+        outputs = [args.save_path or prefix + "_consolidated" + ext]
+        if args.format == "safetensors":
+            outputs.append(os.path.splitext(outputs[0])[0] + ".optimizer.pth")
+    shards = find_shard_set(prefix, args.ckpt_suffix, outputs, verify=not args.no_verify,
+                            skip_outputs=skip_outputs)
+    print(f"found {shards.world_size} rank files matching {shards.pattern!r}"
+          + ("" if args.no_verify else ", every record's CRC-32 checked"))
+    try:
+        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        reason = None if args.no_optimizer else why_not_consolidated(shards, plan)
+        with_optimizer = not args.no_optimizer and reason is None
+        if reason and "no optimizer" not in reason:
+            print(f"optimizer state not included: {reason}")
+        progress = Progress(_total_elements(plan, shards),
+                            "resharding" if args.reshard else "consolidating")
+        if args.reshard:
+            with contextlib.ExitStack() as stack:
+                tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
+                redistribute(shards, plan, args.reshard, tmps, progress)
+            progress.close()
+            for path in outputs:
+                with CheckpointFile(path) as f:
+                    f.verify()
+            print(f"verified: {len(outputs)} rank files for world size {args.reshard}, "
+                  f"CRC-32 ok, e.g. {outputs[0]}")
+            return outputs
+        written = write_consolidated(shards, plan, outputs[0], args.format, with_optimizer,
+                                     progress)
+        progress.close()
+        specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
+        summary = verify_output(written[0], specs)
+        print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
+              f"metadata describes" + (", optimizer included" if with_optimizer else ""))
+        return written
+    finally:
+        shards.close()
+
+
+def main(argv: Optional[Sequence[str]] = None, torch_xla_defaults: bool = False) -> int:
+    """The command line tool. ``torch_xla_defaults``: torch_xla's default ``--ckpt_suffix``
+    (``*.pth``, which also matches the default output; the output is then left out of the
+    inputs rather than refused)."""
+    args = parse_args(argv, "*.pth" if torch_xla_defaults else DEFAULT_SUFFIX)
+    try:
+        run(args, skip_outputs=torch_xla_defaults)
+    except CheckpointError as exc:
+        print(f"consolidate_sharded_ckpts: error: {exc}\nnothing was written", file=sys.stderr)
+        return 2
+    return 0

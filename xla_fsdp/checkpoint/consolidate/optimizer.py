@@ -1,0 +1,150 @@
+"""Optimizer state: from per-rank shards to the unwrapped model's layout, and back.
+
+An optimizer state tensor is sharded exactly like its parameter when it has the shard's
+shape (Adam's moments, SGD's momentum); anything else (``step``) is the same on every rank
+and is taken from rank 0. The sharded optimizer's parameter indices are resolved by
+``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is ``keys[i]``.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from ..files import CheckpointError, TensorRef
+from ..metadata import MODEL, OPTIMIZER, RankRecord
+from .plan import ShardGroupSpec, ModelPlan, ParamSpec, read_param
+from .shard_set import ShardSet
+
+
+def why_not_consolidated(shards: ShardSet, plan: ModelPlan) -> Optional[str]:
+    """None if the optimizer can be consolidated, else the reason."""
+    return optimizer_param_keys(shards, plan)[1]
+
+
+def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
+                         ) -> Tuple[Optional[List[str]], Optional[str]]:
+    """Which shard (model state dict key) each optimizer index holds, or why that is unknown.
+
+    ``save_sharded`` records it. A file written with torch_xla's recipe (``model``,
+    ``shard_metadata`` and ``optimizer.state_dict()``) does not, but an optimizer built over
+    the wrapped model's ``parameters()`` numbers the shards in the state dict's order: that
+    is taken when the optimizer has one param group holding every shard and every state
+    tensor has its shard's shape on every rank (or when torch recorded ``param_names``)."""
+    tree = shards.files[0].tree
+    if OPTIMIZER not in tree:
+        return None, "the checkpoint holds no optimizer state"
+    record = RankRecord.of(tree)
+    if record is not None and record.optimizer_param_keys:
+        return list(record.optimizer_param_keys), None
+    param_groups = tree[OPTIMIZER].get("param_groups", [])
+    if param_groups and all("param_names" in g for g in param_groups):
+        keys = [n for g in param_groups for n in g["param_names"]]
+    else:
+        keys = [k for k in tree[MODEL] if k in plan.spec_of()]
+        if len(param_groups) != 1 or len(param_groups[0]["params"]) != len(keys):
+            counts = [len(g["params"]) for g in param_groups]
+            return None, (f"{shards.files[0].path} does not record which parameter each "
+                          f"optimizer index is, and its optimizer ({len(param_groups)} param "
+                          f"group(s) of {counts} parameters) is not one group over the "
+                          f"{len(keys)} shards of model.parameters(); save with "
+                          f"xla_fsdp.checkpoint.save_sharded to record it")
+    return keys, _shape_mismatch(shards, keys)
+
+
+def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
+    for f in shards.files:
+        opt, model = f.tree[OPTIMIZER], f.tree[MODEL]
+        for index in (i for g in opt["param_groups"] for i in g["params"]):
+            if index >= len(keys) or keys[index] not in model:
+                return f"{f.path}: optimizer index {index} has no shard to belong to"
+            shard = model[keys[index]]
+            for name, value in opt.get("state", {}).get(index, {}).items():
+                if (isinstance(value, TensorRef) and len(value.shape) >= 1
+                        and value.shape != shard.shape):
+                    return (f"{f.path}: optimizer index {index}'s {name!r} has shape "
+                            f"{list(value.shape)}, but shard {keys[index]} has "
+                            f"{list(shard.shape)}: the optimizer was not built over "
+                            f"model.parameters() in order")
+    return None
+
+
+def _is_sharded(value: Any, shard: TensorRef) -> bool:
+    return isinstance(value, TensorRef) and len(value.shape) >= 1 and value.shape == shard.shape
+
+
+def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
+                          add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """The optimizer state dict an optimizer over the unwrapped model's parameters would
+    have, and its parameter names by index. Tensors go through ``add`` as they are read.
+
+    Within each param group the parameters are in the unwrapped model's order, so build
+    the unsharded optimizer's groups in that order."""
+    keys, reason = optimizer_param_keys(shards, plan)
+    if keys is None:
+        raise CheckpointError(reason)
+    specs = plan.spec_of()
+    rank = {name: i for i, name in enumerate(plan.param_order)}
+    opt0 = shards.files[0].tree[OPTIMIZER]
+    state: Dict[int, Dict[str, Any]] = {}
+    param_groups, names = [], []
+    for param_group in opt0["param_groups"]:
+        members: List[Tuple[ParamSpec, ShardGroupSpec, int]] = []
+        for index in param_group["params"]:
+            spec = specs.get(keys[index])
+            if spec is None:
+                raise CheckpointError(f"optimizer index {index} refers to {keys[index]}, which "
+                                      f"is not a shard of the model")
+            members += [(p, spec, index) for p in spec.params]
+        members.sort(key=lambda m: rank.get(m[0].name, len(rank)))
+        new_indices = []
+        for param, spec, index in members:
+            new_indices.append(len(names))
+            names.append(param.name)
+            old = opt0["state"].get(index)
+            if old is not None:
+                state[new_indices[-1]] = _full_state(shards, spec, param, index, old, add)
+        new_param_group = dict(param_group, params=new_indices)
+        if "param_names" in param_group:
+            new_param_group["param_names"] = [names[i] for i in new_indices]
+        param_groups.append(new_param_group)
+    return {"state": state, "param_groups": param_groups}, names
+
+
+def _full_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index: int,
+                old: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
+    shard0 = shards.files[0].tree[MODEL][spec.key]
+    out = {}
+    for name, value in old.items():
+        if _is_sharded(value, shard0):
+            per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
+            out[name] = add(read_param(per_rank, param))
+        elif isinstance(value, TensorRef):
+            out[name] = add(value.read())
+        else:
+            out[name] = value
+    return out
+
+
+def redistribute_optimizer_state(shards: ShardSet, spec: ShardGroupSpec, index: int,
+                                 new_shards: Callable[[List[TensorRef]], List[torch.Tensor]],
+                                 adds: List[Callable[[torch.Tensor], Any]]
+                                 ) -> List[Dict[str, Any]]:
+    """Optimizer state of sharded index ``index`` for every new rank. ``new_shards`` turns
+    old per-rank shards into new per-rank shards; ``adds[r]`` writes to new rank ``r``."""
+    old = shards.files[0].tree[OPTIMIZER]["state"][index]
+    shard0 = shards.files[0].tree[MODEL][spec.key]
+    out: List[Dict[str, Any]] = [{} for _ in adds]
+    for name, value in old.items():
+        if _is_sharded(value, shard0):
+            per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
+            for r, piece in enumerate(new_shards(per_rank)):
+                out[r][name] = adds[r](piece)
+        elif isinstance(value, TensorRef):
+            tensor = value.read()
+            for r, add in enumerate(adds):
+                out[r][name] = add(tensor)
+        else:
+            for r in range(len(adds)):
+                out[r][name] = value
+    return out

@@ -1,0 +1,117 @@
+"""Writing a consolidated checkpoint: the unwrapped model's state dict (and optimizer state)
+read one tensor at a time from the shards, streamed to a ``.pth`` or ``.safetensors`` file,
+then re-read and verified."""
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+
+from ..files import (CheckpointError, CheckpointFile, SafetensorsWriter, TorchFileWriter,
+                     atomic_path)
+from ..files.writer import SAFETENSORS_DTYPES
+from ..metadata import MODEL
+from .optimizer import consolidate_optimizer
+from .plan import ModelPlan, read_param
+from .shard_set import ShardSet
+
+
+def ordered_params(plan: ModelPlan) -> List[tuple]:
+    """(name, shard group spec, param) of every parameter in the unwrapped model's order."""
+    by_name = {p.name: (g, p) for g in plan.shard_groups for p in g.params}
+    known = set(plan.param_order)
+    order = plan.param_order + [n for n in by_name if n not in known]
+    return [(n, *by_name[n]) for n in order]
+
+
+def model_entries(plan: ModelPlan, shards: ShardSet) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(name, tensor) of the consolidated model state dict, read one at a time."""
+    files = shards.files
+    for name, spec, param in ordered_params(plan):
+        yield name, read_param([f.tree[MODEL][spec.key] for f in files], param)
+    for key, name in plan.buffers.items():
+        tensor = files[0].tree[MODEL][key].read()
+        if key in plan.buffer_dtypes:
+            tensor = tensor.to(plan.buffer_dtypes[key])
+        yield name, tensor
+
+
+def entry_specs(plan: ModelPlan, shards: ShardSet) -> List[tuple]:
+    """(name, dtype, shape) of every entry ``_model_entries`` yields, then the aliases."""
+    model = shards.files[0].tree[MODEL]
+    specs = [(n, model[g.key].dtype, p.shape) for n, g, p in ordered_params(plan)]
+    specs += [(n, plan.buffer_dtypes.get(k, model[k].dtype), model[k].shape)
+              for k, n in plan.buffers.items()]
+    source = {n: (d, s) for n, d, s in specs}
+    specs += [(alias, *source[src]) for alias, src in plan.aliases]
+    return specs
+
+
+def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
+                       with_optimizer: bool, progress: Callable[[int], None]) -> List[str]:
+    """Writes the consolidated checkpoint; returns the paths written."""
+    written = []
+    if fmt == "safetensors":
+        specs = entry_specs(plan, shards)
+        sources = dict(plan.aliases)
+        with atomic_path(path) as tmp:
+            writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
+            held: Dict[str, torch.Tensor] = {}
+            for name, tensor in model_entries(plan, shards):
+                writer.add(name, tensor)
+                progress(tensor.numel())
+                if name in sources.values():
+                    held[name] = tensor  # a tied weight is written again under its alias
+            for alias, source in plan.aliases:
+                writer.add(alias, held[source])
+            writer.finish()
+        written.append(path)
+        if with_optimizer:
+            opt_path = os.path.splitext(path)[0] + ".optimizer.pth"
+            with atomic_path(opt_path) as tmp:
+                writer = TorchFileWriter(tmp)
+                optimizer, names = consolidate_optimizer(shards, plan, writer.add)
+                writer.finish({"optimizer": optimizer, "optimizer_param_names": names})
+            written.append(opt_path)
+        return written
+    with atomic_path(path) as tmp:
+        writer = TorchFileWriter(tmp)
+        model: Dict[str, Any] = {}
+        for name, tensor in model_entries(plan, shards):
+            model[name] = writer.add(tensor)
+            progress(tensor.numel())
+        for alias, source in plan.aliases:
+            model[alias] = model[source]  # one record under both names: stays tied on load
+        tree: Dict[str, Any] = {"model": model}
+        if with_optimizer:
+            tree["optimizer"], tree["optimizer_param_names"] = consolidate_optimizer(
+                shards, plan, writer.add)
+        writer.finish(tree)
+    return [path]
+
+
+def verify_output(path: str, expected: Dict[str, tuple]) -> str:
+    """Re-reads a written file: CRCs, and every expected name with its shape and dtype."""
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(path, framework="pt") as f:
+            got = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape()))
+                   for k in f.keys()}
+        expected = {k: (SAFETENSORS_DTYPES[v[0]], tuple(v[1])) for k, v in expected.items()}
+    else:
+        with CheckpointFile(path) as f:
+            f.verify()
+            model = f.tree[MODEL]
+            got = {k: (v.dtype, tuple(v.shape)) for k, v in model.items()}
+        expected = {k: (v[0], tuple(v[1])) for k, v in expected.items()}
+    if got != expected:
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+        raise CheckpointError(f"{path} does not hold what was written: missing {missing}, "
+                              f"unexpected {extra}, wrong shape or dtype {wrong}")
+    numel = sum(math.prod(s) for _, s in expected.values())
+    return f"{len(expected)} tensors, {numel:,} elements"
+
+

@@ -1,0 +1,151 @@
+"""Finds and validates the per-rank files of one sharded checkpoint."""
+from __future__ import annotations
+
+import fnmatch
+import glob
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..files import CheckpointError, CheckpointFile
+from ..metadata import MODEL, SHARD_METADATA, RankRecord, ShardMetadata
+
+
+@dataclass
+class ShardSet:
+    files: List[CheckpointFile]          # index = rank
+    metadata: ShardMetadata              # rank 0's
+    pattern: str
+
+    @property
+    def world_size(self) -> int:
+        return len(self.files)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+
+
+class IncompleteCheckpoint(CheckpointError):
+    """The files look like a checkpoint still being written: ranks missing, a file
+    unreadable, or files from different saves. Waiting may cure it."""
+
+
+def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
+                   verify: bool = True, skip_outputs: bool = False) -> ShardSet:
+    """Opens ``prefix + suffix`` (a glob) and checks the files form one complete checkpoint.
+
+    Refuses, naming the files at fault: no match, a match that is one of ``outputs`` (with
+    ``skip_outputs``, such a match is left out instead), files that are not sharded
+    checkpoints, duplicate or missing ranks, mixed world sizes, mixed wrappings or saves,
+    and (with ``verify``) any record failing its CRC-32. ``IncompleteCheckpoint`` is
+    raised for what a save still under way would explain."""
+    pattern = prefix + suffix
+    outs = {os.path.abspath(o) for o in outputs}
+    paths = sorted(p for p in glob.glob(pattern)
+                   if not (skip_outputs and os.path.abspath(p) in outs))
+    if not paths:
+        raise CheckpointError(f"no files match {pattern!r}")
+    inputs = {os.path.abspath(p) for p in paths}
+    for out in sorted(outs):
+        if out in inputs:
+            raise CheckpointError(f"the output {out} would overwrite an input; choose another "
+                                  f"--save_path")
+        if not skip_outputs and fnmatch.fnmatchcase(out, os.path.abspath(pattern)):
+            raise CheckpointError(
+                f"the output {out} matches the input pattern {pattern!r}, so the next run would "
+                f"read it as a rank file; choose another --save_path or a narrower --ckpt_suffix")
+    files = []
+    try:
+        for path in paths:
+            try:
+                files.append(CheckpointFile(path))
+            except CheckpointError as exc:
+                raise IncompleteCheckpoint(str(exc)) from None
+        by_rank = check_shard_set(files, pattern)
+        if verify:
+            for f in by_rank:
+                try:
+                    f.verify()
+                except CheckpointError as exc:
+                    raise IncompleteCheckpoint(str(exc)) from None
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return ShardSet(by_rank, ShardMetadata(by_rank[0].tree[SHARD_METADATA]), pattern)
+
+
+def wait_for_shard_set(prefix: str, suffix: str, outputs: Sequence[str], timeout: float,
+                       verify: bool = True, skip_outputs: bool = False,
+                       poll: float = 0.2) -> ShardSet:
+    """``find_shard_set``, retried while the set looks incomplete, for up to ``timeout``
+    seconds: for consolidation called from training code while other ranks may still be
+    writing (``xm.save`` does not wait for the other ranks since torch_xla 2.9)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return find_shard_set(prefix, suffix, outputs, verify, skip_outputs)
+        except IncompleteCheckpoint as exc:
+            if time.monotonic() >= deadline:
+                raise IncompleteCheckpoint(
+                    f"waited {timeout:g} s for the checkpoint to be complete, but: {exc}"
+                ) from None
+        time.sleep(poll)
+
+
+def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile]:
+    for f in files:
+        tree = f.tree
+        if not isinstance(tree, dict) or SHARD_METADATA not in tree or MODEL not in tree:
+            keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
+            raise CheckpointError(
+                f"{f.path} is not a per-rank FSDP checkpoint (it has {keys}, not 'model' and "
+                f"'shard_metadata'); if it is a consolidated checkpoint, narrow --ckpt_suffix "
+                f"so that {pattern!r} matches only the per-rank files")
+    worlds = {f.path: ShardMetadata(f.tree[SHARD_METADATA]).world_size for f in files}
+    if len(set(worlds.values())) > 1:
+        raise CheckpointError(f"{pattern!r} mixes checkpoints of different world sizes: "
+                              + ", ".join(f"{p} (world size {w})" for p, w in worlds.items()))
+    world = next(iter(worlds.values()))
+    by_rank: Dict[int, CheckpointFile] = {}
+    for f in files:
+        rank = ShardMetadata(f.tree[SHARD_METADATA]).rank
+        if rank in by_rank:
+            raise CheckpointError(f"{by_rank[rank].path} and {f.path} both hold rank {rank}")
+        by_rank[rank] = f
+    missing = [r for r in range(world) if r not in by_rank]
+    if missing:
+        raise IncompleteCheckpoint(f"{pattern!r} matches {len(files)} files of a world of "
+                                   f"{world}; the files of ranks {missing} are missing")
+    ordered = [by_rank[r] for r in range(world)]
+    _check_same(ordered, "wrapping", _wrapping_identity)
+    _check_same(ordered, "save", _save_identity, IncompleteCheckpoint)
+    return ordered
+
+
+def _save_identity(f: CheckpointFile) -> tuple:
+    """Equal for the files of one save: save_sharded's save counter, and the optimizer
+    steps the model had taken (``update_count`` in xla_fsdp's shard metadata, also in
+    files written with torch_xla's recipe); None where the writer recorded neither."""
+    record = RankRecord.of(f.tree)
+    return (record.save_index if record else None,
+            ShardMetadata(f.tree[SHARD_METADATA]).update_count)
+
+
+def _wrapping_identity(f: CheckpointFile) -> Optional[str]:
+    record = RankRecord.of(f.tree)
+    if record is not None:
+        return record.fingerprint
+    return ShardMetadata(f.tree[SHARD_METADATA]).fingerprint()
+
+
+def _check_same(files: List[CheckpointFile], what: str, key: Any,
+                error: type = CheckpointError) -> None:
+    first = key(files[0])
+    for f in files[1:]:
+        if key(f) != first:
+            raise error(f"{files[0].path} and {f.path} come from different {what}s "
+                        f"({first} vs {key(f)}); a checkpoint's files must all be written by "
+                        f"the same save of the same model")

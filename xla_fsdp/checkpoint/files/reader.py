@@ -1,0 +1,245 @@
+"""Reads torch.save checkpoints lazily: the structure now, each tensor's bytes on demand.
+
+``torch.load(mmap=True)`` would also avoid reading everything up front, but every page it
+touches stays mapped into the process, so consolidating a checkpoint grows the resident set
+to the checkpoint's size. Here tensors are read with ``pread`` into buffers the caller owns,
+so memory is what the caller allocates. Every record's CRC-32 (written by ``torch.save``
+into the zip) is checked by ``verify()``, and truncation is caught when the zip is opened.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, Dict, Tuple
+
+import torch
+
+from ..._xla.private_api import storage_type_names
+
+_CHUNK = 16 * 1024 * 1024
+_LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, unreadable, corrupted or inconsistent."""
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor inside a checkpoint file, not yet read."""
+    file: "CheckpointFile"
+    key: str                   # storage record key
+    dtype: torch.dtype
+    storage_offset: int        # in elements
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected = contiguous_strides(self.shape)
+        return all(s == e for s, e, d in zip(self.stride, expected, self.shape) if d != 1)
+
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        """Fills the 1-D contiguous ``out`` with elements ``start, start + 1, ...`` of the
+        tensor in row-major order."""
+        if not self.is_contiguous:
+            out.copy_(self.read().reshape(-1)[start:start + out.numel()])
+            return
+        if start < 0 or start + out.numel() > self.numel:
+            raise IndexError(f"{self.file.path}: elements {start}..{start + out.numel()} out of "
+                             f"range for a tensor of {self.numel}")
+        size = out.element_size()
+        self.file.pread_into(self.key, (self.storage_offset + start) * size,
+                             out.view(torch.uint8).numpy())
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, as a new CPU tensor."""
+        if self.is_contiguous:
+            out = torch.empty(self.shape, dtype=self.dtype)
+            if out.numel():
+                self.read_elements(0, out.reshape(-1))
+            return out
+        storage_numel = self.file.record_size(self.key) // _element_size(self.dtype)
+        storage = torch.empty(storage_numel, dtype=self.dtype)
+        self.file.pread_into(self.key, 0, storage.view(torch.uint8).numpy())
+        return storage.as_strided(self.shape, self.stride, self.storage_offset).clone()
+
+
+def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.insert(0, acc)
+        acc *= d
+    return tuple(strides)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class CheckpointFile:
+    """One checkpoint file: ``tree`` is its object with every tensor a ``TensorRef``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self._zip = zipfile.ZipFile(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such file") from None
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise CheckpointError(
+                f"{path}: not a readable torch.save checkpoint ({exc}); the file is truncated, "
+                f"corrupted, or was written with the legacy non-zip format") from None
+        names = self._zip.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl")]
+        if len(pkl) != 1:
+            raise CheckpointError(f"{path}: no data.pkl record; not a torch.save checkpoint")
+        self._prefix = pkl[0][:-len("data.pkl")]
+        self._records: Dict[str, zipfile.ZipInfo] = {n[len(self._prefix):]: self._zip.getinfo(n)
+                                                     for n in names}
+        self._offsets: Dict[str, int] = {}
+        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self.tree = _LazyUnpickler(self, self._zip.read(pkl[0])).load()
+        except zipfile.BadZipFile as exc:
+            raise CheckpointError(f"{path}: data.pkl is corrupted ({exc})") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._zip.close()
+
+    def __enter__(self) -> "CheckpointFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _info(self, key: str) -> zipfile.ZipInfo:
+        info = self._records.get("data/" + key)
+        if info is None:
+            raise CheckpointError(f"{self.path}: storage record data/{key} is missing")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(f"{self.path}: storage record data/{key} is compressed")
+        return info
+
+    def record_size(self, key: str) -> int:
+        return self._info(key).file_size
+
+    def _data_offset(self, key: str) -> int:
+        return self._record_offset("data/" + key, self._info(key))
+
+    def _record_offset(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where a record's bytes start: after its local header, name and extra field."""
+        if name not in self._offsets:
+            header = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
+            fields = _LOCAL_HEADER.unpack(header)
+            if fields[0] != b"PK\x03\x04":
+                raise CheckpointError(f"{self.path}: bad zip header for {name}")
+            name_len, extra_len = fields[-2], fields[-1]
+            self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+        return self._offsets[name]
+
+    def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
+        """Reads ``len(out)`` bytes of storage ``key`` from ``byte_offset`` into ``out``."""
+        view = memoryview(out).cast("B")
+        if byte_offset + len(view) > self.record_size(key):
+            raise CheckpointError(f"{self.path}: read past the end of storage data/{key}")
+        at, done = self._data_offset(key) + byte_offset, 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:done + _CHUNK]], at + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: file ends inside storage data/{key} "
+                                      f"(truncated)")
+            done += n
+
+    def verify(self) -> None:
+        """Checks the CRC-32 of every record; raises ``CheckpointError`` naming the first bad one."""
+        buffer = bytearray(_CHUNK)
+        for name, info in self._records.items():
+            if info.compress_type != zipfile.ZIP_STORED:
+                continue  # zipfile checks these when reading; torch.save never compresses
+            crc, done = 0, 0
+            at = self._record_offset(name, info)
+            while done < info.file_size:
+                want = min(_CHUNK, info.file_size - done)
+                n = os.preadv(self._fd, [memoryview(buffer)[:want]], at + done)
+                if n <= 0:
+                    raise CheckpointError(f"{self.path}: truncated inside record {name}")
+                crc = zlib.crc32(memoryview(buffer)[:n], crc)
+                done += n
+            if crc != info.CRC:
+                raise CheckpointError(f"{self.path}: record {name} fails its CRC-32 check "
+                                      f"(the file is corrupted)")
+
+
+_STORAGE_DTYPES = {name: dtype for dtype, name in storage_type_names().items()}
+
+
+def _storage_dtype(storage_type: Any) -> torch.dtype:
+    if storage_type is torch.UntypedStorage:
+        return torch.uint8
+    return _STORAGE_DTYPES[storage_type.__name__]
+
+
+def _rebuild_tensor(storage: Tuple[str, torch.dtype, "CheckpointFile"], storage_offset: int,
+                    size: Any, stride: Any, *unused: Any) -> TensorRef:
+    key, dtype, file = storage
+    return TensorRef(file, key, dtype, int(storage_offset), tuple(size), tuple(stride))
+
+
+def _rebuild_parameter(data: TensorRef, *unused: Any) -> TensorRef:
+    return data
+
+
+_SAFE_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch", "Size"): torch.Size,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "slice"): slice,
+    ("builtins", "complex"): complex,
+}
+
+
+class _LazyUnpickler(pickle.Unpickler):
+    """Rebuilds the checkpoint's object with ``TensorRef``s; like ``weights_only=True``,
+    refuses any global outside plain containers, tensors, dtypes and storage types."""
+
+    def __init__(self, file: CheckpointFile, data: bytes) -> None:
+        import io
+        super().__init__(io.BytesIO(data))
+        self._file = file
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_GLOBALS:
+            return _SAFE_GLOBALS[(module, name)]
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype) or (
+                    isinstance(value, type) and name.endswith("Storage")):
+                return value
+        raise CheckpointError(f"{self._file.path}: holds {module}.{name}, which a "
+                              f"weights-only checkpoint may not contain")
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, storage_type, key, _location, _numel = pid
+        if isinstance(kind, bytes):
+            kind = kind.decode("ascii")
+        if kind != "storage":
+            raise CheckpointError(f"{self._file.path}: unknown persistent record {kind!r}")
+        return (str(key), _storage_dtype(storage_type), self._file)

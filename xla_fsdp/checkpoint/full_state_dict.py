@@ -1,0 +1,86 @@
+"""The unwrapped model's ordinary state dict, gathered from the shards, and back."""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Mapping, Tuple
+
+import torch
+
+from .._sharding.names import clean_name, join_name
+from .._unit.buffers import original_dtype
+from .._unit.shard_group import ShardGroup
+from .metadata import persistent_buffers
+from .unit_protocol import ShardedModel, ShardedUnit
+
+
+def _parameter_slots(root: ShardedModel) -> Iterator[Tuple[ShardedUnit, ShardGroup, List[str]]]:
+    """(unit, shard group, unwrapped names of its parameters) for every shard group."""
+    for path, unit in root.named_units():
+        prefix = clean_name(path)
+        for g in unit.shard_groups:
+            yield unit, g, [join_name(prefix, n) for n in g.names]
+
+
+def _aliases(root: ShardedModel) -> List[Tuple[str, str]]:
+    out = []
+    for path, unit in root.named_units():
+        prefix = clean_name(path)
+        out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in unit.shared_params]
+    return out
+
+
+@torch.no_grad()
+def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
+    """Gathers one shard group at a time and copies it to the CPU, so the device holds at
+    most one group's full parameters beyond training's own. Every rank must call it; with
+    ``rank0_only`` only global rank 0 keeps the result (the others get ``{}``)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+    keep = not rank0_only or xr.global_ordinal() == 0
+    out: Dict[str, torch.Tensor] = {}
+    for unit, g, names in _parameter_slots(root):
+        (full,) = unit.collectives.all_gather([g.shard.detach()], coalesce=False)
+        torch_xla.sync()
+        if keep:
+            flat = full.cpu()
+            for name, value in zip(names, g.layout.unshard(flat)):
+                out[name] = value.clone()
+    if keep:
+        for alias, source in _aliases(root):
+            out[alias] = out[source]
+        for name, buf in persistent_buffers(root):
+            out[name] = buf.detach().cpu().to(original_dtype(buf))
+    return out
+
+
+@torch.no_grad()
+def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tensor],
+                         strict: bool = True) -> Tuple[List[str], List[str]]:
+    """Loads an ordinary (unwrapped) state dict; each rank copies only its shard to the
+    device. Returns (missing, unexpected) keys; with ``strict`` either is an error."""
+    import torch_xla
+    slots = list(_parameter_slots(root))
+    buffers = dict(persistent_buffers(root))
+    expected = {n for _, _, names in slots for n in names} | set(buffers)
+    expected |= {alias for alias, _ in _aliases(root)}
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
+                       f"{unexpected}")
+    for unit, g, names in slots:
+        if any(n not in state_dict for n in names):
+            continue
+        values = []
+        for name, shape in zip(names, g.layout.shapes):
+            value = state_dict[name]
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"load_full_state_dict: '{name}' has shape "
+                                 f"{tuple(value.shape)}, the model's is {tuple(shape)}")
+            values.append(value.detach().to("cpu", torch.float32))
+        g.shard.copy_(g.layout.shard(values, unit.rank).to(g.shard.device))
+        g.mark_updated()
+    for name, buf in buffers.items():
+        if name in state_dict:
+            buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))
+    torch_xla.sync()
+    return missing, unexpected

@@ -1,0 +1,277 @@
+"""The per-rank checkpoint format, written and read here only.
+
+A per-rank file is torch_xla's ``{'model', 'shard_metadata', 'optimizer'}`` plus, when we
+wrote it, our record (``RankRecord``, under ``'xla_fsdp'``) and the caller's ``'extra'``.
+The shard metadata is torch_xla's ``get_shard_metadata()`` format plus what resharding and
+optimizer consolidation need (torch_xla's consolidation ignores the extra keys):
+
+* ``shard_info``: {unit path: {shard name: {"_orig_size", "_orig_name"}}} (torch_xla's);
+* ``flatten_info``: {wrapped name of a flat shard: (names, shapes, numels)} (torch_xla's);
+* ``interleave_info``: ``flatten_info``'s entries for interleaved groups (every flattened
+  group of ours), kept out of ``flatten_info`` because torch_xla's consolidation would
+  read them as one flat tensor cut into shards and silently scramble them. It fails on
+  the missing entry instead;
+* ``layout_info``: {unit path: {shard name: {"kind": "flat" | "interleaved" | "dim0" |
+  "stacked", "multiple": m, and for "stacked" "layers" and "layer_kind"}}};
+* ``stack_info``: for each group of scanned layers (``StackedLayout``), one layer's
+  parameter names (relative to the layer), shapes and sizes; layer ``i``'s are named
+  ``<unit path>.<i>.<name>``, and a rank's shard is its layer shards stacked;
+* ``buffer_info``: {buffer key: {"_orig_dtype"}} for buffers placed in another dtype;
+* ``shared_info``: {unit path: [(alias, source)]} for tied parameters;
+* ``param_order``: the unwrapped model's parameter names in ``parameters()`` order;
+* ``update_count``: optimizer steps and loads the shards have had, equal on every rank
+  at the same point of training, so that consolidation can tell a file left from an
+  earlier save from one of the save it is reading;
+* ``world_size``, ``rank``.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+
+from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
+from .._sharding.names import clean_name, join_name
+from .._unit.buffers import original_dtype
+from .._xla.private_api import is_persistent_buffer
+from .unit_protocol import ShardedUnit
+
+# the keys of a per-rank file
+MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
+    "model", "shard_metadata", "optimizer", "extra", "xla_fsdp")
+FORMAT_VERSION = 1
+LAYER_KINDS = ("flat", "interleaved", "dim0")  # how one layer (or an unstacked group) is cut
+MemberTable = Tuple[List[str], List[List[int]], List[int]]  # names, shapes, numels
+
+
+def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` writes a checkpoint saved under ``prefix``."""
+    return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
+
+
+# -- writing ----------------------------------------------------------------------------------
+def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
+    persistent ones, under every name a shared module gives them."""
+    out = []
+    for path, m in root.named_modules(remove_duplicate=False):
+        for name, buf in m.named_buffers(recurse=False, remove_duplicate=False):
+            if is_persistent_buffer(m, name):
+                out.append((clean_name(join_name(path, name)), buf))
+    return out
+
+
+def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
+                              ) -> List[Tuple[str, nn.Parameter]]:
+    """(name in the unwrapped model, shard) for every shard group of every unit.
+
+    A flattened group is named ``<unit path>.flat_param_<i>``."""
+    out = []
+    for path, unit in units:
+        prefix = clean_name(path)
+        for g in unit.shard_groups:
+            out.append((join_name(prefix, clean_name(g.orig_name)), g.shard))
+    return out
+
+
+def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], world_size: int,
+                   rank: int) -> Dict[str, Any]:
+    """This rank's shard metadata (see the module docstring)."""
+    units = list(units)
+    shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
+    interleave_info, stack_info = {}, {}
+    for path, unit in units:
+        shard_groups = unit.shard_groups
+        shard_info[path] = {
+            g.shard_name: {"_orig_size": g.shard._orig_size, "_orig_name": g.orig_name}
+            for g in shard_groups}
+        layout_info[path] = {g.shard_name: _layout_entry(g.layout) for g in shard_groups}
+        for g in shard_groups:
+            key = join_name(path, g.orig_name)
+            if isinstance(g.layout, StackedLayout):
+                layer = g.layout.layer
+                names = [n.split(".", 1)[1] for n in g.names[:len(layer.shapes)]]
+                stack_info[key] = (names, list(layer.shapes), [math.prod(s) for s in layer.shapes])
+            elif unit.flatten_parameters:
+                info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
+                info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
+        if unit.shared_params:
+            shared_info[path] = unit.shared_params
+    buffer_info = {name: {"_orig_dtype": original_dtype(buf)}
+                   for name, buf in persistent_buffers(root)
+                   if original_dtype(buf) != buf.dtype}
+    return {"shard_info": shard_info, "flatten_info": flatten_info,
+            "interleave_info": interleave_info, "buffer_info": buffer_info,
+            "shared_info": shared_info, "layout_info": layout_info, "stack_info": stack_info,
+            "param_order": _plain_parameter_order(root, units),
+            "update_count": sum(g.updates for _, unit in units for g in unit.shard_groups),
+            "world_size": world_size, "rank": rank}
+
+
+def _layout_entry(layout: Layout) -> Dict[str, Any]:
+    if isinstance(layout, StackedLayout):
+        layer = _layout_entry(layout.layer)
+        return {"kind": "stacked", "multiple": layer["multiple"], "layers": layout.layers,
+                "layer_kind": layer["kind"]}
+    if isinstance(layout, Dim0Layout):
+        return {"kind": "dim0", "multiple": 1}
+    kind = "interleaved" if isinstance(layout, InterleavedLayout) else "flat"
+    return {"kind": kind, "multiple": layout.multiple}
+
+
+def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> List[str]:
+    """Names in the order ``parameters()`` of the unwrapped model yields them: modules in
+    pre-order, each module's own parameters in registration order (as each unit found
+    them, before grouping)."""
+    module_rank: Dict[str, int] = {}
+    for path, _ in root.named_modules():
+        module_rank.setdefault(clean_name(path), len(module_rank))
+    keyed = []
+    for path, unit in units:
+        prefix = clean_name(path)
+        for position, name in enumerate(unit.param_order):
+            full = join_name(prefix, name)
+            owner = full.rsplit(".", 1)[0] if "." in full else ""
+            keyed.append(((module_rank[owner], position), full))
+    return [name for _, name in sorted(keyed)]
+
+
+def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:
+    """Identifies how a model was sharded (names, shapes, layouts, world size), not the
+    values nor the rank: files of one checkpoint share it, and a model wrapped the same
+    way at the same world size computes the same one."""
+    keys = ("shard_info", "flatten_info", "interleave_info", "shared_info", "layout_info",
+            "stack_info", "world_size")
+    canonical = json.dumps({k: metadata.get(k) for k in keys}, sort_keys=True, default=_jsonable)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return list(value)
+    if hasattr(value, "__iter__"):  # torch.Size
+        return list(value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """Our record in a per-rank file: what ties its files together and what torch_xla's
+    format leaves out."""
+    format: int
+    world_size: int
+    rank: int
+    fingerprint: str                          # wrapping_fingerprint of the shard metadata
+    save_index: int                           # the model's saves so far; equal across a save
+    optimizer_param_keys: Optional[List[str]]  # model state dict key of each optimizer index
+
+    def as_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def of(tree: Any) -> Optional["RankRecord"]:
+        """The record of a per-rank file's tree, or None for a file we did not write."""
+        raw = tree.get(RECORD) if isinstance(tree, dict) else None
+        if not raw:
+            return None
+        return RankRecord(raw.get("format", FORMAT_VERSION), raw["world_size"], raw["rank"],
+                          raw["fingerprint"], raw.get("save_index"),
+                          raw.get("optimizer_param_keys"))
+
+
+# -- reading ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard group as the shard metadata describes it."""
+    unit_path: str                   # the unit's path in the wrapped model, "" for the root
+    shard_name: str                  # where the unit registers the shard
+    orig_name: str                   # torch_xla's name for the shard, relative to the unit
+    orig_size: Tuple[int, ...]
+    kind: Optional[str]              # LAYER_KINDS, "stacked", or None if not recorded
+    multiple: int
+    layers: Any                      # stacked: the number of layers, as recorded
+    layer_kind: Optional[str]        # stacked: how each layer is cut
+    members: Optional[MemberTable]   # flattened: its parameters, relative to the unit
+    stack: Optional[MemberTable]     # stacked: one layer's parameters, relative to a layer
+    has_stack_entry: bool            # a stack_info entry exists, whatever the kind says
+
+    @property
+    def key(self) -> str:
+        """The shard's key in the rank's model state dict."""
+        return join_name(self.unit_path, self.shard_name)
+
+    @property
+    def layout_description(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "multiple": self.multiple, "layers": self.layers,
+                "layer_kind": self.layer_kind}
+
+
+class ShardMetadata:
+    """A rank's shard metadata, read: every consumer of the format goes through this."""
+
+    def __init__(self, raw: Dict[str, Any]) -> None:
+        self.raw = raw
+
+    @property
+    def world_size(self) -> int:
+        return self.raw["world_size"]
+
+    @property
+    def rank(self) -> int:
+        return self.raw["rank"]
+
+    @property
+    def update_count(self) -> Optional[int]:
+        return self.raw.get("update_count")
+
+    @property
+    def has_layouts(self) -> bool:
+        """Whether the writer recorded how each shard is laid out (xla_fsdp did)."""
+        return bool(self.raw.get("layout_info"))
+
+    def entries(self) -> List[ShardEntry]:
+        raw = self.raw
+        flat = {**raw.get("flatten_info", {}), **raw.get("interleave_info", {})}
+        stacks = raw.get("stack_info") or {}
+        layouts = raw.get("layout_info", {})
+        out = []
+        for path, shards in raw["shard_info"].items():
+            for shard_name, info in shards.items():
+                wrapped = join_name(path, info["_orig_name"])
+                layout = layouts.get(path, {}).get(shard_name, {})
+                out.append(ShardEntry(
+                    path, shard_name, info["_orig_name"], tuple(info["_orig_size"]),
+                    layout.get("kind"), layout.get("multiple", 1), layout.get("layers"),
+                    layout.get("layer_kind"), flat.get(wrapped), stacks.get(wrapped),
+                    wrapped in stacks))
+        return out
+
+    def buffer_dtypes(self) -> Dict[str, torch.dtype]:
+        """{buffer key: the dtype to restore}, for buffers placed in another dtype."""
+        return {k: v["_orig_dtype"] for k, v in self.raw.get("buffer_info", {}).items()}
+
+    def tied_aliases(self) -> List[Tuple[str, str]]:
+        """(alias, source) names in the unwrapped model of tied parameters."""
+        out = []
+        for path, pairs in self.raw.get("shared_info", {}).items():
+            prefix = clean_name(path)
+            out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in pairs]
+        return out
+
+    def parameter_order(self) -> Optional[List[str]]:
+        return self.raw.get("param_order") or None
+
+    def fingerprint(self) -> str:
+        return wrapping_fingerprint(self.raw)
+
+    def for_rank(self, world_size: int, rank: int) -> Dict[str, Any]:
+        """The same metadata as another rank of another world size writes it."""
+        out = copy.deepcopy(self.raw)
+        out["world_size"], out["rank"] = world_size, rank
+        return out

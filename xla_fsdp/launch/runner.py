@@ -1,0 +1,215 @@
+"""``launch(fn)``: run ``fn(rank, *args)`` once per XLA device and collect the results.
+
+On a TPU or Trainium host this is torch_xla's own multiprocess runner, unchanged. On a
+machine without an accelerator it starts one child process hosting ``num_devices``
+virtual XLA:CPU devices, one thread each, with what it takes for their collectives to be
+exact and to never hang (see ``launch.virtual``). User code is the same in both cases.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from ..compat.patch import patch_if_requested
+from .environment import environment_for_child
+from .virtual import worker
+
+DEFAULT_VIRTUAL_DEVICES = 4
+NUM_DEVICES_ENV = "XLA_FSDP_NUM_DEVICES"
+_FAILED_GRACE_SECONDS = 20.0
+
+
+class LaunchError(RuntimeError):
+    """A rank raised, or the device process died. ``rank`` is None when no rank is to blame."""
+
+    def __init__(self, message: str, rank: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def launch(fn: Callable[..., Any], args: Sequence[Any] = (),
+           num_devices: Optional[int] = None) -> Dict[int, Any]:
+    """Runs ``fn(rank, *args)`` once per device and returns ``{rank: return value}``.
+
+    ``fn`` and ``args`` must be picklable (``fn`` a module-level function). With no
+    accelerator, ``num_devices`` virtual CPU devices are used: the argument, else the
+    ``XLA_FSDP_NUM_DEVICES`` environment variable, else 4. If a rank raises, every other
+    rank is released and a LaunchError naming that rank and carrying its traceback is
+    raised here, chained to the original exception when it can be pickled.
+    """
+    if accelerator_type() is not None:
+        return _launch_on_accelerator(fn, tuple(args), num_devices)
+    if num_devices is None:
+        num_devices = int(os.environ.get(NUM_DEVICES_ENV, DEFAULT_VIRTUAL_DEVICES))
+    if not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    return _launch_virtual(fn, tuple(args), num_devices)
+
+
+def accelerator_type() -> Optional[str]:
+    """'TPU', 'NEURON', ... when torch_xla would run on an accelerator, else None."""
+    device = os.environ.get("PJRT_DEVICE")
+    if device is None:
+        import torch_xla.runtime as xr  # its import picks a default device type
+        device = xr.device_type()
+    device = (device or "CPU").split("_")[0].upper()
+    return None if device == "CPU" else device
+
+
+def _launch_on_accelerator(fn: Callable[..., Any], args: tuple,
+                           num_devices: Optional[int]) -> Dict[int, Any]:
+    if num_devices not in (None, 1):
+        raise ValueError(
+            "on an accelerator every local device is used (as torch_xla's launcher does); "
+            "pass num_devices=None, or 1 for a single device, and limit devices with "
+            "torch_xla's own environment variables (e.g. TPU_PROCESS_BOUNDS, "
+            "NEURON_RT_VISIBLE_CORES)")
+    from .._xla.private_api import run_multiprocess, run_single_process  # imports torch
+    call = _RankCall(fn, args)
+    if num_devices == 1:
+        return {0: run_single_process(call)}
+    return run_multiprocess(call)
+
+
+class _RankCall:
+    """Picklable ``fn(global ordinal, *args)`` for torch_xla's runner. Unpickled in a child,
+    it applies ``patch_torch_xla`` first when the parent had, since unpickling ``fn`` imports
+    its module."""
+
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (_rebuild_rank_call, (pickle.dumps((self.fn, self.args)),))
+
+    def __call__(self):
+        import torch_xla.runtime as xr
+        return self.fn(xr.global_ordinal(), *self.args)
+
+
+def _rebuild_rank_call(payload: bytes) -> "_RankCall":
+    patch_if_requested()
+    return _RankCall(*pickle.loads(payload))
+
+
+def _launch_virtual(fn: Callable[..., Any], args: tuple, num_devices: int) -> Dict[int, Any]:
+    if os.environ.get("XLA_FSDP_IN_LAUNCH") == "1":
+        raise RuntimeError("launch() cannot be called from inside a launched function")
+    try:
+        payload = pickle.dumps((fn, args))
+    except Exception as exc:
+        raise TypeError(
+            f"launch() needs a picklable fn and args (fn must be defined at module level, "
+            f"not a lambda or a nested function): {exc}") from exc
+
+    ctx = multiprocessing.get_context("spawn")
+    receiver, sender = ctx.Pipe(duplex=False)
+    with tempfile.NamedTemporaryFile("w+b", prefix="xla_fsdp_launch_", suffix=".log",
+                                     delete=False) as log:
+        log_path = log.name
+    env = dict(worker.environment(num_devices), XLA_FSDP_IN_LAUNCH="1")
+    with environment_for_child(env):  # before torch_xla starts in the child
+        process = ctx.Process(target=worker.main, name="xla_fsdp-devices",
+                              args=(sender, payload, num_devices, log_path))
+        process.start()
+    sender.close()
+    tail = _LogTail(log_path)
+    try:
+        return _collect(process, receiver, tail)
+    finally:
+        tail.stop()
+        if process.is_alive():
+            process.kill()
+        process.join()
+        os.unlink(log_path)
+
+
+def _collect(process, receiver, tail) -> Dict[int, Any]:
+    first_error = None
+    failed_at = None
+    while True:
+        if receiver.poll(0.2):
+            try:
+                message = receiver.recv()
+            except EOFError:
+                break
+            if message[0] == "results":
+                return {rank: pickle.loads(blob) for rank, blob in sorted(message[1].items())}
+            if first_error is None:
+                first_error, failed_at = message, time.monotonic()
+        elif not process.is_alive():
+            break
+        elif failed_at is not None and time.monotonic() - failed_at > _FAILED_GRACE_SECONDS:
+            break  # the failure is known; the process is stuck tearing down
+    process.join(timeout=5)
+    if first_error is not None:
+        _raise_rank_error(first_error)
+    raise LaunchError(_death_message(process.exitcode, tail.text()))
+
+
+def _raise_rank_error(message):
+    _, rank, exc_blob, formatted = message
+    who = "the device process" if rank is None else f"rank {rank}"
+    original = None
+    if exc_blob is not None:
+        try:
+            original = pickle.loads(exc_blob)
+        except Exception:
+            original = None
+    error = LaunchError(f"{who} raised:\n{formatted.rstrip()}", rank)
+    raise error from original
+
+
+def _death_message(exitcode, log_text: str) -> str:
+    how = (f"was killed by signal {signal.Signals(-exitcode).name}"
+           if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
+    if "Termination timeout" in log_text and "RendezvousKey" in log_text:
+        return (
+            f"the device process {how}: XLA gave up on a collective that not every rank "
+            f"joined. The ranks ran different graphs, or did not reach their collectives "
+            f"in the same order (see the launcher's limits in the README).\n"
+            f"Last lines of XLA's log:\n{_last_lines(log_text)}")
+    return f"the device process {how} before returning.\nLast log lines:\n{_last_lines(log_text)}"
+
+
+def _last_lines(text: str, count: int = 15) -> str:
+    return "\n".join(text.rstrip().splitlines()[-count:])
+
+
+class _LogTail:
+    """Forwards the child's fd-2 log to our stderr as it grows, and keeps it."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._chunks: list = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def _follow(self) -> None:
+        with open(self._path, "rb") as f:
+            while True:
+                chunk = f.read()
+                if chunk:
+                    self._chunks.append(chunk)
+                    sys.stderr.write(chunk.decode(errors="replace"))
+                    sys.stderr.flush()
+                elif self._stop.is_set():
+                    return
+                else:
+                    time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def text(self) -> str:
+        time.sleep(0.2)  # let the follower catch up with the last writes
+        return b"".join(self._chunks).decode(errors="replace")

@@ -1,0 +1,100 @@
+"""The child process that hosts N virtual XLA:CPU devices, one thread per device.
+
+It runs ``fn(rank, *args)`` on every device thread under the turn ring and sends the
+parent one message per event over a pipe:
+``("error", rank, pickled exception or None, formatted traceback)`` as soon as a rank
+fails, and ``("results", {rank: pickled value})`` at the end.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import traceback
+from typing import Any, Dict, List
+
+
+def environment(num_devices: int) -> Dict[str, str]:
+    """Variables that must be set before the XLA runtime starts in the child."""
+    return {
+        "PJRT_DEVICE": "CPU",
+        "CPU_NUM_DEVICES": str(num_devices),
+        # An execution blocks inside a collective until every replica arrives, so the
+        # pool that runs executions needs a thread per device and then some.
+        "XLA_THREAD_POOL_SIZE": str(max(64, 8 * num_devices)),
+        # The asynchronous CPU client starved replicas of threads on small machines.
+        "PJRT_CPU_ASYNC_CLIENT": "false",
+    }
+
+
+def _dumps_or_none(obj: Any) -> bytes | None:
+    try:
+        return pickle.dumps(obj)
+    except Exception:
+        return None
+
+
+def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
+    # XLA's fatal errors go to fd 2; the parent reads this file to explain them.
+    log_fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    try:
+        from ...compat.patch import patch_if_requested
+        patch_if_requested()  # before fn's module imports torch_xla's FSDP
+        fn, args = pickle.loads(payload)
+        results = _run(fn, args, num_devices, send)
+        send(("results", results))
+    except BaseException as exc:  # a failure of the launcher itself, not of a rank
+        send(("error", None, _dumps_or_none(exc), traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from .sync_points import SyncPoints
+    from .turn_ring import RankAborted, TurnRing
+
+    devices: List[str] = xm.get_xla_supported_devices()
+    if len(devices) != num_devices:
+        raise RuntimeError(f"asked for {num_devices} virtual CPU devices, XLA created "
+                           f"{len(devices)}; was the runtime started before launch?")
+    xm.set_replication(devices[0], devices)
+    ring = TurnRing(num_devices)
+    points = SyncPoints(ring, devices)
+    points.install()
+    results: Dict[int, bytes] = {}
+
+    def run_rank(rank: int) -> None:
+        torch_xla._XLAC._xla_set_default_device(devices[rank])
+        guard = points.bind_rank(rank)
+        try:
+            ring.enter(rank)
+            with guard:
+                value = fn(rank, *args)
+            results[rank] = pickle.dumps(value)
+            ring.finish(rank)
+        except RankAborted:
+            pass
+        except BaseException as exc:
+            send(("error", rank, _dumps_or_none(exc), traceback.format_exc()))
+            ring.fail(rank)
+
+    threads = [threading.Thread(target=run_rank, args=(r,), name=f"xla-rank-{r}")
+               for r in range(num_devices)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if ring.failed_rank is not None:
+        raise RankAborted(f"rank {ring.failed_rank} failed")
+    return results

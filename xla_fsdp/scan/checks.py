@@ -1,0 +1,158 @@
+"""What a scanned stack cannot run, refused before it runs.
+
+The scan runs every layer as copies of one traced layer (``scan.trace``), so anything that
+would make a layer compute differently from layer 0, or that a loop body cannot carry out
+(hooks, running statistics, writes to its inputs), is refused here with the module or
+attribute at fault.
+
+[Note: attributes that differ between layers]
+The scan runs every layer with one trace, made on layer 0. An attribute allowed to differ
+(``ignored_attributes``) is harmless only if the computation does not read it, and some
+models do: GPT-2 with ``scale_attn_by_inverse_layer_idx`` divides its scores by
+``layer_idx + 1``. Running that with layer 0's trace trains silently wrong. So when such
+attributes differ, the layer's forward (``forward_graph``, traced once anyway to find
+writes to inputs) is traced again with the values of a few other layers, and any change in
+the graph is refused. The layers compared are 1, the middle one and the last, not all of them (which
+would cost a trace per layer): a use that agrees on those and differs elsewhere, or one
+that reaches the graph only as a tensor constant's value, is not caught.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .._unit.unit_state import is_unit
+from .._xla.private_api import has_module_hooks, is_batch_norm
+
+
+def forward_graph(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
+                  ) -> fx.GraphModule:
+    """The layer's forward as ATen ops, traced on fake tensors (about 0.1 s for a decoder
+    layer), with in-place ops kept as they are."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    return make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+
+
+def refuse_input_mutation(graph: fx.GraphModule, names: Sequence[str]) -> None:
+    """A layer that writes to an input (a buffer updated in forward, an in-place op on its
+    argument) would write to one loop slice that is thrown away; ``names`` names the inputs
+    in order."""
+    placeholders = {n: i for i, n in enumerate(graph.graph.nodes) if n.op == "placeholder"}
+    for node in graph.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for k, arg in enumerate(schema.arguments):
+            written = arg.alias_info is not None and arg.alias_info.is_write
+            target = node.args[k] if k < len(node.args) else node.kwargs.get(arg.name)
+            base = _view_base(target) if written else None
+            if base in placeholders:
+                raise ValueError(
+                    f"a scanned layer writes in place to {names[placeholders[base]]} "
+                    f"({node.target}): the loop runs each layer on a slice it does not write "
+                    f"back. Compute a new tensor instead, or do not scan this stack")
+
+
+def tensor_attributes(layer: nn.Module, placeholders: set) -> List[str]:
+    """Plain tensor attributes (neither parameters nor buffers), other than the parameters'
+    placeholders ``(id(module), name)``: the tracer cannot take them as per-layer inputs."""
+    return [f"{path + '.' if path else ''}{name}" for path, m in layer.named_modules()
+            for name, v in vars(m).items()
+            if isinstance(v, torch.Tensor) and (id(m), name) not in placeholders]
+
+
+def _view_base(node: Any) -> Any:
+    """The tensor a chain of views starts from."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        schema = getattr(node.target, "_schema", None)
+        returns = schema.returns if schema is not None else []
+        if not (returns and returns[0].alias_info is not None and node.args):
+            break
+        node = node.args[0]
+    return node
+
+
+def varying_attributes(layers: List[nn.Module], ignored: Tuple[str, ...]
+                        ) -> List[Tuple[str, str, List[Any]]]:
+    """(submodule path, attribute, value per layer) of each ignored attribute that differs."""
+    out = []
+    for path, m in layers[0].named_modules():
+        for name in ignored:
+            if name in vars(m):
+                values = [vars(layer.get_submodule(path)).get(name) for layer in layers]
+                if any(v != values[0] for v in values):
+                    out.append((path, name, values))
+    return out
+
+
+def refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[torch.Tensor],
+                                template: nn.Module,
+                                varying: List[Tuple[str, str, List[Any]]], reference: str) -> None:
+    """See [Note: attributes that differ between layers]; ``template`` is layer 0, whose
+    traced forward is ``reference``."""
+    def graph_with_values_of(k: int) -> str:
+        for path, name, values in varying:
+            template.get_submodule(path).__dict__[name] = values[k]
+        try:
+            return forward_graph(fn, inputs).code
+        finally:
+            for path, name, values in varying:
+                template.get_submodule(path).__dict__[name] = values[0]
+
+    layers = len(varying[0][2])
+    for k in sorted({1, layers // 2, layers - 1} - {0}):
+        if graph_with_values_of(k) != reference:
+            differ = ", ".join(f"'{path + '.' if path else ''}{name}' (layer 0: {values[0]!r}, "
+                               f"layer {k}: {values[k]!r})" for path, name, values in varying
+                               if values[k] != values[0])
+            raise ValueError(
+                f"scanned layers differ in {differ}, and the layer's computation reads it: "
+                f"the scan would run every layer as layer 0. Make the layers compute alike "
+                f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
+
+
+def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
+    """Refuses layers the scan cannot run as copies of one: differing structure, shapes,
+    settings, shared parameters, hooks, nested units or running statistics."""
+    def describe(layer: nn.Module) -> Dict[str, Any]:
+        out: Dict[str, Any] = {}
+        for path, m in layer.named_modules(remove_duplicate=False):
+            where = path or "(the layer)"
+            if is_unit(m):
+                raise ValueError(f"{where} of a scanned layer is an FSDP unit; a scanned stack "
+                                 f"is one unit, with nothing wrapped inside it")
+            if is_batch_norm(m) and m.track_running_stats:
+                raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
+                                 f"in forward, which a scan cannot carry out per layer")
+            if has_module_hooks(m):
+                raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
+                                 f"scan would not call")
+            out[f"{path}:type"] = type(m)
+            for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+                out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype, p.requires_grad)
+            for name, b in m.named_buffers(recurse=False, remove_duplicate=False):
+                out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)
+            for name, v in vars(m).items():
+                if name.startswith("_") or name in ignored or isinstance(v, (torch.Tensor, nn.Module)):
+                    continue
+                out[f"{path}.{name}"] = ("attribute", v)
+        return out
+
+    reference = describe(layers[0])
+    seen: Dict[int, int] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if seen.setdefault(id(p), i) != i:
+                raise ValueError(f"layers {seen[id(p)]} and {i} share a parameter; scanned "
+                                 f"layers must each hold their own")
+        if i == 0:
+            continue
+        other = describe(layer)
+        for key in sorted(set(reference) | set(other)):
+            if reference.get(key) != other.get(key):
+                raise ValueError(
+                    f"scanned layers must be identical in structure; layer {i} differs from "
+                    f"layer 0 at '{key}': {other.get(key)!r} against {reference.get(key)!r}")
