@@ -1,12 +1,7 @@
 """The benchmark's phase summaries, FSDPv2 column and depth-sweep report (no XLA needed)."""
 import argparse
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-import bench  # noqa: E402
-import bench_depth  # noqa: E402
-import bench_report  # noqa: E402
+from scripts.bench import depth, hlo, measure, model, report
 
 DEBUG = """Post Compilation Analysis: ====
 Post Compilation Analysis: Graph input size: 0.010339 GB
@@ -18,11 +13,11 @@ Post Compilation Analysis: Compiled program size: 0.000000 GB
 
 
 def test_memory_stats_and_peak():
-    stats = bench.memory_stats(DEBUG + DEBUG.replace("0.006567", "0.5"))
+    stats = hlo.memory_stats(DEBUG + DEBUG.replace("0.006567", "0.5"))
     assert stats[0] == {"input": 0.010339, "output": 0.016973, "aliased": 0.010338,
                         "temp": 0.006567}
     assert stats[1]["temp"] == 0.5
-    assert bench.peak_of(stats[0]) == (0.010339 + 0.016973 - 0.010338 + 0.006567) * 2**30
+    assert hlo.peak_of(stats[0]) == (0.010339 + 0.016973 - 0.010338 + 0.006567) * 2**30
 
 
 def _run(times, host_per_rank, wait, startup=10.0, compile_s=5.0):
@@ -35,7 +30,7 @@ def test_phases_take_medians_after_warmup_and_a_rank_s_own_host_time():
     runs = [_run([9, 1.0, 1.0], [[9, 0.1, 0.1], [9, 0.3, 0.3], [9, 0.2, 0.2]], [9, 0.5, 0.5]),
             _run([9, 3.0, 3.0], [[9, 0.4, 0.4]], [9, 0.7, 0.7], startup=20.0),
             _run([9, 2.0, 2.0], [[9, 0.6, 0.6]], [9, 0.9, 0.9], startup=30.0)]
-    out = bench.phases(runs, warmup=1)
+    out = measure.phases(runs, warmup=1)
     assert out["step_seconds"] == 2.0
     assert out["host_seconds"] == 0.4        # medians over ranks: 0.2, 0.4, 0.6
     assert out["wait_seconds"] == 0.7
@@ -44,8 +39,8 @@ def test_phases_take_medians_after_warmup_and_a_rank_s_own_host_time():
 
 
 def test_pod_estimate_is_host_plus_execute():
-    out = bench_report.with_estimates([{"host_seconds": 0.25, "execute_seconds": 0.5},
-                                       {"crashed": "x"}])
+    out = report.with_estimates([{"host_seconds": 0.25, "execute_seconds": 0.5},
+                                 {"crashed": "x"}])
     assert out == [{"host_seconds": 0.25, "execute_seconds": 0.5,
                     "pod_estimate_seconds": 0.75}, {"crashed": "x"}]
 
@@ -53,21 +48,21 @@ def test_pod_estimate_is_host_plus_execute():
 def test_crash_reason_tells_an_unavailable_variant_from_a_crash():
     missing = RuntimeError("rank 0 raised ImportError\nTraceback ...\nImportError: cannot "
                            "import name 'ScannedLayers' from 'xla_fsdp'")
-    assert bench.crash_reason(missing) == ("unavailable: cannot import name 'ScannedLayers' "
-                                           "from 'xla_fsdp'")
-    assert bench.crash_reason(RuntimeError("killed by SIGSEGV\nmore")) == "killed by SIGSEGV"
+    assert measure.crash_reason(missing) == ("unavailable: cannot import name "
+                                             "'ScannedLayers' from 'xla_fsdp'")
+    assert measure.crash_reason(RuntimeError("killed by SIGSEGV\nmore")) == "killed by SIGSEGV"
 
 
 def test_fsdpv2_runs_only_where_its_options_are_the_same():
     wanted = ["xla_fsdp", "torch_xla", "fsdpv2"]
-    assert bench.impls_for("defaults", wanted) == wanted
-    assert bench.impls_for("flattened", wanted) == ["xla_fsdp", "torch_xla"]
+    assert measure.impls_for("defaults", wanted) == wanted
+    assert measure.impls_for("flattened", wanted) == ["xla_fsdp", "torch_xla"]
 
 
 def _result(impl, setting="defaults", **extra):
-    cfg = bench.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
+    cfg = model.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
     base = {"impl": impl, "setting": setting, "devices": 4,
-            "analytic": dict(bench.analytic(cfg, 4), min_peak_bytes=100.0,
+            "analytic": dict(measure.analytic(cfg, 4), min_peak_bytes=100.0,
                              min_collective_bytes=1000.0),
             "step_seconds": 1.0, "first_step_seconds": 5.0, "second_step_seconds": 4.0,
             "ready_seconds": 6.0, "wrap_seconds": 1.0, "graphs_compiled": 4,
@@ -81,14 +76,14 @@ def _result(impl, setting="defaults", **extra):
 
 
 def test_report_adds_the_fsdpv2_column_and_its_summary():
-    cfg = bench.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
+    cfg = model.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
     results = [_result("xla_fsdp"), _result("torch_xla", step_seconds=2.0),
                _result("fsdpv2", step_seconds=0.5, peak_bytes=260.0, graphs_compiled=2,
                        collectives={"all-reduce": {"count": 3}}, global_losses=[1.5]),
                _result("xla_fsdp", "flattened"), _result("torch_xla", "flattened")]
     args = argparse.Namespace(devices=[4], settings=["defaults", "flattened"], repeats=1,
                               warmup=1, impls=["xla_fsdp", "torch_xla", "fsdpv2"])
-    text = bench_report.markdown_report(args, cfg, results, "test machine")
+    text = report.markdown_report(args, cfg, results, "test machine")
     assert text.startswith("# Training step: xla_fsdp vs torch_xla's FSDP and SPMD FSDPv2")
     assert "| defaults | 4 | 2.000 | 1.000 | 1.000 | 1.000 | 1.000 | 1.000 | 0.500 |" in text
     assert "| host + execute: a step without serialized tracing (s) | 0.400 |" in text
@@ -104,12 +99,12 @@ def test_report_adds_the_fsdpv2_column_and_its_summary():
 
 
 def test_report_names_a_crashed_fsdpv2():
-    cfg = bench.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
+    cfg = model.Config(layers=2, dim=16, heads=2, vocab=32, seq=8)
     results = [_result("xla_fsdp"), _result("torch_xla"),
                {"impl": "fsdpv2", "setting": "defaults", "devices": 4,
                 "crashed": "the SPMD process died (exit code -11)"}]
     args = argparse.Namespace(devices=[4], settings=["defaults"], repeats=1, warmup=1)
-    text = bench_report.markdown_report(args, cfg, results, "test machine")
+    text = report.markdown_report(args, cfg, results, "test machine")
     assert "| defaults | 4 | FSDPv2: the SPMD process died (exit code -11) |" in text
     assert ("| median step time (s) | 1.000 | 1.000 | 1.000 | the SPMD process died (exit "
             "code -11) |  | <= 0.85 (**missed**) |") in text
@@ -129,9 +124,9 @@ def _depth_results():
 
 def test_depth_sweep_tables_and_ratios():
     args = argparse.Namespace(devices=4, repeats=2, warmup=3, inspect=True,
-                              variants=list(bench_depth.VARIANTS))
-    cfg = bench.Config(dim=256, heads=4, vocab=2048, seq=64, steps=6)
-    text = bench_depth.markdown(args, cfg, _depth_results(), "test machine")
+                              variants=list(depth.VARIANTS))
+    cfg = model.Config(dim=256, heads=4, vocab=2048, seq=64, steps=6)
+    text = depth.markdown(args, cfg, _depth_results(), "test machine")
     assert "--depths 4 64 --devices 4 --repeats 2 --steps 6" in text
     assert ("| xla_fsdp | 20.0 | 5.00 | 3.00 | 4 | 1.000 | 0.200 | 0.800 | 0.200 | 0.200 "
             "| 0.400 | 0.0 | 0.0e+00 |") in text
@@ -150,7 +145,7 @@ def test_depth_sweep_tables_and_ratios():
 def test_depth_ratio_skips_missing_crashed_and_nan():
     group = {"a": {"x": 2.0}, "b": {"x": 4.0}, "c": {"crashed": "no"},
              "d": {"x": float("nan")}}
-    assert bench_depth.ratio(group, "a", "b", "x") == 0.5
-    assert bench_depth.ratio(group, "a", "c", "x") is None
-    assert bench_depth.ratio(group, "a", "d", "x") is None
-    assert bench_depth.ratio(group, "a", "zzz", "x") is None
+    assert depth.ratio(group, "a", "b", "x") == 0.5
+    assert depth.ratio(group, "a", "c", "x") is None
+    assert depth.ratio(group, "a", "d", "x") is None
+    assert depth.ratio(group, "a", "zzz", "x") is None

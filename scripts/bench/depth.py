@@ -1,34 +1,38 @@
 """Depth sweep: compile and step time against the number of blocks, scanned and not.
 
-    python scripts/bench_depth.py [--depths 4 16 64] [--devices 4] [--repeats 2]
+    python -m scripts.bench.depth [--depths 4 16 64] [--devices 4] [--repeats 2]
 
-The GPT, batches, AdamW and measurements of ``scripts/bench.py`` (``bench.measure``: every
-run a fresh process, the order alternating between repetitions, one extra inspection run per
-variant for XLA's memory statistics), at a width small enough for 64 blocks on two cores.
+Run from the repository root. The GPT, batches, AdamW and measurements of
+``python -m scripts.bench`` (``scripts.bench.measure.measure``: every run a fresh process,
+the order alternating between repetitions, one extra inspection run per variant for XLA's
+memory statistics), at a width small enough for 64 blocks on two cores.
+
 Variants:
 
-- ``xla_fsdp``: ours, each block an FSDP unit, the rest the root (as ``bench.py``);
+- ``xla_fsdp``: ours, each block an FSDP unit, the rest the root (as in
+  ``python -m scripts.bench``);
 - ``xla_fsdp_scanned``: ours, ``model.blocks = ScannedLayers(model.blocks)`` (one unit run
   as one XLA while loop), then the root; "unavailable" while ``xla_fsdp`` has no
   ``ScannedLayers``;
 - ``fsdpv2``: torch_xla's SPMD FSDPv2, each block wrapped, then the root;
 - ``fsdpv2_scan``: FSDPv2 with ``torch_xla.experimental.scan_layers`` over the blocks (see
-  ``scripts/bench_spmd.py`` for how the blocks are wrapped).
+  ``scripts/bench/spmd.py`` for how the blocks are wrapped).
 
-Writes ``benchmarks/results/depth/depth_sweep.{json,md,png}``.
+Writes ``benchmarks/results/depth/depth_sweep.{json,md,png}`` (``--out`` for another
+directory).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict, replace
 from typing import Dict, List, Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
-from bench_report import MB, PHASES_TEXT, SPMD_MEMORY_TEXT, with_estimates  # noqa: E402
+from .measure import measure
+from .model import Config
+from .report import (MB, PHASES_TEXT, RESULTS_DIR, SPMD_MEMORY_TEXT, machine,
+                     with_estimates)
 
 VARIANTS = ("xla_fsdp", "xla_fsdp_scanned", "fsdpv2", "fsdpv2_scan")
 DEFAULTS = dict(dim=256, heads=4, vocab=2048, seq=64, batch=1, steps=6)
@@ -100,21 +104,21 @@ def ratio(results: Dict[str, dict], top: str, bottom: str, key: str) -> Optional
     return x / y
 
 
-def markdown(args, cfg: bench.Config, results: List[dict], machine: str) -> str:
+def markdown(args, cfg: Config, results: List[dict], machine: str) -> str:
     depths = by_depth(with_estimates(results))
     variants = list(dict.fromkeys(r["impl"] for r in results))
     lines = [
         "# Depth sweep: ours (unscanned, scanned) and torch_xla's SPMD FSDPv2 (with and "
         "without scan_layers)", "",
         f"Machine: {machine}. N = {args.devices} virtual XLA:CPU devices.", "",
-        f"Command: `python scripts/bench_depth.py --depths {' '.join(map(str, depths))} "
+        f"Command: `python -m scripts.bench.depth --depths {' '.join(map(str, depths))} "
         f"--devices {args.devices} --repeats {args.repeats} --steps {cfg.steps} "
         f"--warmup {args.warmup} --dim {cfg.dim} --heads {cfg.heads} --vocab {cfg.vocab} "
         f"--seq {cfg.seq} --batch {cfg.batch}"
         f"{'' if list(args.variants) == list(VARIANTS) else ' --variants '}"
         f"{'' if list(args.variants) == list(VARIANTS) else ' '.join(args.variants)}"
         f"{'' if args.inspect else ' --no-inspect'}`", "",
-        f"Model: the GPT of `scripts/bench.py` with width {cfg.dim}, {cfg.heads} heads, "
+        f"Model: the GPT of `scripts/bench/model.py` with width {cfg.dim}, {cfg.heads} heads, "
         f"vocabulary {cfg.vocab}; {cfg.batch} sequence(s) of {cfg.seq} tokens per rank "
         f"(FSDPv2: the same global batch, sharded along the batch); AdamW; float32. Every "
         "variant in a fresh process, order alternating between repetitions; medians over "
@@ -181,7 +185,8 @@ def plot(results: List[dict], path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench.depth",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", type=int, nargs="+", default=[4, 16, 64])
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -189,8 +194,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-inspect", dest="inspect", action="store_false",
                         help="skip the inspection runs (no memory)")
-    parser.add_argument("--out", default=os.path.join(bench.ROOT, "benchmarks", "results",
-                                                      "depth"))
+    parser.add_argument("--out", default=os.path.join(RESULTS_DIR, "depth"))
     for field in ("dim", "heads", "vocab", "seq", "batch", "steps"):
         parser.add_argument(f"--{field}", type=int, default=DEFAULTS[field])
     parser.add_argument("--report-from", metavar="JSON",
@@ -202,16 +206,16 @@ def main() -> None:
         for key in ("devices", "repeats", "warmup", "variants", "inspect"):
             setattr(args, key, saved[key])
         args.out = os.path.dirname(os.path.abspath(args.report_from))
-        write(args, bench.Config(**saved["config"]), saved["results"])
+        write(args, Config(**saved["config"]), saved["results"])
         return
-    cfg = bench.Config(**{f: getattr(args, f) for f in DEFAULTS})
+    cfg = Config(**{f: getattr(args, f) for f in DEFAULTS})
     if cfg.steps <= args.warmup:
         parser.error("--steps must exceed --warmup")
     results = []
     os.makedirs(args.out, exist_ok=True)
     for depth in args.depths:
         depth_cfg = replace(cfg, layers=depth)
-        for r in bench.measure("defaults", args.devices, depth_cfg, args, args.variants):
+        for r in measure("defaults", args.devices, depth_cfg, args, args.variants):
             results.append(dict(r, layers=depth))
         with open(os.path.join(args.out, "depth_sweep.json"), "w") as f:  # after each depth
             json.dump({"config": asdict(cfg), "devices": args.devices,
@@ -221,8 +225,8 @@ def main() -> None:
     write(args, cfg, results)
 
 
-def write(args, cfg: bench.Config, results: List[dict]) -> None:
-    text = markdown(args, cfg, results, bench.machine())
+def write(args, cfg: Config, results: List[dict]) -> None:
+    text = markdown(args, cfg, results, machine())
     with open(os.path.join(args.out, "depth_sweep.md"), "w") as f:
         f.write(text)
     plot(results, os.path.join(args.out, "depth_sweep.png"))

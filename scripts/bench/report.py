@@ -1,13 +1,24 @@
-"""The markdown table and chart of ``scripts/bench.py``'s results."""
+"""The markdown table and chart of the benchmark's results (``python -m scripts.bench``),
+the texts its reports share with the depth sweep's, and the machine line."""
 from __future__ import annotations
 
+import os
+import platform
+from dataclasses import fields
 from typing import List
 
+import torch
+
+from .model import SETTINGS
+
+# where the reports go unless --out says otherwise
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "benchmarks", "results")
 MB = 2**20  # "MB" in the tables is MiB, for measurements and minima alike
 SPMD = "fsdpv2"  # torch_xla's SPMD FSDPv2: an extra column where it ran
 DEFAULT_IMPLS = ["xla_fsdp", "torch_xla", SPMD]
 
-# What the phase rows mean, here and on a TPU pod (shared with bench_depth's report).
+# What the phase rows mean, here and on a TPU pod (shared with the depth sweep's report).
 PHASES_TEXT = (
     "Phases of a step after warm-up: *host* is the CPU time a rank's own thread spends from "
     "the step's start until `torch_xla.sync()` returns (tracing forward, backward and "
@@ -48,12 +59,20 @@ def _pairs(results: List[dict]):
     return list(grouped.items())
 
 
-def _describe(settings) -> str:
-    from bench import SETTINGS
+def machine() -> str:
+    """The machine and versions, for a report's first line."""
+    import torch_xla
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, "
+            f"Python {platform.python_version()}, torch {torch.__version__}, "
+            f"torch_xla {torch_xla.__version__}")
 
+
+def _describe(settings) -> str:
     def one(key, value):
         if key == "controls":
-            return f"xla_fsdp only: {', '.join(value)} (see `wrap` in `scripts/bench.py`)"
+            return (f"xla_fsdp only: {', '.join(value)} "
+                    f"(see `wrap` in `scripts/bench/model.py`)")
         return f"`{key}={value}`"
 
     return "; ".join(f"`{name}`: " + (", ".join(one(k, v) for k, v in SETTINGS[name].items())
@@ -61,7 +80,6 @@ def _describe(settings) -> str:
 
 
 def _changed_fields(cfg) -> str:
-    from dataclasses import fields
     return "".join(f" --{f.name} {getattr(cfg, f.name)}" for f in fields(cfg)
                    if f.name != "steps" and getattr(cfg, f.name) != f.default)
 
@@ -121,7 +139,7 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
         "",
         f"Machine: {machine}. Virtual XLA:CPU devices in one process (`xla_fsdp.launch`).",
         "",
-        f"Command: `python scripts/bench.py --devices {' '.join(map(str, args.devices))} "
+        f"Command: `python -m scripts.bench --devices {' '.join(map(str, args.devices))} "
         f"--settings {' '.join(args.settings)} --repeats {args.repeats} --steps {cfg.steps} "
         f"--warmup {args.warmup}{_changed_fields(cfg)}"
         f"{' --impls ' + ' '.join(impls) if impls and impls != DEFAULT_IMPLS else ''}"
@@ -149,7 +167,7 @@ def markdown_report(args, cfg, results: List[dict], machine: str) -> str:
     ]
     if spmd_ran:
         lines += ["FSDPv2 (torch_xla's `SpmdFullyShardedDataParallel`, "
-                  "`scripts/bench_spmd.py`): one process holding the N devices, mesh "
+                  "`scripts/bench/spmd.py`): one process holding the N devices, mesh "
                   "`(N, 1)` over `('fsdp', 'model')`, every block wrapped and then the root, "
                   "the same global batch sharded along the batch; same weights and AdamW. "
                   "Its loss is the global mean, compared with the mean of our ranks' losses.",

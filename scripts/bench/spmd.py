@@ -4,7 +4,8 @@ SPMD runs in ONE process that holds all N virtual XLA:CPU devices (``PJRT_DEVICE
 CPU_NUM_DEVICES=N``, then ``xr.use_spmd()``). The process traces the step once, for the
 global batch; XLA partitions the program into one per-device program and runs it on the N
 devices. The model, its initial weights, the global batch (rank r's batch of
-``bench.batch`` is row block r) and AdamW are those of ``scripts/bench.py``.
+``scripts.bench.model.batch`` is row block r), AdamW and the training loop
+(``scripts.bench.train.train``) are those of the other competitors.
 
 Variants:
 
@@ -26,17 +27,19 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
-import os
 import pickle
-import sys
 import traceback
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
+from xla_fsdp.launch import LaunchError
+from xla_fsdp.launch.environment import environment_for_child
+from xla_fsdp.launch.virtual.worker import environment
+
+from .model import GPT, Block, Config, batch, build_model
+from .train import train
 
 
 # -- the process --------------------------------------------------------------------------
@@ -55,23 +58,11 @@ def spmd_launch(fn: Callable, args: Sequence, devices: int) -> dict:
     """Runs ``fn(devices, *args)`` in a fresh process holding ``devices`` virtual CPU
     devices, with the XLA runtime settings ``xla_fsdp.launch`` gives its device process (the
     same CPU client for every competitor). Raises ``LaunchError`` as ``launch`` does."""
-    from xla_fsdp._virtual.worker import environment
-    from xla_fsdp.launch import _ENV_LOCK, LaunchError
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
-    env = environment(devices)
-    with _ENV_LOCK:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            process = ctx.Process(target=_child, args=(sender, fn, (devices, *args)))
-            process.start()
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
+    with environment_for_child(environment(devices)):  # before torch_xla starts in the child
+        process = ctx.Process(target=_child, args=(sender, fn, (devices, *args)))
+        process.start()
     sender.close()
     try:
         status, value = pickle.loads(receiver.recv_bytes())
@@ -102,13 +93,13 @@ def _no_output_sharding(output, mesh) -> None:
     return None
 
 
-def wrap_spmd(model: bench.GPT, impl: str, mesh) -> nn.Module:
+def wrap_spmd(model: GPT, impl: str, mesh) -> nn.Module:
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
         SpmdFullyShardedDataParallel as FSDPv2)
     if impl == "fsdpv2":
         policy = functools.partial(transformer_auto_wrap_policy,
-                                   transformer_layer_cls={bench.Block})
+                                   transformer_layer_cls={Block})
         return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy)
     if impl == "fsdpv2_scan":
         model.blocks = nn.ModuleList(
@@ -119,9 +110,9 @@ def wrap_spmd(model: bench.GPT, impl: str, mesh) -> nn.Module:
     raise ValueError(f"unknown SPMD variant {impl!r}")
 
 
-def run_spmd(devices: int, impl: str, cfg: bench.Config, marks_dir: Optional[str],
+def run_spmd(devices: int, impl: str, cfg: Config, marks_dir: Optional[str],
              launched_at: float) -> dict:
-    """``bench.train`` on one SPMD process; the same keys as ``bench.run_rank``."""
+    """``train`` on one SPMD process; the same keys as ``train.run_rank``."""
     import numpy as np
     import torch_xla
     import torch_xla.distributed.spmd as xs
@@ -136,7 +127,7 @@ def run_spmd(devices: int, impl: str, cfg: bench.Config, marks_dir: Optional[str
     device = torch_xla.device()
 
     def make_batch(step):
-        parts = [bench.batch(cfg, rank, step) for rank in range(devices)]
+        parts = [batch(cfg, rank, step) for rank in range(devices)]
         out = []
         for tensors in zip(*parts):  # row block r is rank r's batch
             t = torch.cat(tensors).to(device)
@@ -145,7 +136,7 @@ def run_spmd(devices: int, impl: str, cfg: bench.Config, marks_dir: Optional[str
         return tuple(out)
 
     def build():
-        model = wrap_spmd(bench.build_model(cfg), impl, mesh)
+        model = wrap_spmd(build_model(cfg), impl, mesh)
         return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
-    return bench.train(build, make_batch, cfg.steps, marks_dir, launched_at)
+    return train(build, make_batch, cfg.steps, marks_dir, launched_at)

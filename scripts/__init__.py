@@ -1,0 +1,1 @@
+"""The project's benchmark and diagnostic scripts, run from the repository root with python -m."""
