@@ -4,7 +4,8 @@ side by side on the same files, each run in a fresh process (peak RSS from wait4
 
     python benchmarks/consolidate_memory.py [--gb 1.0] [--world 4] [--repeats 3]
 
-Writes benchmarks/results/consolidate_memory.md.
+Needs the installed package (``pip install -e .``). Writes
+benchmarks/results/consolidate_memory.md (``--out`` for another file).
 """
 import argparse
 import os
@@ -16,14 +17,11 @@ import time
 
 import torch
 
+from xla_fsdp.checkpoint import sharded_checkpoint_path
+from xla_fsdp.checkpoint.files import TorchFileWriter
+from xla_fsdp.checkpoint.metadata import wrapping_fingerprint
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-
-from xla_fsdp.checkpoint import sharded_checkpoint_path  # noqa: E402
-from xla_fsdp.files import TorchFileWriter  # noqa: E402
-from xla_fsdp.shard_layout import FlatLayout  # noqa: E402
-from xla_fsdp.shard_metadata import wrapping_fingerprint  # noqa: E402
-
 SEP = "_FSDP_SHARD_SEPARATOR_"
 
 
@@ -36,6 +34,16 @@ def model_shapes(total_bytes):
     for i in range(200):
         shapes[f"layers.{i}.norm.weight"] = (cols + i,)
     return shapes
+
+
+def flat_shard(full, rank, world):
+    """Rank ``rank``'s shard of an unflattened parameter in torch_xla's flat layout: the
+    tensor flattened, zero-padded to a multiple of ``world`` elements, cut in ``world``
+    equal pieces (a new tensor, not a view)."""
+    flat = full.reshape(-1)
+    size = -(-flat.numel() // world)
+    piece = flat[rank * size:(rank + 1) * size]
+    return torch.cat([piece, piece.new_zeros(size - piece.numel())])
 
 
 def write_checkpoint(prefix, shapes, world):
@@ -54,7 +62,7 @@ def write_checkpoint(prefix, shapes, world):
         for i, (name, shape) in enumerate(shapes.items()):
             g = torch.Generator().manual_seed(i)
             full = torch.randn(shape, generator=g)
-            model[key(name)] = writer.add(FlatLayout((torch.Size(shape),), world).shard([full], rank))
+            model[key(name)] = writer.add(flat_shard(full, rank, world))
             del full
         md = dict(metadata, rank=rank)
         writer.finish({"model": model, "shard_metadata": md,
@@ -80,6 +88,7 @@ def main():
     ap.add_argument("--gb", type=float, default=1.0)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "consolidate_memory.md"))
     args = ap.parse_args()
     shapes = model_shapes(int(args.gb * 2**30))
     largest = max(torch.Size(s).numel() for s in shapes.values()) * 4
@@ -90,7 +99,7 @@ def main():
         ours_out, theirs_out = os.path.join(d, "ours.pth"), os.path.join(d, "theirs.pth")
         runs = {
             "xla_fsdp consolidate_sharded_ckpts": [
-                sys.executable, "-m", "consolidate", "--ckpt_prefix", prefix,
+                sys.executable, "-m", "xla_fsdp.checkpoint.consolidate", "--ckpt_prefix", prefix,
                 "--save_path", ours_out],
             "torch_xla consolidate_sharded_model_checkpoints": [
                 sys.executable, "-c",
@@ -100,7 +109,7 @@ def main():
         }
         baselines = {
             "xla_fsdp consolidate_sharded_ckpts": [
-                sys.executable, "-c", "import consolidate.cli"],
+                sys.executable, "-c", "import xla_fsdp.checkpoint.consolidate.cli"],
             "torch_xla consolidate_sharded_model_checkpoints": [
                 sys.executable, "-c", "import torch_xla.distributed.fsdp"],
         }
@@ -144,7 +153,7 @@ def main():
                   f"{n}: {[round(x, 1) for x in r['time']]}" for n, r in results.items())]
     text = "\n".join(lines) + "\n"
     print(text)
-    with open(os.path.join(HERE, "results", "consolidate_memory.md"), "w") as f:
+    with open(args.out, "w") as f:
         f.write(text)
 
 
