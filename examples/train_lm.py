@@ -193,7 +193,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
 
 
 def _write_latest(out: str, prefix: str) -> None:
-    from xla_fsdp.files import atomic_path
+    from xla_fsdp.checkpoint.files import atomic_path
     with atomic_path(os.path.join(out, "ckpt", "latest")) as tmp:
         with open(tmp, "w") as f:
             f.write(os.path.basename(prefix) + "\n")
@@ -203,8 +203,8 @@ def _write_latest(out: str, prefix: str) -> None:
 def checkpoint_for(args: argparse.Namespace, world: int, reshard: bool) -> str:
     """The latest checkpoint's prefix for ``world`` devices; if it was written at another
     device count and ``reshard``, reshards it with the project's tool first."""
-    from consolidate import run
-    from consolidate.cli import parse_args as consolidate_args
+    from xla_fsdp.checkpoint.consolidate import run
+    from xla_fsdp.checkpoint.consolidate.cli import parse_args as consolidate_args
     latest = os.path.join(args.out, "ckpt", "latest")
     if not os.path.exists(latest):
         raise SystemExit(f"--resume: no checkpoint in {os.path.dirname(latest)}")
@@ -221,8 +221,8 @@ def checkpoint_for(args: argparse.Namespace, world: int, reshard: bool) -> str:
 
 def consolidate_and_check(args: argparse.Namespace, sharded_eval: float) -> None:
     """Consolidates the last checkpoint and recomputes the eval loss in plain PyTorch."""
-    from consolidate import run
-    from consolidate.cli import parse_args as consolidate_args
+    from xla_fsdp.checkpoint.consolidate import run
+    from xla_fsdp.checkpoint.consolidate.cli import parse_args as consolidate_args
     latest = open(os.path.join(args.out, "ckpt", "latest")).read().strip()
     prefix = os.path.join(args.out, "ckpt", latest)
     final = os.path.join(args.out, "model_consolidated.pth")

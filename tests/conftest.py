@@ -14,3 +14,9 @@ FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitter
                 "--xla_cpu_parallel_codegen_split_count=1")
 
 os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), FAST_COMPILE) if f)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: a long launch (large world sizes, real architectures, third-party "
+                   "trainers, the example); `pytest -m 'not slow' tests` is the quick tier")

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "xla_fsdp"

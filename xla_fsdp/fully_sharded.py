@@ -255,7 +255,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     @property
     def sharded_params(self) -> List[nn.Parameter]:
-        return [g.shard for g in self._state.params.groups]
+        return [g.shard for g in self._state.shard_groups]
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -264,7 +264,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     @property
     def full_params(self) -> List[torch.Tensor]:
-        return [p for g in self._state.params.groups for p in g.placeholders]
+        return [p for g in self._state.shard_groups for p in g.placeholders]
 
     @property
     def training_state(self) -> TrainingState:
@@ -272,7 +272,7 @@ class XlaFullyShardedDataParallel(nn.Module):
 
     @property
     def has_full_params(self) -> bool:
-        return self._state.params.state is FullParams.UNSHARDED
+        return self._state.has_full_params
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -461,8 +461,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         return load_full_state_dict(self, state_dict, strict)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
-        """What consolidation needs, in torch_xla's format (see ``shard_metadata``)."""
-        return shard_metadata(self, self.named_units())
+        """What consolidation needs, in torch_xla's format (see ``checkpoint.metadata``)."""
+        return shard_metadata(self, self.named_units(), self.world_size, self.rank)
 
     def check_root_call(self, what: str) -> None:
         """Raises unless this is the root unit and it is idle: ``what`` concerns the whole

@@ -8,11 +8,11 @@ Bounds: SGD with momentum in fp32, as in the parity suite: parameters and moment
 import pytest
 import torch
 
-from consolidate import main as consolidate_main
 from xla_fsdp import launch
+from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
-from ..fsdp_settings import Net
-from .workloads import optimizer_for, train, wrapped_net
+from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
+from ..support.models import Net
 
 FIRST, THEN = range(0, 5), range(5, 10)
 
@@ -129,7 +129,7 @@ def test_safetensors_equals_pt(saved):
     assert opt["optimizer_param_names"] == pt["optimizer_param_names"]
 
 
-@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("world", [2, pytest.param(8, marks=pytest.mark.slow)])
 def test_reshard_and_resume(saved, world):
     target = f"{saved['prefix']}_to{world}"
     assert consolidate_main(["--ckpt_prefix", saved["prefix"], "--reshard", str(world),

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "8",
          "--log-every", "2", "--checkpoint-every", "4", "--eval-batches", "2"]
@@ -26,6 +28,7 @@ def _eval_losses(stdout):
     return float(match.group(1)), float(match.group(2))
 
 
+@pytest.mark.slow
 def test_train_consolidate_resume_elsewhere(tmp_path):
     out = _run(tmp_path, "--steps", "8", "--devices", "4")
     sharded, plain = _eval_losses(out)

@@ -135,6 +135,10 @@ class UnitState:
     def drop_abandoned(self) -> None:
         self.params.drop_abandoned()
 
+    @property
+    def has_full_params(self) -> bool:
+        return self.params.state is FullParams.UNSHARDED
+
     # -- structure -------------------------------------------------------------------------
     @property
     def is_root(self) -> bool:

@@ -1,0 +1,42 @@
+"""Finding tensors in what modules take and return (no XLA)."""
+import dataclasses
+
+import torch
+
+from xla_fsdp._sharding.tensor_tree import collect_tensors, map_tensors
+
+from ..support.models import Carrier
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    extra: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    value: torch.Tensor
+
+
+def test_tensors_in_dataclasses_and_plain_objects_are_found_and_replaced():
+    a, b, c, d = (torch.ones(1) * i for i in range(4))
+    out = Out(a, [b])
+    assert map_tensors(lambda t: t + 10, out) is out and out.logits.item() == 10
+    assert out.extra[0].item() == 11
+    frozen = map_tensors(lambda t: t + 10, Frozen(c))
+    assert isinstance(frozen, Frozen) and frozen.value.item() == 12
+    carrier = map_tensors(lambda t: t + 10, Carrier(d))
+    assert carrier.hidden.item() == 13
+    assert [t.item() for t in collect_tensors((Out(a, [b]), {"k": c}))] == [0, 1, 2]
+
+
+def test_inputs_are_collected_where_outputs_are_hooked():
+    """One walk for both: a tensor that an output hook would reach (inside a plain object,
+    a named tuple, a frozen dataclass) is also collected from an input."""
+    a, b, c = (torch.ones(1) * i for i in range(3))
+    found = collect_tensors(([Carrier(a)], Frozen(b), {"x": (c, c)}))
+    assert [t.item() for t in found] == [0, 1, 2]
+    hooked = []
+    map_tensors(lambda t: hooked.append(t) or t, ([Carrier(a)], Frozen(b), {"x": (c, c)}))
+    assert [id(t) for t in found] == list(dict.fromkeys(id(t) for t in hooked))

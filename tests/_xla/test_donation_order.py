@@ -1,0 +1,79 @@
+"""The compiled training step updates the shards and the optimizer state in place: XLA pairs
+every donated buffer with the output that replaces it, so it copies none of them (one launch
+at N = 2, reading XLA's optimized module). Without ``donation_order`` torch_xla 2.9 pairs
+them by size and order, and the same step copied every shard and AdamW moment in and out.
+"""
+import glob
+import os
+import re
+from unittest import mock
+
+import torch
+import torch.nn as nn
+
+from xla_fsdp import launch
+
+STEPS = 4
+
+
+def train(rank, foreach):
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    # several tensors share a size (the 32x32 weights, the biases and norms of 32), which
+    # is where a pairing by size goes wrong
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(),
+                          nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 8))
+    model[3], model[5] = FSDP(model[3]), FSDP(model[5])
+    root = FSDP(model)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2, foreach=foreach)
+    device = torch_xla.device()
+    losses = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        opt.zero_grad(set_to_none=True)
+        loss = root(torch.randn(4, 16, generator=g).to(device)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
+
+def _last_step_module(dump):
+    modules = sorted(glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")),
+                     key=lambda p: int(re.search(r"module_(\d+)", p).group(1)))
+    return open(modules[-1]).read()
+
+
+def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
+    for foreach in (False, True):
+        dump = tmp_path / f"foreach_{foreach}"
+        env = {"XLA_FLAGS": f"--xla_dump_to={dump} --xla_dump_hlo_as_text"}
+        with mock.patch.dict(os.environ, env):
+            losses = launch(train, (foreach,), num_devices=2)
+        assert all(l[-1] < l[0] for l in losses.values()), losses
+        hlo = _last_step_module(str(dump))
+        aliases = re.findall(r"\{\d+\}: \(\d+, \{\}, may-alias\)", hlo.splitlines()[0])
+        # every shard and its two AdamW moments are donated and replaced
+        shards = 10  # 4 linear weights + 4 biases + the norm's weight and bias
+        assert len(aliases) == 3 * shards, (foreach, len(aliases))
+        copied = re.findall(r"= \S+ copy\(%p[\d.]+\)", hlo)
+        assert copied == [], (foreach, copied)
+
+
+def test_optimizers_are_pinned_in_the_order_they_first_stepped_shards():
+    # every rank must trace the same step graph: an order that follows object addresses (a
+    # WeakSet's) differs between ranks once two optimizers have stepped shards
+    from xla_fsdp._xla import donation_order
+    optimizers = []
+    for _ in range(24):
+        shard = nn.Parameter(torch.zeros(2))
+        shard._is_sharded = True
+        optimizers.append(torch.optim.SGD([shard], lr=0.1))
+    for opt in reversed(optimizers[::2]):
+        donation_order.reissue_in_order(opt)
+    for opt in optimizers[1::2]:
+        donation_order.reissue_in_order(opt)
+    order = [o for o in donation_order._optimizers if any(o is p for p in optimizers)]
+    assert order == list(reversed(optimizers[::2])) + optimizers[1::2]

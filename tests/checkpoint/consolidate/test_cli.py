@@ -1,0 +1,137 @@
+"""The consolidation CLI on small synthetic checkpoints: results, and every refusal (which
+must name the file at fault and write nothing). No XLA."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xla_fsdp.checkpoint.consolidate import main
+from xla_fsdp.checkpoint.files import CheckpointFile
+
+from ...support.synthetic_checkpoints import full_model, write_set
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+@pytest.mark.parametrize("world", [1, 3, 8])
+def test_consolidates_model_and_optimizer(tmp_path, capsys, world, flattened):
+    prefix = str(tmp_path / "ck")
+    write_set(prefix, world, flattened=flattened)
+    code, out = _run(capsys, "--ckpt_prefix", prefix)
+    assert code == 0, out.err
+    assert "verified" in out.out
+    result = torch.load(prefix + "_consolidated.pth", weights_only=True)
+    full = full_model()
+    lin = torch.nn.Linear(3, 5)
+    lin.load_state_dict({k.split(".", 1)[1]: v for k, v in result["model"].items()})
+    assert all(torch.equal(result["model"][k], v) for k, v in full.items())
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
+    opt.load_state_dict(result["optimizer"])
+    assert torch.equal(opt.state[lin.weight]["momentum_buffer"], full["lin.weight"] * 0.5)
+    assert torch.equal(opt.state[lin.bias]["momentum_buffer"], full["lin.bias"] * 0.5)
+    assert opt.state[lin.bias]["step"] == 7.0
+    assert result["optimizer_param_names"] == ["lin.weight", "lin.bias"]
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_reshard_round_trip(tmp_path, capsys, flattened):
+    prefix = str(tmp_path / "ck")
+    write_set(prefix, 4, flattened=flattened)
+    assert _run(capsys, "--ckpt_prefix", prefix, "--reshard", "3",
+                "--save_path", str(tmp_path / "r"))[0] == 0
+    assert len(list(tmp_path.glob("r_rank-*-of-00000003.pth"))) == 3
+    assert _run(capsys, "--ckpt_prefix", str(tmp_path / "r"),
+                "--save_path", str(tmp_path / "out.pth"))[0] == 0
+    result = torch.load(tmp_path / "out.pth", weights_only=True)
+    assert all(torch.equal(result["model"][k], v) for k, v in full_model().items())
+
+
+def test_python_dash_m_and_console_script(tmp_path):
+    prefix = str(tmp_path / "ck")
+    write_set(prefix, 2)
+    for cmd in ([sys.executable, "-m", "xla_fsdp.checkpoint.consolidate"],
+                [shutil.which("consolidate_sharded_ckpts")]):
+        if os.path.exists(prefix + "_consolidated.pth"):
+            os.remove(prefix + "_consolidated.pth")
+        done = subprocess.run(cmd + ["--ckpt_prefix", prefix], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert os.path.exists(prefix + "_consolidated.pth")
+
+
+def _refusal(tmp_path, capsys, *args):
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    code, out = _run(capsys, *args)
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert code == 2
+    assert after == before, "a refused run wrote or touched files"
+    assert "nothing was written" in out.err
+    return out.err
+
+
+def test_refusals_name_the_fault(tmp_path, capsys):
+    prefix = str(tmp_path / "ck")
+    paths = write_set(prefix, 4)
+    # no match
+    assert "no files match" in _refusal(tmp_path, capsys, "--ckpt_prefix", prefix + "x")
+    # output that matches the input glob (torch_xla's default suffix '*.pth' would do this)
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix, "--ckpt_suffix", "*.pth",
+                   "--save_path", prefix + "_rank-9.pth")
+    assert "matches the input pattern" in err
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix, "--save_path", paths[1])
+    assert "overwrite an input" in err
+    # missing rank
+    os.rename(paths[2], str(tmp_path / "aside"))
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "ranks [2] are missing" in err
+    os.rename(str(tmp_path / "aside"), paths[2])
+    # duplicate rank: a copy of rank 1 under another name
+    shutil.copy(paths[1], prefix + "_rank-00000009-of-00000004.pth")
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "both hold rank 1" in err
+    os.remove(prefix + "_rank-00000009-of-00000004.pth")
+    # a consolidated checkpoint among the inputs
+    torch.save({"model": {}}, prefix + "_rank-x-of-y.pth")
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "_rank-x-of-y.pth is not a per-rank FSDP checkpoint" in err
+    os.remove(prefix + "_rank-x-of-y.pth")
+
+
+def test_refuses_mixed_sets(tmp_path, capsys):
+    prefix = str(tmp_path / "ck")
+    write_set(prefix, 2)
+    write_set(str(tmp_path / "other"), 4)
+    shutil.copy(tmp_path / "other_rank-00000003-of-00000004.pth",
+                prefix + "_rank-00000003-of-00000004.pth")
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "different world sizes" in err and "world size 4" in err
+    os.remove(prefix + "_rank-00000003-of-00000004.pth")
+    # a rank file from a later save of the same model
+    later = str(tmp_path / "later")
+    write_set(later, 2, save_index=2)
+    shutil.copy(later + "_rank-00000001-of-00000002.pth", prefix + "_rank-00000001-of-00000002.pth")
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "different saves" in err
+
+
+def test_refuses_corrupted_and_truncated_files(tmp_path, capsys):
+    prefix = str(tmp_path / "ck")
+    paths = write_set(prefix, 2)
+    with CheckpointFile(paths[1]) as f:
+        key = f.tree["model"][next(iter(f.tree["model"]))].key
+        offset = f._data_offset(key)
+    data = bytearray(open(paths[1], "rb").read())
+    data[offset + 3] ^= 0x40
+    open(paths[1], "wb").write(bytes(data))
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert paths[1] in err and "CRC-32" in err
+    data[offset + 3] ^= 0x40
+    open(paths[1], "wb").write(bytes(data[:len(data) // 2]))
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert paths[1] in err and "truncated" in err

@@ -1,0 +1,155 @@
+"""The wrapper's API beyond training parity, all checked in one launch at N = 2: options
+reach auto-wrapped children, names of nested shards, meta-device init, divide factors,
+gradients that are not views."""
+import functools
+
+import torch
+import torch.nn as nn
+
+from xla_fsdp import launch
+
+from ..support.hlo import opcodes, traced_hlo
+from ..support.models import Block, Net
+from ..support.parity import full_parameters
+
+WORLD = 2
+
+
+def _children_options(out):
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDP(Net(), auto_wrap_policy=policy, flatten_parameters=True,
+                 reshard_after_forward=False, reduce_scatter_bucket_size_mb=3,
+                 coalesce_all_gather_ops=True, compute_dtype=torch.bfloat16,
+                 fp32_reduce_scatter=True, pin_layout_in_collective_ops=False,
+                 optimization_barrier_in_backward=False, _shard_size_multiple=4)
+    units = list(model.units())
+    out["auto_wrapped_units"] = len(units)
+    out["children_options_differ"] = [
+        type(u.wrapped_module).__name__ for u in units if u.options != model.options]
+
+
+def _nested_names(out):
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    plain = Net()
+    model = Net()
+    model.load_state_dict(plain.state_dict())
+    model.b1 = FSDP(model.b1)
+    model.b2.up = FSDP(model.b2.up)
+    model = FSDP(model)
+    named = model.get_original_names_and_sharded_parameters()
+    out["nested_names"] = sorted(n for n, _ in named)
+    out["plain_names"] = sorted(n for n, _ in plain.named_parameters())
+    # each shard is this rank's block of the original parameter
+    out["nested_shards_match"] = all(
+        torch.equal(shard.cpu(), dict(plain.named_parameters())[name].detach().reshape(-1)
+                    [model.rank * shard.numel():][:shard.numel()].reshape(shard.shape).cpu())
+        for name, shard in named if dict(plain.named_parameters())[name].numel() % WORLD == 0)
+
+
+def _meta_init(out):
+    from xla_fsdp import FSDP
+
+    def fill(module):
+        module.to_empty(device="cpu", recurse=True)
+        with torch.no_grad():
+            for i, p in enumerate(module.parameters()):
+                p.fill_(float(i + 1))
+
+    with torch.device("meta"):
+        model = Net()
+    model.b1 = FSDP(model.b1, param_init_fn=fill)
+    model = FSDP(model, param_init_fn=fill)
+    out["meta_param_init_fn"] = {k: v.unique().tolist() for k, v in full_parameters(model).items()}
+    with torch.device("meta"):
+        default = nn.Linear(8, 6)
+    default = FSDP(default)  # no param_init_fn: materialised with reset_parameters()
+    full = full_parameters(default)
+    bound = 1 / 8 ** 0.5
+    out["meta_default"] = (bool(full["weight"].abs().max() <= bound),
+                           float(full["weight"].std()))
+
+
+def _divide_factors(out, device):
+    from xla_fsdp import FSDP
+    grads, views = {}, []
+    for label, factors in (("default", None), ("pre_all", (float(WORLD), 1.0)),
+                           ("sum", (1.0, 1.0)), ("bucketed", None)):
+        torch.manual_seed(0)
+        model = FSDP(Net(), reduce_scatter_bucket_size_mb=1 if label == "bucketed" else 0)
+        if factors:
+            model.set_gradient_divide_factors(*factors, recursive=True)
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5 + model.rank))
+        model(x.to(device)).square().mean().backward()
+        # a gradient that is a view keeps its base alive, and the step graph then outputs
+        # both: twice the gradients' memory
+        views += [f"{label}:{n}" for n, p in model.named_parameters() if p.grad._is_view()]
+        grads[label] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+    out["grad_views"] = views
+    out["divide_pre_all"] = float((grads["pre_all"] - grads["default"]).abs().max())
+    out["divide_sum"] = float((grads["sum"] - WORLD * grads["default"]).abs().max())
+    out["grad_scale"] = float(grads["default"].abs().max())
+
+
+def _torch_xla_arguments(out, device):
+    """torch_xla's constructor switches and attributes beyond the parity settings."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp._sharding.layout import Dim0Layout
+    from xla_fsdp._unit.training_state import TrainingState
+    out["on_neuron_dim0"] = all(isinstance(g.layout, Dim0Layout)
+                                for g in FSDP(Net(), on_neuron=True).shard_groups)
+    model = FSDP(Net(), _debug_dummy_all_gather_op=True, _debug_dummy_reduce_scatter_op=True,
+                 _debug_dummy_all_reduce_op=True, _debug_dummy_optimization_barrier_op=True)
+    model(torch.randn(4, 32).to(device)).sum().backward()
+    norm = model.clip_grad_norm_(1.0)
+    ops = opcodes(traced_hlo([p.grad for p in model.params_with_grad] + [norm]))
+    out["dummy_step_collectives"] = [op for op in ("all-gather", "reduce-scatter", "all-reduce",
+                                                   "opt-barrier") if op in ops]
+    out["params_with_grad"] = len(model.params_with_grad) == len(list(model.parameters()))
+    try:
+        model.assert_state(TrainingState.FORWARD)
+    except ValueError as exc:  # torch_xla raises ValueError
+        out["assert_state"] = type(exc).__name__
+    torch_xla.sync()
+
+
+def checks(rank):
+    import torch_xla
+    device = torch_xla.device()
+    out = {}
+    _children_options(out)
+    _nested_names(out)
+    _meta_init(out)
+    _divide_factors(out, device)
+    _torch_xla_arguments(out, device)
+    torch_xla.sync()
+    return out
+
+
+def test_wrapper_api():
+    out = launch(checks, num_devices=WORLD)[0]
+    # Net has two Blocks, so the policy makes them units under the root
+    assert out["auto_wrapped_units"] == 3
+    assert out["children_options_differ"] == []
+    assert out["nested_names"] == out["plain_names"]
+    assert out["nested_shards_match"]
+    # fill() numbers the parameters it is given 1, 2, ...: the inner unit's own, then the
+    # root's without the inner unit's (which were sharded already and must stay untouched)
+    inner = ["norm.weight", "norm.bias", "up.weight", "up.bias", "down.weight", "down.bias"]
+    root = ["inp.weight", "inp.bias"] + ["b2." + n for n in inner] + ["head.weight", "head.bias"]
+    expected = {**{"b1." + n: [float(i + 1)] for i, n in enumerate(inner)},
+                **{n: [float(i + 1)] for i, n in enumerate(root)}}
+    assert out["meta_param_init_fn"] == expected
+    within_bound, std = out["meta_default"]
+    assert within_bound and std > 0.05
+    assert out["grad_views"] == []
+    assert out["grad_scale"] > 1e-4
+    assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
+    assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
+    assert out["on_neuron_dim0"]
+    assert out["dummy_step_collectives"] == []
+    assert out["params_with_grad"]
+    assert out["assert_state"] == "TrainingStateError"

@@ -1,0 +1,110 @@
+"""Each misuse of the wrapper gets an error that names what is at fault (one launch)."""
+import torch
+import torch.nn as nn
+
+from xla_fsdp import launch
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def _error(fn):
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def misuses(rank):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp import FSDP
+    out = {}
+    out["double_wrap"] = _error(lambda: FSDP(FSDP(Tiny())))
+    out["module_list"] = _error(lambda: FSDP(nn.ModuleList([Tiny()])))
+    int_param = Tiny()
+    int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    out["int_param"] = _error(lambda: FSDP(int_param))
+    out["dtype"] = _error(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
+    out["groups_no_rank"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0, 1]]))
+    out["groups_cover"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
+                                              sharding_world_size=1))
+    shared = nn.Sequential(Tiny(), Tiny())
+    shared[1].lin.weight = shared[0].lin.weight
+    shared[0] = FSDP(shared[0])
+    out["tied_across_units"] = _error(lambda: FSDP(shared))
+    with torch.device("meta"):
+        on_meta = Tiny()
+    out["init_fn_leaves_meta"] = _error(lambda: FSDP(on_meta, param_init_fn=lambda m: None))
+    # optimizer created before wrapping
+    early = Tiny()
+    stale_opt = torch.optim.SGD(early.parameters(), lr=0.1)
+    FSDP(early)
+    out["optimizer_before_wrap"] = _error(stale_opt.step)
+    # xm.optimizer_step on sharded gradients, and clip_grad_norm_ on a nested unit
+    inner = FSDP(Tiny())
+    model = FSDP(nn.Sequential(inner, Tiny()))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    out["xm_optimizer_step"] = _error(lambda: xm.optimizer_step(opt))
+    out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
+    torch_xla.sync()
+    _grouping_misuses(out)
+    return out
+
+
+def _grouping_misuses(out):
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import always_wrap_policy
+    x = torch.ones(2, 4).to(torch_xla.device())
+    out["group_empty"] = _error(lambda: FSDP([]))
+    twice = Tiny()
+    out["group_twice"] = _error(lambda: FSDP([twice.lin, twice.lin]))
+    out["group_policy"] = _error(lambda: FSDP([Tiny(), Tiny()],
+                                              auto_wrap_policy=always_wrap_policy))
+    grouped = Tiny()
+    FSDP([grouped.lin])
+    out["group_again"] = _error(lambda: FSDP([grouped.lin]))
+    outer = Tiny()
+    FSDP([outer, outer.lin])
+    out["group_nested"] = _error(lambda: FSDP(nn.Sequential(outer)))
+    a, b = Tiny(), Tiny()
+    unplaced = FSDP([a.lin, b.lin])
+    out["group_unplaced"] = _error(lambda: a(x))
+    out["group_called"] = _error(lambda: unplaced(x))
+    unit = FSDP(Tiny())
+    out["prefetch_plain_module"] = _error(lambda: unit.set_modules_to_forward_prefetch([Tiny()]))
+    out["prefetch_self"] = _error(lambda: unit.set_modules_to_backward_prefetch([unit]))
+
+
+def test_misuse_errors():
+    out = launch(misuses, num_devices=2)[0]
+    assert "already wrapped" in out["double_wrap"]
+    assert "ModuleList" in out["module_list"] and "no forward()" in out["module_list"]
+    assert "TypeError" in out["int_param"] and "'lin.steps'" in out["int_param"]
+    assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
+    assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
+    assert "every rank 0..1" in out["groups_cover"]
+    assert "'1.lin.weight' is shared with" in out["tied_across_units"]
+    assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
+    assert "lin.weight" in out["optimizer_before_wrap"]
+    assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
+    assert "root FSDP unit" in out["clip_nested"]
+    assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
+    assert "empty list" in out["group_empty"]
+    assert "same module twice" in out["group_twice"]
+    assert "auto_wrap_policy" in out["group_policy"] and "list of modules" in out["group_policy"]
+    assert "Linear is already grouped" in out["group_again"]
+    assert "'0' with '0.lin', which is inside it" in out["group_nested"]
+    assert "grouping (Linear, Linear) was never attached" in out["group_unplaced"]
+    assert "is not called itself" in out["group_called"]
+    assert "got Tiny, which is not wrapped in FSDP" in out["prefetch_plain_module"]
+    assert "cannot prefetch itself (Tiny)" in out["prefetch_self"]

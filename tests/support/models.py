@@ -1,0 +1,159 @@
+"""The suite's small models, their data and their loss.
+
+``Net`` and its blocks are what most tests wrap; ``Stack`` is the shape ``ScannedLayers``
+takes; ``MemBlock``/``MemStack`` are the scanned-layer tests' larger blocks. Sizes divide
+neither by the world size nor by 128, so padding is always exercised.
+"""
+import torch
+import torch.nn as nn
+
+STEPS = 10
+GLOBAL_BATCH = 16
+DIM, HIDDEN, CLASSES, VOCAB = 32, 70, 5, 50  # 70 and 5 divide neither by N nor by 128
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm=False):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.bn = nn.BatchNorm1d(DIM) if batchnorm else nn.Identity()
+        self.b1, self.b2 = Block(), Block()
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        return self.head(self.b2(self.b1(self.bn(self.inp(x)))))
+
+
+def checkpoint_forward(module):
+    """Runs ``module``'s forward under ``torch.utils.checkpoint``, reentrant, as Hugging
+    Face's gradient checkpointing does inside each layer."""
+    from types import MethodType
+    from torch.utils.checkpoint import checkpoint
+    original = module.forward
+    module.forward = MethodType(lambda self, x: checkpoint(original, x, use_reentrant=True),
+                                module)
+    return module
+
+
+class TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.b1, self.b2 = Block(), Block()
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(self.b2(self.b1(self.emb(tokens))))
+
+
+class MaskedBlock(Block):
+    """A block that reads booleans, as attention does: a boolean buffer, and a causal mask
+    built inside the layer, which its backward reads again."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("keep", torch.arange(HIDDEN) % 3 != 0)
+
+    def forward(self, x):
+        h = self.up(self.norm(x)).masked_fill(~self.keep, 0.0)
+        causal = torch.ones(HIDDEN, HIDDEN, dtype=torch.bool, device=x.device).tril()
+        scores = (h.unsqueeze(-1) * h.unsqueeze(-2)).masked_fill(~causal, float("-inf"))
+        h = (scores.softmax(-1) @ h.unsqueeze(-1)).squeeze(-1)
+        return x + self.down(torch.nn.functional.gelu(h))
+
+
+class Stack(nn.Module):
+    """Identical blocks in a ModuleList, run by a Python loop: the shape ScannedLayers takes."""
+    def __init__(self, layers=3, block=Block):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([block() for _ in range(layers)])
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def build_model(kind):
+    if kind.startswith("stack"):
+        return Stack(block=MaskedBlock if kind == "stack_masked" else Block)
+    return TiedLM() if kind == "tied" else Net(batchnorm=(kind == "bn"))
+
+
+def batch(kind, step):
+    g = torch.Generator().manual_seed(10_000 + step)
+    if kind == "tied":
+        tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, 6), generator=g)
+        return tokens, torch.roll(tokens, -1, dims=1)
+    x = torch.randn(GLOBAL_BATCH, DIM, generator=g)
+    teacher = torch.randn(DIM, CLASSES, generator=torch.Generator().manual_seed(1))
+    return x, (x @ teacher).argmax(-1)
+
+
+def loss_fn(kind, out, target):
+    if kind == "tied":
+        return nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(), target.reshape(-1))
+    return nn.functional.cross_entropy(out.float(), target)
+
+
+# -- the scanned-layer tests' blocks ------------------------------------------------------------
+MEM_DIM, MEM_HIDDEN, MEM_LAYERS = 256, 1024, 8  # weights dominate: 2 * 256 * 1024 per layer
+
+
+class MemBlock(nn.Module):
+    def __init__(self, dim=MEM_DIM, hidden=MEM_HIDDEN):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class MemStack(nn.Module):
+    def __init__(self, layers=MEM_LAYERS, dim=MEM_DIM, hidden=MEM_HIDDEN):
+        super().__init__()
+        self.layers = nn.ModuleList([MemBlock(dim, hidden) for _ in range(layers)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class ScaledByDepth(MemBlock):
+    """Reads its ``layer_idx``, as GPT-2's attention does under
+    ``scale_attn_by_inverse_layer_idx``."""
+    def forward(self, x):
+        return super().forward(x) / (self.layer_idx + 1)
+
+
+def indexed(cls, layers=4):
+    """``layers`` blocks of ``cls`` (8 -> 12 -> 8) whose ``layer_idx`` differ, as Hugging
+    Face's decoder layers' do."""
+    stack = [cls(8, 12) for _ in range(layers)]
+    for i, layer in enumerate(stack):
+        layer.layer_idx = i
+    return stack
+
+
+class Carrier:
+    """A plain object holding a tensor, as some libraries return."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden

@@ -1,0 +1,261 @@
+"""The parity settings: the same model trained unsharded on one device (the reference) and
+wrapped in FSDP at N ranks, each rank on its slice of the global batch, step by step; and
+the comparison of the two.
+
+Bounds (fp32): every loss within 1e-5 relative and, with SGD + momentum, every parameter
+within 1e-5. With AdamW the loss is held to 1e-5, but a parameter may differ by up to
+2 * lr per step: Adam divides by sqrt(v), so a gradient that is zero up to rounding can
+move a weight by anything up to lr in either run. The bound is 2 * lr * steps, and most
+weights must still agree to 1e-5. bf16 compute rounds every matmul input to 8 bits
+(relative 2^-8 = 3.9e-3), so it is held to 3e-2 on the loss and 5e-2 on the weights.
+"""
+import contextlib
+import functools
+
+import torch
+
+from .models import (GLOBAL_BATCH, STEPS, Block, batch, build_model, checkpoint_forward,
+                     loss_fn)
+
+ADAM_LR = 1e-3
+
+SETTINGS = {
+    # name: (model kind, fsdp kwargs, optimizer, extra)
+    "nested": ("net", {}, "sgd", {}),
+    "flattened": ("net", {"flatten_parameters": True}, "sgd", {}),
+    "flattened_coalesced": ("net", {"flatten_parameters": True,
+                                    "coalesce_all_gather_ops": True}, "sgd", {}),
+    "dim0": ("net", {"shard_param_on_dim_0": True}, "sgd", {}),
+    "adamw": ("net", {}, "adamw", {}),
+    "frozen": ("net", {}, "sgd", {"freeze": ("b1.up", "inp.bias")}),
+    "flattened_frozen": ("net", {"flatten_parameters": True}, "sgd",
+                         {"freeze": ("b1.up", "inp.bias")}),
+    "bucketed": ("net", {"reduce_scatter_bucket_size_mb": 1}, "sgd", {}),
+    # every group reduced at the end of backward, in group order (zeros where a rank has
+    # no gradient); with every gradient present it must train exactly as the default
+    "zero_missing": ("net", {"zero_missing_gradients": True}, "sgd", {}),
+    "tied": ("tied", {}, "sgd", {}),
+    "accumulate": ("net", {}, "sgd", {"micro": 2}),
+    "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
+    "clip": ("net", {}, "sgd", {"clip": 0.05}),
+    "bf16": ("net", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True}, "sgd", {}),
+    "checkpointed": ("net", {}, "sgd", {"auto_wrap_checkpoint": True}),
+    # torch.utils.checkpoint, as Hugging Face's gradient_checkpointing_enable() applies it
+    # (reentrant, inside each unit) and as torch's checkpoint_wrapper does (non-reentrant,
+    # around each unit, so the unit's forward runs again inside backward)
+    "torch_checkpoint_inside": ("net", {}, "sgd", {"torch_checkpoint": "inside"}),
+    "torch_checkpoint_around": ("net", {}, "sgd", {"torch_checkpoint": "around"}),
+    # BatchNorm normalises with its batch's statistics, so every rank takes the whole batch
+    "batchnorm": ("bn", {}, "sgd", {"groups": 1}),
+    # under bf16 compute BatchNorm runs in float32 and its statistics stay float32
+    "batchnorm_bf16": ("bn", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True},
+                       "sgd", {"groups": 1}),
+    "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
+    # hybrid sharding: groups of two are replicas that see different data, their gradients
+    # averaged across groups
+    "hsdp": ("net", {"replicate_across_groups": True}, "sgd", {"groups": 2, "replicas": True}),
+    # every explicit control at once: grouped units, prefetching both ways, per-unit
+    # resharding (b1 keeps its parameters after backward, so each step's optimizer update
+    # must make it gather again), unshard() before each step
+    "controls": ("net", {}, "sgd_foreach", {"controls": True}),
+    "tied_grouped": ("tied", {}, "sgd", {"controls": True}),
+    # the blocks as one ScannedLayers unit: a while loop over stacked shards
+    "scanned": ("stack", {}, "sgd", {"scan": True, "clip": 0.05}),
+    "scanned_flat_bf16": ("stack", {"flatten_parameters": True, "compute_dtype": torch.bfloat16,
+                                    "fp32_reduce_scatter": True}, "sgd", {"scan": True}),
+    # with prefetch: each body gathers the next layer beside the current one's compute
+    "scanned_dim0_adamw_prefetch": ("stack", {"shard_param_on_dim_0": True}, "adamw",
+                                    {"scan": True, "prefetch": True}),
+    # a frozen parameter must be frozen in every layer (one stacked shard holds them all)
+    "scanned_groups_frozen": ("stack", {}, "sgd", {
+        "scan": True, "groups": 2,
+        "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
+    # torch_xla's loop turns booleans into int64, where ~mask is always true
+    "scanned_masked": ("stack_masked", {}, "adamw", {"scan": True}),
+}
+
+
+def make_optimizer(name, params):
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    # torch_xla's foreach kernels do not bump the version counter of what they update
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=(name == "sgd_foreach"))
+
+
+def wrap(model, kind, fsdp_kwargs, extra, world):
+    from xla_fsdp import FSDP, checkpoint_module
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    kw = dict(fsdp_kwargs, pin_layout_in_collective_ops=True)
+    if extra.get("groups", 0) > 1:
+        size = extra["groups"]
+        groups = [list(range(i, i + size)) for i in range(0, world, size)]
+        import torch_xla.runtime as xr
+        me = xr.global_ordinal()
+        kw.update(sharding_groups=groups, sharding_rank=me % size, sharding_world_size=size)
+    if extra.get("controls"):
+        return _wrap_with_controls(model, kind, kw)
+    if extra.get("scan"):
+        from xla_fsdp import ScannedLayers
+        model.layers = ScannedLayers(model.layers,
+                                     prefetch_next_layer=extra.get("prefetch", False), **kw)
+        return FSDP(model, **kw)
+    if extra.get("auto_wrap_checkpoint"):
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        return FSDP(model, auto_wrap_policy=policy,
+                    auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k),
+                    **kw)
+    if extra.get("torch_checkpoint") == "inside":
+        model.b1 = FSDP(checkpoint_forward(model.b1), **kw)
+        model.b2 = FSDP(checkpoint_forward(model.b2), **kw)
+        return FSDP(model, **kw)
+    model.b1 = FSDP(model.b1, **kw)
+    model.b2 = FSDP(model.b2, **kw)
+    if extra.get("torch_checkpoint") == "around":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            checkpoint_wrapper)
+        model.b1, model.b2 = checkpoint_wrapper(model.b1), checkpoint_wrapper(model.b2)
+    return FSDP(model, **kw)
+
+
+def _wrap_with_controls(model, kind, kw):
+    from xla_fsdp import FSDP
+    if kind == "tied":  # the tied embedding and head in one unit
+        ends = FSDP([model.emb, model.head], **kw)
+    else:
+        ends = FSDP([model.inp, model.head], **dict(kw, coalesce_all_gather_ops=True))
+    model.b1 = FSDP(model.b1, **kw)
+    model.b2 = FSDP(model.b2, **kw)
+    root = FSDP(model, **kw)
+    assert not root.shard_groups, "the grouped unit, not the root, holds the ends' parameters"
+    ends.set_modules_to_forward_prefetch([model.b1])
+    model.b1.set_modules_to_forward_prefetch([model.b2])
+    ends.set_modules_to_backward_prefetch([model.b2])
+    model.b2.set_modules_to_backward_prefetch([model.b1])
+    model.b2.set_reshard_after_forward(False)
+    model.b1.set_reshard_after_backward(False)
+    root._test_unshard_each_step = ends
+    return root
+
+
+def full_parameters(model):
+    """{name in the unwrapped model: full value on CPU} of a wrapped model's parameters."""
+    from xla_fsdp._sharding.names import clean_name
+    buffers = {clean_name(k) for k, _ in model.named_buffers()}
+    return {k: v.float() for k, v in model.full_state_dict(rank0_only=False).items()
+            if k not in buffers}
+
+
+def train(rank, names, sharded):
+    from xla_fsdp._sharding.names import clean_name
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    world = xr.world_size() if sharded else 1
+    results = {}
+    for name in names:
+        kind, fsdp_kwargs, opt_name, extra = SETTINGS[name]
+        torch.manual_seed(0)
+        model = build_model(kind)
+        for prefix in extra.get("freeze", ()):
+            for pname, p in model.named_parameters():
+                if pname.startswith(prefix):
+                    p.requires_grad_(False)
+        # data-parallel replicas: within a sharding group the batch is split; every group
+        # trains on the whole global batch
+        split = (world if extra.get("replicas") else min(extra.get("groups", world), world)
+                 ) if sharded else 1
+        part = rank % split if sharded else 0
+        if sharded:
+            model = wrap(model, kind, fsdp_kwargs, extra, world)
+        else:
+            model = model.to(device)
+            if kind == "tied":
+                model.head.weight = model.emb.weight  # moving to XLA unties
+        opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
+        micro = extra.get("micro", 1)
+        losses, norms = [], []
+        for step in range(STEPS):
+            x, y = batch(kind, step)
+            local = GLOBAL_BATCH // split
+            x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
+            opt.zero_grad()
+            if sharded and extra.get("controls"):
+                model._test_unshard_each_step.unshard()
+            total = 0.0
+            for m in range(micro):
+                n = local // micro
+                xs, ys = x[m * n:(m + 1) * n].to(device), y[m * n:(m + 1) * n].to(device)
+                skip_sync = sharded and extra.get("no_sync") and m < micro - 1
+                with (model.no_sync() if skip_sync else contextlib.nullcontext()):
+                    loss = loss_fn(kind, model(xs), ys) / micro
+                    loss.backward()
+                total = total + loss.detach()
+            if "clip" in extra:
+                if sharded:
+                    norm = model.clip_grad_norm_(extra["clip"])
+                else:
+                    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), extra["clip"])
+            opt.step()
+            if sharded and split > 1:
+                groups = [list(range(i, i + split)) for i in range(0, world, split)]
+                total = xm.all_reduce(xm.REDUCE_SUM, total, scale=1.0 / split, groups=groups)
+            torch_xla.sync()
+            losses.append(total.item())
+            if "clip" in extra:
+                norms.append(norm.item())
+            if step == 2:
+                graphs_at_step_2 = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+        new_graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs_at_step_2
+        if sharded:
+            params = full_parameters(model)
+            buffers = {clean_name(k): v.cpu() for k, v in model.named_buffers()}
+        else:
+            params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
+            if kind == "tied":
+                params["head.weight"] = params["emb.weight"]
+            buffers = {k: v.cpu() for k, v in model.named_buffers()}
+        torch_xla.sync()
+        results[name] = {"losses": losses, "norms": norms, "params": params, "buffers": buffers,
+                         "new_graphs": new_graphs}
+    return results
+
+
+def compare(name, got, ref):
+    """Problems of setting ``name``'s sharded run ``got`` against the reference ``ref``,
+    within the bounds in the module docstring."""
+    _, kwargs, opt, _ = SETTINGS[name]
+    bf16 = kwargs.get("compute_dtype") == torch.bfloat16
+    loss_bound, param_bound = (3e-2, 5e-2) if bf16 else (1e-5, 1e-5)
+    problems = []
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        if abs(a - b) > loss_bound * abs(b):
+            problems.append(f"{name}: step {step} loss {a:.7g} vs {b:.7g}")
+    for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
+        if abs(a - b) > loss_bound * abs(b):
+            problems.append(f"{name}: step {step} total grad norm {a:.7g} vs {b:.7g}")
+    if len(got["norms"]) != len(ref["norms"]):
+        problems.append(f"{name}: {len(got['norms'])} norms, reference {len(ref['norms'])}")
+    if set(got["params"]) != set(ref["params"]):
+        problems.append(f"{name}: parameter names differ: "
+                        f"{sorted(set(got['params']) ^ set(ref['params']))}")
+    for key, r in ref["params"].items():
+        if key not in got["params"]:
+            continue
+        diff = (got["params"][key] - r).abs()
+        if opt == "adamw" and not bf16:
+            if diff.max() > 2 * ADAM_LR * STEPS or (diff > 1e-5).float().mean() > 0.01:
+                problems.append(f"{name}: {key} max diff {diff.max():.3g}, "
+                                f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
+        elif diff.max() > param_bound:
+            problems.append(f"{name}: {key} max diff {diff.max():.3g}")
+    for key, r in ref["buffers"].items():
+        if got["buffers"][key].dtype != r.dtype:
+            problems.append(f"{name}: buffer {key} is {got['buffers'][key].dtype}, not {r.dtype}")
+        # running statistics of bf16 activations carry the activations' rounding
+        if (got["buffers"][key].float() - r.float()).abs().max() > (param_bound if bf16 else 1e-5):
+            problems.append(f"{name}: buffer {key} differs")
+    if got["new_graphs"]:
+        problems.append(f"{name}: {got['new_graphs']} graphs compiled after step 2")
+    return problems
