@@ -7,7 +7,7 @@ from xla_fsdp.scan.checks import (check_identical, forward_graph, refuse_input_m
                                   refuse_varying_computation, varying_attributes)
 from xla_fsdp.scanned_layers import IGNORED_ATTRIBUTES
 
-from ..support.models import MemBlock, ScaledByDepth, indexed
+from ..support.models import Block, ScaledByDepth, indexed
 
 
 def _check(layers):
@@ -15,31 +15,31 @@ def _check(layers):
 
 
 def test_layers_must_be_identical():
-    _check([MemBlock(8, 12), MemBlock(8, 12)])
+    _check([Block(8, 12), Block(8, 12)])
     with pytest.raises(ValueError, match=r"layer 1 differs from layer 0 at 'down.in_features'"):
-        _check([MemBlock(8, 12), MemBlock(8, 16)])
-    odd = MemBlock(8, 12)
+        _check([Block(8, 12), Block(8, 16)])
+    odd = Block(8, 12)
     odd.up.weight.requires_grad_(False)
     with pytest.raises(ValueError, match="layer 1 differs"):
-        _check([MemBlock(8, 12), odd])
-    other = MemBlock(8, 12)
+        _check([Block(8, 12), odd])
+    other = Block(8, 12)
     other.norm.eps = 1e-3
     with pytest.raises(ValueError, match=r"'norm.eps'"):
-        _check([MemBlock(8, 12), other])
-    indexed = [MemBlock(8, 12), MemBlock(8, 12)]
+        _check([Block(8, 12), other])
+    indexed = [Block(8, 12), Block(8, 12)]
     for i, layer in enumerate(indexed):
         layer.layer_idx = i  # Hugging Face's cache index may differ
     _check(indexed)
 
 
 def test_what_a_scan_cannot_run_is_refused():
-    shared = MemBlock(8, 12)
+    shared = Block(8, 12)
     with pytest.raises(ValueError, match="share a parameter"):
         _check([shared, shared])
     with_bn = [nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)]
     with pytest.raises(ValueError, match="running statistics"):
         _check(with_bn)
-    hooked = [MemBlock(8, 12), MemBlock(8, 12)]
+    hooked = [Block(8, 12), Block(8, 12)]
     hooked[0].up.register_forward_hook(lambda *a: None)
     with pytest.raises(ValueError, match="module hooks"):
         _check(hooked)
@@ -48,7 +48,7 @@ def test_what_a_scan_cannot_run_is_refused():
 def test_a_differing_attribute_the_computation_reads_is_refused():
     """See [Note: attributes that differ between layers]."""
     x = torch.randn(2, 8)
-    for cls, reads in ((MemBlock, False), (ScaledByDepth, True)):
+    for cls, reads in ((Block, False), (ScaledByDepth, True)):
         layers = indexed(cls)
         varying = varying_attributes(layers, IGNORED_ATTRIBUTES)
         assert varying == [("", "layer_idx", [0, 1, 2, 3])]
@@ -62,7 +62,7 @@ def test_a_differing_attribute_the_computation_reads_is_refused():
         assert layers[0].layer_idx == 0  # put back
 
 
-class Counting(MemBlock):
+class Counting(Block):
     """Counts its calls in a buffer, which a loop slice cannot write back."""
     def __init__(self):
         super().__init__(8, 12)
@@ -89,5 +89,5 @@ def test_a_layer_writing_to_an_input_is_refused():
     graph = forward_graph(in_place_on_a_view, [torch.randn(2, 8)])
     with pytest.raises(ValueError, match="the hidden state"):
         refuse_input_mutation(graph, ["the hidden state"])
-    refuse_input_mutation(forward_graph(MemBlock(8, 12), [torch.randn(2, 8)]),
+    refuse_input_mutation(forward_graph(Block(8, 12), [torch.randn(2, 8)]),
                           ["the hidden state"])  # temporaries written in place are fine

@@ -17,7 +17,7 @@ from xla_fsdp.checkpoint.consolidate.cli import main as consolidate_main
 from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 
 from ..support.hlo import some_dot_reads_a_gather, traced_hlo
-from ..support.models import (MEM_DIM, MEM_HIDDEN, MEM_LAYERS, MemBlock, MemStack,
+from ..support.models import (MEM_DIM, MEM_HIDDEN, MEM_LAYERS, Block, MemStack,
                               ScaledByDepth, indexed)
 
 MEM_TOKENS, MEM_WORLD = 8, 4  # 8 tokens per rank
@@ -145,7 +145,7 @@ def test_scanned_checkpoints_name_every_layer_and_load_into_unscanned_models(tmp
         assert torch.equal(again[key], value), key
 
 
-class PlainTensorScale(MemBlock):
+class PlainTensorScale(Block):
     """Scales by a tensor held as a plain attribute, neither parameter nor buffer."""
     def __init__(self):
         super().__init__(8, 12)

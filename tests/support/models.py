@@ -1,7 +1,7 @@
 """The suite's small models, their data and their loss.
 
 ``Net`` and its blocks are what most tests wrap; ``Stack`` is the shape ``ScannedLayers``
-takes; ``MemBlock``/``MemStack`` are the scanned-layer tests' larger blocks. Sizes divide
+takes; ``MemStack`` is the scanned-layer tests' larger stack. Sizes divide
 neither by the world size nor by 128, so padding is always exercised.
 """
 import torch
@@ -13,11 +13,11 @@ DIM, HIDDEN, CLASSES, VOCAB = 32, 70, 5, 50  # 70 and 5 divide neither by N nor 
 
 
 class Block(nn.Module):
-    def __init__(self):
+    def __init__(self, dim=DIM, hidden=HIDDEN):
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
 
     def forward(self, x):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
@@ -114,21 +114,10 @@ def loss_fn(kind, out, target):
 MEM_DIM, MEM_HIDDEN, MEM_LAYERS = 256, 1024, 8  # weights dominate: 2 * 256 * 1024 per layer
 
 
-class MemBlock(nn.Module):
-    def __init__(self, dim=MEM_DIM, hidden=MEM_HIDDEN):
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, hidden)
-        self.down = nn.Linear(hidden, dim)
-
-    def forward(self, x):
-        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
 class MemStack(nn.Module):
     def __init__(self, layers=MEM_LAYERS, dim=MEM_DIM, hidden=MEM_HIDDEN):
         super().__init__()
-        self.layers = nn.ModuleList([MemBlock(dim, hidden) for _ in range(layers)])
+        self.layers = nn.ModuleList([Block(dim, hidden) for _ in range(layers)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -136,7 +125,7 @@ class MemStack(nn.Module):
         return x
 
 
-class ScaledByDepth(MemBlock):
+class ScaledByDepth(Block):
     """Reads its ``layer_idx``, as GPT-2's attention does under
     ``scale_attn_by_inverse_layer_idx``."""
     def forward(self, x):

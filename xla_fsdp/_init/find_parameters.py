@@ -2,7 +2,7 @@
 them for sharding (one shard group per parameter, or per flattened set)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Tuple
 
 import torch
 import torch.nn as nn
@@ -12,13 +12,13 @@ from .._xla.private_api import children
 from .module_group import grouping_unit_of
 
 
-def find_parameters(roots: List[Tuple[str, nn.Module]], unit: Any) -> List[Member]:
+def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Member]:
     """Every parameter below ``roots`` that belongs to ``unit``, once, with every
     (module, attribute) that holds it and every name it has: a module registered under
     several names (one embedding shared by an encoder, a decoder and a head) gives its
     parameters each of those names, as ``state_dict()`` does. Not the parameters inner units
     have sharded, nor those below modules another unit groups (see ``module_group``).
-    ``roots`` are (name prefix, module)."""
+    ``roots`` are (name prefix, module); ``unit`` is compared by identity only."""
     owners: Dict[int, List[Owner]] = {}
     names: Dict[int, List[str]] = {}
     order: List[nn.Parameter] = []
@@ -50,7 +50,7 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: Any) -> List[Membe
     return [(p, owners[id(p)], names[id(p)]) for p in order]
 
 
-def _module_paths(root: nn.Module, unit: Any) -> Iterator[Tuple[str, nn.Module]]:
+def _module_paths(root: nn.Module, unit: object) -> Iterator[Tuple[str, nn.Module]]:
     """Every (path, module) below ``root``, a module once per path that reaches it, without
     the subtrees of modules grouped by another unit."""
     stack = [("", root, ())]

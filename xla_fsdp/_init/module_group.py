@@ -15,7 +15,7 @@ alone (``grouping_unit_of``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Protocol, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -69,12 +69,12 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
     return members
 
 
-def mark_grouped(members: Sequence[nn.Module], unit: GroupingUnit) -> None:
+def mark_grouped(members: Sequence[nn.Module], unit: object) -> None:
     for m in members:
         _GROUPED[m] = unit
 
 
-def grouping_unit_of(module: nn.Module) -> Any:
+def grouping_unit_of(module: nn.Module) -> Optional[GroupingUnit]:
     """The unit that groups ``module`` with others, or None."""
     return _GROUPED.get(module)
 

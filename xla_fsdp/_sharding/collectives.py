@@ -78,19 +78,19 @@ class Collectives:
 
     def all_reduce_sum(self, tensor: torch.Tensor,
                        rank_groups: RankGroups = None) -> torch.Tensor:
-        import torch_xla.core.xla_model as xm
-        if "all_reduce" in self.dummy:
-            return tensor.clone()
-        return xm.all_reduce(xm.REDUCE_SUM, tensor, groups=rank_groups,
-                             pin_layout=self.pin_layout)
+        return self._all_reduce("sum", tensor, rank_groups)
 
     def all_reduce_max(self, tensor: torch.Tensor,
                        rank_groups: RankGroups = None) -> torch.Tensor:
+        return self._all_reduce("max", tensor, rank_groups)
+
+    def _all_reduce(self, op: str, tensor: torch.Tensor, rank_groups: RankGroups
+                    ) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
         if "all_reduce" in self.dummy:
             return tensor.clone()
-        return xm.all_reduce(xm.REDUCE_MAX, tensor, groups=rank_groups,
-                             pin_layout=self.pin_layout)
+        return xm.all_reduce(xm.REDUCE_SUM if op == "sum" else xm.REDUCE_MAX, tensor,
+                             groups=rank_groups, pin_layout=self.pin_layout)
 
 
 def optimization_barrier(tensors: Sequence[Optional[torch.Tensor]]) -> None:
