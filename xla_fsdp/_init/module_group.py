@@ -15,6 +15,7 @@ alone (``grouping_unit_of``).
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch.nn as nn
@@ -24,7 +25,8 @@ from .._sharding.names import GROUP_PREFIX, clean_name
 from .._xla.private_api import children
 from .validate import validate_module
 
-_GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # grouped module -> its unit
+# grouped module -> its unit, weakly: the unit holds its modules
+_GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 class ModuleGroup(nn.Module):
@@ -62,7 +64,7 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
         raise ValueError("FSDP was given an empty list of modules to group")
     for m in members:
         validate_module(m)
-        if m in _GROUPED:
+        if grouping_unit_of(m) is not None:
             raise ValueError(f"{type(m).__name__} is already grouped in another FSDP unit")
     if len({id(m) for m in members}) != len(members):
         raise ValueError("FSDP was given the same module twice in one group")
@@ -71,12 +73,13 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
 
 def mark_grouped(members: Sequence[nn.Module], unit: object) -> None:
     for m in members:
-        _GROUPED[m] = unit
+        _GROUPED[m] = weakref.ref(unit)
 
 
 def grouping_unit_of(module: nn.Module) -> Optional[GroupingUnit]:
     """The unit that groups ``module`` with others, or None."""
-    return _GROUPED.get(module)
+    ref = _GROUPED.get(module)
+    return ref() if ref is not None else None
 
 
 def attach_module_groups(unit: GroupingUnit) -> None:
@@ -84,7 +87,7 @@ def attach_module_groups(unit: GroupingUnit) -> None:
     module (see the module docstring)."""
     found: Dict[int, Tuple[GroupingUnit, Dict[int, str]]] = {}
     for path, m in unit.wrapped_module.named_modules():
-        owner = _GROUPED.get(m)
+        owner = grouping_unit_of(m)
         if owner is not None and not owner.is_attached:
             found.setdefault(id(owner), (owner, {}))[1][id(m)] = clean_name(path)
     for owner, paths in found.values():
