@@ -15,7 +15,6 @@ alone (``grouping_unit_of``).
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch.nn as nn
@@ -25,8 +24,7 @@ from .._sharding.names import GROUP_PREFIX, clean_name
 from .._xla.private_api import children
 from .validate import validate_module
 
-# grouped module -> its unit, weakly: the unit holds its modules
-_GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # grouped module -> its unit
 
 
 class ModuleGroup(nn.Module):
@@ -64,7 +62,7 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
         raise ValueError("FSDP was given an empty list of modules to group")
     for m in members:
         validate_module(m)
-        if grouping_unit_of(m) is not None:
+        if m in _GROUPED:
             raise ValueError(f"{type(m).__name__} is already grouped in another FSDP unit")
     if len({id(m) for m in members}) != len(members):
         raise ValueError("FSDP was given the same module twice in one group")
@@ -73,13 +71,12 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
 
 def mark_grouped(members: Sequence[nn.Module], unit: object) -> None:
     for m in members:
-        _GROUPED[m] = weakref.ref(unit)
+        _GROUPED[m] = unit
 
 
 def grouping_unit_of(module: nn.Module) -> Optional[GroupingUnit]:
     """The unit that groups ``module`` with others, or None."""
-    ref = _GROUPED.get(module)
-    return ref() if ref is not None else None
+    return _GROUPED.get(module)
 
 
 def attach_module_groups(unit: GroupingUnit) -> None:
@@ -87,7 +84,7 @@ def attach_module_groups(unit: GroupingUnit) -> None:
     module (see the module docstring)."""
     found: Dict[int, Tuple[GroupingUnit, Dict[int, str]]] = {}
     for path, m in unit.wrapped_module.named_modules():
-        owner = grouping_unit_of(m)
+        owner = _GROUPED.get(m)
         if owner is not None and not owner.is_attached:
             found.setdefault(id(owner), (owner, {}))[1][id(m)] = clean_name(path)
     for owner, paths in found.values():

@@ -3,9 +3,7 @@ every place and name it has, and whether the placeholder holds the full value no
 
 No FSDP state lives on tensors except the three attributes other frameworks read on a
 shard (``_is_sharded``, ``_orig_size``, ``_orig_name``). The records are found from their
-tensors through identity-keyed weak maps whose values are weak too (a record holds its
-placeholder, so a strong value would keep both alive for good): the unit owns its records,
-and a model the user drops is freed with its placeholders and shards.
+tensors through identity-keyed weak maps, so a tensor that dies takes its entry with it.
 
 [Note: swapping .data]
 The placeholder is one leaf tensor per parameter, kept for the unit's lifetime, so autograd
@@ -19,7 +17,6 @@ whose backward reduce-scatters) replaces placeholders.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -48,7 +45,7 @@ class ParamRecord:
         self.gathered = False         # the placeholder holds the full value
         self.requires_grad = placeholder.requires_grad  # as last agreed with the shard
         self.grad_hook: Optional[RemovableHandle] = None
-        _BY_PLACEHOLDER[placeholder] = weakref.ref(self)
+        _BY_PLACEHOLDER[placeholder] = self
 
     @property
     def name(self) -> str:
@@ -87,8 +84,7 @@ def mark_taken(original: torch.Tensor, name: str) -> None:
 def taken_name(t: torch.Tensor) -> Optional[str]:
     """The name of the parameter ``t`` was before FSDP took it (an original parameter or a
     placeholder), or None for a tensor FSDP never took."""
-    ref = _BY_PLACEHOLDER.get(t)
-    record = ref() if ref is not None else None
+    record = _BY_PLACEHOLDER.get(t)
     if record is not None:
         return record.name
     return _TAKEN.get(t)

@@ -8,7 +8,6 @@ pending. Those facts change only through the methods here.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import List, Optional, Set, Tuple
 
@@ -21,8 +20,6 @@ from .._xla.private_api import version
 from .param_record import Member, ParamRecord, mark_taken
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
-# shard -> its shard group, weakly: the group holds its shard, and a strong value would keep
-# both (and through the records the user's modules) alive for as long as the process
 _BY_SHARD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
@@ -105,8 +102,7 @@ class ShardGroup:
 
 
 def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:
-    ref = _BY_SHARD.get(shard)
-    return ref() if ref is not None else None
+    return _BY_SHARD.get(shard)
 
 
 def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,
@@ -174,5 +170,5 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
     shard_group = ShardGroup(layout, shard, records,
                              ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR), orig_name,
                              compute_dtype)
-    _BY_SHARD[shard] = weakref.ref(shard_group)  # the unit holds the shard group
+    _BY_SHARD[shard] = shard_group
     return shard_group

@@ -15,15 +15,11 @@ parameters without a gradient]); the queue is flushed; the unit returns to ``IDL
 
 Modules find their unit's state through ``state_of`` (a weak registry, as FSDP2 keeps its
 states), so code below the public API can tell a unit from a module without importing it.
-The unit owns its state; the state holds its unit too, so that the hooks on a grouping
-unit's modules keep that unit alive until an outer unit attaches it, whether or not a
-variable holds it (``FSDP([model.norm, model.head])`` on a line of its own).
 """
 from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -41,18 +37,16 @@ from .shard_group import ShardGroup
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
-# unit module -> its UnitState, weakly: a strong value holding its key would never die
-_STATES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_STATES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # unit module -> its UnitState
 
 
 def state_of(module: nn.Module) -> Optional["UnitState"]:
     """The state of the FSDP unit ``module`` is, or None if it is not a unit."""
-    ref = _STATES.get(module)
-    return ref() if ref is not None else None
+    return _STATES.get(module)
 
 
 def is_unit(module: nn.Module) -> bool:
-    return state_of(module) is not None
+    return module in _STATES
 
 
 def detached_message(members: Sequence[nn.Module]) -> str:
@@ -64,7 +58,6 @@ def detached_message(members: Sequence[nn.Module]) -> str:
 class UnitState:
     def __init__(self, unit: nn.Module, name: str, members: Sequence[nn.Module],
                  params: UnitParams, options: FsdpOptions, detached: bool) -> None:
-        self.unit = unit                   # see the module docstring
         self.name = name                   # the wrapped module's class, for messages
         self.members = list(members)
         self.params = params
@@ -85,7 +78,7 @@ class UnitState:
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
         self._warned_hidden = False
-        _STATES[unit] = weakref.ref(self)
+        _STATES[unit] = self
 
     def hook_members(self) -> None:
         for m in self.members:
@@ -98,18 +91,13 @@ class UnitState:
         return self.params.shard_groups
 
     def add_shard_groups(self, shard_groups: Sequence[ShardGroup]) -> None:
-        first = len(self.shard_groups)
         self.params.add(shard_groups)
-        for k, g in enumerate(shard_groups, first):
-            self._hook_gradients(k, g)
+        for g in shard_groups:
+            self._hook_gradients(g)
 
-    def _hook_gradients(self, k: int, shard_group: ShardGroup) -> None:
-        # A tensor's hooks are invisible to Python's cycle collector: a hook on a placeholder
-        # that held this state (and through it the placeholder) would keep the whole model
-        # alive after the user drops it. It finds the state through a weak reference.
-        state = weakref.ref(self)
+    def _hook_gradients(self, shard_group: ShardGroup) -> None:
         for i, r in enumerate(shard_group.records):
-            r.hook_gradient(functools.partial(_gradient_arrived, state, k, i))
+            r.hook_gradient(functools.partial(self._post_accumulate, shard_group, i))
 
     def shard_gradients(self) -> List[torch.Tensor]:
         return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
@@ -262,7 +250,7 @@ class UnitState:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
         was changed since wrapping (frozen through ``model.parameters()``, which yields
         shards, or through a module attribute, which is a placeholder)."""
-        for k, g in enumerate(self.shard_groups):
+        for g in self.shard_groups:
             changed = [r for r in g.records if r.placeholder.requires_grad != r.requires_grad]
             if changed:
                 want = changed[0].placeholder.requires_grad
@@ -275,7 +263,7 @@ class UnitState:
                 g.shard.requires_grad_(want)
             for r in g.records:
                 r.agree_requires_grad(g.shard.requires_grad)
-            self._hook_gradients(k, g)
+            self._hook_gradients(g)
 
     # -- backward --------------------------------------------------------------------------
     def _hook(self, t: torch.Tensor, fn: Any) -> None:
@@ -392,12 +380,6 @@ class UnitState:
         # them between accumulation steps too (torch_xla's behaviour)
         keep_for_no_sync = not self.require_grad_sync and not self.reshard_after_forward
         return self.reshard_after_backward and not keep_for_no_sync
-
-
-def _gradient_arrived(state: "weakref.ref[UnitState]", k: int, index: int) -> None:
-    unit_state = state()
-    if unit_state is not None:
-        unit_state._post_accumulate(unit_state.shard_groups[k], index)
 
 
 def _in_checkpoint_recompute() -> bool:
