@@ -8,6 +8,7 @@ import os
 import re
 from unittest import mock
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -46,6 +47,7 @@ def _last_step_module(dump):
     return open(modules[-1]).read()
 
 
+@pytest.mark.slow
 def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
     for foreach in (False, True):
         dump = tmp_path / f"foreach_{foreach}"

@@ -8,6 +8,7 @@ and its SGD optimizer, and training resumed there on one device matches the shar
 continuing, step by step. The launched function imports torch_xla's FSDP by name, so it
 also proves that launch's device process is patched.
 """
+import pytest
 import torch
 
 from xla_fsdp import launch
@@ -53,6 +54,7 @@ def resumed(rank, path):
     return train(model, opt, AFTER, rank, 1)
 
 
+@pytest.mark.slow
 def test_recipe_save_consolidate_resume(tmp_path, patched_here):
     results = launch(sharded, (str(tmp_path / "ckpt"),), num_devices=WORLD)
     assert {r["fsdp_class"] for r in results.values()} == {

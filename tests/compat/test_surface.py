@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ..support.synthetic_checkpoints import SHAPES, full_model, write_set
@@ -30,6 +31,7 @@ def test_every_name_and_signature_of_torch_xla_fsdp():
                for name in report["ours"].values()), report["ours"]
 
 
+@pytest.mark.slow
 def test_patch_is_idempotent_and_python_m_consolidates(tmp_path):
     prefix = str(tmp_path / "ckpt")
     write_set(prefix, 2, recipe=True)
@@ -48,6 +50,7 @@ def test_patch_is_idempotent_and_python_m_consolidates(tmp_path):
     assert all(torch.equal(saved["model"][n], full_model()[n]) for n in SHAPES)
 
 
+@pytest.mark.slow
 def test_refuses_after_torch_xla_fsdp_wrapped_a_module():
     code = (
         "import importlib, torch, xla_fsdp\n"
@@ -63,6 +66,7 @@ def test_refuses_after_torch_xla_fsdp_wrapped_a_module():
         in run.stdout, run.stdout + run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_refuses_when_a_module_holds_torch_xla_fsdp():
     code = (
         "import xla_fsdp\n"
@@ -76,6 +80,7 @@ def test_refuses_when_a_module_holds_torch_xla_fsdp():
         run.stdout + run.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_accelerate_is_told_when_a_unit_is_built():
     code = ("import os, torch, warnings, xla_fsdp\n"
             "xla_fsdp.patch_torch_xla()\n"
