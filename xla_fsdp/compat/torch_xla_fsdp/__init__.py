@@ -4,7 +4,7 @@ code that imports torch_xla's FSDP itself (Hugging Face Trainer, Lightning Fabri
 written from torch_xla's documentation) runs on xla_fsdp unchanged.
 
 Same names, signatures, defaults and return values as torch_xla 2.9; where behaviour differs
-it is a fix, listed on ``XlaFullyShardedDataParallel``. ``tests/torch_xla_compat`` compares
+it is a fix, listed on ``XlaFullyShardedDataParallel``. ``tests/compat`` compares
 this surface with the installed torch_xla's at run time.
 """
 from xla_fsdp.fully_sharded import XlaFullyShardedDataParallel
