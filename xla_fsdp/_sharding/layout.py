@@ -22,6 +22,10 @@ Every FSDP unit owns one or more *shard groups*. A group is sharded as one tenso
 
 Only the padding a collective needs is added: a multiple of ``world_size`` elements (or
 rows), not of ``128 * world_size`` as torch_xla does.
+
+Every layout answers ``owned(rank)``: which row-major elements of which parameter a rank's
+shard holds, and where in the shard (flattened) they sit. Checkpoints written piece by piece
+(``chunks.range_chunks``) and read back at another world size rest on it.
 """
 from __future__ import annotations
 
@@ -30,6 +34,17 @@ from dataclasses import dataclass
 from typing import List, Sequence, Tuple, Union
 
 import torch
+
+
+@dataclass(frozen=True)
+class Owned:
+    """Elements ``[start, end)`` of parameter ``param`` (row-major; for a stacked layout,
+    parameter ``layer * k + j``) are elements ``[shard_offset, shard_offset + end - start)``
+    of a rank's shard, flattened."""
+    param: int
+    start: int
+    end: int
+    shard_offset: int
 
 
 def _ceil_to(value: int, multiple: int) -> int:
@@ -115,6 +130,15 @@ class FlatLayout(_Tensors):
     def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         return self.unshard(gathered[0])
 
+    def owned(self, rank: int) -> List[Owned]:
+        first, stop = self.shard_range(rank)
+        out = []
+        for i, (at, n) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(at, first), min(at + n, stop)
+            if lo < hi:
+                out.append(Owned(i, lo - at, hi - at, lo - first))
+        return out
+
 
 @dataclass(frozen=True)
 class InterleavedLayout(_Tensors):
@@ -173,6 +197,15 @@ class InterleavedLayout(_Tensors):
         rows = gathered.view(self.world_size, -1)
         return [rows[:, o:o + p].reshape(-1)[:n].view(s) for o, p, n, s in
                 zip(self.piece_offsets, self.piece_numels, self.numels, self.shapes)]
+
+    def owned(self, rank: int) -> List[Owned]:
+        out = []
+        for i, (n, piece, at) in enumerate(zip(self.numels, self.piece_numels,
+                                               self.piece_offsets)):
+            lo, hi = rank * piece, min((rank + 1) * piece, n)
+            if lo < hi:
+                out.append(Owned(i, lo, hi, at))
+        return out
 
 
 @dataclass(frozen=True)
@@ -237,6 +270,14 @@ class Dim0Layout:
     def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         return self.unshard(gathered[0])
 
+    def owned(self, rank: int) -> List[Owned]:
+        per_rank = self.shard_shape[0]
+        first, stop = rank * per_rank, min((rank + 1) * per_rank, self.rows)
+        if first >= stop:
+            return []
+        inner = self.numel // self.rows
+        return [Owned(0, first * inner, stop * inner, 0)] if inner else []
+
 
 @dataclass(frozen=True)
 class StackedLayout:
@@ -279,6 +320,11 @@ class StackedLayout:
         for i in range(self.layers):
             out += self.layer.unshard(by_rank[:, i].reshape((n * tail[0],) + tail[1:]))
         return out
+
+    def owned(self, rank: int) -> List[Owned]:
+        k, row = len(self.layer.shapes), math.prod(self.layer.shard_shape)
+        return [Owned(i * k + o.param, o.start, o.end, i * row + o.shard_offset)
+                for i in range(self.layers) for o in self.layer.owned(rank)]
 
 
 Layout = Union[FlatLayout, InterleavedLayout, Dim0Layout, StackedLayout]

@@ -1,0 +1,61 @@
+"""A rank's piece of a parameter as rectangular chunks of the full tensor.
+
+``torch.distributed.checkpoint`` (DCP) stores a tensor as chunks, each a box of the full
+tensor given by its offsets and sizes per dimension, and reads any box back from whatever
+chunks were written. Our shards hold contiguous runs of a parameter's row-major elements
+(``Layout.owned``): a flat or interleaved shard cuts rows anywhere, a dim-0 shard holds
+whole rows. A contiguous run of row-major elements is a union of at most ``2 * ndim - 1``
+boxes: the rest of a partly covered row (recursively, in the next dimension), whole rows,
+and the start of a last partly covered row. Each box is itself a contiguous run, so its
+values are a slice of the shard, viewed in the box's shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+
+@dataclass(frozen=True)
+class Chunk:
+    offsets: Tuple[int, ...]   # where the box starts, per dimension of the full tensor
+    sizes: Tuple[int, ...]     # its extent per dimension
+    start: int                 # its first element, in the full tensor's row-major order
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+def range_chunks(shape: Sequence[int], start: int, end: int) -> List[Chunk]:
+    """Elements ``[start, end)`` of a tensor of ``shape``, in row-major order, as boxes in
+    that order (their runs are consecutive and together exactly the range)."""
+    shape = tuple(int(d) for d in shape)
+    if not 0 <= start <= end <= math.prod(shape):
+        raise ValueError(f"range [{start}, {end}) outside a tensor of shape {shape}")
+    if start == end:
+        return []
+    if len(shape) == 0:
+        return [Chunk((), (), 0)]
+    if len(shape) == 1:
+        return [Chunk((start,), (end - start,), start)]
+    inner = math.prod(shape[1:])
+    if inner == 0:
+        return []
+    out: List[Chunk] = []
+    row, col = divmod(start, inner)
+    if col:  # the rest of a partly covered row
+        stop = min(end, (row + 1) * inner)
+        out += [Chunk((row,) + c.offsets, (1,) + c.sizes, row * inner + c.start)
+                for c in range_chunks(shape[1:], col, stop - row * inner)]
+        row, start = row + 1, stop
+        if start == end:
+            return out
+    last_row, last_col = divmod(end, inner)
+    if last_row > row:  # whole rows
+        out.append(Chunk((row,) + (0,) * (len(shape) - 1), (last_row - row,) + shape[1:],
+                         row * inner))
+    if last_col:  # the start of a last partly covered row
+        out += [Chunk((last_row,) + c.offsets, (1,) + c.sizes, last_row * inner + c.start)
+                for c in range_chunks(shape[1:], 0, last_col)]
+    return out
