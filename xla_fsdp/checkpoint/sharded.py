@@ -26,18 +26,16 @@ from .._xla.private_api import to_cpu
 from .files import CheckpointError, CheckpointFile, atomic_path
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
-from .unit_protocol import ShardedModel
+from .unit_protocol import ShardedModel, require_root, sharding_group_index
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 
 
 def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
     """Where this rank's sharding group writes, or None for a replica that does not write."""
-    import torch_xla.runtime as xr
-    sharding = model.options.sharding_groups
-    if sharding is None:
+    index = sharding_group_index(model)
+    if index is None:
         return prefix
-    index = next(i for i, g in enumerate(sharding) if xr.global_ordinal() in g)
     if model.options.replicate_across_groups:
         return prefix if index == 0 else None
     return f"{prefix}_group-{index:03d}"
@@ -62,7 +60,7 @@ def save_sharded(path_prefix: str, model: ShardedModel,
     """Writes this rank's checkpoint file; returns its path (None on a replica that does not
     write). Every rank must call it: it synchronises the device first."""
     import torch_xla
-    _check_root(model, "save_sharded")
+    require_root(model, "save_sharded")
     torch_xla.sync()
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
@@ -92,7 +90,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     The file must come from a model wrapped the same way at the same world size; for another
     world size, reshard it first (``consolidate_sharded_ckpts --reshard N``)."""
     import torch_xla
-    _check_root(model, "load_sharded")
+    require_root(model, "load_sharded")
     path_prefix = _sharding_group_prefix(path_prefix, model) or path_prefix
     metadata = model.get_shard_metadata()
     path = sharded_checkpoint_path(path_prefix, model.rank, model.world_size)
@@ -126,10 +124,3 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     _SAVE_COUNT[model] = ours.save_index
     torch_xla.sync()
     return checkpoint.get(EXTRA)
-
-
-def _check_root(model: Any, what: str) -> None:
-    if not isinstance(model, ShardedModel):
-        raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
-                        f"{type(model).__name__}")
-    model.check_root_call(what)  # a nested unit would save only part of the model

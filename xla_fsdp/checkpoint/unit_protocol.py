@@ -2,7 +2,7 @@
 public class (``XlaFullyShardedDataParallel``, which satisfies both) and never imports it."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Protocol, Tuple, runtime_checkable
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch.nn as nn
 
@@ -55,3 +55,21 @@ class ShardedModel(ShardedUnit, Protocol):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any: ...
 
+
+def require_root(model: Any, what: str) -> ShardedModel:
+    """``model`` if it is an idle root unit; ``what`` (saving, loading) concerns the whole
+    model, and a nested unit would cover only part of it."""
+    if not isinstance(model, ShardedModel):
+        raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
+                        f"{type(model).__name__}")
+    model.check_root_call(what)
+    return model
+
+
+def sharding_group_index(model: ShardedModel) -> Optional[int]:
+    """This rank's sharding group, or None without ``sharding_groups``."""
+    import torch_xla.runtime as xr
+    sharding = model.options.sharding_groups
+    if sharding is None:
+        return None
+    return next(i for i, g in enumerate(sharding) if xr.global_ordinal() in g)

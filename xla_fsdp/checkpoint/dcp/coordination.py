@@ -1,0 +1,31 @@
+"""What DCP's save and load need from the other ranks, without a torch.distributed process
+group: every rank's Python object, through ``xm.rendezvous``.
+
+DCP coordinates its ranks through a process group. Under torch_xla there is none by default
+(and on virtual devices none can exist), but ``xm.rendezvous`` exchanges bytes between all
+replicas on every PJRT device, and the virtual launcher routes it through its ring. Each
+call is a collective: every rank calls it, in the same order.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, List
+
+
+def exchange(tag: str, obj: Any) -> List[Any]:
+    """Every rank's ``obj``, in rank order (global ranks)."""
+    import torch_xla.core.xla_model as xm
+    return [pickle.loads(p) for p in xm.rendezvous(tag, pickle.dumps(obj))]
+
+
+def agree(tag: str, error: Any) -> None:
+    """Raises on every rank if any rank had an ``error`` (an exception or None): its own,
+    or one naming the first rank that failed, so that no rank goes on alone."""
+    from ..files import CheckpointError
+    errors = exchange(tag, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, message = failed[0]
+        raise CheckpointError(f"rank {rank} failed, so this rank stopped too: {message}")

@@ -1,0 +1,289 @@
+"""``load_dcp``: a DCP checkpoint in the layout of ``dcp.layout`` into a wrapped model (and its
+optimizer) at any world size, whoever wrote it: ``save_dcp``, PyTorch FSDP2's
+``get_state_dict`` + ``dcp.save``, torchtitan, or a plain single-process ``dcp.save``. Each
+rank asks DCP for its own chunks, and reads only the saved chunks that overlap them.
+
+[Note: nothing changes unless everything was read]
+Every check against ``.metadata`` (keys, shapes, the optimizer's class and groups, the data
+files) comes first, and every value is read into a staging buffer on the host. Only when
+every rank has read all it needs (``coordination.agree``) are the shards, buffers and
+optimizer state replaced, so a bad checkpoint leaves the model and optimizer as they were,
+on every rank.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
+                                                   TensorStorageMetadata)
+
+from ..._sharding.chunks import Chunk
+from ..files import CheckpointError
+from ..metadata import persistent_buffers
+from ..unit_protocol import ShardedModel, require_root
+from .coordination import agree
+from .layout import EXTRA, OPTIMIZER, ParamSlot, extra_key, model_key, param_slots, \
+    slots_by_shard, state_key
+from .planners import ChunkLoadPlanner, TensorPieces
+from .save import METADATA_FILE, checkpoint_dir_for
+
+_GROUP_NAMES = ("params", "param_names")
+
+
+def load_dcp(checkpoint_dir: str, model: ShardedModel,
+             optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+    """Loads ``checkpoint_dir`` into ``model`` (and ``optimizer``); returns what was saved as
+    ``extra`` (None if nothing was). Every rank calls it. Raises ``CheckpointError``, naming
+    the key or file at fault, and changes nothing, if the checkpoint does not fit."""
+    import torch_xla
+    require_root(model, "load_dcp")
+    torch_xla.sync()
+    directory, _ = checkpoint_dir_for(checkpoint_dir, model)
+    staged, error = None, None
+    try:
+        staged = _Staged(directory, model, optimizer)
+    except Exception as exc:  # every rank must reach the agreement below
+        error = exc
+    agree("xla_fsdp.dcp.load.read", error)
+    staged.commit()
+    torch_xla.sync()
+    return staged.extra
+
+
+def read_metadata(directory: str) -> Metadata:
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: no such directory")
+    if not os.path.exists(os.path.join(directory, METADATA_FILE)):
+        raise CheckpointError(f"{directory} has no {METADATA_FILE}: it is not a DCP checkpoint, "
+                              f"or its save did not complete")
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{os.path.join(directory, METADATA_FILE)} cannot be read: "
+                              f"{type(exc).__name__}: {exc}") from None
+
+
+class _Staged:
+    """Everything a rank loads, read into host buffers, and how to put it in place."""
+
+    def __init__(self, directory: str, model: ShardedModel,
+                 optimizer: Optional[torch.optim.Optimizer]) -> None:
+        self.directory = directory
+        self.metadata = read_metadata(directory)
+        self.stored = self.metadata.state_dict_metadata
+        self.tensors: Dict[str, TensorPieces] = {}
+        self.objects: Dict[str, Any] = {}
+        self.commits: List[Callable[[], None]] = []
+        slots = param_slots(model)
+        self._model(model, slots)
+        if optimizer is not None:
+            self._optimizer(model, optimizer, slots)
+        if EXTRA in self.stored:
+            self.objects[extra_key()[0]] = None
+        self._read()
+        self.extra = self.objects.get(extra_key()[0])
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for fn in self.commits:
+                fn()
+
+    # -- the model -------------------------------------------------------------------------
+    def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
+        buffers = persistent_buffers(model)
+        expected = {model_key(n)[0] for s in slots for n in s.names}
+        expected |= {model_key(n)[0] for n, _ in buffers}
+        present = {k for k in self.stored if k.startswith(model_key("")[0])}
+        missing, unexpected = sorted(expected - present), sorted(present - expected)
+        if missing or unexpected:
+            strip = len(model_key("")[0])
+            raise CheckpointError(
+                f"{self.directory} does not hold this model: missing "
+                f"{[k[strip:] for k in missing]}, unexpected {[k[strip:] for k in unexpected]}")
+        stages: Dict[int, torch.Tensor] = {}
+        for slot in slots:
+            shard = slot.shard_group.shard
+            for name in slot.names:
+                self._check_shape(model_key(name)[0], f"parameter '{name}'", slot.shape)
+            if id(shard) not in stages:
+                stages[id(shard)] = torch.zeros(shard.numel(), dtype=shard.dtype)
+                self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
+            self._want(model_key(slot.name)[0], slot.shape, shard.dtype,
+                       [(c, stages[id(shard)], at) for c, at in slot.pieces])
+        for name, buf in buffers:
+            key = model_key(name)[0]
+            self._check_shape(key, f"buffer '{name}'", buf.shape)
+            stage = self._want_whole(key)
+            self.commits.append(lambda buf=buf, stage=stage: buf.copy_(
+                stage.view(buf.shape).to(buf.dtype).to(buf.device)))
+
+    def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
+        stored = self.stored[key]
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(f"{self.directory}: {what} is stored as an object, not a tensor")
+        if tuple(stored.size) != tuple(shape):
+            raise CheckpointError(f"{self.directory}: {what} has shape {list(stored.size)} in "
+                                  f"the checkpoint and {list(shape)} in the model")
+
+    def _want(self, key: str, size: torch.Size, dtype: torch.dtype,
+              chunks: List[Tuple[Chunk, torch.Tensor, int]]) -> None:
+        self.tensors[key] = TensorPieces(torch.Size(size), dtype, chunks)
+
+    def _want_whole(self, key: str) -> torch.Tensor:
+        stored = self.stored[key]
+        stage = torch.zeros(stored.size, dtype=stored.properties.dtype).reshape(-1)
+        whole = Chunk((0,) * len(stored.size), tuple(stored.size), 0)
+        self._want(key, stored.size, stored.properties.dtype, [(whole, stage, 0)])
+        return stage
+
+    # -- the optimizer -----------------------------------------------------------------------
+    def _optimizer(self, model: ShardedModel, optimizer: torch.optim.Optimizer,
+                   slots: List[ParamSlot]) -> None:
+        if not any(k.startswith(OPTIMIZER + ".") for k in self.stored):
+            raise CheckpointError(f"{self.directory} holds no optimizer state")
+        saved_groups = self._saved_param_groups()
+        by_shard = slots_by_shard(slots)
+        kind = type(optimizer).__name__
+        ours = set(optimizer.defaults)
+        for i, saved_group in enumerate(saved_groups):
+            theirs = set(saved_group) - set(_GROUP_NAMES)
+            if not ours <= theirs:
+                raise CheckpointError(
+                    f"{self.directory}: its optimizer's param group {i} has settings "
+                    f"{sorted(theirs)}, but {kind} has {sorted(ours)}: the checkpoint was saved "
+                    f"from another optimizer class")
+        new_groups, state, held = [], {}, set()
+        index = 0
+        for j, param_group in enumerate(optimizer.param_groups):
+            names = []
+            for p in param_group["params"]:
+                if id(p) not in by_shard:
+                    raise CheckpointError(f"load_dcp: the optimizer holds a tensor of shape "
+                                          f"{tuple(p.shape)} that is not a shard of this model")
+                names += [s.name for s in by_shard[id(p)]]
+            saved = next((g for g in saved_groups if names and names[0] in g["params"]), None)
+            if saved is None or not set(names) <= set(saved["params"]):
+                raise CheckpointError(
+                    f"{self.directory}: no param group of its optimizer holds the parameters "
+                    f"of {kind}'s group {j} ({names[:5]}{' ...' if len(names) > 5 else ''})")
+            new_groups.append(dict({k: v for k, v in saved.items() if k not in _GROUP_NAMES},
+                                   params=list(range(index, index + len(param_group["params"])))))
+            for p in param_group["params"]:
+                entry = self._param_state(p, by_shard[id(p)])
+                if entry:
+                    state[index] = entry
+                held.update(s.name for s in by_shard[id(p)])
+                index += 1
+        stray = sorted(n for n in self._state_names() if n not in held)
+        if stray:
+            raise CheckpointError(f"{self.directory} holds optimizer state for parameters this "
+                                  f"optimizer does not hold: {stray[:10]}")
+        self.commits.append(lambda: optimizer.load_state_dict(
+            {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
+             "param_groups": new_groups}))
+
+    def _saved_param_groups(self) -> List[Dict[str, Any]]:
+        keys = [k for k in self.stored if k.startswith(f"{OPTIMIZER}.param_groups.")]
+        _read_objects(self.directory, self.metadata, keys, self.objects)
+        by_index: Dict[int, Dict[str, Any]] = {}
+        for key in keys:
+            path = (self.metadata.planner_data or {}).get(key)
+            if path is None:  # a writer that kept no paths: split the key
+                _, _, index, name = key.split(".", 3)
+                path = (OPTIMIZER, "param_groups", int(index), name)
+            by_index.setdefault(int(path[2]), {})[path[3]] = self.objects.pop(key)
+        if not by_index:
+            raise CheckpointError(f"{self.directory}: its optimizer state has no param_groups")
+        return [by_index[i] for i in sorted(by_index)]
+
+    def _state_names(self) -> Set[str]:
+        paths = self.metadata.planner_data or {}
+        return {paths[k][2] for k in self.stored
+                if k.startswith(f"{OPTIMIZER}.state.") and k in paths}
+
+    def _param_state(self, shard: torch.Tensor, slots: List[ParamSlot]
+                     ) -> Dict[str, Callable[[], Any]]:
+        """The optimizer state of one shard, as thunks over what will have been read."""
+        prefix = state_key(slots[0].name, "")[0]
+        names = [k[len(prefix):] for k in self.stored if k.startswith(prefix)]
+        out: Dict[str, Callable[[], Any]] = {}
+        for name in names:
+            keys = [state_key(s.name, name)[0] for s in slots]
+            missing = [k for k in keys if k not in self.stored]
+            if missing:
+                raise CheckpointError(f"{self.directory}: optimizer state {missing[0]} is missing")
+            stored = self.stored[keys[0]]
+            if isinstance(stored, BytesStorageMetadata):
+                self.objects[keys[0]] = None
+                out[name] = lambda key=keys[0]: self.objects[key]
+            elif all(tuple(self.stored[k].size) == tuple(s.shape) for k, s in zip(keys, slots)) \
+                    and not (name == "step" and len(slots[0].shape) == 0):
+                # sharded like the parameter (a 0-d parameter's 0-d step count is not)
+                stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
+                for key, slot in zip(keys, slots):
+                    self._want(key, slot.shape, stored.properties.dtype,
+                               [(c, stage, at) for c, at in slot.pieces])
+                out[name] = lambda stage=stage: stage.view(shard.shape)
+            else:  # the same for every parameter (a step count)
+                stage = self._want_whole(keys[0])
+                out[name] = lambda stage=stage, size=stored.size: stage.view(size)
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read(self) -> None:
+        planner = ChunkLoadPlanner(self.tensors, self.objects)
+        _run(self.directory, self.metadata, planner)
+
+
+def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:
+    def commit() -> None:
+        shard = shard_group.shard
+        shard.copy_(stage.view(shard.shape).to(shard.device))
+        shard_group.mark_updated()  # full parameters gathered before are stale
+    return commit
+
+
+def _read_objects(directory: str, metadata: Metadata, keys: List[str],
+                  out: Dict[str, Any]) -> None:
+    for key in keys:
+        out[key] = None
+    _run(directory, metadata, ChunkLoadPlanner({}, out))
+
+
+def _run(directory: str, metadata: Metadata, planner: ChunkLoadPlanner) -> None:
+    """DCP's read protocol for one rank: plan, check the files the plan reads, read."""
+    reader = FileSystemReader(directory)
+    reader.set_up_storage_reader(metadata, True)
+    planner.set_up_planner({}, metadata, True)
+    plan = reader.prepare_local_plan(planner.create_local_plan())
+    plan = planner.finish_plan(reader.prepare_global_plan([plan])[0])
+    _check_files(directory, metadata, plan.items)
+    try:
+        reader.read_data(plan, planner).wait()
+    except Exception as exc:
+        raise CheckpointError(f"{directory}: reading the data failed ({type(exc).__name__}: "
+                              f"{exc}); a data file is corrupted") from None
+
+
+def _check_files(directory: str, metadata: Metadata, items: List[Any]) -> None:
+    """Every data file the reads need exists and is long enough (DCP's own error for a
+    missing or truncated file names neither)."""
+    needed: Dict[str, int] = {}
+    for item in items:
+        info = metadata.storage_data.get(item.storage_index)
+        if info is None:
+            raise CheckpointError(f"{directory}: {METADATA_FILE} lists no data for "
+                                  f"{item.storage_index.fqn}")
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: data file missing ({METADATA_FILE} refers to it)")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(f"{path}: truncated ({size} bytes, {METADATA_FILE} needs "
+                                  f"{end})")

@@ -1,0 +1,141 @@
+"""DCP planners over explicit chunks: what a rank writes, and where what it reads goes.
+
+DCP's default planners take a state dict of whole tensors or DTensors. Our shards are
+neither: a rank holds runs of each parameter's elements, as one or a few chunks
+(``dcp.layout``). These planners take those chunks directly, through DCP's public planner
+interface, and leave everything else to DCP: the global metadata (``.metadata``), the file
+format, and which saved chunks overlap which requested ones.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   TensorProperties)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem,
+                                                  SavePlan, SavePlanner, TensorWriteData,
+                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from ..._sharding.chunks import Chunk
+from .layout import Path
+
+
+@dataclass
+class TensorPieces:
+    """A tensor of the checkpoint as one rank holds (saving) or wants (loading) it: chunks,
+    each a view of a flat buffer."""
+    size: torch.Size
+    dtype: torch.dtype
+    chunks: List[Tuple[Chunk, torch.Tensor, int]] = field(default_factory=list)
+
+    def view(self, i: int) -> torch.Tensor:
+        chunk, buffer, at = self.chunks[i]
+        return buffer[at:at + chunk.numel].view(chunk.sizes)
+
+
+class ChunkSavePlanner(SavePlanner):
+    """Writes ``tensors`` (this rank's chunks), and on the first rank ``wholes`` (tensors
+    every rank has) and ``objects`` (anything else, saved as DCP saves objects)."""
+
+    def __init__(self, tensors: Dict[str, TensorPieces], wholes: Dict[str, torch.Tensor],
+                 objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
+        self.tensors, self.wholes, self.objects, self.paths = tensors, wholes, objects, paths
+        self.is_coordinator = False
+        self._by_index: Dict[MetadataIndex, Any] = {}
+
+    def set_up_planner(self, state_dict: Dict[str, Any], storage_meta: Any = None,
+                       is_coordinator: bool = False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = []
+        for key, pieces in self.tensors.items():
+            props = TensorProperties(dtype=pieces.dtype)
+            for i, (chunk, _, _) in enumerate(pieces.chunks):
+                index = MetadataIndex(key, torch.Size(chunk.offsets))
+                self._by_index[index] = pieces.view(i)
+                items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
+                    props, pieces.size)))
+        if self.is_coordinator:
+            for key, tensor in self.wholes.items():
+                index = MetadataIndex(key, torch.Size([0] * tensor.dim()))
+                self._by_index[index] = tensor
+                items.append(WriteItem(index, WriteItemType.TENSOR, tensor_data=TensorWriteData(
+                    ChunkStorageMetadata(index.offset, tensor.size()),
+                    TensorProperties(dtype=tensor.dtype), tensor.size())))
+            for key, value in self.objects.items():
+                index = MetadataIndex(key)
+                self._by_index[index] = value
+                items.append(WriteItem(index, WriteItemType.BYTE_IO))
+        return SavePlan(items, planner_data=self.paths if self.is_coordinator else {})
+
+    def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
+        paths: Dict[str, Path] = {}
+        for plan in all_plans:
+            paths.update(plan.planner_data or {})
+        return plans, dataclasses.replace(metadata, planner_data=paths)
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        value = self._by_index[dataclasses.replace(write_item.index, index=None)]
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save(value, buffer)
+            return buffer
+        return value.detach().contiguous()
+
+
+class ChunkLoadPlanner(LoadPlanner):
+    """Reads the checkpoint's overlap with each chunk of ``tensors`` into its view, and the
+    objects named in ``objects`` into that dict."""
+
+    def __init__(self, tensors: Dict[str, TensorPieces], objects: Dict[str, Any]) -> None:
+        self.tensors, self.objects = tensors, objects
+        self.metadata: Optional[Metadata] = None
+
+    def set_up_planner(self, state_dict: Dict[str, Any], metadata: Optional[Metadata] = None,
+                       is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        stored = self.metadata.state_dict_metadata
+        items: List[ReadItem] = []
+        for key, pieces in self.tensors.items():
+            wanted = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
+                      for c, _, _ in pieces.chunks]
+            if wanted:
+                items += create_read_items_for_chunk_list(key, stored[key], wanted)
+        for key in self.objects:
+            index = MetadataIndex(key)
+            items.append(ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index,
+                                  torch.Size([0]), torch.Size([0])))
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: List[LoadPlan]) -> List[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        view = self.tensors[read_item.dest_index.fqn].view(read_item.dest_index.index)
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            view = view.narrow(dim, start, length)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass  # read into the view itself
