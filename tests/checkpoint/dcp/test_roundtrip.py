@@ -1,0 +1,76 @@
+"""Every layout round-trips through DCP exactly: saved at N = 4 one way, loaded at N = 2 another
+way (flattened, dim-0, scanned and per-layer units, tied parameters in a module group, frozen
+parameters, bf16 compute, hybrid and independent sharding groups), the model equals the one
+saved and a second save holds the same values, optimizer state included. Bad checkpoints are
+refused, naming what is wrong, and change nothing (workloads in ``support/dcp_workloads.py``).
+"""
+import os
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from xla_fsdp import launch
+
+from ...support.dcp_workloads import CONFIGS, LOAD_WORLD, SAVE_WORLD, load_all, save_all
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def trips(tmp_path_factory):
+    first, second = tmp_path_factory.mktemp("first"), tmp_path_factory.mktemp("second")
+    saved = launch(save_all, (str(first),), num_devices=SAVE_WORLD)
+    loaded = launch(load_all, (str(first), str(second)), num_devices=LOAD_WORLD)
+    return {"first": first, "second": second, "saved": saved, "loaded": loaded}
+
+
+def _torch_save(directory, tmp_path, name):
+    out = str(tmp_path / f"{name}.pt")
+    dcp_to_torch_save(str(directory), out)
+    return torch.load(out, weights_only=False)
+
+
+def _equal(a, b, where):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), (where, sorted(set(a) ^ set(b)))
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_round_trip_is_exact(trips, name, tmp_path):
+    saved = trips["saved"][0][name]  # with independent groups, group 0's model and files
+    for rank, result in trips["loaded"].items():
+        _equal(result[name], saved, f"rank {rank} {name}")
+    suffix = "_group-000" if name == "groups_to_nested" else ""
+    first = _torch_save(os.path.join(trips["first"], name + suffix), tmp_path, "first")
+    second = _torch_save(os.path.join(trips["second"], name), tmp_path, "second")
+    _equal(second, first, name)
+    assert first["extra"] == {"config": name}
+    assert first["optimizer"]["state"], "no optimizer state was saved"
+
+
+def test_groups_save_a_directory_each(trips):
+    assert sorted(os.listdir(trips["first"])) == sorted(
+        [n for n in CONFIGS if n != "groups_to_nested"]
+        + ["groups_to_nested_group-000", "groups_to_nested_group-001"])
+
+
+def test_bad_checkpoints_are_refused_and_change_nothing(trips):
+    out = trips["loaded"][0]["refusals"]
+    for label, message in out.items():
+        print(f"{label}: {message}")
+    assert "no such directory" in out["no_directory"]
+    assert "has no .metadata" in out["no_metadata"]
+    assert "truncated" in out["truncated"] and ".distcp" in out["truncated"]
+    assert "data file missing" in out["missing_file"] and ".distcp" in out["missing_file"]
+    assert "another optimizer class" in out["other_class"] and "momentum" in out["other_class"]
+    assert "missing ['added.bias', 'added.weight'], unexpected []" in out["missing_keys"]
+    assert "parameter 'head.weight' has shape [5, 32] in the checkpoint and [7, 32]" \
+        in out["shape"]
+    assert out["unchanged"] == [True, True]

@@ -1,0 +1,178 @@
+"""DCP round trips through every layout: a model wrapped one way is trained and saved with
+``save_dcp`` at one world size (``save_all``), then loaded into the same model wrapped
+another way at another world size and saved again (``load_all``). Run by
+``tests/checkpoint/dcp/test_roundtrip.py``; the bad-input checks run in the loading launch.
+"""
+import os
+import shutil
+
+import torch
+
+from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
+
+SAVE_WORLD, LOAD_WORLD, STEPS = 4, 2, 2
+# name: (model, wrapping at SAVE_WORLD, wrapping at LOAD_WORLD, optimizer)
+CONFIGS = {
+    "nested_to_flattened": ("net", "nested", "flattened", "adamw"),
+    "flattened_to_dim0": ("net", "flattened", "dim0", "sgd"),
+    "dim0_bf16_to_nested": ("net", "dim0_bf16", "nested", "adamw"),
+    "scanned_to_layer_units": ("stack", "scanned_flat", "layer_units", "adamw"),
+    "layer_units_to_scanned_dim0": ("stack", "layer_units", "scanned_dim0", "sgd"),
+    "tied_to_grouped": ("tied", "nested", "tied_grouped", "adamw"),
+    "frozen": ("frozen", "nested", "flattened", "adamw"),
+    "hybrid_to_nested": ("net", "hybrid", "nested", "adamw"),
+    "groups_to_nested": ("net", "groups", "nested", "adamw"),
+}
+
+
+def build(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "stack":
+        return Stack()
+    if kind == "tied":
+        return TiedLM()
+    model = Net()
+    if kind == "frozen":
+        for p in model.b1.up.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+def wrap(model, how, rank):
+    from xla_fsdp import FSDP, ScannedLayers
+    kw = {"flatten_parameters": how == "flattened", "shard_param_on_dim_0": how.startswith("dim0")}
+    if how == "dim0_bf16":
+        kw.update(compute_dtype=torch.bfloat16, fp32_reduce_scatter=True)
+    if how in ("hybrid", "groups"):
+        kw.update(sharding_groups=[[0, 1], [2, 3]], sharding_rank=rank % 2, sharding_world_size=2,
+                  replicate_across_groups=how == "hybrid")
+    if how.startswith("scanned"):
+        model.layers = ScannedLayers(model.layers, flatten_parameters=how == "scanned_flat",
+                                     shard_param_on_dim_0=how == "scanned_dim0")
+    elif how == "layer_units":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = FSDP(layer, **kw)
+    elif how == "tied_grouped":
+        FSDP([model.emb, model.head], **kw)
+        model.b1, model.b2 = FSDP(model.b1, **kw), FSDP(model.b2, **kw)
+    else:
+        model.b1, model.b2 = FSDP(model.b1, **kw), FSDP(model.b2, **kw)
+    return FSDP(model, **kw)
+
+
+def optimizer(name, model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _train(model, opt, kind, rank, split):
+    import torch_xla
+    data_kind = "tied" if kind == "tied" else "net"
+    local = GLOBAL_BATCH // split
+    part = rank % split
+    for step in range(STEPS):
+        x, y = batch(data_kind, step)
+        x = x[part * local:(part + 1) * local].to(torch_xla.device())
+        y = y[part * local:(part + 1) * local].to(torch_xla.device())
+        opt.zero_grad()
+        loss_fn(data_kind, model(x), y).backward()
+        opt.step()
+        torch_xla.sync()
+
+
+def save_all(rank, directory):
+    """Every config trained and saved at SAVE_WORLD; rank 0's full state dicts (of both
+    groups for ``groups_to_nested``)."""
+    import torch_xla
+    from xla_fsdp.checkpoint import save_dcp
+    out = {}
+    for name, (kind, how, _, opt_name) in CONFIGS.items():
+        model = wrap(build(kind, 0), how, rank)
+        opt = optimizer(opt_name, model)
+        split = 2 if how in ("hybrid", "groups") else SAVE_WORLD
+        _train(model, opt, kind, rank, split)
+        save_dcp(os.path.join(directory, name), model, opt, extra={"config": name})
+        out[name] = model.full_state_dict(rank0_only=False)
+        torch_xla.sync()
+    return out
+
+
+def load_all(rank, directory, again):
+    """Every config loaded at LOAD_WORLD into another wrapping and saved again to ``again``;
+    then the bad-input checks."""
+    import torch_xla
+    from xla_fsdp.checkpoint import load_dcp, save_dcp
+    out = {}
+    for name, (kind, _, how, opt_name) in CONFIGS.items():
+        model = wrap(build(kind, 1), how, rank)
+        opt = optimizer(opt_name, model)
+        source = os.path.join(directory, name)
+        extra = load_dcp(source + ("_group-000" if name == "groups_to_nested" else ""), model, opt)
+        save_dcp(os.path.join(again, name), model, opt, extra=extra)
+        out[name] = model.full_state_dict(rank0_only=False)
+        torch_xla.sync()
+    out["refusals"] = _refusals(rank, os.path.join(directory, "nested_to_flattened"),
+                                os.path.join(again, "damaged"))
+    return out
+
+
+def _snapshot(model, opt):
+    state = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
+    opt_state = {(i, k): v.cpu().clone() for i, s in enumerate(opt.state.values())
+                 for k, v in s.items() if torch.is_tensor(v)}
+    return state, opt_state
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _refusals(rank, good, bad):
+    """Each bad checkpoint raises CheckpointError (its message returned) and leaves the
+    model and optimizer as they were."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import CheckpointError, load_dcp
+    model = wrap(build("net", 1), "nested", rank)
+    opt = optimizer("adamw", model)
+    load_dcp(good, model, opt)
+    before = _snapshot(model, opt)
+    if rank == 0:
+        shutil.rmtree(bad, ignore_errors=True)
+        os.makedirs(bad + "_empty", exist_ok=True)
+        shutil.copytree(good, bad + "_truncated")
+        shutil.copytree(good, bad + "_missing")
+        data = sorted(f for f in os.listdir(good) if f.endswith(".distcp"))
+        with open(os.path.join(bad + "_truncated", data[1]), "r+b") as f:
+            f.truncate(os.path.getsize(os.path.join(good, data[1])) // 2)
+        os.remove(os.path.join(bad + "_missing", data[2]))
+    xm.rendezvous("damaged")  # every rank sees the damaged copies
+    wider = Net()
+    wider.added = torch.nn.Linear(2, 2)
+    other_head = Net()
+    other_head.head = torch.nn.Linear(32, 7)
+    cases = {"no_directory": (good + "_nope", model, opt),
+             "no_metadata": (bad + "_empty", model, opt),
+             "truncated": (bad + "_truncated", model, opt),
+             "missing_file": (bad + "_missing", model, opt),
+             "other_class": (good, model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9))}
+    out = {}
+    for label, (path, target, target_opt) in cases.items():
+        try:
+            load_dcp(path, target, target_opt)
+            out[label] = "no error"
+        except CheckpointError as exc:
+            out[label] = str(exc)
+    for label, other in (("missing_keys", wider), ("shape", other_head)):
+        target = wrap(other, "nested", rank)
+        try:
+            load_dcp(good, target)
+            out[label] = "no error"
+        except CheckpointError as exc:
+            out[label] = str(exc)
+    out["unchanged"] = [_same(a, b) for a, b in zip(before, _snapshot(model, opt))]
+    torch_xla.sync()
+    return out
