@@ -144,17 +144,16 @@ class _Staged:
                    slots: List[ParamSlot]) -> None:
         if not any(k.startswith(OPTIMIZER + ".") for k in self.stored):
             raise CheckpointError(f"{self.directory} holds no optimizer state")
-        saved_groups = self._saved_param_groups()
+        settings_of = self._saved_settings()
         by_shard = slots_by_shard(slots)
         kind = type(optimizer).__name__
         ours = set(optimizer.defaults)
-        for i, saved_group in enumerate(saved_groups):
-            theirs = set(saved_group) - set(_GROUP_NAMES)
-            if not ours <= theirs:
+        for name, settings in settings_of.items():
+            if not ours <= set(settings):
                 raise CheckpointError(
-                    f"{self.directory}: its optimizer's param group {i} has settings "
-                    f"{sorted(theirs)}, but {kind} has {sorted(ours)}: the checkpoint was saved "
-                    f"from another optimizer class")
+                    f"{self.directory}: its optimizer's settings for '{name}' are "
+                    f"{sorted(settings)}, but {kind} has {sorted(ours)}: the checkpoint was "
+                    f"saved from another optimizer class")
         new_groups, state, held = [], {}, set()
         index = 0
         for j, param_group in enumerate(optimizer.param_groups):
@@ -164,12 +163,12 @@ class _Staged:
                     raise CheckpointError(f"load_dcp: the optimizer holds a tensor of shape "
                                           f"{tuple(p.shape)} that is not a shard of this model")
                 names += [s.name for s in by_shard[id(p)]]
-            saved = next((g for g in saved_groups if names and names[0] in g["params"]), None)
-            if saved is None or not set(names) <= set(saved["params"]):
+            unknown = [n for n in names if n not in settings_of]
+            if unknown:
                 raise CheckpointError(
-                    f"{self.directory}: no param group of its optimizer holds the parameters "
-                    f"of {kind}'s group {j} ({names[:5]}{' ...' if len(names) > 5 else ''})")
-            new_groups.append(dict({k: v for k, v in saved.items() if k not in _GROUP_NAMES},
+                    f"{self.directory}: its optimizer has no param group for "
+                    f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({kind}'s group {j})")
+            new_groups.append(dict(settings_of[names[0]] if names else {},
                                    params=list(range(index, index + len(param_group["params"])))))
             for p in param_group["params"]:
                 entry = self._param_state(p, by_shard[id(p)])
@@ -185,24 +184,33 @@ class _Staged:
             {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
              "param_groups": new_groups}))
 
-    def _saved_param_groups(self) -> List[Dict[str, Any]]:
-        keys = [k for k in self.stored if k.startswith(f"{OPTIMIZER}.param_groups.")]
+    def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
+        """{parameter name: the settings of its param group}, from either form DCP
+        checkpoints hold: get_state_dict's (``param_groups.<i>.<setting>``, each group
+        listing its parameters' names under ``params``) or the flattened one torchtitan saves
+        (``flatten_optimizer_state_dict``: ``param_groups.<name>.<setting>``)."""
+        prefix = f"{OPTIMIZER}.param_groups."
+        keys = [k for k in self.stored if k.startswith(prefix)]
         _read_objects(self.directory, self.metadata, keys, self.objects)
-        by_index: Dict[int, Dict[str, Any]] = {}
+        indexed: Dict[int, Dict[str, Any]] = {}
+        out: Dict[str, Dict[str, Any]] = {}
         for key in keys:
-            path = (self.metadata.planner_data or {}).get(key)
-            if path is None:  # a writer that kept no paths: split the key
-                _, _, index, name = key.split(".", 3)
-                path = (OPTIMIZER, "param_groups", int(index), name)
-            by_index.setdefault(int(path[2]), {})[path[3]] = self.objects.pop(key)
-        if not by_index:
+            owner, setting = key[len(prefix):].rsplit(".", 1)
+            value = self.objects.pop(key)
+            if owner.isdigit():
+                indexed.setdefault(int(owner), {})[setting] = value
+            elif setting not in _GROUP_NAMES:
+                out.setdefault(owner, {})[setting] = value
+        for saved in indexed.values():
+            settings = {k: v for k, v in saved.items() if k not in _GROUP_NAMES}
+            out.update((name, settings) for name in saved.get("params", []))
+        if not out:
             raise CheckpointError(f"{self.directory}: its optimizer state has no param_groups")
-        return [by_index[i] for i in sorted(by_index)]
+        return out
 
     def _state_names(self) -> Set[str]:
-        paths = self.metadata.planner_data or {}
-        return {paths[k][2] for k in self.stored
-                if k.startswith(f"{OPTIMIZER}.state.") and k in paths}
+        prefix = f"{OPTIMIZER}.state."
+        return {k[len(prefix):].rsplit(".", 1)[0] for k in self.stored if k.startswith(prefix)}
 
     def _param_state(self, shard: torch.Tensor, slots: List[ParamSlot]
                      ) -> Dict[str, Callable[[], Any]]:
