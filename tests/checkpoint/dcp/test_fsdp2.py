@@ -5,7 +5,9 @@ initial model: we at N = 4 virtual XLA devices, FSDP2 at M = 2 gloo CPU processe
 import neither torch_xla nor xla_fsdp (``support/fsdp2_side.py``, the standard recipe).
 Each direction trains K steps, saves, and continues J steps on the saving side; the loading
 side continues the same J steps from the checkpoint, and every loss must agree within 1e-5
-relative. (The two implementations, trained from the same start, agree to about 1e-7.)
+relative. (The two implementations, trained from the same start, agree to about 1e-7.) Our
+checkpoint reaches FSDP2 both ways: written by ``save_dcp`` from training code, and converted
+offline from per-rank files by ``consolidate_sharded_ckpts --format dcp``.
 """
 import json
 import os
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from xla_fsdp import launch
+from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
 from ...support.models import GLOBAL_BATCH, Net, batch, loss_fn
 
@@ -65,14 +68,15 @@ def _model(seed):
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
 
 
-def _ours(rank, theirs, ours):
-    from xla_fsdp.checkpoint import load_dcp, save_dcp
+def _ours(rank, theirs, ours, prefix):
+    from xla_fsdp.checkpoint import load_dcp, save_dcp, save_sharded
     model, opt = _model(1)  # another start: only the checkpoint can make it continue alike
     load_dcp(theirs, model, opt)
     continued = _steps(model, opt, rank, K, J)
     model, opt = _model(0)
     _steps(model, opt, rank, 0, K)
     save_dcp(ours, model, opt, extra={"step": K})
+    save_sharded(prefix, model, opt, extra={"step": K})
     return {"continued_theirs": continued, "continued_ours": _steps(model, opt, rank, K, J)}
 
 
@@ -80,11 +84,16 @@ def _ours(rank, theirs, ours):
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp2")
     theirs, ours = str(tmp / "fsdp2_ckpt"), str(tmp / "ours_ckpt")
+    prefix, offline = str(tmp / "ranks"), str(tmp / "offline_ckpt")
     fsdp2_losses = _fsdp2("train_save", theirs, K, J, str(tmp / "fsdp2.json"))
-    out = launch(_ours, (theirs, ours), num_devices=WORLD)[0]
+    out = launch(_ours, (theirs, ours, prefix), num_devices=WORLD)[0]
     out["fsdp2_own"] = fsdp2_losses[K:]
     out["fsdp2_from_ours"] = _fsdp2("continue", ours, K, J, str(tmp / "fsdp2_from_ours.json"))
-    out["ours_dir"] = ours
+    assert consolidate_main(["--ckpt_prefix", prefix, "--format", "dcp",
+                             "--save_path", offline]) == 0
+    out["fsdp2_from_offline"] = _fsdp2("continue", offline, K, J,
+                                       str(tmp / "fsdp2_from_offline.json"))
+    out["ours_dir"], out["offline_dir"] = ours, offline
     return out
 
 
@@ -100,13 +109,18 @@ def test_fsdp2_continues_from_our_checkpoint(runs):
     _close(runs["fsdp2_from_ours"], runs["continued_ours"])
 
 
+def test_fsdp2_continues_from_our_per_rank_files_converted_offline(runs):
+    _close(runs["fsdp2_from_offline"], runs["continued_ours"])
+
+
 def test_we_continue_from_an_fsdp2_checkpoint(runs):
     _close(runs["continued_theirs"], runs["fsdp2_own"])
 
 
-def test_dcp_to_torch_save_gives_the_unwrapped_state_dict(runs, tmp_path):
+@pytest.mark.parametrize("which", ["ours_dir", "offline_dir"])
+def test_dcp_to_torch_save_gives_the_unwrapped_state_dict(runs, tmp_path, which):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    dcp_to_torch_save(runs["ours_dir"], str(tmp_path / "full.pt"))
+    dcp_to_torch_save(runs[which], str(tmp_path / "full.pt"))
     state = torch.load(tmp_path / "full.pt", weights_only=False)
     assert state["extra"] == {"step": K}
     Net().load_state_dict(state["model"], strict=True)

@@ -1,7 +1,9 @@
 """``consolidate_sharded_ckpts``: per-rank FSDP checkpoints to one ordinary state dict (model
 and optimizer), or to a set of per-rank checkpoints for another number of ranks.
 
-Accepts torch_xla's flags (``--ckpt_prefix``, ``--ckpt_suffix``, ``--save_path``) and reads
+Writes a ``.pth`` or ``.safetensors`` file, or a DCP directory in the layout PyTorch FSDP2 and
+torchtitan load (``--format dcp``). Accepts torch_xla's flags (``--ckpt_prefix``,
+``--ckpt_suffix``, ``--save_path``) and reads
 checkpoints written by torch_xla's FSDP as well as by ``xla_fsdp.checkpoint.save_sharded``.
 Tensors are streamed one at a time from the shard files to the output, so memory stays near
 the size of the largest tensor whatever the checkpoint's size. Inputs are never modified;
@@ -18,6 +20,7 @@ from typing import List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile, atomic_path
 from ..metadata import MODEL, sharded_checkpoint_path
+from .dcp_output import verify_dcp, write_dcp
 from .optimizer import why_not_consolidated
 from .output import entry_specs, verify_output, write_consolidated
 from .plan import ModelPlan, plan_model
@@ -39,12 +42,15 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
                    help=f"glob completing the prefix to the per-rank files "
                         f"(default {default_suffix!r})")
     p.add_argument("--save_path", default="",
-                   help="output file (default: <prefix>_consolidated.pth or .safetensors); with "
-                        "--reshard, the output prefix (default: <prefix>_reshard<N>)")
-    p.add_argument("--format", choices=("pt", "safetensors"), default="pt",
+                   help="output file (default: <prefix>_consolidated.pth or .safetensors), or "
+                        "directory with --format dcp (default: <prefix>_dcp); with --reshard, "
+                        "the output prefix (default: <prefix>_reshard<N>)")
+    p.add_argument("--format", choices=("pt", "safetensors", "dcp"), default="pt",
                    help="pt: {'model', 'optimizer', 'optimizer_param_names'} for torch.load; "
                         "safetensors: the model state dict, optimizer beside it as "
-                        "<save_path stem>.optimizer.pth")
+                        "<save_path stem>.optimizer.pth; dcp: a torch.distributed.checkpoint "
+                        "directory as get_state_dict + dcp.save of the unwrapped model and "
+                        "optimizer write it, for PyTorch FSDP2 and torchtitan")
     p.add_argument("--reshard", type=int, metavar="N", default=0,
                    help="write per-rank checkpoints for N ranks instead of consolidating")
     p.add_argument("--no_optimizer", action="store_true", help="leave the optimizer state out")
@@ -91,6 +97,8 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         out_prefix = args.save_path or f"{prefix}_reshard{args.reshard}"
         outputs = [sharded_checkpoint_path(out_prefix, r, args.reshard)
                    for r in range(args.reshard)]
+    elif args.format == "dcp":
+        outputs = [args.save_path or prefix + "_dcp"]
     else:
         ext = ".safetensors" if args.format == "safetensors" else ".pth"
         outputs = [args.save_path or prefix + "_consolidated" + ext]
@@ -119,10 +127,17 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
             print(f"verified: {len(outputs)} rank files for world size {args.reshard}, "
                   f"CRC-32 ok, e.g. {outputs[0]}")
             return outputs
+        specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
+        if args.format == "dcp":
+            written = write_dcp(shards, plan, outputs[0], with_optimizer, progress)
+            progress.close()
+            summary = verify_dcp(written[0], specs, with_optimizer)
+            print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
+                  f"metadata describes")
+            return written
         written = write_consolidated(shards, plan, outputs[0], args.format, with_optimizer,
                                      progress)
         progress.close()
-        specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
         summary = verify_output(written[0], specs)
         print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
               f"metadata describes" + (", optimizer included" if with_optimizer else ""))

@@ -69,7 +69,8 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
     return None
 
 
-def _is_sharded(value: Any, shard: TensorRef) -> bool:
+def sharded_like(value: Any, shard: TensorRef) -> bool:
+    """Whether an optimizer state value is sharded like its parameter (has its shape)."""
     return isinstance(value, TensorRef) and len(value.shape) >= 1 and value.shape == shard.shape
 
 
@@ -116,7 +117,7 @@ def _full_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     shard0 = shards.files[0].tree[MODEL][spec.key]
     out = {}
     for name, value in old.items():
-        if _is_sharded(value, shard0):
+        if sharded_like(value, shard0):
             per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
             out[name] = add(read_param(per_rank, param))
         elif isinstance(value, TensorRef):
@@ -136,7 +137,7 @@ def redistribute_optimizer_state(shards: ShardSet, spec: ShardGroupSpec, index: 
     shard0 = shards.files[0].tree[MODEL][spec.key]
     out: List[Dict[str, Any]] = [{} for _ in adds]
     for name, value in old.items():
-        if _is_sharded(value, shard0):
+        if sharded_like(value, shard0):
             per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
             for r, piece in enumerate(new_shards(per_rank)):
                 out[r][name] = adds[r](piece)

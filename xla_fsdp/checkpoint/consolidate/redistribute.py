@@ -72,7 +72,7 @@ def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List
             for r, state in enumerate(redistribute_optimizer_state(shards, spec, index, split,
                                                                    adds)):
                 opt_states[r][index] = state
-    extra = _materialize(head0[EXTRA]) if EXTRA in head0 else None
+    extra = materialize(head0[EXTRA]) if EXTRA in head0 else None
     for r, writer in enumerate(writers):
         metadata = shards.metadata.for_rank(world_size, r)
         tree = {MODEL: models[r], SHARD_METADATA: metadata,
@@ -86,11 +86,12 @@ def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List
         writer.finish(tree)
 
 
-def _materialize(tree: Any) -> Any:
+def materialize(tree: Any) -> Any:
+    """``tree`` with every tensor read from its file."""
     if isinstance(tree, TensorRef):
         return tree.read()
     if isinstance(tree, dict):
-        return type(tree)((k, _materialize(v)) for k, v in tree.items())
+        return type(tree)((k, materialize(v)) for k, v in tree.items())
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_materialize(v) for v in tree)
+        return type(tree)(materialize(v) for v in tree)
     return tree

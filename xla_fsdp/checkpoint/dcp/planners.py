@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import io
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -39,12 +39,23 @@ class TensorPieces:
         return buffer[at:at + chunk.numel].view(chunk.sizes)
 
 
+@dataclass(frozen=True)
+class OnDemand:
+    """A whole tensor read only when DCP writes it: DCP's writer takes one tensor at a
+    time, so a checkpoint of any size is written holding one tensor."""
+    size: torch.Size
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+
 class ChunkSavePlanner(SavePlanner):
     """Writes ``tensors`` (this rank's chunks), and on the first rank ``wholes`` (tensors
-    every rank has) and ``objects`` (anything else, saved as DCP saves objects)."""
+    every rank has, or tensors read on demand) and ``objects`` (anything else, saved as DCP
+    saves objects)."""
 
-    def __init__(self, tensors: Dict[str, TensorPieces], wholes: Dict[str, torch.Tensor],
-                 objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
+    def __init__(self, tensors: Dict[str, TensorPieces],
+                 wholes: Dict[str, Union[torch.Tensor, OnDemand]], objects: Dict[str, Any],
+                 paths: Dict[str, Path]) -> None:
         self.tensors, self.wholes, self.objects, self.paths = tensors, wholes, objects, paths
         self.is_coordinator = False
         self._by_index: Dict[MetadataIndex, Any] = {}
@@ -65,11 +76,12 @@ class ChunkSavePlanner(SavePlanner):
                     props, pieces.size)))
         if self.is_coordinator:
             for key, tensor in self.wholes.items():
-                index = MetadataIndex(key, torch.Size([0] * tensor.dim()))
+                size = torch.Size(tensor.size if isinstance(tensor, OnDemand) else tensor.size())
+                index = MetadataIndex(key, torch.Size([0] * len(size)))
                 self._by_index[index] = tensor
                 items.append(WriteItem(index, WriteItemType.TENSOR, tensor_data=TensorWriteData(
-                    ChunkStorageMetadata(index.offset, tensor.size()),
-                    TensorProperties(dtype=tensor.dtype), tensor.size())))
+                    ChunkStorageMetadata(index.offset, size),
+                    TensorProperties(dtype=tensor.dtype), size)))
             for key, value in self.objects.items():
                 index = MetadataIndex(key)
                 self._by_index[index] = value
@@ -92,6 +104,8 @@ class ChunkSavePlanner(SavePlanner):
             buffer = io.BytesIO()
             torch.save(value, buffer)
             return buffer
+        if isinstance(value, OnDemand):
+            value = value.read()
         return value.detach().contiguous()
 
 

@@ -108,6 +108,19 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     return directory if writes else None
 
 
+def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
+    """DCP's save protocol in one process, which is every rank (the offline conversion)."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
+                              thread_count=1)
+    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
+    planner.set_up_planner({}, writer.storage_meta(), True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    (plan,), metadata = planner.create_global_plan([local])
+    plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__0_{secrets.token_hex(4)}_"))
+    results = writer.write_data(planner.finish_plan(plan), planner).value()
+    _commit(directory, metadata, [results], writer)
+
+
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
              first: bool) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the

@@ -1,0 +1,117 @@
+"""The consolidated checkpoint as a DCP directory (``--format dcp``), in the layout of
+``dcp.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
+would write, so that FSDP2 and torchtitan start from it. Every tensor is read from the
+per-rank files when DCP's writer asks for it and written whole, one at a time: memory stays
+near the largest tensor. The directory becomes a checkpoint when its ``.metadata`` is
+written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Tuple
+
+import torch
+
+from ..dcp.layout import Path, extra_key, model_key, param_group_key, state_key
+from ..dcp.load import read_metadata
+from ..dcp.planners import ChunkSavePlanner, OnDemand
+from ..dcp.save import write_alone
+from ..files import CheckpointError, TensorRef
+from ..metadata import EXTRA, MODEL, OPTIMIZER
+from .optimizer import optimizer_param_keys, sharded_like
+from .output import ordered_params
+from .plan import ModelPlan, read_param
+from .redistribute import materialize
+from .shard_set import ShardSet
+
+
+def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer: bool,
+              progress: Callable[[int], None]) -> List[str]:
+    files = shards.files
+    wholes: Dict[str, OnDemand] = {}
+    objects: Dict[str, Any] = {}
+    paths: Dict[str, Path] = {}
+
+    def add(key_path: Tuple[str, Path], size: Any, dtype: torch.dtype,
+            read: Callable[[], torch.Tensor]) -> None:
+        key, paths[key] = key_path
+
+        def counted() -> torch.Tensor:
+            tensor = read()
+            progress(tensor.numel())
+            return tensor
+        wholes[key] = OnDemand(torch.Size(size), dtype, counted)
+
+    sources = {}
+    for name, spec, param in ordered_params(plan):
+        per_rank = [f.tree[MODEL][spec.key] for f in files]
+        sources[name] = (param.shape, per_rank[0].dtype,
+                         lambda per_rank=per_rank, param=param: read_param(per_rank, param))
+        add(model_key(name), *sources[name])
+    for alias, source in plan.aliases:  # tied: stored under both names, as state_dict has it
+        add(model_key(alias), *sources[source])
+    for key, name in plan.buffers.items():
+        ref = files[0].tree[MODEL][key]
+        dtype = plan.buffer_dtypes.get(key, ref.dtype)
+        add(model_key(name), ref.shape, dtype, lambda ref=ref, dtype=dtype: ref.read().to(dtype))
+    if with_optimizer:
+        _optimizer(shards, plan, add, objects, paths)
+    head = files[0].tree
+    if EXTRA in head:
+        key, paths[key] = extra_key()
+        objects[key] = materialize(head[EXTRA])
+    write_alone(directory, ChunkSavePlanner({}, wholes, objects, paths))
+    return [directory]
+
+
+def _optimizer(shards: ShardSet, plan: ModelPlan, add: Callable[..., None],
+               objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
+    """The optimizer state by parameter name, and param groups listing names."""
+    keys, reason = optimizer_param_keys(shards, plan)
+    if keys is None:
+        raise CheckpointError(reason)
+    specs = plan.spec_of()
+    order = {name: i for i, name in enumerate(plan.param_order)}
+    opt0 = shards.files[0].tree[OPTIMIZER]
+    for index, old in opt0["state"].items():
+        spec = specs[keys[index]]
+        shard0 = shards.files[0].tree[MODEL][spec.key]
+        for name, value in old.items():
+            for param in spec.params:
+                key_path = state_key(param.name, name)
+                if sharded_like(value, shard0):
+                    per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
+                    add(key_path, param.shape, value.dtype,
+                        lambda per_rank=per_rank, param=param: read_param(per_rank, param))
+                elif isinstance(value, TensorRef):
+                    add(key_path, value.shape, value.dtype, value.read)
+                else:
+                    key, paths[key] = key_path
+                    objects[key] = value
+    for i, param_group in enumerate(opt0["param_groups"]):
+        names = [p.name for index in param_group["params"] for p in specs[keys[index]].params]
+        for setting, value in param_group.items():
+            if setting not in ("params", "param_names"):
+                key, paths[key] = param_group_key(i, setting)
+                objects[key] = value
+        key, paths[key] = param_group_key(i, "params")
+        objects[key] = sorted(names, key=lambda n: order.get(n, len(order)))
+
+
+def verify_dcp(directory: str, expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
+               with_optimizer: bool) -> str:
+    """Re-reads ``.metadata``: every expected model entry with its dtype and shape, and the
+    optimizer's when it was written."""
+    stored = read_metadata(directory).state_dict_metadata
+    problems = []
+    for name, (dtype, shape) in expected.items():
+        entry = stored.get(model_key(name)[0])
+        if entry is None:
+            problems.append(f"{name} missing")
+        elif (entry.properties.dtype, tuple(entry.size)) != (dtype, tuple(shape)):
+            problems.append(f"{name} is {entry.properties.dtype} {list(entry.size)}, not "
+                            f"{dtype} {list(shape)}")
+    if with_optimizer and not any(k.startswith(f"{OPTIMIZER}.param_groups.") for k in stored):
+        problems.append("no optimizer param groups")
+    if problems:
+        raise CheckpointError(f"{directory} does not hold what was written: {problems[:10]}")
+    tensors = sum(1 for k in stored if k.startswith(MODEL + "."))
+    return f"{tensors} model tensors" + (", optimizer included" if with_optimizer else "")
