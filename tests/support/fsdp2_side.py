@@ -1,14 +1,24 @@
 """The other side of the DCP tests: PyTorch's own FSDP2 (``fully_shard`` on a CPU device mesh,
 gloo, M processes), run as a user of it would, with nothing of ours and no torch_xla.
 
-    python -m tests.support.fsdp2_side continue DIR START STEPS OUT.json [M]
-        loads DIR with the standard recipe, then trains STEPS steps from step START
-    python -m tests.support.fsdp2_side train_save DIR STEPS_BEFORE STEPS_AFTER OUT.json [M]
-        trains from the seeded initial model, saves DIR with dcp.save, trains on
+    python -m tests.support.fsdp2_side continue START STEPS OUT.json M RECIPE=DIR ...
+        for each DIR: a fresh model loads it with RECIPE, then trains STEPS steps from START
+    python -m tests.support.fsdp2_side train_save BEFORE AFTER OUT.json M RECIPE=DIR ...
+        trains BEFORE steps from the seeded initial model, saves each DIR with its RECIPE,
+        trains AFTER steps more
 
-OUT.json gets every step's loss (the mean over the global batch) and which of torch_xla and
-xla_fsdp any process imported (none may). The model, data and optimizer are the suite's
-(``models.Net``, ``models.batch``, AdamW as the parity settings build it).
+A RECIPE is how the state is put to DCP and taken back:
+    get_state_dict  the standard one: {"model": msd, "optimizer": osd} of get_state_dict,
+                    dcp.save / dcp.load, set_state_dict
+    torchtitan      torchtitan's checkpointer: the model's entries at the top level, the
+                    optimizer flattened (flatten_optimizer_state_dict) under "optimizer", its
+                    own train_state and lr_scheduler beside (saved, not loaded: what
+                    --checkpoint.exclude_from_loading leaves out)
+
+OUT.json gets every step's loss (the mean over the global batch; for ``continue``, per
+directory) and which of torch_xla and xla_fsdp any process imported (none may). The model,
+data and optimizer are the suite's (``models.Net``, ``models.batch``, AdamW as the parity
+settings build it).
 """
 import json
 import os
@@ -53,27 +63,57 @@ def _train(model, opt, start, steps):
     return losses
 
 
-def _worker(rank, world, port, mode, args, out):
+def _save(recipe, model, opt, directory, step):
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")
-    model, opt = _build()
-    directory = args[0]
-    if mode == "continue":
-        start, steps = int(args[1]), int(args[2])
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, get_state_dict)
+    if recipe == "get_state_dict":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=directory)
+        return
+    state = dict(get_model_state_dict(model))
+    state["optimizer"] = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))
+    state["train_state"] = {"step": torch.tensor(step, dtype=torch.int32)}
+    state["lr_scheduler"] = {"last_epoch": step}
+    dcp.save(state, checkpoint_id=directory)
+
+
+def _load(recipe, model, opt, directory):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict,
+        set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+    if recipe == "get_state_dict":
         msd, osd = get_state_dict(model, opt)
         state = {"model": msd, "optimizer": osd}
         dcp.load(state, checkpoint_id=directory)
         set_state_dict(model, opt, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
-        losses = _train(model, opt, start, steps)
+        return
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    msd = get_model_state_dict(model)
+    state = dict(msd, optimizer=get_optimizer_state_dict(model, opt, options=flat))
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(model, {k: state[k] for k in msd})
+    set_optimizer_state_dict(model, opt, state["optimizer"], options=flat)
+
+
+def _worker(rank, world, port, mode, a, b, targets, out):
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
+    if mode == "continue":
+        losses = {}
+        for recipe, directory in targets:
+            model, opt = _build()
+            _load(recipe, model, opt, directory)
+            losses[directory] = _train(model, opt, a, b)
     else:
-        before, after = int(args[1]), int(args[2])
-        losses = _train(model, opt, 0, before)
-        msd, osd = get_state_dict(model, opt)
-        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=directory)
-        losses += _train(model, opt, before, after)
+        model, opt = _build()
+        losses = _train(model, opt, 0, a)
+        for recipe, directory in targets:
+            _save(recipe, model, opt, directory, a)
+        losses += _train(model, opt, a, b)
     imported = [None] * world
     dist.all_gather_object(imported, [m for m in ("torch_xla", "xla_fsdp") if m in sys.modules])
     if rank == 0:
@@ -83,12 +123,13 @@ def _worker(rank, world, port, mode, args, out):
 
 
 def main(argv):
-    mode, rest = argv[0], argv[1:]
-    world = int(rest[4]) if len(rest) > 4 else 2
+    mode, a, b, out, world = argv[0], int(argv[1]), int(argv[2]), argv[3], int(argv[4])
+    targets = [tuple(t.split("=", 1)) for t in argv[5:]]
+    assert targets and all(r in ("get_state_dict", "torchtitan") for r, _ in targets), targets
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, mode, rest[:3], rest[3]), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, port, mode, a, b, targets, out), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

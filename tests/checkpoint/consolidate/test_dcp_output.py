@@ -48,3 +48,21 @@ def test_flattened_and_stacked_groups_by_name(tmp_path):
     full = stacked_full_model()
     assert sorted(back["model"]) == sorted(stacked_names())
     assert all(torch.equal(back["model"][n], full[n]) for n in stacked_names())
+
+
+def test_torchtitan_keys(tmp_path):
+    """``--dcp_keys torchtitan``: the model at the top level under bare names, the optimizer
+    flattened as ``flatten_optimizer_state_dict`` has it (``state.<name>.<key>``,
+    ``param_groups.<name>.<setting>``)."""
+    write_set(str(tmp_path / "ck"), 3)
+    back = _convert(tmp_path, str(tmp_path / "ck"), "--dcp_keys", "torchtitan")
+    optimizer = back.pop("optimizer")
+    full = full_model()
+    assert sorted(back) == sorted(SHAPES)
+    assert all(torch.equal(back[n], full[n]) for n in SHAPES)
+    assert sorted(optimizer) == sorted([f"state.{n}.{k}" for n in SHAPES
+                                        for k in ("momentum_buffer", "step")]
+                                       + [f"param_groups.{n}.lr" for n in SHAPES])
+    for name in SHAPES:
+        assert torch.equal(optimizer[f"state.{name}.momentum_buffer"], full[name] * 0.5)
+        assert optimizer[f"param_groups.{name}.lr"] == 0.1

@@ -1,8 +1,10 @@
 """DCP checkpoints written without FSDP load too: a plain single-process ``dcp.save`` of
-``model.state_dict()``, ``get_state_dict`` of the model and its AdamW, and the flattened
-optimizer form torchtitan saves (``flatten_optimizer_state_dict=True``, next to state of its
-own). Written here on the CPU, loaded at N = 2; training continued from each matches plain
-PyTorch continuing (losses within 1e-5 relative)."""
+``model.state_dict()``, ``get_state_dict`` of the model and its AdamW, and what torchtitan's
+checkpointer writes: the model's entries at the top level under their bare names, the
+optimizer flattened (``flatten_optimizer_state_dict=True``), next to state of its own
+(``train_state``, ``lr_scheduler``, ``dataloader``); and its model-only seed checkpoint (bare
+names, nothing else). Written here on the CPU, loaded at N = 2; training continued from each
+matches plain PyTorch continuing (losses within 1e-5 relative)."""
 import warnings
 
 import pytest
@@ -16,6 +18,8 @@ from xla_fsdp import launch
 from ...support.models import GLOBAL_BATCH, Net, batch, loss_fn
 
 WORLD, BEFORE, AFTER = 2, 2, 2
+LABELS = ("model_only", "get_state_dict", "torchtitan", "torchtitan_seed")
+MODEL_ONLY = ("model_only", "torchtitan_seed")
 
 
 def _plain_steps(model, opt, start, steps):
@@ -34,7 +38,7 @@ def _ours(rank, directories):
     import torch_xla
     import torch_xla.core.xla_model as xm
     from xla_fsdp import FSDP
-    from xla_fsdp.checkpoint import load_dcp
+    from xla_fsdp.checkpoint import CheckpointError, load_dcp
     out = {}
     for label, directory in directories.items():
         torch.manual_seed(1)
@@ -42,9 +46,15 @@ def _ours(rank, directories):
         model.b1 = FSDP(model.b1, flatten_parameters=True)
         model = FSDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        load_dcp(directory, model, None if label == "model_only" else opt)
+        if label == "deeper":
+            try:
+                load_dcp(directory, model)
+            except CheckpointError as exc:
+                out[label] = str(exc)
+            continue
+        load_dcp(directory, model, None if label in MODEL_ONLY else opt)
         out[label] = {"full": model.full_state_dict(rank0_only=False), "losses": []}
-        if label == "model_only":
+        if label in MODEL_ONLY:
             continue
         local = GLOBAL_BATCH // WORLD
         for step in range(BEFORE, BEFORE + AFTER):
@@ -68,8 +78,7 @@ def loaded(tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     _plain_steps(model, opt, 0, BEFORE)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    directories = {label: str(tmp / label) for label in ("model_only", "get_state_dict",
-                                                         "torchtitan")}
+    directories = {label: str(tmp / label) for label in LABELS + ("deeper",)}
     msd, osd = get_state_dict(model, opt)
     flat = get_optimizer_state_dict(model, opt,
                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -79,10 +88,16 @@ def loaded(tmp_path_factory):
                  no_dist=True)
         dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=directories["get_state_dict"],
                  no_dist=True)
-        dcp.save({"model": get_model_state_dict(model), "optimizer": flat,
-                  "train_state": {"step": BEFORE}}, checkpoint_id=directories["torchtitan"],
+        dcp.save(dict(get_model_state_dict(model), optimizer=flat,
+                      train_state={"step": torch.tensor(BEFORE)}, lr_scheduler={"last_epoch": 1},
+                      dataloader={"position": 7}),
+                 checkpoint_id=directories["torchtitan"], no_dist=True)
+        dcp.save(get_model_state_dict(model), checkpoint_id=directories["torchtitan_seed"],
                  no_dist=True)
-    assert any(".param_groups.b1.up.weight." in k for k in _keys(directories["torchtitan"]))
+        dcp.save(dict(get_model_state_dict(model), **{"b2.extra.weight": torch.ones(2)}),
+                 checkpoint_id=directories["deeper"], no_dist=True)
+    keys = _keys(directories["torchtitan"])
+    assert "b1.up.weight" in keys and "optimizer.param_groups.b1.up.weight.lr" in keys
     return {"state": state, "losses": _plain_steps(model, opt, BEFORE, AFTER),
             "ours": launch(_ours, (directories,), num_devices=WORLD)}
 
@@ -91,7 +106,7 @@ def _keys(directory):
     return dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
 
 
-@pytest.mark.parametrize("label", ["model_only", "get_state_dict", "torchtitan"])
+@pytest.mark.parametrize("label", LABELS)
 def test_plain_checkpoints_load_and_training_continues_alike(loaded, label):
     for rank, out in loaded["ours"].items():
         full = out[label]["full"]
@@ -102,3 +117,9 @@ def test_plain_checkpoints_load_and_training_continues_alike(loaded, label):
             for a, b in zip(out[label]["losses"], loaded["losses"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (label, out[label]["losses"],
                                                      loaded["losses"])
+
+
+def test_a_bare_checkpoint_of_another_model_is_refused_naming_the_key(loaded):
+    for rank, out in loaded["ours"].items():
+        assert "torchtitan's keys" in out["deeper"] and "b2.extra.weight" in out["deeper"], \
+            out["deeper"]

@@ -18,6 +18,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
+from ..dcp.layout import KEY_SCHEMES, key_scheme
 from ..files import CheckpointError, CheckpointFile, atomic_path
 from ..metadata import MODEL, sharded_checkpoint_path
 from .dcp_output import verify_dcp, write_dcp
@@ -51,6 +52,10 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
                         "<save_path stem>.optimizer.pth; dcp: a torch.distributed.checkpoint "
                         "directory as get_state_dict + dcp.save of the unwrapped model and "
                         "optimizer write it, for PyTorch FSDP2 and torchtitan")
+    p.add_argument("--dcp_keys", choices=sorted(KEY_SCHEMES), default="get_state_dict",
+                   help="with --format dcp: the keys of get_state_dict + dcp.save ('model.<name>'"
+                        ", what FSDP2's recipe loads) or of torchtitan's checkpointer (bare "
+                        "model names, flattened optimizer)")
     p.add_argument("--reshard", type=int, metavar="N", default=0,
                    help="write per-rank checkpoints for N ranks instead of consolidating")
     p.add_argument("--no_optimizer", action="store_true", help="leave the optimizer state out")
@@ -68,9 +73,10 @@ class Progress:
         self._start = time.monotonic()
 
     def __call__(self, numel: int) -> None:
+        finishing = self.done < self.total <= self.done + numel
         self.done += numel
         now = time.monotonic()
-        if now - self._last > 0.1 or self.done >= self.total:
+        if now - self._last > 0.1 or finishing:
             self._last = now
             fraction = min(self.done / self.total, 1.0)
             bar = "#" * int(30 * fraction)
@@ -129,9 +135,10 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
             return outputs
         specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
         if args.format == "dcp":
-            written = write_dcp(shards, plan, outputs[0], with_optimizer, progress)
+            scheme = key_scheme(args.dcp_keys)
+            written = write_dcp(shards, plan, outputs[0], with_optimizer, scheme, progress)
             progress.close()
-            summary = verify_dcp(written[0], specs, with_optimizer)
+            summary = verify_dcp(written[0], specs, with_optimizer, scheme)
             print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
                   f"metadata describes")
             return written

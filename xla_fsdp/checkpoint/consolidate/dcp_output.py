@@ -1,6 +1,7 @@
 """The consolidated checkpoint as a DCP directory (``--format dcp``), in the layout of
 ``dcp.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
-would write, so that FSDP2 and torchtitan start from it. Every tensor is read from the
+would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that FSDP2
+and torchtitan start from it. Every tensor is read from the
 per-rank files when DCP's writer asks for it and written whole, one at a time: memory stays
 near the largest tensor. The directory becomes a checkpoint when its ``.metadata`` is
 written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
@@ -10,7 +11,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from ..dcp.layout import Path, extra_key, model_key, param_group_key, state_key
+from ..dcp.layout import KeyScheme, Path, extra_key
 from ..dcp.load import read_metadata
 from ..dcp.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
@@ -24,36 +25,38 @@ from .shard_set import ShardSet
 
 
 def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer: bool,
-              progress: Callable[[int], None]) -> List[str]:
+              scheme: KeyScheme, progress: Callable[[int], None]) -> List[str]:
     files = shards.files
     wholes: Dict[str, OnDemand] = {}
     objects: Dict[str, Any] = {}
     paths: Dict[str, Path] = {}
 
     def add(key_path: Tuple[str, Path], size: Any, dtype: torch.dtype,
-            read: Callable[[], torch.Tensor]) -> None:
+            read: Callable[[], torch.Tensor], counted: bool = False) -> None:
+        """``counted``: the progress bar counts the model's elements, each once."""
         key, paths[key] = key_path
 
-        def counted() -> torch.Tensor:
+        def read_counted() -> torch.Tensor:
             tensor = read()
             progress(tensor.numel())
             return tensor
-        wholes[key] = OnDemand(torch.Size(size), dtype, counted)
+        wholes[key] = OnDemand(torch.Size(size), dtype, read_counted if counted else read)
 
     sources = {}
     for name, spec, param in ordered_params(plan):
         per_rank = [f.tree[MODEL][spec.key] for f in files]
         sources[name] = (param.shape, per_rank[0].dtype,
                          lambda per_rank=per_rank, param=param: read_param(per_rank, param))
-        add(model_key(name), *sources[name])
+        add(scheme.model(name), *sources[name], counted=True)
     for alias, source in plan.aliases:  # tied: stored under both names, as state_dict has it
-        add(model_key(alias), *sources[source])
+        add(scheme.model(alias), *sources[source])
     for key, name in plan.buffers.items():
         ref = files[0].tree[MODEL][key]
         dtype = plan.buffer_dtypes.get(key, ref.dtype)
-        add(model_key(name), ref.shape, dtype, lambda ref=ref, dtype=dtype: ref.read().to(dtype))
+        add(scheme.model(name), ref.shape, dtype, lambda ref=ref, dtype=dtype: ref.read().to(dtype),
+            counted=True)
     if with_optimizer:
-        _optimizer(shards, plan, add, objects, paths)
+        _optimizer(shards, plan, scheme, add, objects, paths)
     head = files[0].tree
     if EXTRA in head:
         key, paths[key] = extra_key()
@@ -62,7 +65,7 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
     return [directory]
 
 
-def _optimizer(shards: ShardSet, plan: ModelPlan, add: Callable[..., None],
+def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
     """The optimizer state by parameter name, and param groups listing names."""
     keys, reason = optimizer_param_keys(shards, plan)
@@ -76,7 +79,7 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, add: Callable[..., None],
         shard0 = shards.files[0].tree[MODEL][spec.key]
         for name, value in old.items():
             for param in spec.params:
-                key_path = state_key(param.name, name)
+                key_path = scheme.state(param.name, name)
                 if sharded_like(value, shard0):
                     per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
                     add(key_path, param.shape, value.dtype,
@@ -88,22 +91,20 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, add: Callable[..., None],
                     objects[key] = value
     for i, param_group in enumerate(opt0["param_groups"]):
         names = [p.name for index in param_group["params"] for p in specs[keys[index]].params]
-        for setting, value in param_group.items():
-            if setting not in ("params", "param_names"):
-                key, paths[key] = param_group_key(i, setting)
-                objects[key] = value
-        key, paths[key] = param_group_key(i, "params")
-        objects[key] = sorted(names, key=lambda n: order.get(n, len(order)))
+        names.sort(key=lambda n: order.get(n, len(order)))
+        settings = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        for key, path, value in scheme.param_group(i, names, settings):
+            paths[key], objects[key] = path, value
 
 
 def verify_dcp(directory: str, expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
-               with_optimizer: bool) -> str:
+               with_optimizer: bool, scheme: KeyScheme) -> str:
     """Re-reads ``.metadata``: every expected model entry with its dtype and shape, and the
     optimizer's when it was written."""
     stored = read_metadata(directory).state_dict_metadata
     problems = []
     for name, (dtype, shape) in expected.items():
-        entry = stored.get(model_key(name)[0])
+        entry = stored.get(scheme.model(name)[0])
         if entry is None:
             problems.append(f"{name} missing")
         elif (entry.properties.dtype, tuple(entry.size)) != (dtype, tuple(shape)):
@@ -113,5 +114,4 @@ def verify_dcp(directory: str, expected: Dict[str, Tuple[torch.dtype, Tuple[int,
         problems.append("no optimizer param groups")
     if problems:
         raise CheckpointError(f"{directory} does not hold what was written: {problems[:10]}")
-    tensors = sum(1 for k in stored if k.startswith(MODEL + "."))
-    return f"{tensors} model tensors" + (", optimizer included" if with_optimizer else "")
+    return f"{len(expected)} model entries under {scheme.name}'s keys" + (", optimizer included" if with_optimizer else "")

@@ -1,17 +1,25 @@
-"""The one DCP layout: ``{"model": M, "optimizer": O, "extra": E}`` as
-``torch.distributed.checkpoint`` stores it, and where each of its tensors lives in our shards.
+"""The DCP layout: the unwrapped model and its optimizer as ``torch.distributed.checkpoint``
+stores them, under the keys of one of two schemes, and where each tensor lives in our shards.
 
-``M`` and ``O`` are what ``torch.distributed.checkpoint.state_dict.get_state_dict(model,
-optimizer)`` returns for the unwrapped model: the model under every name ``state_dict()``
-has (tied and shared parameters under each of them), persistent buffers in their original
-dtype, optimizer state keyed by the parameter's first name, and ``param_groups`` whose
-``params`` list names. DCP flattens nested dicts and lists into dotted keys, each with the
-path it came from (``planner_data``, which ``dcp_to_torch_save`` uses to rebuild the nest):
+The ``get_state_dict`` scheme is what ``dcp.save({"model": M, "optimizer": O, ...})`` writes
+for ``M, O = get_state_dict(model, optimizer)`` (PyTorch FSDP2's recipe); the ``torchtitan``
+scheme is what torchtitan's checkpointer writes: the model's entries at the top level under
+their bare names, the optimizer flattened (``flatten_optimizer_state_dict``), one entry per
+parameter and setting. In both, the model appears under every name ``state_dict()`` has (tied
+and shared parameters under each), persistent buffers in their original dtype, optimizer
+state under the parameter's first name. DCP flattens the nest into dotted keys, each with the
+path it came from (``planner_data``, from which ``dcp_to_torch_save`` rebuilds the nest):
 
-* ``model.<name>`` -> ``("model", name)``;
-* ``optimizer.state.<name>.<key>`` -> ``("optimizer", "state", name, key)``;
-* ``optimizer.param_groups.<i>.<key>`` -> ``("optimizer", "param_groups", i, key)``;
-* ``extra`` -> ``("extra",)``: whatever the caller saves besides, one object.
+=========================  =====================================  ==========================
+entry                      ``get_state_dict``                     ``torchtitan``
+=========================  =====================================  ==========================
+parameter or buffer        ``model.<name>``                       ``<name>``
+optimizer state            ``optimizer.state.<name>.<key>``       the same key, path
+                                                                  ``("optimizer", "state.<name>.<key>")``
+param group setting        ``optimizer.param_groups.<i>.<key>``,  ``optimizer.param_groups.<name>.<key>``
+                           ``params`` listing names               for every parameter
+what the caller adds       ``extra``                              ``extra``
+=========================  =====================================  ==========================
 
 A parameter's tensors (and the optimizer state sharded like it) are written by every rank as
 the chunks its shard holds (``Layout.owned`` and ``chunks.range_chunks``); buffers, scalar
@@ -20,7 +28,7 @@ optimizer state and every non-tensor value by the first rank only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 
@@ -33,20 +41,47 @@ MODEL, OPTIMIZER, EXTRA = "model", "optimizer", "extra"
 Path = Tuple[object, ...]
 
 
-def model_key(name: str) -> Tuple[str, Path]:
-    return f"{MODEL}.{name}", (MODEL, name)
-
-
-def state_key(name: str, key: str) -> Tuple[str, Path]:
-    return f"{OPTIMIZER}.state.{name}.{key}", (OPTIMIZER, "state", name, key)
-
-
-def param_group_key(index: int, key: str) -> Tuple[str, Path]:
-    return f"{OPTIMIZER}.param_groups.{index}.{key}", (OPTIMIZER, "param_groups", index, key)
-
-
 def extra_key() -> Tuple[str, Path]:
     return EXTRA, (EXTRA,)
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    """Which keys (and nest paths) the model's and optimizer's entries have."""
+    name: str
+    bare_model: bool       # model entries at the top level, not under "model"
+    flat_optimizer: bool   # optimizer entries one level deep, param groups per parameter
+
+    def model(self, name: str) -> Tuple[str, Path]:
+        if self.bare_model:
+            return name, (name,)
+        return f"{MODEL}.{name}", (MODEL, name)
+
+    def state(self, name: str, key: str) -> Tuple[str, Path]:
+        if self.flat_optimizer:
+            return f"{OPTIMIZER}.state.{name}.{key}", (OPTIMIZER, f"state.{name}.{key}")
+        return f"{OPTIMIZER}.state.{name}.{key}", (OPTIMIZER, "state", name, key)
+
+    def param_group(self, index: int, names: List[str], settings: Dict[str, Any]
+                    ) -> List[Tuple[str, Path, Any]]:
+        """The entries of one param group: its settings and the names of its parameters."""
+        if self.flat_optimizer:
+            return [(f"{OPTIMIZER}.param_groups.{n}.{k}", (OPTIMIZER, f"param_groups.{n}.{k}"), v)
+                    for n in names for k, v in settings.items()]
+        entries = dict(settings, params=names)
+        return [(f"{OPTIMIZER}.param_groups.{index}.{k}", (OPTIMIZER, "param_groups", index, k), v)
+                for k, v in entries.items()]
+
+
+GET_STATE_DICT = KeyScheme("get_state_dict", bare_model=False, flat_optimizer=False)
+TORCHTITAN = KeyScheme("torchtitan", bare_model=True, flat_optimizer=True)
+KEY_SCHEMES = {s.name: s for s in (GET_STATE_DICT, TORCHTITAN)}
+
+
+def key_scheme(name: str) -> KeyScheme:
+    if name not in KEY_SCHEMES:
+        raise ValueError(f"unknown DCP key scheme {name!r}; choose from {sorted(KEY_SCHEMES)}")
+    return KEY_SCHEMES[name]
 
 
 @dataclass(frozen=True)

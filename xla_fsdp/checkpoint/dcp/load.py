@@ -25,8 +25,8 @@ from ..files import CheckpointError
 from ..metadata import persistent_buffers
 from ..unit_protocol import ShardedModel, require_root
 from .coordination import agree
-from .layout import EXTRA, OPTIMIZER, ParamSlot, extra_key, model_key, param_slots, \
-    slots_by_shard, state_key
+from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
+                     extra_key, param_slots, slots_by_shard)
 from .planners import ChunkLoadPlanner, TensorPieces
 from .save import METADATA_FILE, checkpoint_dir_for
 
@@ -94,27 +94,33 @@ class _Staged:
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
         buffers = persistent_buffers(model)
-        expected = {model_key(n)[0] for s in slots for n in s.names}
-        expected |= {model_key(n)[0] for n, _ in buffers}
-        present = {k for k in self.stored if k.startswith(model_key("")[0])}
-        missing, unexpected = sorted(expected - present), sorted(present - expected)
+        names = [n for s in slots for n in s.names] + [n for n, _ in buffers]
+        self.scheme = _scheme_of(self.stored, names)
+        expected = {self.scheme.model(n)[0]: n for n in names}
+        if self.scheme.bare_model:  # the model's namespace: keys under its top-level names
+            tops = {n.split(".", 1)[0] for n in names}
+            present = {k for k in self.stored if k.split(".", 1)[0] in tops}
+        else:
+            present = {k for k in self.stored if k.startswith(self.scheme.model("")[0])}
+        missing = sorted(expected[k] for k in set(expected) - present)
+        unexpected = sorted(present - set(expected))
         if missing or unexpected:
-            strip = len(model_key("")[0])
+            strip = len(self.scheme.model("")[0])
             raise CheckpointError(
-                f"{self.directory} does not hold this model: missing "
-                f"{[k[strip:] for k in missing]}, unexpected {[k[strip:] for k in unexpected]}")
+                f"{self.directory} does not hold this model (read with {self.scheme.name}'s "
+                f"keys): missing {missing}, unexpected {[k[strip:] for k in unexpected]}")
         stages: Dict[int, torch.Tensor] = {}
         for slot in slots:
             shard = slot.shard_group.shard
             for name in slot.names:
-                self._check_shape(model_key(name)[0], f"parameter '{name}'", slot.shape)
+                self._check_shape(self.scheme.model(name)[0], f"parameter '{name}'", slot.shape)
             if id(shard) not in stages:
                 stages[id(shard)] = torch.zeros(shard.numel(), dtype=shard.dtype)
                 self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
-            self._want(model_key(slot.name)[0], slot.shape, shard.dtype,
+            self._want(self.scheme.model(slot.name)[0], slot.shape, shard.dtype,
                        [(c, stages[id(shard)], at) for c, at in slot.pieces])
         for name, buf in buffers:
-            key = model_key(name)[0]
+            key = self.scheme.model(name)[0]
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
             self.commits.append(lambda buf=buf, stage=stage: buf.copy_(
@@ -215,11 +221,11 @@ class _Staged:
     def _param_state(self, shard: torch.Tensor, slots: List[ParamSlot]
                      ) -> Dict[str, Callable[[], Any]]:
         """The optimizer state of one shard, as thunks over what will have been read."""
-        prefix = state_key(slots[0].name, "")[0]
+        prefix = self.scheme.state(slots[0].name, "")[0]
         names = [k[len(prefix):] for k in self.stored if k.startswith(prefix)]
         out: Dict[str, Callable[[], Any]] = {}
         for name in names:
-            keys = [state_key(s.name, name)[0] for s in slots]
+            keys = [self.scheme.state(s.name, name)[0] for s in slots]
             missing = [k for k in keys if k not in self.stored]
             if missing:
                 raise CheckpointError(f"{self.directory}: optimizer state {missing[0]} is missing")
@@ -244,6 +250,14 @@ class _Staged:
     def _read(self) -> None:
         planner = ChunkLoadPlanner(self.tensors, self.objects)
         _run(self.directory, self.metadata, planner)
+
+
+def _scheme_of(stored: Dict[str, Any], names: List[str]) -> KeyScheme:
+    """The key scheme whose model keys the checkpoint holds more of (``get_state_dict``'s if
+    neither: its keys are then the ones reported missing)."""
+    def held(scheme: KeyScheme) -> int:
+        return sum(scheme.model(n)[0] in stored for n in names)
+    return max(KEY_SCHEMES.values(), key=lambda s: (held(s), s is GET_STATE_DICT))
 
 
 def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:

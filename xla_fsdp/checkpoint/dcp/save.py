@@ -33,8 +33,8 @@ from ..files import atomic_path
 from ..metadata import persistent_buffers
 from ..unit_protocol import ShardedModel, require_root, sharding_group_index
 from .coordination import agree, exchange
-from .layout import (ParamSlot, Path, extra_key, model_key, param_group_key, param_slots,
-                     slots_by_shard, state_key)
+from .layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
+                     slots_by_shard)
 from .planners import ChunkSavePlanner, TensorPieces
 
 METADATA_FILE = ".metadata"
@@ -60,18 +60,21 @@ class _FilePrefix:
 
 
 def save_dcp(checkpoint_dir: str, model: ShardedModel,
-             optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> Optional[str]:
+             optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
+             keys: str = "get_state_dict") -> Optional[str]:
     """Saves ``model`` (and ``optimizer``, and ``extra``) as a DCP checkpoint in
-    ``checkpoint_dir``, in the layout of ``dcp.layout``. Every rank calls it; each writes
-    only its own chunks, never a full parameter it does not hold. Returns the directory
-    (None on a replica that does not write)."""
+    ``checkpoint_dir``, in the layout of ``dcp.layout`` with the key scheme ``keys``
+    (``"get_state_dict"``, what FSDP2's recipe loads, or ``"torchtitan"``). Every rank calls
+    it; each writes only its own chunks, never a full parameter it does not hold. Returns
+    the directory (None on a replica that does not write)."""
     import torch_xla
     require_root(model, "save_dcp")
+    scheme = key_scheme(keys)
     torch_xla.sync()
     directory, writes = checkpoint_dir_for(checkpoint_dir, model)
     sharding_group = sharding_group_index(model)
     rank = model.rank
-    planner = _planner(model, optimizer, extra, first=rank == 0) if writes else None
+    planner = _planner(model, optimizer, extra, scheme, first=rank == 0) if writes else None
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
                               thread_count=1) if writes else None
     local = None
@@ -122,7 +125,7 @@ def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
-             first: bool) -> ChunkSavePlanner:
+             scheme: KeyScheme, first: bool) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
     first rank) the buffers, the replicated optimizer state and every other value."""
     slots = param_slots(model)
@@ -154,10 +157,10 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
 
     for slot in slots:
         for name in slot.names:
-            add_pieces(model_key(name), slot, slot.shard_group.shard)
+            add_pieces(scheme.model(name), slot, slot.shard_group.shard)
     if first:
         for name, buf in persistent_buffers(model):
-            key, paths[key] = model_key(name)
+            key, paths[key] = scheme.model(name)
             wholes[key] = buf.detach().cpu().to(original_dtype(buf))
     if optimizer is not None:
         order = {n: i for i, n in enumerate(model.get_shard_metadata()["param_order"])}
@@ -167,7 +170,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 names += [s.name for s in by_shard[id(p)]]
                 for k, v in state[id(p)].items():
                     for slot in by_shard[id(p)]:
-                        key, path = state_key(slot.name, k)
+                        key, path = scheme.state(slot.name, k)
                         if torch.is_tensor(v) and v.shape == p.shape:
                             add_pieces((key, path), slot, v)
                         elif first:
@@ -177,12 +180,11 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                             else:
                                 objects[key] = v
             if first:
-                for k, v in param_group.items():
-                    if k not in ("params", "param_names"):
-                        key, paths[key] = param_group_key(index, k)
-                        objects[key] = v
-                key, paths[key] = param_group_key(index, "params")
-                objects[key] = sorted(names, key=lambda n: order.get(n, len(order)))
+                settings = {k: v for k, v in param_group.items()
+                            if k not in ("params", "param_names")}
+                names.sort(key=lambda n: order.get(n, len(order)))
+                for key, path, value in scheme.param_group(index, names, settings):
+                    paths[key], objects[key] = path, value
     if first and extra is not None:
         key, paths[key] = extra_key()
         objects[key] = extra
