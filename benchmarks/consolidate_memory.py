@@ -1,6 +1,7 @@
 """Peak memory and time of consolidating a >= 1 GB sharded checkpoint: xla_fsdp's
-``consolidate_sharded_ckpts`` against torch_xla's ``consolidate_sharded_model_checkpoints``,
-side by side on the same files, each run in a fresh process (peak RSS from wait4).
+``consolidate_sharded_ckpts`` (to a ``.pth`` file, and to a DCP directory with ``--format
+dcp``) against torch_xla's ``consolidate_sharded_model_checkpoints``, side by side on the
+same files, each run in a fresh process (peak RSS from wait4).
 
     python benchmarks/consolidate_memory.py [--gb 1.0] [--world 4] [--repeats 3]
 
@@ -71,6 +72,21 @@ def write_checkpoint(prefix, shapes, world):
                                     "optimizer_param_keys": None}})
 
 
+def _dcp_equal(directory, expected):
+    """Whether the DCP directory holds ``expected`` under ``model.<name>``, read one tensor at
+    a time."""
+    import torch.distributed.checkpoint as dcp
+    stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    if sorted(stored) != sorted("model." + k for k in expected):
+        return False
+    for name, want in expected.items():
+        got = {"model": {name: torch.empty_like(want)}}
+        dcp.load(got, checkpoint_id=directory, no_dist=True)
+        if not torch.equal(got["model"][name], want):
+            return False
+    return True
+
+
 def peak_rss(cmd):
     """(peak resident set in bytes, wall seconds) of a child process."""
     start = time.monotonic()
@@ -97,19 +113,24 @@ def main():
         prefix = os.path.join(d, "ckpt")
         write_checkpoint(prefix, shapes, args.world)
         ours_out, theirs_out = os.path.join(d, "ours.pth"), os.path.join(d, "theirs.pth")
+        dcp_out = os.path.join(d, "ours_dcp")
         runs = {
             "xla_fsdp consolidate_sharded_ckpts": [
                 sys.executable, "-m", "xla_fsdp.checkpoint.consolidate", "--ckpt_prefix", prefix,
                 "--save_path", ours_out],
+            "xla_fsdp consolidate_sharded_ckpts --format dcp": [
+                sys.executable, "-m", "xla_fsdp.checkpoint.consolidate", "--ckpt_prefix", prefix,
+                "--format", "dcp", "--save_path", dcp_out],
             "torch_xla consolidate_sharded_model_checkpoints": [
                 sys.executable, "-c",
                 "import sys; from torch_xla.distributed.fsdp import "
                 "consolidate_sharded_model_checkpoints as c; c(sys.argv[1], sys.argv[2], "
                 "sys.argv[3])", prefix, "_rank-*-of-*.pth", theirs_out],
         }
+        ours_import = [sys.executable, "-c", "import xla_fsdp.checkpoint.consolidate.cli"]
         baselines = {
-            "xla_fsdp consolidate_sharded_ckpts": [
-                sys.executable, "-c", "import xla_fsdp.checkpoint.consolidate.cli"],
+            "xla_fsdp consolidate_sharded_ckpts": ours_import,
+            "xla_fsdp consolidate_sharded_ckpts --format dcp": ours_import,
             "torch_xla consolidate_sharded_model_checkpoints": [
                 sys.executable, "-c", "import torch_xla.distributed.fsdp"],
         }
@@ -124,6 +145,7 @@ def main():
         theirs = torch.load(theirs_out, mmap=True, weights_only=True)["model"]
         identical = sorted(ours) == sorted(theirs) and all(
             torch.equal(ours[k], theirs[k]) for k in theirs)
+        identical = identical and _dcp_equal(dcp_out, theirs)
     lines = [
         "# Consolidation memory: xla_fsdp vs torch_xla",
         "",
@@ -145,11 +167,14 @@ def main():
                      f"{(rss - base[name]) / 2**20:,.0f} MiB | {(rss - base[name]) / largest:.2f} | "
                      f"{sec:.1f} s |")
     names = list(results)
-    ratio = statistics.median(results[names[1]]["rss"]) / statistics.median(results[names[0]]["rss"])
-    lines += ["", f"torch_xla's peak is {ratio:.1f}x ours. Outputs identical: {identical}.",
-              f"Raw peaks (MiB): " + "; ".join(
+    theirs_peak = statistics.median(results[names[-1]]["rss"])
+    ratios = ", ".join(f"{theirs_peak / statistics.median(results[n]['rss']):.1f}x {n}'s"
+                       for n in names[:-1])
+    lines += ["", f"torch_xla's peak is {ratios}. Outputs identical (the DCP directory read "
+                  f"back with dcp.load): {identical}.",
+              "Raw peaks (MiB): " + "; ".join(
                   f"{n}: {[round(x / 2**20) for x in r['rss']]}" for n, r in results.items()),
-              f"Raw times (s): " + "; ".join(
+              "Raw times (s): " + "; ".join(
                   f"{n}: {[round(x, 1) for x in r['time']]}" for n, r in results.items())]
     text = "\n".join(lines) + "\n"
     print(text)

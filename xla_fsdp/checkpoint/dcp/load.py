@@ -118,7 +118,7 @@ class _Staged:
                 stages[id(shard)] = torch.zeros(shard.numel(), dtype=shard.dtype)
                 self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
             self._want(self.scheme.model(slot.name)[0], slot.shape, shard.dtype,
-                       [(c, stages[id(shard)], at) for c, at in slot.pieces])
+                       list(slot.pieces), stages[id(shard)])
         for name, buf in buffers:
             key = self.scheme.model(name)[0]
             self._check_shape(key, f"buffer '{name}'", buf.shape)
@@ -135,14 +135,15 @@ class _Staged:
                                   f"the checkpoint and {list(shape)} in the model")
 
     def _want(self, key: str, size: torch.Size, dtype: torch.dtype,
-              chunks: List[Tuple[Chunk, torch.Tensor, int]]) -> None:
-        self.tensors[key] = TensorPieces(torch.Size(size), dtype, chunks)
+              chunks: List[Tuple[Chunk, int]], stage: torch.Tensor) -> None:
+        """Reads ``chunks`` of ``key`` into ``stage``, each from where it starts there."""
+        self.tensors[key] = TensorPieces(torch.Size(size), dtype, chunks, lambda: stage)
 
     def _want_whole(self, key: str) -> torch.Tensor:
         stored = self.stored[key]
         stage = torch.zeros(stored.size, dtype=stored.properties.dtype).reshape(-1)
         whole = Chunk((0,) * len(stored.size), tuple(stored.size), 0)
-        self._want(key, stored.size, stored.properties.dtype, [(whole, stage, 0)])
+        self._want(key, stored.size, stored.properties.dtype, [(whole, 0)], stage)
         return stage
 
     # -- the optimizer -----------------------------------------------------------------------
@@ -238,8 +239,8 @@ class _Staged:
                 # sharded like the parameter (a 0-d parameter's 0-d step count is not)
                 stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
                 for key, slot in zip(keys, slots):
-                    self._want(key, slot.shape, stored.properties.dtype,
-                               [(c, stage, at) for c, at in slot.pieces])
+                    self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),
+                               stage)
                 out[name] = lambda stage=stage: stage.view(shard.shape)
             else:  # the same for every parameter (a step count)
                 stage = self._want_whole(keys[0])

@@ -5,12 +5,20 @@ neither: a rank holds runs of each parameter's elements, as one or a few chunks
 (``dcp.layout``). These planners take those chunks directly, through DCP's public planner
 interface, and leave everything else to DCP: the global metadata (``.metadata``), the file
 format, and which saved chunks overlap which requested ones.
+
+[Note: torch.save's reference cycles]
+Every ``torch.save`` (DCP's writer makes one per tensor) leaves a reference cycle that holds
+the saved tensor's storage until Python's cycle collector runs, and nothing about a tensor's
+size makes it run: a save of many large tensors would hold all of them. The save planner
+collects the youngest generations each time ``COLLECT_BYTES`` more have been handed to the
+writer (a few milliseconds each), so what such cycles hold stays under that.
 """
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -25,18 +33,23 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from ..._sharding.chunks import Chunk
 from .layout import Path
 
+COLLECT_BYTES = 64 << 20
+
 
 @dataclass
 class TensorPieces:
     """A tensor of the checkpoint as one rank holds (saving) or wants (loading) it: chunks,
-    each a view of a flat buffer."""
+    each a run of a flat host buffer from where it starts there. The buffer is asked for
+    only when DCP reaches a chunk, so a save can copy its sources to the host one at a time
+    (``save.HostCopies``)."""
     size: torch.Size
     dtype: torch.dtype
-    chunks: List[Tuple[Chunk, torch.Tensor, int]] = field(default_factory=list)
+    chunks: List[Tuple[Chunk, int]]
+    flat: Callable[[], torch.Tensor]
 
     def view(self, i: int) -> torch.Tensor:
-        chunk, buffer, at = self.chunks[i]
-        return buffer[at:at + chunk.numel].view(chunk.sizes)
+        chunk, at = self.chunks[i]
+        return self.flat()[at:at + chunk.numel].view(chunk.sizes)
 
 
 @dataclass(frozen=True)
@@ -59,6 +72,7 @@ class ChunkSavePlanner(SavePlanner):
         self.tensors, self.wholes, self.objects, self.paths = tensors, wholes, objects, paths
         self.is_coordinator = False
         self._by_index: Dict[MetadataIndex, Any] = {}
+        self._uncollected = 0
 
     def set_up_planner(self, state_dict: Dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:
@@ -68,9 +82,9 @@ class ChunkSavePlanner(SavePlanner):
         items = []
         for key, pieces in self.tensors.items():
             props = TensorProperties(dtype=pieces.dtype)
-            for i, (chunk, _, _) in enumerate(pieces.chunks):
+            for i, (chunk, _) in enumerate(pieces.chunks):
                 index = MetadataIndex(key, torch.Size(chunk.offsets))
-                self._by_index[index] = pieces.view(i)
+                self._by_index[index] = (pieces, i)
                 items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
                     props, pieces.size)))
@@ -106,6 +120,13 @@ class ChunkSavePlanner(SavePlanner):
             return buffer
         if isinstance(value, OnDemand):
             value = value.read()
+        elif isinstance(value, tuple):
+            pieces, i = value
+            value = pieces.view(i)
+        self._uncollected += value.numel() * value.element_size()
+        if self._uncollected > COLLECT_BYTES:  # see [Note: torch.save's reference cycles]
+            gc.collect(1)
+            self._uncollected = 0
         return value.detach().contiguous()
 
 
@@ -127,7 +148,7 @@ class ChunkLoadPlanner(LoadPlanner):
         items: List[ReadItem] = []
         for key, pieces in self.tensors.items():
             wanted = [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes))
-                      for c, _, _ in pieces.chunks]
+                      for c, _ in pieces.chunks]
             if wanted:
                 items += create_read_items_for_chunk_list(key, stored[key], wanted)
         for key in self.objects:

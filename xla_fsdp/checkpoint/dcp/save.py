@@ -12,10 +12,28 @@ The data files of one save carry a token of their own in their names, so saving 
 existing checkpoint never touches the files its ``.metadata`` refers to: an interrupted save
 leaves the previous checkpoint loadable (or, in a new directory, no ``.metadata`` at all).
 Once the new ``.metadata`` is in place, files no longer referenced are removed.
+
+[Note: a save copies one tensor to the host at a time]
+DCP's writer takes a rank's chunks one at a time, in the order of its plan, and asks the
+planner for each when it reaches it. The plan lists the chunks of each device tensor (a
+shard group's shard, a piece of optimizer state) together, and ``HostCopies`` copies a tensor
+to the host when its first chunk is asked for and drops it when another tensor's is. So a
+rank's save holds one of its tensors on the host at a time, never all of its state: copying
+everything in one transfer, as ``xm.save`` does, doubles for a moment what the rank holds,
+on a host that serves several ranks (benchmarks/save_memory.py).
+
+[Note: DCP's writer keeps a file's tensors until it closes]
+``FileSystemWriter.write_data`` (torch 2.9) keeps every tensor it writes to a file in a dict
+(for its safetensors format, whichever format is chosen) until the file is closed. With one
+file per rank, as ``single_file_per_rank`` writes, a rank would hold everything it saves
+by the end of its save; the offline conversion, the whole checkpoint. ``write_in_files``
+therefore calls it once per run of the plan's items worth ``FILE_BYTES`` (or one tensor, if
+larger), each a file of its own: what is held at once is one such file's worth.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import pickle
 import secrets
@@ -26,6 +44,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
@@ -35,10 +55,11 @@ from ..unit_protocol import ShardedModel, require_root, sharding_group_index
 from .coordination import agree, exchange
 from .layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                      slots_by_shard)
-from .planners import ChunkSavePlanner, TensorPieces
+from .planners import ChunkSavePlanner, OnDemand, TensorPieces
 
 METADATA_FILE = ".metadata"
 SUFFIX = ".distcp"
+FILE_BYTES = 64 << 20
 
 
 def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, bool]:
@@ -95,7 +116,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     if writes:
         try:
             plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
-            results = writer.write_data(planner.finish_plan(plan), planner).value()
+            results = write_in_files(writer, planner.finish_plan(plan), planner)
         except Exception as exc:  # every rank must reach the agreement below
             error = exc
     agree("xla_fsdp.dcp.save.written", error)
@@ -111,6 +132,33 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     return directory if writes else None
 
 
+def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSavePlanner,
+                   least_bytes: int = FILE_BYTES) -> List[WriteResult]:
+    """Writes a rank's plan as files of about ``least_bytes`` each, or of one tensor when
+    that is larger. See [Note: DCP's writer keeps a file's tensors until it closes]."""
+    def size(item: WriteItem) -> int:
+        if item.tensor_data is None:
+            return 0
+        chunk = item.tensor_data.chunk.sizes
+        return math.prod(chunk) * item.tensor_data.properties.dtype.itemsize
+
+    limit = max([least_bytes] + [size(item) for item in plan.items])
+    files: List[List[WriteItem]] = [[]]
+    held = 0
+    for item in plan.items:
+        if files[-1] and held + size(item) > limit:
+            files.append([])
+            held = 0
+        files[-1].append(item)
+        held += size(item)
+    results: List[WriteResult] = []
+    for i, items in enumerate(files):
+        part = dataclasses.replace(plan, items=items,
+                                   storage_data=_FilePrefix(f"{plan.storage_data.prefix}{i}_"))
+        results += writer.write_data(part, planner).value()
+    return results
+
+
 def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
     """DCP's save protocol in one process, which is every rank (the offline conversion)."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
@@ -120,8 +168,23 @@ def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
     local = writer.prepare_local_plan(planner.create_local_plan())
     (plan,), metadata = planner.create_global_plan([local])
     plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__0_{secrets.token_hex(4)}_"))
-    results = writer.write_data(planner.finish_plan(plan), planner).value()
+    results = write_in_files(writer, planner.finish_plan(plan), planner)
     _commit(directory, metadata, [results], writer)
+
+
+class HostCopies:
+    """See [Note: a save copies one tensor to the host at a time]."""
+
+    def __init__(self) -> None:
+        self._source: Optional[torch.Tensor] = None
+        self._flat: Optional[torch.Tensor] = None
+
+    def flat(self, source: torch.Tensor) -> torch.Tensor:
+        if source is not self._source:
+            self._source = self._flat = None  # the previous copy goes before the next comes
+            self._flat = to_cpu(source.detach()).reshape(-1)
+            self._source = source
+        return self._flat
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
@@ -130,7 +193,6 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     first rank) the buffers, the replicated optimizer state and every other value."""
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
-    sources = [s.shard_group.shard for s in slots]
     state: Dict[int, Dict[str, Any]] = {}
     if optimizer is not None:
         for param_group in optimizer.param_groups:
@@ -141,27 +203,27 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                                      f"create the optimizer from model.parameters() after "
                                      f"wrapping")
                 state[id(p)] = dict(optimizer.state.get(p, {}))
-                sources += [v for v in state[id(p)].values() if torch.is_tensor(v)]
-    unique = list({id(t): t for t in sources}.values())
-    cpu = dict(zip(map(id, unique), to_cpu([t.detach() for t in unique])))  # one transfer
+    host = HostCopies()
     tensors: Dict[str, TensorPieces] = {}
-    wholes: Dict[str, torch.Tensor] = {}
+    wholes: Dict[str, OnDemand] = {}
     objects: Dict[str, Any] = {}
     paths: Dict[str, Path] = {}
 
     def add_pieces(key_path: Tuple[str, Path], slot: ParamSlot, source: torch.Tensor) -> None:
         key, paths[key] = key_path
-        flat = cpu[id(source)].reshape(-1)
-        tensors[key] = TensorPieces(slot.shape, source.dtype,
-                                    [(c, flat, at) for c, at in slot.pieces])
+        tensors[key] = TensorPieces(slot.shape, source.dtype, list(slot.pieces),
+                                    lambda: host.flat(source))
+
+    def add_whole(key_path: Tuple[str, Path], tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        key, paths[key] = key_path
+        wholes[key] = OnDemand(tensor.shape, dtype, lambda: to_cpu(tensor.detach()).to(dtype))
 
     for slot in slots:
         for name in slot.names:
             add_pieces(scheme.model(name), slot, slot.shard_group.shard)
     if first:
         for name, buf in persistent_buffers(model):
-            key, paths[key] = scheme.model(name)
-            wholes[key] = buf.detach().cpu().to(original_dtype(buf))
+            add_whole(scheme.model(name), buf, original_dtype(buf))
     if optimizer is not None:
         order = {n: i for i, n in enumerate(model.get_shard_metadata()["param_order"])}
         for index, param_group in enumerate(optimizer.param_groups):
@@ -173,12 +235,10 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                         key, path = scheme.state(slot.name, k)
                         if torch.is_tensor(v) and v.shape == p.shape:
                             add_pieces((key, path), slot, v)
+                        elif first and torch.is_tensor(v):
+                            add_whole((key, path), v, v.dtype)
                         elif first:
-                            paths[key] = path
-                            if torch.is_tensor(v):
-                                wholes[key] = cpu[id(v)]
-                            else:
-                                objects[key] = v
+                            paths[key], objects[key] = path, v
             if first:
                 settings = {k: v for k, v in param_group.items()
                             if k not in ("params", "param_names")}

@@ -1,0 +1,38 @@
+"""What a DCP write holds at once: one file's worth, not the checkpoint. DCP's writer keeps
+every tensor of a file until the file closes, and each ``torch.save`` it makes holds its
+tensor in a reference cycle (see the Notes in ``dcp.save`` and ``dcp.planners``); the
+checkpoint here is 8 tensors of 48 MiB written through ``write_alone`` (what the offline
+conversion does), each read only when the writer asks for it. Resident anonymous memory
+while writing must stay well under the 384 MiB that holding them all would take."""
+import re
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from xla_fsdp.checkpoint.dcp.planners import ChunkSavePlanner, OnDemand
+from xla_fsdp.checkpoint.dcp.save import write_alone
+
+COUNT, NUMEL = 8, 12 << 20  # float32: 48 MiB each, above glibc's largest mmap threshold
+
+
+def _anon_bytes():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"RssAnon:\s+(\d+) kB", f.read()).group(1)) << 10
+
+
+def test_a_write_holds_one_file_worth(tmp_path):
+    before = _anon_bytes()
+    seen = []
+
+    def read(i):
+        seen.append(_anon_bytes() - before)
+        return torch.full((NUMEL,), float(i))
+    wholes = {f"t{i}": OnDemand(torch.Size([NUMEL]), torch.float32, lambda i=i: read(i))
+              for i in range(COUNT)}
+    write_alone(str(tmp_path), ChunkSavePlanner({}, wholes, {}, {k: (k,) for k in wholes}))
+    seen.append(_anon_bytes() - before)
+    assert len(seen) == COUNT + 1
+    assert max(seen) < 3 * NUMEL * 4, [s >> 20 for s in seen]  # MiB, for the message
+    back = {f"t{i}": torch.empty(NUMEL) for i in (0, COUNT - 1)}
+    dcp.load(back, checkpoint_id=str(tmp_path), no_dist=True)
+    assert all(torch.equal(back[f"t{i}"], torch.full((NUMEL,), float(i))) for i in (0, COUNT - 1))
