@@ -8,7 +8,6 @@ same files, each run in a fresh process (peak RSS from wait4).
 Needs the installed package (``pip install -e .``). Writes
 benchmarks/results/consolidate_memory.md (``--out`` for another file).
 """
-import argparse
 import os
 import statistics
 import subprocess
@@ -18,11 +17,12 @@ import time
 
 import torch
 
+from common import size_args
+
 from xla_fsdp.checkpoint import sharded_checkpoint_path
 from xla_fsdp.checkpoint.files import TorchFileWriter
 from xla_fsdp.checkpoint.metadata import wrapping_fingerprint
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 SEP = "_FSDP_SHARD_SEPARATOR_"
 
 
@@ -100,12 +100,7 @@ def peak_rss(cmd):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gb", type=float, default=1.0)
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "consolidate_memory.md"))
-    args = ap.parse_args()
+    args = size_args("consolidate_memory.md")
     shapes = model_shapes(int(args.gb * 2**30))
     largest = max(torch.Size(s).numel() for s in shapes.values()) * 4
     total = sum(torch.Size(s).numel() for s in shapes.values()) * 4

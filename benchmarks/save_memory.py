@@ -19,7 +19,6 @@ and its save adds the per-rank figure to that process.
 Needs the installed package (``pip install -e .``). Writes
 benchmarks/results/save_memory.md (``--out`` for another file).
 """
-import argparse
 import ctypes
 import gc
 import os
@@ -31,7 +30,8 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from common import size_args
+
 WIDTH = 4096
 
 
@@ -114,12 +114,7 @@ def _run(rank, layers, repeats, directory):
 
 def main():
     from xla_fsdp import launch
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gb", type=float, default=1.0)
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "save_memory.md"))
-    args = ap.parse_args()
+    args = size_args("save_memory.md")
     layers = max(1, round(args.gb * 2**30 / (WIDTH * WIDTH * 4)))
     directory = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # the device process inherits it

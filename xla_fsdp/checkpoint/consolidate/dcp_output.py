@@ -17,7 +17,7 @@ from ..dcp.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
 from ..files import CheckpointError, TensorRef
 from ..metadata import EXTRA, MODEL, OPTIMIZER
-from .optimizer import optimizer_param_keys, sharded_like
+from .optimizer import saved_param_groups, sharded_like
 from .output import ordered_params
 from .plan import ModelPlan, read_param
 from .redistribute import materialize
@@ -68,17 +68,11 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
 def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
     """The optimizer state by parameter name, and param groups listing names."""
-    keys, reason = optimizer_param_keys(shards, plan)
-    if keys is None:
-        raise CheckpointError(reason)
-    specs = plan.spec_of()
-    order = {name: i for i, name in enumerate(plan.param_order)}
     opt0 = shards.files[0].tree[OPTIMIZER]
-    for index, old in opt0["state"].items():
-        spec = specs[keys[index]]
-        shard0 = shards.files[0].tree[MODEL][spec.key]
-        for name, value in old.items():
-            for param in spec.params:
+    for i, (param_group, members) in enumerate(saved_param_groups(shards, plan)):
+        for param, spec, index in members:
+            shard0 = shards.files[0].tree[MODEL][spec.key]
+            for name, value in opt0["state"].get(index, {}).items():
                 key_path = scheme.state(param.name, name)
                 if sharded_like(value, shard0):
                     per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
@@ -89,10 +83,8 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callab
                 else:
                     key, paths[key] = key_path
                     objects[key] = value
-    for i, param_group in enumerate(opt0["param_groups"]):
-        names = [p.name for index in param_group["params"] for p in specs[keys[index]].params]
-        names.sort(key=lambda n: order.get(n, len(order)))
         settings = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
+        names = [param.name for param, _, _ in members]
         for key, path, value in scheme.param_group(i, names, settings):
             paths[key], objects[key] = path, value
 

@@ -74,23 +74,22 @@ def sharded_like(value: Any, shard: TensorRef) -> bool:
     return isinstance(value, TensorRef) and len(value.shape) >= 1 and value.shape == shard.shape
 
 
-def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
-                          add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """The optimizer state dict an optimizer over the unwrapped model's parameters would
-    have, and its parameter names by index. Tensors go through ``add`` as they are read.
+Member = Tuple[ParamSpec, ShardGroupSpec, int]  # a parameter, its shard group, the optimizer
+                                                # index of the group's shard
 
-    Within each param group the parameters are in the unwrapped model's order, so build
-    the unsharded optimizer's groups in that order."""
+
+def saved_param_groups(shards: ShardSet, plan: ModelPlan
+                       ) -> List[Tuple[Dict[str, Any], List[Member]]]:
+    """The first rank's param groups as saved, each with its parameters in the unwrapped
+    model's order (the order an optimizer built over the unwrapped model has them in)."""
     keys, reason = optimizer_param_keys(shards, plan)
     if keys is None:
         raise CheckpointError(reason)
     specs = plan.spec_of()
     rank = {name: i for i, name in enumerate(plan.param_order)}
-    opt0 = shards.files[0].tree[OPTIMIZER]
-    state: Dict[int, Dict[str, Any]] = {}
-    param_groups, names = [], []
-    for param_group in opt0["param_groups"]:
-        members: List[Tuple[ParamSpec, ShardGroupSpec, int]] = []
+    out = []
+    for param_group in shards.files[0].tree[OPTIMIZER]["param_groups"]:
+        members: List[Member] = []
         for index in param_group["params"]:
             spec = specs.get(keys[index])
             if spec is None:
@@ -98,6 +97,18 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
                                       f"is not a shard of the model")
             members += [(p, spec, index) for p in spec.params]
         members.sort(key=lambda m: rank.get(m[0].name, len(rank)))
+        out.append((param_group, members))
+    return out
+
+
+def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
+                          add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
+    """The optimizer state dict an optimizer over the unwrapped model's parameters would
+    have, and its parameter names by index. Tensors go through ``add`` as they are read."""
+    opt0 = shards.files[0].tree[OPTIMIZER]
+    state: Dict[int, Dict[str, Any]] = {}
+    param_groups, names = [], []
+    for param_group, members in saved_param_groups(shards, plan):
         new_indices = []
         for param, spec, index in members:
             new_indices.append(len(names))
