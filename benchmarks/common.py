@@ -14,3 +14,11 @@ def size_args(result_name: str) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(RESULTS, result_name))
     return ap.parse_args()
+
+
+def write_result(path: str, lines: list) -> None:
+    """Prints the results and writes them to ``path``."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    with open(path, "w") as f:
+        f.write(text)

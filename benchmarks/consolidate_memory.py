@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from common import size_args
+from common import size_args, write_result
 
 from xla_fsdp.checkpoint import sharded_checkpoint_path
 from xla_fsdp.checkpoint.files import TorchFileWriter
@@ -171,10 +171,7 @@ def main():
                   f"{n}: {[round(x / 2**20) for x in r['rss']]}" for n, r in results.items()),
               "Raw times (s): " + "; ".join(
                   f"{n}: {[round(x, 1) for x in r['time']]}" for n, r in results.items())]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_result(args.out, lines)
 
 
 if __name__ == "__main__":

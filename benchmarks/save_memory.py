@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from common import size_args
+from common import size_args, write_result
 
 WIDTH = 4096
 
@@ -150,10 +150,7 @@ def main():
     lines += ["", "Raw (MiB added per rank; s): " + "; ".join(
         f"{name}: {[round(r[0] / args.world / 2**20) for r in runs]}, "
         f"{[round(r[1], 1) for r in runs]}" for name, runs in out[0]["results"].items())]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(args.out, "w") as f:
-        f.write(text)
+    write_result(args.out, lines)
 
 
 if __name__ == "__main__":
