@@ -44,6 +44,9 @@ class ShardedModel(ShardedUnit, Protocol):
 
     def get_shard_metadata(self) -> Dict[str, Any]: ...
 
+    @property
+    def wrapped_module(self) -> nn.Module: ...
+
     def named_modules(self, memo: Any = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]: ...
 

@@ -1,8 +1,9 @@
 """``consolidate_sharded_ckpts``: per-rank FSDP checkpoints to one ordinary state dict (model
 and optimizer), or to a set of per-rank checkpoints for another number of ranks.
 
-Writes a ``.pth`` or ``.safetensors`` file, or a DCP directory in the layout PyTorch FSDP2 and
-torchtitan load (``--format dcp``). Accepts torch_xla's flags (``--ckpt_prefix``,
+Writes a ``.pth`` or ``.safetensors`` file, a Hugging Face directory as ``save_pretrained``
+writes it (``--format hf``), or a DCP directory in the layout PyTorch FSDP2 and torchtitan
+load (``--format dcp``). Accepts torch_xla's flags (``--ckpt_prefix``,
 ``--ckpt_suffix``, ``--save_path``) and reads
 checkpoints written by torch_xla's FSDP as well as by ``xla_fsdp.checkpoint.save_sharded``.
 Tensors are streamed one at a time from the shard files to the output, so memory stays near
@@ -13,17 +14,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 import time
 from typing import List, Optional, Sequence
 
-from ..dcp.layout import KEY_SCHEMES, key_scheme
+from ..dcp.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_path
 from ..metadata import MODEL, sharded_checkpoint_path
-from .dcp_output import verify_dcp, write_dcp
+from .formats import FORMATS, OutputOptions, output_paths, write_output
+from .hf_output import DEFAULT_MAX_SHARD_SIZE
 from .optimizer import why_not_consolidated
-from .output import entry_specs, verify_output, write_consolidated
 from .plan import ModelPlan, plan_model
 from .redistribute import redistribute
 from .shard_set import ShardSet, find_shard_set
@@ -46,16 +46,23 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
                    help="output file (default: <prefix>_consolidated.pth or .safetensors), or "
                         "directory with --format dcp (default: <prefix>_dcp); with --reshard, "
                         "the output prefix (default: <prefix>_reshard<N>)")
-    p.add_argument("--format", choices=("pt", "safetensors", "dcp"), default="pt",
+    p.add_argument("--format", choices=FORMATS, default="pt",
                    help="pt: {'model', 'optimizer', 'optimizer_param_names'} for torch.load; "
                         "safetensors: the model state dict, optimizer beside it as "
-                        "<save_path stem>.optimizer.pth; dcp: a torch.distributed.checkpoint "
+                        "<save_path stem>.optimizer.pth; hf: a directory for from_pretrained (model "
+                        "weights only; default <prefix>_hf); dcp: a torch.distributed.checkpoint "
                         "directory as get_state_dict + dcp.save of the unwrapped model and "
                         "optimizer write it, for PyTorch FSDP2 and torchtitan")
     p.add_argument("--dcp_keys", choices=sorted(KEY_SCHEMES), default="get_state_dict",
                    help="with --format dcp: the keys of get_state_dict + dcp.save ('model.<name>'"
                         ", what FSDP2's recipe loads) or of torchtitan's checkpointer (bare "
                         "model names, flattened optimizer)")
+    p.add_argument("--hf_config", default="",
+                   help="with --format hf: config.json, or the directory holding it (and "
+                        "generation_config.json); checked against the weights, copied over")
+    p.add_argument("--max_shard_size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help=f"with --format hf: the largest file, as save_pretrained takes it "
+                        f"(default {DEFAULT_MAX_SHARD_SIZE})")
     p.add_argument("--reshard", type=int, metavar="N", default=0,
                    help="write per-rank checkpoints for N ranks instead of consolidating")
     p.add_argument("--no_optimizer", action="store_true", help="leave the optimizer state out")
@@ -103,13 +110,8 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         out_prefix = args.save_path or f"{prefix}_reshard{args.reshard}"
         outputs = [sharded_checkpoint_path(out_prefix, r, args.reshard)
                    for r in range(args.reshard)]
-    elif args.format == "dcp":
-        outputs = [args.save_path or prefix + "_dcp"]
     else:
-        ext = ".safetensors" if args.format == "safetensors" else ".pth"
-        outputs = [args.save_path or prefix + "_consolidated" + ext]
-        if args.format == "safetensors":
-            outputs.append(os.path.splitext(outputs[0])[0] + ".optimizer.pth")
+        outputs = output_paths(args.format, args.save_path, prefix)
     shards = find_shard_set(prefix, args.ckpt_suffix, outputs, verify=not args.no_verify,
                             skip_outputs=skip_outputs)
     print(f"found {shards.world_size} rank files matching {shards.pattern!r}"
@@ -133,21 +135,15 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
             print(f"verified: {len(outputs)} rank files for world size {args.reshard}, "
                   f"CRC-32 ok, e.g. {outputs[0]}")
             return outputs
-        specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
-        if args.format == "dcp":
-            scheme = key_scheme(args.dcp_keys)
-            written = write_dcp(shards, plan, outputs[0], with_optimizer, scheme, progress)
-            progress.close()
-            summary = verify_dcp(written[0], specs, with_optimizer, scheme)
-            print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
-                  f"metadata describes")
-            return written
-        written = write_consolidated(shards, plan, outputs[0], args.format, with_optimizer,
-                                     progress)
+        if args.format == "hf" and with_optimizer:
+            print("optimizer state not included: an HF directory holds the model only "
+                  "(--format pt or dcp keep it)")
+        options = OutputOptions(args.dcp_keys, args.hf_config, args.max_shard_size)
+        written, summary = write_output(shards, plan, args.format, outputs[0], with_optimizer,
+                                        options, progress)
         progress.close()
-        summary = verify_output(written[0], specs)
-        print(f"verified {written[0]}: {summary}, names, shapes and dtypes as the shard "
-              f"metadata describes" + (", optimizer included" if with_optimizer else ""))
+        print(f"verified {written[0]}: {summary}; names, shapes and dtypes as the shard "
+              f"metadata describes")
         return written
     finally:
         shards.close()

@@ -92,9 +92,9 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
     return [path]
 
 
-def verify_output(path: str, expected: Dict[str, tuple]) -> str:
+def verify_output(path: str, expected: Dict[str, tuple], fmt: str = "pt") -> str:
     """Re-reads a written file: CRCs, and every expected name with its shape and dtype."""
-    if path.endswith(".safetensors"):
+    if fmt == "safetensors":
         from safetensors import safe_open
         with safe_open(path, framework="pt") as f:
             got = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape()))

@@ -1,0 +1,119 @@
+"""``save_consolidated``: one rank writes the consolidated checkpoint while the shards come to it
+over the collectives, and the result equals what ``consolidate_sharded_ckpts`` makes of the
+per-rank files, in every format; the other ranks write nothing. The HF directory is what
+``save_pretrained`` writes and ``from_pretrained`` loads with nothing missing."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from xla_fsdp import launch
+from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
+
+from ..support.consolidated_workloads import CONFIG, FORMATS, WORLD, llama, save_everything
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("consolidated")
+    LlamaConfig(**dict(CONFIG, hidden_size=48), architectures=["LlamaForCausalLM"]).save_pretrained(
+        str(root / "wrong_config"))
+    results = launch(save_everything, (str(root),), num_devices=WORLD)
+    return root, results
+
+
+def _offline(root, fmt, tmp_path):
+    out = str(tmp_path / f"offline_{fmt}")
+    args = ["--ckpt_prefix", str(root / "shared" / "ck"), "--format", fmt, "--save_path", out]
+    assert consolidate(args) == 0
+    return out
+
+
+def _equal(a, b, where=""):
+    if isinstance(a, dict):
+        assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
+        for k in a:
+            _equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _equal(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_only_the_first_rank_writes(saved):
+    root, results = saved
+    for rank in range(1, WORLD):
+        assert all(results[rank][f] is None for f in FORMATS), results[rank]
+        assert results[rank]["files"] == [], results[rank]["files"]
+    assert results[0]["files"] == sorted(
+        ["online_pt", "online_safetensors", "online_safetensors.optimizer.pth", "online_hf",
+         "online_dcp"])
+
+
+def test_pt_and_safetensors_equal_the_offline_consolidation(saved, tmp_path):
+    root, results = saved
+    offline = torch.load(_offline(root, "pt", tmp_path), weights_only=True)
+    online = torch.load(results[0]["pt"][0], weights_only=True)
+    _equal(online, offline)
+    assert offline["optimizer"]["state"], "no optimizer state"
+    _equal(load_file(results[0]["safetensors"][0]),
+           load_file(_offline(root, "safetensors", tmp_path)))
+
+
+def test_dcp_equals_the_offline_consolidation(saved, tmp_path):
+    root, results = saved
+    got = {}
+    for name, directory in (("online", results[0]["dcp"][0]),
+                            ("offline", _offline(root, "dcp", tmp_path))):
+        dcp_to_torch_save(directory, str(tmp_path / f"{name}.pt"))
+        got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
+    _equal(got["online"], got["offline"])
+    assert got["online"]["extra"] == {"step": 1}
+
+
+def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):
+    root, results = saved
+    full = results[0]["full"]
+    directory = results[0]["hf"][0]
+    model, info = LlamaForCausalLM.from_pretrained(directory, output_loading_info=True)
+    assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                    "error_msgs": []}
+    _equal(model.state_dict(), full)
+    assert json.load(open(os.path.join(directory, "config.json")))["hidden_size"] == 32
+    # what save_pretrained writes for the same weights, split alike
+    reference = llama()
+    reference.load_state_dict(full)
+    reference.save_pretrained(str(tmp_path / "reference"), max_shard_size="40KB")
+    config_dir = str(tmp_path / "reference")
+    out = str(tmp_path / "ours")
+    assert consolidate(["--ckpt_prefix", str(root / "shared" / "ck"), "--format", "hf",
+                        "--hf_config", config_dir, "--max_shard_size", "40KB",
+                        "--save_path", out]) == 0
+    index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
+    want = json.load(open(os.path.join(config_dir, "model.safetensors.index.json")))
+    assert index["weight_map"] == want["weight_map"]
+    assert index["metadata"] == want["metadata"]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(config_dir))
+    for f in set(index["weight_map"].values()):
+        _equal(load_file(os.path.join(out, f)), load_file(os.path.join(config_dir, f)), f)
+
+
+def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, capsys):
+    root, results = saved
+    for rank in range(WORLD):
+        assert "does not describe these weights" in results[rank]["refused"]
+        assert "model.embed_tokens.weight: weights [100, 32], config [100, 48]" in \
+            results[rank]["refused"]
+    out = str(tmp_path / "refused")
+    assert consolidate(["--ckpt_prefix", str(root / "shared" / "ck"), "--format", "hf",
+                        "--hf_config", str(root / "wrong_config"), "--save_path", out]) == 2
+    assert "does not describe these weights" in capsys.readouterr().err
+    assert not os.path.exists(out)
