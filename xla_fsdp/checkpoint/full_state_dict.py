@@ -5,26 +5,23 @@ from typing import Dict, Iterator, List, Mapping, Tuple
 
 import torch
 
-from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
-from .metadata import persistent_buffers
+from .metadata import persistent_buffers, unwrapped_name
 from .unit_protocol import ShardedModel, ShardedUnit
 
 
 def _parameter_slots(root: ShardedModel) -> Iterator[Tuple[ShardedUnit, ShardGroup, List[str]]]:
     """(unit, shard group, unwrapped names of its parameters) for every shard group."""
     for path, unit in root.named_units():
-        prefix = clean_name(path)
         for g in unit.shard_groups:
-            yield unit, g, [join_name(prefix, n) for n in g.names]
+            yield unit, g, [unwrapped_name(path, n) for n in g.names]
 
 
 def _aliases(root: ShardedModel) -> List[Tuple[str, str]]:
     out = []
     for path, unit in root.named_units():
-        prefix = clean_name(path)
-        out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in unit.shared_params]
+        out += [(unwrapped_name(path, a), unwrapped_name(path, s)) for a, s in unit.shared_params]
     return out
 
 

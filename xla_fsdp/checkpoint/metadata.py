@@ -55,6 +55,39 @@ def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
 
 
+# -- names ------------------------------------------------------------------------------------
+# [Note: names are the state dict's]
+# Every name we write must be the one ``state_dict()`` uses, whatever sits between the root
+# and a unit or inside one. Wrappers change names in two ways: torch's checkpoint wrapper
+# drops its ``_checkpoint_wrapped_module`` from state dict keys with a hook, while
+# ``torch.compile``'s ``_orig_mod`` and PEFT's ``base_model.model`` stay in them. So a unit's
+# path in a per-rank file (the prefix of its shards' keys) is read off the root's
+# ``state_dict(keep_vars=True)`` by the shards' identity, not built from module paths, which
+# also sees wrappers applied after wrapping (activation checkpointing usually is). Names in
+# the unwrapped model are ``unwrapped_name`` of a path and a name inside the unit: the
+# wrapper parts ``state_dict()`` drops (ours, torch_xla's, the checkpoint wrapper's) are
+# dropped at every depth, the others kept.
+def unwrapped_name(path: str, name: str = "") -> str:
+    """The unwrapped model's name of ``name`` (relative to the module at ``path``)."""
+    return clean_name(join_name(path, name))
+
+
+def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
+                        ) -> List[Tuple[str, ShardedUnit]]:
+    """``units`` (path, unit) with each path as the prefix of its shards' keys in
+    ``root.state_dict()`` (see [Note: names are the state dict's])."""
+    key_of = {id(v): k for k, v in root.state_dict(keep_vars=True).items()}
+    out = []
+    for path, unit in units:
+        for g in unit.shard_groups:
+            key = key_of.get(id(g.shard), "")
+            if key == g.shard_name or key.endswith("." + g.shard_name):
+                path = key[:-len(g.shard_name)].rstrip(".")
+                break
+        out.append((path, unit))
+    return out
+
+
 # -- writing ----------------------------------------------------------------------------------
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
@@ -63,7 +96,7 @@ def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     for path, m in root.named_modules(remove_duplicate=False):
         for name, buf in m.named_buffers(recurse=False, remove_duplicate=False):
             if is_persistent_buffer(m, name):
-                out.append((clean_name(join_name(path, name)), buf))
+                out.append((unwrapped_name(path, name), buf))
     return out
 
 
@@ -74,16 +107,15 @@ def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
     A flattened group is named ``<unit path>.flat_param_<i>``."""
     out = []
     for path, unit in units:
-        prefix = clean_name(path)
         for g in unit.shard_groups:
-            out.append((join_name(prefix, clean_name(g.orig_name)), g.shard))
+            out.append((unwrapped_name(path, g.orig_name), g.shard))
     return out
 
 
 def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], world_size: int,
                    rank: int) -> Dict[str, Any]:
     """This rank's shard metadata (see the module docstring)."""
-    units = list(units)
+    units = units_by_saved_path(root, units)
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
     interleave_info, stack_info = {}, {}
     for path, unit in units:
@@ -131,12 +163,11 @@ def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]
     them, before grouping)."""
     module_rank: Dict[str, int] = {}
     for path, _ in root.named_modules():
-        module_rank.setdefault(clean_name(path), len(module_rank))
+        module_rank.setdefault(unwrapped_name(path), len(module_rank))
     keyed = []
     for path, unit in units:
-        prefix = clean_name(path)
         for position, name in enumerate(unit.param_order):
-            full = join_name(prefix, name)
+            full = unwrapped_name(path, name)
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             keyed.append(((module_rank[owner], position), full))
     return [name for _, name in sorted(keyed)]
@@ -260,8 +291,7 @@ class ShardMetadata:
         """(alias, source) names in the unwrapped model of tied parameters."""
         out = []
         for path, pairs in self.raw.get("shared_info", {}).items():
-            prefix = clean_name(path)
-            out += [(join_name(prefix, a), join_name(prefix, s)) for a, s in pairs]
+            out += [(unwrapped_name(path, a), unwrapped_name(path, s)) for a, s in pairs]
         return out
 
     def parameter_order(self) -> Optional[List[str]]:

@@ -42,7 +42,7 @@ def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
 
 
 def _optimizer_param_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
     keys = []
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:

@@ -30,7 +30,8 @@ from ..dcp.coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
-                        ShardMetadata, persistent_buffers, wrapping_fingerprint)
+                        ShardMetadata, persistent_buffers, units_by_saved_path,
+                        wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -150,7 +151,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
     tensors: Dict[str, Tuple[torch.Tensor, Any]] = {}
     shard_keys: List[Tuple[str, str]] = []   # (model state dict key, tensor id)
     state_ids: Dict[str, Dict[str, str]] = {}  # shard key -> {state name: tensor id}
-    for path, unit in model.named_units():
+    for path, unit in units_by_saved_path(model, model.named_units()):
         for g in unit.shard_groups:
             key = join_name(path, g.shard_name)
             tensors[key] = (g.shard, unit.collectives)
@@ -193,7 +194,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
 
 def _optimizer_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
     key_of = {}
-    for path, unit in model.named_units():
+    for path, unit in units_by_saved_path(model, model.named_units()):
         for g in unit.shard_groups:
             key_of[id(g.shard)] = join_name(path, g.shard_name)
     out = []

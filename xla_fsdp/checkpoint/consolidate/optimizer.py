@@ -13,7 +13,7 @@ import torch
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import MODEL, OPTIMIZER, RankRecord
-from .plan import ShardGroupSpec, ModelPlan, ParamSpec, read_param
+from .plan import ShardGroupSpec, ModelPlan, ParamSpec, read_param, saved_keys
 from .shard_set import ShardSet
 
 
@@ -36,7 +36,8 @@ def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
         return None, "the checkpoint holds no optimizer state"
     record = RankRecord.of(tree)
     if record is not None and record.optimizer_param_keys:
-        return list(record.optimizer_param_keys), None
+        saved_key = saved_keys(tree[MODEL])
+        return [saved_key(k) for k in record.optimizer_param_keys], None
     param_groups = tree[OPTIMIZER].get("param_groups", [])
     if param_groups and all("param_names" in g for g in param_groups):
         keys = [n for g in param_groups for n in g["param_names"]]

@@ -82,13 +82,14 @@ def layer_layout(spec: ShardGroupSpec, world_size: int) -> Layout:
 def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
     specs: List[ShardGroupSpec] = []
     world = metadata.world_size
+    saved_key = saved_keys(model_tree)
     for entry in metadata.entries():
-        key = entry.key
+        key = saved_key(entry.key)
         if key not in model_tree:
             raise CheckpointError(f"shard {key} is in the shard metadata but not in the "
                                   f"model state dict")
         if entry.kind == "stacked":
-            specs.append(_stacked_shard_group(entry, model_tree[key], world))
+            specs.append(_stacked_shard_group(entry, key, model_tree[key], world))
             continue
         # read as flat, an unknown layout would come out silently scrambled
         if entry.kind not in (None,) + LAYER_KINDS:
@@ -117,6 +118,23 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
     return ModelPlan(specs, buffers, buffer_dtypes, metadata.tied_aliases(), list(order))
 
 
+def saved_keys(model_tree: Dict[str, Any]) -> Any:
+    """Maps a shard key of the metadata to the model state dict's key for it. Files written
+    before the fix (see [Note: names are the state dict's]) named a unit by its module path,
+    which keeps wrapper parts (``_checkpoint_wrapped_module``) that the state dict drops:
+    such a key is matched to the one state dict key that is the same name without them."""
+    by_clean: Dict[str, List[str]] = {}
+    for k in model_tree:
+        by_clean.setdefault(clean_name(k), []).append(k)
+
+    def resolve(key: str) -> str:
+        if key in model_tree:
+            return key
+        found = by_clean.get(clean_name(key), [])
+        return found[0] if len(found) == 1 else key
+    return resolve
+
+
 def _consecutive(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]],
                  numels: Sequence[int]) -> List[ParamSpec]:
     params, at = [], 0
@@ -132,10 +150,11 @@ def _with_pieces(params: List[ParamSpec], world: int, multiple: int) -> List[Par
             zip(params, pieces.piece_offsets, pieces.piece_numels)]
 
 
-def _stacked_shard_group(entry: ShardEntry, shard: TensorRef, world: int) -> ShardGroupSpec:
+def _stacked_shard_group(entry: ShardEntry, key: str, shard: TensorRef, world: int
+                         ) -> ShardGroupSpec:
     """The spec of a stacked shard; its metadata is checked against rank 0's shard, since
     a mismatch would otherwise read the wrong rows without any error."""
-    key, layers, kind, multiple = entry.key, entry.layers, entry.layer_kind, entry.multiple
+    layers, kind, multiple = entry.layers, entry.layer_kind, entry.multiple
     if kind not in LAYER_KINDS:
         raise CheckpointError(f"stacked shard {key} has layer kind {kind!r}; this "
                               f"consolidation reads layers of kind {', '.join(LAYER_KINDS)}")

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..._sharding.chunks import Chunk, range_chunks
-from ..._sharding.names import clean_name, join_name
+from ..metadata import unwrapped_name
 from ..._unit.shard_group import ShardGroup
 from ..unit_protocol import ShardedModel
 
@@ -102,7 +102,6 @@ def param_slots(root: ShardedModel) -> List[ParamSlot]:
     """Every parameter of the model, with this rank's chunks of it."""
     out = []
     for path, unit in root.named_units():
-        prefix = clean_name(path)
         for g in unit.shard_groups:
             owned = {o.param: o for o in g.layout.owned(unit.rank)}
             for i, (record, shape) in enumerate(zip(g.records, g.layout.shapes)):
@@ -111,7 +110,7 @@ def param_slots(root: ShardedModel) -> List[ParamSlot]:
                 if o is not None:
                     pieces = tuple((c, o.shard_offset + c.start - o.start)
                                    for c in range_chunks(shape, o.start, o.end))
-                out.append(ParamSlot(tuple(join_name(prefix, n) for n in record.names),
+                out.append(ParamSlot(tuple(unwrapped_name(path, n) for n in record.names),
                                      torch.Size(shape), g, pieces))
     return out
 
