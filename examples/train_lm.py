@@ -297,10 +297,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from xla_fsdp.launch import accelerator_type
+    from xla_fsdp.checkpoint import CheckpointError
+    from xla_fsdp.launch import LaunchError, accelerator_type
     world = args.devices or (None if accelerator_type() else 4)
     began = time.monotonic()
-    results = launch(train, (args,), num_devices=world)
+    try:
+        results = launch(train, (args,), num_devices=world)
+    except LaunchError as exc:
+        if not isinstance(exc.__cause__, CheckpointError):
+            raise
+        # a save that failed (a full disk) left the earlier checkpoints as they were
+        raise SystemExit(f"\ntrain_lm.py: {exc.__cause__}\nTo continue from the last complete "
+                         f"checkpoint (named in {os.path.join(args.out, 'ckpt', 'latest')}), "
+                         f"free some space and run again with --resume.") from None
     first = results[0]
     history = first["history"]
     print(f"trained to step {args.steps} on {len(results)} device(s) in "

@@ -4,14 +4,28 @@ Each rank writes ``{prefix}_rank-{rank:08d}-of-{world:08d}.pth`` holding torch_x
 format, ``{'model', 'shard_metadata', 'optimizer'}``, plus an ``'xla_fsdp'`` record (world
 size, rank, a fingerprint of the wrapping, which optimizer index is which shard, and a save
 counter that ties the files of one save together) and the caller's ``'extra'``. Every
-record carries the CRC-32 ``torch.save`` computes; ``load_sharded`` checks it. Writes are
-atomic: a crash mid-save leaves the previous file whole.
+record carries the CRC-32 ``torch.save`` computes; ``load_sharded`` checks it. A save is
+every rank's or none (see the Note below): a crash or a full disk mid-save leaves the
+previous files whole, and no file of the failed save on any rank.
 
 With ``sharding_groups`` each group is a model of its own (torch_xla's meaning: a part of a
 model-parallel model), numbered by its sharding rank, so each group writes its own files,
 ``{prefix}_group-{k}_rank-...``, which consolidate on their own. With
 ``replicate_across_groups=True`` the groups are replicas and only the first writes,
 ``{prefix}_rank-...``.
+
+[Note: a save is all ranks' or none]
+A checkpoint is the files of every rank. If each rank replaced its file as soon as it had
+written it, one rank failing (its disk full) would leave some ranks' new files beside other
+ranks' old ones: the previous save no longer loadable, the new one incomplete. So each rank
+writes its file under a temporary name beside the final one and flushes it to disk; the
+ranks then agree through ``xm.rendezvous`` (no process group is needed, on a TPU pod as on
+virtual devices); then either every rank renames its file into place, or, if any rank
+failed, every rank removes its temporary file and raises. A rename within a directory
+needs no more than a directory entry, not the file's size, so once every file is on disk
+putting them in place does not run out of space. Either way the ranks meet once more
+before returning, so that when ``save_sharded`` returns or raises on one rank, every
+rank's file is in place, or gone.
 """
 from __future__ import annotations
 
@@ -22,8 +36,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from .._sharding.tensor_tree import collect_tensors
 from .._xla.private_api import to_cpu
-from .files import CheckpointError, CheckpointFile, atomic_path
+from .dcp.coordination import agree, exchange
+from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
 from .unit_protocol import ShardedModel, require_root, sharding_group_index
@@ -58,15 +74,47 @@ def save_sharded(path_prefix: str, model: ShardedModel,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  extra: Any = None) -> Optional[str]:
     """Writes this rank's checkpoint file; returns its path (None on a replica that does not
-    write). Every rank must call it: it synchronises the device first."""
+    write). Every rank must call it: it synchronises the device first, and the save is put
+    in place on every rank or on none (a ``CheckpointError`` on every rank, naming the file
+    and the space it needed when a disk is full); see [Note: a save is all ranks' or none]."""
     import torch_xla
     require_root(model, "save_sharded")
     torch_xla.sync()
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     path_prefix = _sharding_group_prefix(path_prefix, model)
-    if path_prefix is None:
-        return None
+    staged: Optional[StagedFile] = None
+    error: Optional[BaseException] = None
+    if path_prefix is not None:
+        path = sharded_checkpoint_path(path_prefix, model.rank, model.world_size)
+        try:
+            checkpoint = _checkpoint(model, metadata, optimizer, extra)
+            staged = StagedFile(path, needed=_tensor_bytes(checkpoint))
+            with staged.writing() as tmp:
+                with open(tmp, "wb") as f:  # through Python, so a full disk says ENOSPC
+                    torch.save(checkpoint, f)
+        except Exception as exc:  # every rank must reach the agreement below
+            error = exc
+    try:
+        agree("xla_fsdp.save_sharded.written", error)
+    except BaseException:
+        try:
+            if staged is not None:
+                staged.discard()
+        finally:  # no rank raises while another's temporary file is still there
+            exchange("xla_fsdp.save_sharded.discarded", None)
+        raise
+    if staged is not None:
+        try:
+            staged.put_in_place()
+        except Exception as exc:
+            error = exc
+    agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
+    return None if staged is None else path
+
+
+def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
+                optimizer: Optional[torch.optim.Optimizer], extra: Any) -> Dict[str, Any]:
     record = RankRecord(FORMAT_VERSION, model.world_size, model.rank,
                         wrapping_fingerprint(metadata), _SAVE_COUNT[model],
                         _optimizer_param_keys(model, optimizer) if optimizer is not None
@@ -77,10 +125,16 @@ def save_sharded(path_prefix: str, model: ShardedModel,
         checkpoint[OPTIMIZER] = to_cpu(optimizer.state_dict())
     if extra is not None:
         checkpoint[EXTRA] = extra
-    path = sharded_checkpoint_path(path_prefix, model.rank, model.world_size)
-    with atomic_path(path) as tmp:
-        torch.save(checkpoint, tmp)
-    return path
+    return checkpoint
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """What the tensors in ``tree`` take in a ``torch.save`` file: each storage once."""
+    storages = {}
+    for tensor in collect_tensors(tree):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def load_sharded(path_prefix: str, model: ShardedModel,

@@ -9,8 +9,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from ..files import (CheckpointError, CheckpointFile, SafetensorsWriter, TorchFileWriter,
-                     atomic_path)
+from ..files import (CheckpointError, CheckpointFile, SafetensorsWriter, StagedFile,
+                     TorchFileWriter, atomic_path)
 from ..files.writer import SAFETENSORS_DTYPES
 from ..metadata import MODEL
 from .optimizer import consolidate_optimizer
@@ -52,29 +52,36 @@ def entry_specs(plan: ModelPlan, shards: ShardSet) -> List[tuple]:
 def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
                        with_optimizer: bool, progress: Callable[[int], None]) -> List[str]:
     """Writes the consolidated checkpoint; returns the paths written."""
-    written = []
     if fmt == "safetensors":
         specs = entry_specs(plan, shards)
         sources = dict(plan.aliases)
-        with atomic_path(path) as tmp:
-            writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
-            held: Dict[str, torch.Tensor] = {}
-            for name, tensor in model_entries(plan, shards):
-                writer.add(name, tensor)
-                progress(tensor.numel())
-                if name in sources.values():
-                    held[name] = tensor  # a tied weight is written again under its alias
-            for alias, source in plan.aliases:
-                writer.add(alias, held[source])
-            writer.finish()
-        written.append(path)
-        if with_optimizer:
-            opt_path = os.path.splitext(path)[0] + ".optimizer.pth"
-            with atomic_path(opt_path) as tmp:
-                writer = TorchFileWriter(tmp)
-                optimizer, names = consolidate_optimizer(shards, plan, writer.add)
-                writer.finish({"optimizer": optimizer, "optimizer_param_names": names})
-            written.append(opt_path)
+        written = [path] + ([os.path.splitext(path)[0] + ".optimizer.pth"]
+                            if with_optimizer else [])
+        # the pair is replaced together: neither file goes in before the other is on disk
+        staged = [StagedFile(p) for p in written]
+        try:
+            with staged[0].writing() as tmp:
+                writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
+                held: Dict[str, torch.Tensor] = {}
+                for name, tensor in model_entries(plan, shards):
+                    writer.add(name, tensor)
+                    progress(tensor.numel())
+                    if name in sources.values():
+                        held[name] = tensor  # a tied weight is written again under its alias
+                for alias, source in plan.aliases:
+                    writer.add(alias, held[source])
+                writer.finish()
+            if with_optimizer:
+                with staged[1].writing() as tmp:
+                    writer = TorchFileWriter(tmp)
+                    optimizer, names = consolidate_optimizer(shards, plan, writer.add)
+                    writer.finish({"optimizer": optimizer, "optimizer_param_names": names})
+        except BaseException:
+            for file in staged:
+                file.discard()
+            raise
+        for file in staged:
+            file.put_in_place()
         return written
     with atomic_path(path) as tmp:
         writer = TorchFileWriter(tmp)

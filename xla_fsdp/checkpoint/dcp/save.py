@@ -11,7 +11,10 @@ last, atomically (temporary file, fsync, rename), after every rank's data files 
 The data files of one save carry a token of their own in their names, so saving over an
 existing checkpoint never touches the files its ``.metadata`` refers to: an interrupted save
 leaves the previous checkpoint loadable (or, in a new directory, no ``.metadata`` at all).
-Once the new ``.metadata`` is in place, files no longer referenced are removed.
+Once the new ``.metadata`` is in place, files no longer referenced are removed. A save that
+fails anywhere (a rank's disk full, ``.metadata`` not written) removes its data files on
+every rank: each rank its own after the ranks agree that a write failed, the first rank all
+of them when ``.metadata`` could not be put in place.
 
 [Note: a save copies one tensor to the host at a time]
 DCP's writer takes a rank's chunks one at a time, in the order of its plan, and asks the
@@ -32,6 +35,7 @@ larger), each a file of its own: what is held at once is one such file's worth.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -49,7 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
-from ..files import atomic_path
+from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
 from ..unit_protocol import ShardedModel, require_root, sharding_group_index
 from .coordination import agree, exchange
@@ -112,14 +116,23 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
         central = ({r: dataclasses.replace(p, storage_data=_FilePrefix(f"__{r}_{token}_"))
                     for (r, _), p in zip(mine, global_plans)}, metadata)
     centrals = exchange("xla_fsdp.dcp.save.central", (sharding_group, central))
-    error, results = None, None
+    error, results, prefix = None, None, None
     if writes:
         try:
             plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
+            prefix = plan.storage_data.prefix
             results = write_in_files(writer, planner.finish_plan(plan), planner)
         except Exception as exc:  # every rank must reach the agreement below
             error = exc
-    agree("xla_fsdp.dcp.save.written", error)
+    try:
+        agree("xla_fsdp.dcp.save.written", error)
+    except BaseException:
+        try:
+            if prefix is not None:
+                _remove_files(directory, prefix)
+        finally:  # no rank raises while another's files are still there
+            exchange("xla_fsdp.dcp.save.removed", None)
+        raise
     all_results = exchange("xla_fsdp.dcp.save.results", (sharding_group, results))
     if writes and rank == 0:
         try:
@@ -153,9 +166,21 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
         held += size(item)
     results: List[WriteResult] = []
     for i, items in enumerate(files):
-        part = dataclasses.replace(plan, items=items,
-                                   storage_data=_FilePrefix(f"{plan.storage_data.prefix}{i}_"))
-        results += writer.write_data(part, planner).value()
+        prefix = f"{plan.storage_data.prefix}{i}_"
+        part = dataclasses.replace(plan, items=items, storage_data=_FilePrefix(prefix))
+        try:
+            results += writer.write_data(part, planner).value()
+        except Exception as exc:
+            directory = os.fspath(writer.path)
+            partial = [os.path.join(directory, n) for n in _names(directory, prefix)]
+            written = sum(os.path.getsize(p) for p in partial)
+            _remove_files(directory, prefix)  # first, so that the free space reported is real
+            name = (partial[0] if len(partial) == 1
+                    else os.path.join(directory, f"{prefix}*{SUFFIX}"))
+            if not is_out_of_space(exc):
+                raise
+            raise no_space_error(name, exc, sum(size(item) for item in items),
+                                 written=written) from exc
     return results
 
 
@@ -167,9 +192,25 @@ def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
     planner.set_up_planner({}, writer.storage_meta(), True)
     local = writer.prepare_local_plan(planner.create_local_plan())
     (plan,), metadata = planner.create_global_plan([local])
-    plan = dataclasses.replace(plan, storage_data=_FilePrefix(f"__0_{secrets.token_hex(4)}_"))
-    results = write_in_files(writer, planner.finish_plan(plan), planner)
+    prefix = f"__0_{secrets.token_hex(4)}_"
+    plan = dataclasses.replace(plan, storage_data=_FilePrefix(prefix))
+    try:
+        results = write_in_files(writer, planner.finish_plan(plan), planner)
+    except BaseException:
+        _remove_files(directory, prefix)
+        raise
     _commit(directory, metadata, [results], writer)
+
+
+def _names(directory: str, prefix: str) -> List[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
+
+
+def _remove_files(directory: str, prefix: str) -> None:
+    """Removes the files of a failed save: those whose names start with ``prefix``."""
+    for name in _names(directory, prefix):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(directory, name))
 
 
 class HostCopies:
@@ -257,10 +298,20 @@ def _commit(directory: str, metadata: Metadata, results: List[List[Any]],
     storage = {r.index: r.storage_data for rank_results in results for r in rank_results}
     metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION,
                                    storage_data=storage, storage_meta=writer.storage_meta())
-    with atomic_path(os.path.join(directory, METADATA_FILE)) as tmp:
-        with open(tmp, "wb") as f:
-            pickle.dump(metadata, f)
     keep = {info.relative_path for info in storage.values()}
+    data = pickle.dumps(metadata)
+    staged = StagedFile(os.path.join(directory, METADATA_FILE), needed=len(data))
+    try:
+        with staged.writing() as tmp:
+            with open(tmp, "wb") as f:
+                f.write(data)
+        staged.put_in_place()
+    except BaseException:
+        if not staged.placed:  # the previous .metadata stands: this save's files go
+            for name in keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(directory, name))
+        raise
     for name in os.listdir(directory):
         if name.endswith(SUFFIX) and name not in keep:
             os.remove(os.path.join(directory, name))

@@ -1,8 +1,8 @@
-"""Checkpoint files: lazy reading with CRC checks, streaming writing, atomic replacement.
-Pure PyTorch; no XLA."""
-from .atomic import atomic_path
+"""Checkpoint files: lazy reading with CRC checks, streaming writing, atomic replacement,
+and errors that name the file when a disk fills. Pure PyTorch; no XLA."""
+from .atomic import StagedFile, atomic_path, is_out_of_space, no_space_error
 from .reader import CheckpointError, CheckpointFile, TensorRef
 from .writer import SafetensorsWriter, TensorStub, TorchFileWriter
 
-__all__ = ["atomic_path", "CheckpointError", "CheckpointFile", "TensorRef", "SafetensorsWriter",
-           "TensorStub", "TorchFileWriter"]
+__all__ = ["atomic_path", "StagedFile", "is_out_of_space", "no_space_error", "CheckpointError",
+           "CheckpointFile", "TensorRef", "SafetensorsWriter", "TensorStub", "TorchFileWriter"]

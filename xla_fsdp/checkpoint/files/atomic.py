@@ -1,34 +1,160 @@
-"""Files that appear whole or not at all: a crash mid-write leaves the previous file intact."""
+"""Files that appear whole or not at all: a crash mid-write leaves the previous file intact,
+and a write that fails for lack of space says which file, what it needed and what was free.
+
+``atomic_path`` writes one file in one step. ``StagedFile`` is the same in two steps, for
+writers that must hear from the other ranks before any of them replaces its file
+(``save_sharded``, ``save_dcp``): write and flush the temporary file, then put it in place
+or discard it.
+"""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
-from typing import Iterator
+from typing import Dict, Iterator, Optional, Tuple
+
+from .reader import CheckpointError
+
+_NO_SPACE = {errno.ENOSPC: "no space left on the device",
+             errno.EDQUOT: "the disk quota is exceeded"}
+
+# temporary file -> the file it becomes, so that an error names the file the user asked for
+_FINAL_NAMES: Dict[str, str] = {}
+
+
+def _space_cause(exc: BaseException) -> Optional[Tuple[str, BaseException]]:
+    """Why ``exc`` says a write found no space, and the exception in its chain that says so;
+    None if it says something else. torch's zip writer reports a short write as
+    ``RuntimeError: ... unexpected pos A vs B`` (or "file write failed"), with the
+    ``OSError`` as its context when Python did the writing."""
+    seen = set()
+    link: Optional[BaseException] = exc
+    short_write = None
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in _NO_SPACE:
+            return _NO_SPACE[link.errno], link
+        text = str(link)
+        if short_write is None and isinstance(link, RuntimeError) and (
+                "unexpected pos" in text or "file write failed" in text):
+            short_write = "a write came up short, as it does on a full disk", link
+        link = link.__cause__ or link.__context__
+    return short_write
+
+
+def free_bytes(path: str) -> Optional[int]:
+    """The space an unprivileged writer may still use on the filesystem holding ``path``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    while directory and not os.path.isdir(directory):
+        directory = os.path.dirname(directory)
+    try:
+        stat = os.statvfs(directory)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def is_out_of_space(exc: BaseException) -> bool:
+    """Whether ``exc`` is a write that found no space (not one already reported as such)."""
+    return not isinstance(exc, CheckpointError) and _space_cause(exc) is not None
+
+
+def no_space_error(path: str, exc: BaseException, needed: Optional[int] = None,
+                   writing: Optional[int] = None, written: Optional[int] = None
+                   ) -> CheckpointError:
+    """The error to raise, chained to ``exc`` (``is_out_of_space``), when writing ``path``
+    failed for lack of space. ``needed``: at least what the whole file takes; ``writing``:
+    the write that failed; ``written``: what was on disk then. Call it after removing the
+    partial file, if you can, so that the free space reported is what a retry would have.
+
+    Raise it directly (``raise no_space_error(...) from exc``): kept in a local of the
+    frame it is raised from, it would hold that frame, and every file open there, in a
+    reference cycle until the garbage collector runs."""
+    cause, reported = _space_cause(exc) or ("the write failed", exc)
+    facts = []
+    if needed is not None:
+        facts.append(f"the file needs at least {needed:,} bytes")
+    if written is not None:
+        facts.append(f"{written:,} bytes of it were written"
+                     + (f" when a write of {writing:,} failed" if writing is not None else ""))
+    elif writing is not None:
+        facts.append(f"a write of {writing:,} bytes failed")
+    free = free_bytes(path)
+    if free is not None:
+        facts.append(f"the filesystem has {free:,} bytes free")
+    return CheckpointError(f"{_FINAL_NAMES.get(path, path)}: not written: {cause}; "
+                           f"{', '.join(facts)} ({type(reported).__name__}: {reported})")
+
+
+def file_size(path: str) -> Optional[int]:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class StagedFile:
+    """``path``, written first under a hidden temporary name beside it (so that a glob for
+    the final names never matches a half-written file)."""
+
+    def __init__(self, path: str, needed: Optional[int] = None) -> None:
+        self.path = os.path.abspath(path)
+        directory, name = os.path.split(self.path)
+        os.makedirs(directory, exist_ok=True)
+        self.tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        self.needed = needed
+        self.placed = False
+        _FINAL_NAMES[self.tmp] = self.path
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[str]:
+        """Yields the temporary path for the body to write, then flushes the file to disk.
+        On error the file is removed, and a lack of space raises a ``CheckpointError``
+        naming ``path``."""
+        try:
+            yield self.tmp
+            _fsync(self.tmp)  # a filesystem may report the lack of space only here
+        except BaseException as exc:
+            written = file_size(self.tmp)
+            self.discard()
+            if not is_out_of_space(exc):
+                raise
+            raise no_space_error(self.path, exc, self.needed, written=written) from exc
+
+    def put_in_place(self) -> None:
+        """Renames the written file over ``path``."""
+        try:
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        self.placed = True
+        _FINAL_NAMES.pop(self.tmp, None)
+        _fsync(os.path.dirname(self.path))  # the rename itself must survive a power loss
+
+    def discard(self) -> None:
+        """Removes the temporary file, if it is there."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.tmp)
+        _FINAL_NAMES.pop(self.tmp, None)
 
 
 @contextlib.contextmanager
-def atomic_path(path: str) -> Iterator[str]:
+def atomic_path(path: str, needed: Optional[int] = None) -> Iterator[str]:
     """Yields a temporary path next to ``path``; once the body has written it, the file is
-    flushed to disk and renamed over ``path``. On error the temporary file is removed."""
-    path = os.path.abspath(path)
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    # hidden, so that a glob for the final names never matches a half-written file
-    tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    try:
+    flushed to disk and renamed over ``path``. On error the temporary file is removed; a
+    lack of space raises a ``CheckpointError`` naming ``path``, what it needed (``needed``
+    bytes, if the caller knows) and what was free."""
+    staged = StagedFile(path, needed)
+    with staged.writing() as tmp:
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must survive a power loss
-        finally:
-            os.close(dir_fd)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    staged.put_in_place()

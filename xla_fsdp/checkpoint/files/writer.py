@@ -4,22 +4,35 @@
 a pickle of the structure, loadable with ``torch.load(weights_only=True)`` and
 ``mmap=True``). It writes each tensor's record as it arrives and the pickle last.
 ``SafetensorsWriter`` needs every name, dtype and shape up front for its header, then takes
-the tensors in that order.
+the tensors in that order. A write that fails for lack of space raises a ``CheckpointError``
+naming the file; the partial file is left for its owner (``atomic_path``) to remove.
+
+[Note: a failed zip writer must not finish]
+torch's ``PyTorchFileWriter`` finishes its zip (the central directory) in its destructor when
+``write_end_of_file`` was not called, and an exception there ends the process
+(``std::terminate``): seen with torch 2.9 when a record's write failed on a full disk and the
+writer was then dropped, the finishing write failing again. A failed write also leaves the
+writer's idea of its position behind the file's, so finishing raises even with space free.
+So ``TorchFileWriter`` writes through a sink it can cut off: on a failure, or when it is
+dropped unfinished, the sink stops passing writes on and the writer is finished into it,
+its exception swallowed; ``write_end_of_file`` marks the writer finished even when it raises.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import json
 import math
 import pickle
 import struct
-from typing import Any, Dict, List, Tuple
+from typing import Any, BinaryIO, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..._sharding.tensor_tree import map_tensors
 from ..._xla.private_api import file_writer, rebuild_tensor, storage_type_names
+from .atomic import file_size, is_out_of_space, no_space_error
 from .reader import contiguous_strides
 
 _STORAGE_TYPES = storage_type_names()
@@ -51,10 +64,54 @@ class _StubPickler(pickle.Pickler):
         return None
 
 
+class _Sink:
+    """The file a ``PyTorchFileWriter`` writes through, until it is cut off; see
+    [Note: a failed zip writer must not finish]."""
+
+    def __init__(self, path: str) -> None:
+        self._file: Optional[BinaryIO] = open(path, "wb")
+
+    def write(self, data: Any) -> int:
+        if self._file is not None:
+            self._file.write(data)
+        return memoryview(data).nbytes
+
+    def close(self) -> None:
+        """Flushes and closes the file (raising, as the flush may, on a full disk)."""
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
+
+    def cut_off(self) -> None:
+        """Drops every later write, and the file's unwritten buffer with it."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # the flush fails again on a full disk
+                file.close()
+
+
+@contextlib.contextmanager
+def _guarded(path: str, abort: Callable[[], None], writing: Optional[int] = None,
+             needed: Optional[int] = None) -> Iterator[None]:
+    """A failed write in the body aborts the writer and, for lack of space, raises a
+    ``CheckpointError`` naming ``path``."""
+    try:
+        yield
+    except BaseException as exc:
+        written = file_size(path)
+        abort()
+        if not is_out_of_space(exc):
+            raise
+        raise no_space_error(path, exc, needed, writing, written) from exc
+
+
 class TorchFileWriter:
     def __init__(self, path: str) -> None:
-        self._writer = file_writer(path)
+        self._path = path
+        self._sink = _Sink(path)
+        self._writer = file_writer(self._sink)
         self._count = 0
+        self._done = False
 
     def add(self, tensor: torch.Tensor) -> TensorStub:
         """Writes ``tensor`` now; put the returned stub where the tensor goes in the tree.
@@ -65,7 +122,8 @@ class TorchFileWriter:
             tensor = tensor.clone()  # a view: the record holds the whole storage, from its start
         key = str(self._count)
         self._count += 1
-        self._writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
+        with _guarded(self._path, self.abort, nbytes):
+            self._writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
         return TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
     def finish(self, tree: Any) -> None:
@@ -73,10 +131,25 @@ class TorchFileWriter:
         buffer = io.BytesIO()
         _StubPickler(buffer, protocol=2).dump(map_tensors(self.add, tree))
         data = buffer.getvalue()
-        self._writer.write_record("data.pkl", data, len(data))
-        self._writer.write_record("byteorder", b"little", len("little"))
-        self._writer.write_end_of_file()
-        del self._writer
+        with _guarded(self._path, self.abort, len(data)):
+            self._writer.write_record("data.pkl", data, len(data))
+            self._writer.write_record("byteorder", b"little", len("little"))
+            self._writer.write_end_of_file()
+            self._done = True  # the zip is complete; only the flush below may still fail
+            self._sink.close()
+
+    def abort(self) -> None:
+        """Leaves the file unfinished, for its owner to remove; the writer is done with.
+        See [Note: a failed zip writer must not finish]."""
+        self._sink.cut_off()
+        if not self._done:
+            self._done = True
+            with contextlib.suppress(Exception):
+                self._writer.write_end_of_file()
+
+    def __del__(self) -> None:
+        if getattr(self, "_sink", None) is not None and getattr(self, "_writer", None) is not None:
+            self.abort()
 
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -100,9 +173,21 @@ class SafetensorsWriter:
             at += size
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
-        self._file = open(path, "wb")
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._path = path
+        self._size = 8 + len(blob) + at  # the whole file, exactly
+        self._file: Optional[BinaryIO] = open(path, "wb")
+        with self._guard(8 + len(blob)):
+            self._file.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
+
+    def _guard(self, writing: Optional[int]) -> ContextManager[None]:
+        return _guarded(self._path, self._close_quietly, writing, self._size)
+
+    def _close_quietly(self) -> None:
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):  # the flush fails again on a full disk
+                file.close()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         expected = self._order[self._next]
@@ -111,9 +196,11 @@ class SafetensorsWriter:
                              f"{(name, tensor.dtype, tuple(tensor.shape))}")
         self._next += 1
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-        self._file.write(memoryview(data))
+        with self._guard(data.nbytes):
+            self._file.write(memoryview(data))
 
     def finish(self) -> None:
         if self._next != len(self._order):
             raise ValueError(f"safetensors writer got {self._next} of {len(self._order)} tensors")
-        self._file.close()
+        with self._guard(None):
+            self._file.close()
