@@ -12,7 +12,7 @@ from typing import Any, List, Optional
 import torch
 
 from .dcp.coordination import agree
-from .consolidate.formats import FORMATS, OutputOptions, output_paths, write_output
+from .consolidate.formats import FORMATS, OutputOptions, write_output
 from .consolidate.gathered import gathered_shard_set
 from .consolidate.hf_output import DEFAULT_MAX_SHARD_SIZE
 from .consolidate.optimizer import why_not_consolidated
@@ -53,8 +53,7 @@ def save_consolidated(path: str, model: ShardedModel,
                     raise CheckpointError(f"save_consolidated: the optimizer cannot be "
                                           f"consolidated: {reason}")
                 options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
-                written, _ = write_output(shards, plan, format,
-                                          output_paths(format, path, path)[0],
+                written, _ = write_output(shards, plan, format, path,
                                           optimizer is not None and format != "hf",
                                           options, lambda _: None)
             except Exception as exc:  # every rank raises it, below

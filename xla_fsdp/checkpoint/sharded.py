@@ -38,7 +38,7 @@ import torch
 
 from .._sharding.tensor_tree import collect_tensors
 from .._xla.private_api import to_cpu
-from .dcp.coordination import agree, exchange
+from .dcp.coordination import agree, agree_or_undo
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
@@ -57,7 +57,8 @@ def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
     return f"{prefix}_group-{index:03d}"
 
 
-def _optimizer_param_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
+def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The model state dict key of the shard each optimizer index holds, in index order."""
     names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
     keys = []
     for param_group in optimizer.param_groups:
@@ -95,15 +96,8 @@ def save_sharded(path_prefix: str, model: ShardedModel,
                     torch.save(checkpoint, f)
         except Exception as exc:  # every rank must reach the agreement below
             error = exc
-    try:
-        agree("xla_fsdp.save_sharded.written", error)
-    except BaseException:
-        try:
-            if staged is not None:
-                staged.discard()
-        finally:  # no rank raises while another's temporary file is still there
-            exchange("xla_fsdp.save_sharded.discarded", None)
-        raise
+    agree_or_undo("xla_fsdp.save_sharded.written", error,
+                  None if staged is None else staged.discard)
     if staged is not None:
         try:
             staged.put_in_place()
@@ -117,7 +111,7 @@ def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
                 optimizer: Optional[torch.optim.Optimizer], extra: Any) -> Dict[str, Any]:
     record = RankRecord(FORMAT_VERSION, model.world_size, model.rank,
                         wrapping_fingerprint(metadata), _SAVE_COUNT[model],
-                        _optimizer_param_keys(model, optimizer) if optimizer is not None
+                        optimizer_shard_keys(model, optimizer) if optimizer is not None
                         else None)
     checkpoint: Dict[str, Any] = {MODEL: to_cpu(model.state_dict()), SHARD_METADATA: metadata,
                                   RECORD: record.as_dict()}
@@ -171,7 +165,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     if optimizer is not None:
         if OPTIMIZER not in checkpoint:
             raise CheckpointError(f"{path} holds no optimizer state")
-        if ours.optimizer_param_keys != _optimizer_param_keys(model, optimizer):
+        if ours.optimizer_param_keys != optimizer_shard_keys(model, optimizer):
             raise CheckpointError(f"{path}: the optimizer's parameters are not the ones it was "
                                   f"saved with (or not in the same order)")
         optimizer.load_state_dict(checkpoint[OPTIMIZER])

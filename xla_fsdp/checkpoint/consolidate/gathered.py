@@ -32,6 +32,7 @@ from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
                         ShardMetadata, persistent_buffers, units_by_saved_path,
                         wrapping_fingerprint)
+from ..sharded import optimizer_shard_keys
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -149,13 +150,13 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
     metadata = model.get_shard_metadata()
     world = metadata["world_size"]
     tensors: Dict[str, Tuple[torch.Tensor, Any]] = {}
-    shard_keys: List[Tuple[str, str]] = []   # (model state dict key, tensor id)
+    shard_keys: List[str] = []   # model state dict keys, also the shards' tensor ids
     state_ids: Dict[str, Dict[str, str]] = {}  # shard key -> {state name: tensor id}
-    for path, unit in units_by_saved_path(model, model.named_units()):
+    for path, unit in units_by_saved_path(model, model.named_units()):  # keys as saved
         for g in unit.shard_groups:
             key = join_name(path, g.shard_name)
             tensors[key] = (g.shard, unit.collectives)
-            shard_keys.append((key, key))
+            shard_keys.append(key)
             if optimizer is not None:
                 for name, value in optimizer.state.get(g.shard, {}).items():
                     if torch.is_tensor(value) and value.shape == g.shard.shape:
@@ -169,11 +170,11 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         return
     buffers = {name: (buf, original_dtype(buf)) for name, buf in persistent_buffers(model)}
     local = _LocalView(buffers)
-    param_keys = _optimizer_keys(model, optimizer) if optimizer is not None else None
+    param_keys = optimizer_shard_keys(model, optimizer) if optimizer is not None else None
     files = []
     for rank in range(world):
         view = _RankView(channel, rank, world, None)
-        tree: Dict[str, Any] = {MODEL: {k: _ref(view, tid, tensors[tid][0]) for k, tid in shard_keys},
+        tree: Dict[str, Any] = {MODEL: {k: _ref(view, k, tensors[k][0]) for k in shard_keys},
                                 SHARD_METADATA: dict(metadata, rank=rank),
                                 RECORD: RankRecord(FORMAT_VERSION, world, rank,
                                                    wrapping_fingerprint(metadata), 0,
@@ -190,21 +191,6 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         yield ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>")
     finally:
         channel.finish()
-
-
-def _optimizer_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
-    key_of = {}
-    for path, unit in units_by_saved_path(model, model.named_units()):
-        for g in unit.shard_groups:
-            key_of[id(g.shard)] = join_name(path, g.shard_name)
-    out = []
-    for param_group in optimizer.param_groups:
-        for p in param_group["params"]:
-            if id(p) not in key_of:
-                raise CheckpointError(f"the optimizer holds a parameter of shape "
-                                      f"{tuple(p.shape)} that is not a shard of this model")
-            out.append(key_of[id(p)])
-    return out
 
 
 def _optimizer_tree(optimizer: torch.optim.Optimizer, view: _RankView,

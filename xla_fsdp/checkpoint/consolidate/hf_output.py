@@ -28,12 +28,11 @@ import json
 import math
 import os
 import re
-import secrets
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..files import CheckpointError, SafetensorsWriter
+from ..files import CheckpointError, SafetensorsWriter, StagedFile
 from ..files.writer import SAFETENSORS_DTYPES
 
 WEIGHTS_NAME = "model.safetensors"
@@ -138,14 +137,12 @@ def model_of_config(config_json: bytes, where: str) -> Optional[torch.nn.Module]
                               f"it: {exc}") from None
 
 
-def tied_patterns_of(model: torch.nn.Module, rename: Callable[[str], str] = lambda n: n
-                     ) -> List[str]:
+def tied_patterns_of(model: torch.nn.Module) -> List[str]:
     """Every ``_tied_weights_keys`` pattern in ``model``, qualified by its module's path."""
     out = []
     for path, module in model.named_modules():
         keys = getattr(module, "_tied_weights_keys", None) or []
-        prefix = rename(path)
-        out += [f"{re.escape(prefix)}\\.{k}" if prefix else k for k in keys]
+        out += [f"{re.escape(path)}\\.{k}" if path else k for k in keys]
     return out
 
 
@@ -200,61 +197,47 @@ def write_hf_directory(directory: str, specs: Sequence[Spec],
     stored_as: Dict[str, List[str]] = {}
     for (name, _, _), source in order:
         stored_as.setdefault(source, []).append(name)
-    os.makedirs(directory, exist_ok=True)
-    token = secrets.token_hex(4)
     names = [f for f, _ in files] + list(configs) + ([INDEX_NAME] if len(files) > 1 else [])
-    tmp = {f: os.path.join(directory, f".{f}.tmp-{token}") for f in names}
-    try:
-        entries_of = dict(files)
-        writers: Dict[str, SafetensorsWriter] = {}
-        left = {f: len(file_entries) for f, file_entries in files}
+    staged = {f: StagedFile(os.path.join(directory, f)) for f in names}
+
+    def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
         for source, tensor in entries:
             progress(tensor.numel())
             for name in stored_as.get(source, []):
-                f = file_of[name]
-                if f not in writers:
-                    writers[f] = SafetensorsWriter(tmp[f], entries_of[f], {"format": "pt"})
-                writers[f].add(name, tensor)
-                left[f] -= 1
-                if not left[f]:
-                    writers.pop(f).finish()
-        unfinished = sorted(f for f, n in left.items() if n)
-        if unfinished:
-            raise CheckpointError(f"{directory}: the weights ended before {unfinished} were "
-                                  f"complete")
-        for name, data in configs.items():
-            with open(tmp[name], "wb") as out:
-                out.write(data)
+                yield name, tensor
+    # the files are runs of the writing order, so they are written one after another
+    stream = stored_tensors()
+    try:
+        for f, file_entries in files:
+            with staged[f].writing() as tmp:
+                writer = SafetensorsWriter(tmp, file_entries, {"format": "pt"})
+                for _ in file_entries:
+                    name, tensor = next(stream, (None, None))
+                    if name is None:
+                        raise CheckpointError(f"{directory}: the weights ended before {f} "
+                                              f"was complete")
+                    writer.add(name, tensor)
+                writer.finish()
+        contents = dict(configs)
         if len(files) > 1:
             stored = [spec for spec, _ in order]
             index = {"metadata": {"total_parameters": sum(math.prod(s) for _, _, s in stored),
                                   "total_size": sum(_nbytes(s) for s in stored)},
                      "weight_map": {n: file_of[n] for n, _, _ in stored}}
-            with open(tmp[INDEX_NAME], "w") as out:
-                json.dump(index, out, indent=2, sort_keys=True)
-                out.write("\n")
-        for path in tmp.values():
-            _fsync(path)
+            contents[INDEX_NAME] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+        for name, data in contents.items():
+            with staged[name].writing() as tmp, open(tmp, "wb") as out:
+                out.write(data)
     except BaseException:
-        for path in tmp.values():
-            if os.path.exists(path):
-                os.remove(path)
+        for file in staged.values():
+            file.discard()
         raise
     for f in names:  # the index last: a reader never sees it name a file not yet in place
-        os.replace(tmp[f], os.path.join(directory, f))
+        staged[f].put_in_place()
     for f in os.listdir(directory):
-        if (_SHARD_FILE.fullmatch(f) or f in (WEIGHTS_NAME, INDEX_NAME)) and f not in tmp:
+        if (_SHARD_FILE.fullmatch(f) or f in (WEIGHTS_NAME, INDEX_NAME)) and f not in staged:
             os.remove(os.path.join(directory, f))  # an earlier save's, not in the new index
-    _fsync(directory)
     return [os.path.join(directory, f) for f in names]
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def verify_hf_directory(directory: str, expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]

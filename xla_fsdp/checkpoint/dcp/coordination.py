@@ -9,7 +9,7 @@ call is a collective: every rank calls it, in the same order.
 from __future__ import annotations
 
 import pickle
-from typing import Any, List
+from typing import Any, Callable, List, Optional
 
 
 def exchange(tag: str, obj: Any) -> List[Any]:
@@ -29,3 +29,18 @@ def agree(tag: str, error: Any) -> None:
     if failed:
         rank, message = failed[0]
         raise CheckpointError(f"rank {rank} failed, so this rank stopped too: {message}")
+
+
+def agree_or_undo(tag: str, error: Any, undo: Optional[Callable[[], None]]) -> None:
+    """``agree``; when any rank failed, every rank runs its ``undo`` (removing what it wrote)
+    and none raises before all of them have, so that no rank's files outlive the failure
+    while another rank has already moved on."""
+    try:
+        agree(tag, error)
+    except BaseException:
+        try:
+            if undo is not None:
+                undo()
+        finally:
+            exchange(f"{tag}.undone", None)
+        raise

@@ -56,7 +56,7 @@ from ..._xla.private_api import to_cpu
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
 from ..unit_protocol import ShardedModel, require_root, sharding_group_index
-from .coordination import agree, exchange
+from .coordination import agree, agree_or_undo, exchange
 from .layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                      slots_by_shard)
 from .planners import ChunkSavePlanner, OnDemand, TensorPieces
@@ -124,15 +124,8 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
             results = write_in_files(writer, planner.finish_plan(plan), planner)
         except Exception as exc:  # every rank must reach the agreement below
             error = exc
-    try:
-        agree("xla_fsdp.dcp.save.written", error)
-    except BaseException:
-        try:
-            if prefix is not None:
-                _remove_files(directory, prefix)
-        finally:  # no rank raises while another's files are still there
-            exchange("xla_fsdp.dcp.save.removed", None)
-        raise
+    agree_or_undo("xla_fsdp.dcp.save.written", error,
+                  None if prefix is None else lambda: _remove_files(directory, prefix))
     all_results = exchange("xla_fsdp.dcp.save.results", (sharding_group, results))
     if writes and rank == 0:
         try:
