@@ -40,7 +40,8 @@ from ._unit.training_state import TrainingState
 from ._unit.unit_params import UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
-from .checkpoint.full_state_dict import full_state_dict, load_full_state_dict
+from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
+                                         load_full_state_dict)
 from .checkpoint.metadata import original_names_and_shards, shard_metadata
 from .wrap import recursive_wrap
 
@@ -459,6 +460,14 @@ class XlaFullyShardedDataParallel(nn.Module):
         world size: each rank keeps only its shard."""
         self._check_root_call("load_full_state_dict")
         return load_full_state_dict(self, state_dict, strict)
+
+    def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
+                                   optim_state_dict: Dict[str, Any],
+                                   param_names: Optional[List[str]] = None) -> None:
+        """Loads the state of an optimizer over the unwrapped model into ``optimizer`` at any
+        world size (see ``full_state_dict.py``)."""
+        self._check_root_call("load_full_optim_state_dict")
+        load_full_optim_state_dict(self, optimizer, optim_state_dict, param_names)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs, in torch_xla's format (see ``checkpoint.metadata``)."""

@@ -1,15 +1,17 @@
 """Checkpoints of an FSDP model: per-rank files (``save_sharded``/``load_sharded``, in
 torch_xla's format with a record of ours), DCP checkpoints that PyTorch FSDP2 and torchtitan
 read and write (``save_dcp``/``load_dcp``), consolidated checkpoints written from training
-code with no shared filesystem (``save_consolidated``), the unwrapped model's full state dict, the
+code with no shared filesystem and loaded back in any of their formats
+(``save_consolidated``/``load_consolidated``), the unwrapped model's full state dict, the
 per-rank format itself (``metadata``), the file reading and writing under them (``files``),
 and the ``consolidate_sharded_ckpts`` tool (``consolidate``)."""
-from .consolidated import save_consolidated
+from .consolidated import load_consolidated, save_consolidated
 from .dcp import load_dcp, save_dcp
 from .files import CheckpointError
 from .metadata import sharded_checkpoint_path
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_sharded", "load_sharded", "save_dcp", "load_dcp", "save_consolidated",
+           "load_consolidated",
            "sharded_checkpoint_path",
            "CheckpointError"]

@@ -1,17 +1,20 @@
-"""Consolidated checkpoints written from training code: ``save_consolidated``.
+"""Consolidated checkpoints from training code: ``save_consolidated`` and ``load_consolidated``.
 
 One rank writes the unwrapped model's checkpoint (``.pth``, safetensors, a Hugging Face
 directory or DCP) while the shards come to it over the collectives, one device tensor at a
 time (see [Note: the writer drives the collectives]): no per-rank files, so no filesystem
 shared between hosts, and the writer's host holds one shard group's full size at a time.
+Loading reads any of those formats back at any world size, each rank its own runs, or the
+first rank alone when only its host has the checkpoint (``sources``).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .dcp.coordination import agree
+from .dcp.load import load_staged
 from .consolidate.formats import FORMATS, OutputOptions, write_output
 from .consolidate.gathered import gathered_shard_set
 from .consolidate.hf_output import DEFAULT_MAX_SHARD_SIZE
@@ -19,6 +22,8 @@ from .consolidate.optimizer import why_not_consolidated
 from .consolidate.plan import plan_model
 from .files import CheckpointError
 from .metadata import MODEL
+from .sources.consolidated_files import open_consolidated
+from .sources.first_rank import FirstRankSource
 from .unit_protocol import ShardedModel, require_root, sharding_group_index
 
 
@@ -38,10 +43,8 @@ def save_consolidated(path: str, model: ShardedModel,
     if format not in FORMATS:
         raise ValueError(f"save_consolidated: format {format!r} is not one of {FORMATS}")
     index = sharding_group_index(model)
-    replicas = index is not None and model.options.replicate_across_groups
-    writes = model.rank == 0 and (not replicas or index == 0)
-    if index is not None and not replicas:
-        path = f"{path}_group-{index:03d}"
+    path, independent = _sharding_group_path(path, model)
+    writes = model.rank == 0 and (independent or not index)
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
     with gathered_shard_set(model, optimizer, writes, extra) as shards:
@@ -60,3 +63,44 @@ def save_consolidated(path: str, model: ShardedModel,
                 error = exc
     agree("xla_fsdp.save_consolidated", error)
     return written
+
+
+def load_consolidated(path: str, model: ShardedModel,
+                      optimizer: Optional[torch.optim.Optimizer] = None, *,
+                      first_rank_reads: bool = False) -> Any:
+    """Loads a consolidated checkpoint into ``model`` (and ``optimizer``) at any world size:
+    what ``save_consolidated`` or ``consolidate_sharded_ckpts`` wrote in any format (``.pth``,
+    ``.safetensors`` with its ``.optimizer.pth``, a Hugging Face directory, DCP), or a bare
+    ``torch.save(state_dict)``. Returns the ``extra`` saved with it, if any. Every rank calls
+    it.
+
+    Each rank reads only the runs of the tensors its shards hold (see [Note: a rank reads the
+    runs its shards hold]). With ``first_rank_reads`` only global rank 0 opens ``path`` (the
+    others may pass anything) and the others receive their shards over the collectives
+    (see [Note: the first rank reads, everyone receives a stream]): a checkpoint only host 0
+    has. A checkpoint that does not fit raises ``CheckpointError``, naming the key or file,
+    on every rank, and changes nothing."""
+    import torch_xla.runtime as xr
+    require_root(model, "load_consolidated")
+    path, independent = _sharding_group_path(path, model)
+    if not first_rank_reads:
+        return load_staged(lambda: open_consolidated(path), model, optimizer,
+                           "xla_fsdp.load_consolidated")
+    if independent:
+        raise ValueError("load_consolidated(first_rank_reads=True) cannot load independent "
+                         "sharding_groups (each group has a checkpoint of its own); load with "
+                         "first_rank_reads=False from storage each group's ranks can read")
+    pin = model.options.pin_layout_in_collective_ops
+    return load_staged(lambda: FirstRankSource(lambda: open_consolidated(path),
+                                               xr.global_ordinal(), pin,
+                                               "xla_fsdp.load_consolidated.first_rank"),
+                       model, optimizer, "xla_fsdp.load_consolidated")
+
+
+def _sharding_group_path(path: str, model: ShardedModel) -> Tuple[str, bool]:
+    """Where this rank's sharding group's consolidated checkpoint is, and whether the groups
+    are independent (each with its own), as ``save_consolidated`` writes them."""
+    index = sharding_group_index(model)
+    if index is None or model.options.replicate_across_groups:
+        return path, False
+    return f"{path}_group-{index:03d}", True

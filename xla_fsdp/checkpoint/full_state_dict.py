@@ -1,13 +1,15 @@
 """The unwrapped model's ordinary state dict, gathered from the shards, and back."""
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Mapping, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
+from .dcp.load import load_staged
 from .metadata import persistent_buffers, unwrapped_name
+from .sources.entries import EntrySource, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
 
 
@@ -81,3 +83,21 @@ def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tens
             buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))
     torch_xla.sync()
     return missing, unexpected
+
+
+def load_full_optim_state_dict(root: ShardedModel, optimizer: torch.optim.Optimizer,
+                               optim_state_dict: Mapping[str, Any],
+                               param_names: Optional[Sequence[str]] = None) -> None:
+    """Loads the state of an optimizer over the unwrapped model into ``optimizer`` (over the
+    wrapped ``root``), at any world size: each rank keeps its shards' runs of each state
+    tensor. The state names its parameters as ``get_state_dict`` does (state and ``params``
+    by name), by torch's ``param_names``, or through ``param_names`` (index -> name), as
+    a consolidated checkpoint records it (``optimizer_param_names``). Every rank calls it.
+    Raises ``CheckpointError`` naming the parameter or setting at fault (another optimizer
+    class, a parameter it does not hold) and changes nothing."""
+    where = "the optimizer state dict"
+
+    def source() -> EntrySource:
+        return EntrySource(where, *optimizer_entries(optim_state_dict, where, param_names))
+    load_staged(source, root, optimizer, "xla_fsdp.load_full_optim_state_dict",
+                with_model=False)

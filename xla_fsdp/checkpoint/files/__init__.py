@@ -2,7 +2,8 @@
 and errors that name the file when a disk fills. Pure PyTorch; no XLA."""
 from .atomic import StagedFile, atomic_path, is_out_of_space, no_space_error
 from .reader import CheckpointError, CheckpointFile, TensorRef
+from .safetensors_reader import SafetensorsFile
 from .writer import SafetensorsWriter, TensorStub, TorchFileWriter
 
 __all__ = ["atomic_path", "StagedFile", "is_out_of_space", "no_space_error", "CheckpointError",
-           "CheckpointFile", "TensorRef", "SafetensorsWriter", "TensorStub", "TorchFileWriter"]
+           "CheckpointFile", "TensorRef", "SafetensorsFile", "SafetensorsWriter", "TensorStub", "TorchFileWriter"]

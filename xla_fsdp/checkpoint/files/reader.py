@@ -109,6 +109,7 @@ class CheckpointFile:
         self._records: Dict[str, zipfile.ZipInfo] = {n[len(self._prefix):]: self._zip.getinfo(n)
                                                      for n in names}
         self._offsets: Dict[str, int] = {}
+        self.bytes_read = 0  # by pread_into: what a caller's reads cost
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self.tree = _LazyUnpickler(self, self._zip.read(pkl[0])).load()
@@ -164,6 +165,7 @@ class CheckpointFile:
                 raise CheckpointError(f"{self.path}: file ends inside storage data/{key} "
                                       f"(truncated)")
             done += n
+        self.bytes_read += len(view)
 
     def verify(self) -> None:
         """Checks the CRC-32 of every record; raises ``CheckpointError`` naming the first bad one."""

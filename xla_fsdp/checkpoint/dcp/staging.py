@@ -1,0 +1,256 @@
+"""Loading the unwrapped model's checkpoint into a wrapped model (and its optimizer) at any
+world size, from whatever holds it: a ``Source`` describes what is stored, in the DCP
+layout's keys and DCP's metadata types (``dcp.layout``), and reads the pieces a rank asks
+for. ``load_dcp`` reads DCP directories through one; ``load_consolidated`` reads
+``.pth``, safetensors files and Hugging Face directories through others (``sources``).
+
+[Note: nothing changes unless everything was read]
+Every check against what is stored (keys, shapes, the optimizer's class and groups, the
+data files) comes first, and every value is read into a staging buffer on the host. Only
+when every rank has read all it needs (``coordination.agree``) are the shards, buffers and
+optimizer state replaced, so a bad checkpoint leaves the model and optimizer as they were,
+on every rank.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorStorageMetadata)
+from typing_extensions import Protocol
+
+from ..._sharding.chunks import Chunk
+from ..files import CheckpointError
+from ..metadata import persistent_buffers
+from ..unit_protocol import ShardedModel
+from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
+                     extra_key, param_slots, slots_by_shard)
+from .planners import TensorPieces
+
+_GROUP_NAMES = ("params", "param_names")
+Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
+
+
+class Source(Protocol):
+    """A checkpoint as ``StagedLoad`` reads it."""
+    where: str                  # what to name in errors: a directory or file
+    stored: Dict[str, Stored]   # every entry, under the DCP layout's keys
+
+    def read(self, tensors: Dict[str, TensorPieces], objects: Dict[str, Any],
+             into: Dict[str, Any]) -> None:
+        """Fills each of ``tensors``' chunks with the stored values there (converted to the
+        chunk's dtype), and ``into[key]`` with each stored object named in ``objects``."""
+
+    def close(self) -> None:
+        """Releases the files it holds open."""
+
+
+class StagedLoad:
+    """Everything a rank loads from ``source``, read into host buffers, and how to put it in
+    place (``commit``). With ``with_model=False`` only the optimizer's state is loaded."""
+
+    def __init__(self, source: Source, model: ShardedModel,
+                 optimizer: Optional[torch.optim.Optimizer], with_model: bool = True) -> None:
+        self.source = source
+        self.where = source.where
+        self.stored = source.stored
+        self.tensors: Dict[str, TensorPieces] = {}
+        self.objects: Dict[str, Any] = {}
+        self.commits: List[Callable[[], None]] = []
+        slots = param_slots(model)
+        self.scheme = _scheme_of(self.stored, [n for s in slots for n in s.names])
+        if with_model:
+            self._model(model, slots)
+        if optimizer is not None:
+            self._optimizer(model, optimizer, slots)
+        if EXTRA in self.stored:
+            self.objects[extra_key()[0]] = None
+        self._read()
+        self.extra = self.objects.get(extra_key()[0])
+
+    def commit(self) -> None:
+        with torch.no_grad():
+            for fn in self.commits:
+                fn()
+
+    # -- the model -------------------------------------------------------------------------
+    def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
+        """A tied or shared parameter may be stored under any of its names (a Hugging Face
+        directory holds one, as ``save_pretrained`` writes it); it is read from the first
+        one stored, and every one stored must have its shape."""
+        buffers = persistent_buffers(model)
+        names = [n for s in slots for n in s.names] + [n for n, _ in buffers]
+        expected = {self.scheme.model(n)[0]: n for n in names}
+        if self.scheme.bare_model:  # the model's namespace: keys under its top-level names
+            tops = {n.split(".", 1)[0] for n in names}
+            present = {k for k in self.stored if k.split(".", 1)[0] in tops}
+        else:
+            present = {k for k in self.stored if k.startswith(self.scheme.model("")[0])}
+        held = [[n for n in s.names if self.scheme.model(n)[0] in present] for s in slots]
+        missing = sorted([s.name for s, h in zip(slots, held) if not h]
+                         + [n for n, _ in buffers if self.scheme.model(n)[0] not in present])
+        unexpected = sorted(present - set(expected))
+        if missing or unexpected:
+            strip = len(self.scheme.model("")[0])
+            raise CheckpointError(
+                f"{self.where} does not hold this model (read with {self.scheme.name}'s "
+                f"keys): missing {missing}, unexpected {[k[strip:] for k in unexpected]}")
+        stages: Dict[int, torch.Tensor] = {}
+        for slot, names_held in zip(slots, held):
+            shard = slot.shard_group.shard
+            for name in names_held:
+                self._check_shape(self.scheme.model(name)[0], f"parameter '{name}'", slot.shape)
+            if id(shard) not in stages:
+                stages[id(shard)] = torch.zeros(shard.numel(), dtype=shard.dtype)
+                self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
+            self._want(self.scheme.model(names_held[0])[0], slot.shape, shard.dtype,
+                       list(slot.pieces), stages[id(shard)])
+        for name, buf in buffers:
+            key = self.scheme.model(name)[0]
+            self._check_shape(key, f"buffer '{name}'", buf.shape)
+            stage = self._want_whole(key)
+            self.commits.append(lambda buf=buf, stage=stage: buf.copy_(
+                stage.view(buf.shape).to(buf.dtype).to(buf.device)))
+
+    def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
+        stored = self.stored[key]
+        if not isinstance(stored, TensorStorageMetadata):
+            raise CheckpointError(f"{self.where}: {what} is stored as an object, not a tensor")
+        if tuple(stored.size) != tuple(shape):
+            raise CheckpointError(f"{self.where}: {what} has shape {list(stored.size)} in "
+                                  f"the checkpoint and {list(shape)} in the model")
+
+    def _want(self, key: str, size: torch.Size, dtype: torch.dtype,
+              chunks: List[Tuple[Chunk, int]], stage: torch.Tensor) -> None:
+        """Reads ``chunks`` of ``key`` into ``stage``, each from where it starts there."""
+        self.tensors[key] = TensorPieces(torch.Size(size), dtype, chunks, lambda: stage)
+
+    def _want_whole(self, key: str) -> torch.Tensor:
+        stored = self.stored[key]
+        stage = torch.zeros(stored.size, dtype=stored.properties.dtype).reshape(-1)
+        whole = Chunk((0,) * len(stored.size), tuple(stored.size), 0)
+        self._want(key, stored.size, stored.properties.dtype, [(whole, 0)], stage)
+        return stage
+
+    # -- the optimizer -----------------------------------------------------------------------
+    def _optimizer(self, model: ShardedModel, optimizer: torch.optim.Optimizer,
+                   slots: List[ParamSlot]) -> None:
+        if not any(k.startswith(OPTIMIZER + ".") for k in self.stored):
+            raise CheckpointError(f"{self.where} holds no optimizer state")
+        settings_of = self._saved_settings()
+        by_shard = slots_by_shard(slots)
+        kind = type(optimizer).__name__
+        ours = set(optimizer.defaults)
+        for name, settings in settings_of.items():
+            if not ours <= set(settings):
+                raise CheckpointError(
+                    f"{self.where}: its optimizer's settings for '{name}' are "
+                    f"{sorted(settings)}, but {kind} has {sorted(ours)}: the checkpoint was "
+                    f"saved from another optimizer class")
+        new_groups, state, held = [], {}, set()
+        index = 0
+        for j, param_group in enumerate(optimizer.param_groups):
+            names = []
+            for p in param_group["params"]:
+                if id(p) not in by_shard:
+                    raise CheckpointError(f"load_dcp: the optimizer holds a tensor of shape "
+                                          f"{tuple(p.shape)} that is not a shard of this model")
+                names += [s.name for s in by_shard[id(p)]]
+            unknown = [n for n in names if n not in settings_of]
+            if unknown:
+                raise CheckpointError(
+                    f"{self.where}: its optimizer has no param group for "
+                    f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({kind}'s group {j})")
+            new_groups.append(dict(settings_of[names[0]] if names else {},
+                                   params=list(range(index, index + len(param_group["params"])))))
+            for p in param_group["params"]:
+                entry = self._param_state(p, by_shard[id(p)])
+                if entry:
+                    state[index] = entry
+                held.update(s.name for s in by_shard[id(p)])
+                index += 1
+        stray = sorted(n for n in self._state_names() if n not in held)
+        if stray:
+            raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
+                                  f"optimizer does not hold: {stray[:10]}")
+        self.commits.append(lambda: optimizer.load_state_dict(
+            {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
+             "param_groups": new_groups}))
+
+    def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
+        """{parameter name: the settings of its param group}, from either form DCP
+        checkpoints hold: get_state_dict's (``param_groups.<i>.<setting>``, each group
+        listing its parameters' names under ``params``) or the flattened one torchtitan saves
+        (``flatten_optimizer_state_dict``: ``param_groups.<name>.<setting>``)."""
+        prefix = f"{OPTIMIZER}.param_groups."
+        keys = [k for k in self.stored if k.startswith(prefix)]
+        self.source.read({}, {k: None for k in keys}, into=self.objects)
+        indexed: Dict[int, Dict[str, Any]] = {}
+        out: Dict[str, Dict[str, Any]] = {}
+        for key in keys:
+            owner, setting = key[len(prefix):].rsplit(".", 1)
+            value = self.objects.pop(key)
+            if owner.isdigit():
+                indexed.setdefault(int(owner), {})[setting] = value
+            elif setting not in _GROUP_NAMES:
+                out.setdefault(owner, {})[setting] = value
+        for saved in indexed.values():
+            settings = {k: v for k, v in saved.items() if k not in _GROUP_NAMES}
+            out.update((name, settings) for name in saved.get("params", []))
+        if not out:
+            raise CheckpointError(f"{self.where}: its optimizer state has no param_groups")
+        return out
+
+    def _state_names(self) -> Set[str]:
+        prefix = f"{OPTIMIZER}.state."
+        return {k[len(prefix):].rsplit(".", 1)[0] for k in self.stored if k.startswith(prefix)}
+
+    def _param_state(self, shard: torch.Tensor, slots: List[ParamSlot]
+                     ) -> Dict[str, Callable[[], Any]]:
+        """The optimizer state of one shard, as thunks over what will have been read."""
+        prefix = self.scheme.state(slots[0].name, "")[0]
+        names = [k[len(prefix):] for k in self.stored if k.startswith(prefix)]
+        out: Dict[str, Callable[[], Any]] = {}
+        for name in names:
+            keys = [self.scheme.state(s.name, name)[0] for s in slots]
+            missing = [k for k in keys if k not in self.stored]
+            if missing:
+                raise CheckpointError(f"{self.where}: optimizer state {missing[0]} is missing")
+            stored = self.stored[keys[0]]
+            if isinstance(stored, BytesStorageMetadata):
+                self.objects[keys[0]] = None
+                out[name] = lambda key=keys[0]: self.objects[key]
+            elif all(tuple(self.stored[k].size) == tuple(s.shape) for k, s in zip(keys, slots)) \
+                    and not (name == "step" and len(slots[0].shape) == 0):
+                # sharded like the parameter (a 0-d parameter's 0-d step count is not)
+                stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
+                for key, slot in zip(keys, slots):
+                    self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),
+                               stage)
+                out[name] = lambda stage=stage: stage.view(shard.shape)
+            else:  # the same for every parameter (a step count)
+                stage = self._want_whole(keys[0])
+                out[name] = lambda stage=stage, size=stored.size: stage.view(size)
+        return out
+
+    # -- reading ---------------------------------------------------------------------------
+    def _read(self) -> None:
+        self.source.read(self.tensors, self.objects, into=self.objects)
+
+
+def _scheme_of(stored: Dict[str, Any], names: List[str]) -> KeyScheme:
+    """The key scheme whose model keys the checkpoint holds more of (``get_state_dict``'s if
+    neither: its keys are then the ones reported missing)."""
+    def held(scheme: KeyScheme) -> int:
+        return sum(scheme.model(n)[0] in stored for n in names)
+    return max(KEY_SCHEMES.values(), key=lambda s: (held(s), s is GET_STATE_DICT))
+
+
+def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:
+    def commit() -> None:
+        shard = shard_group.shard
+        shard.copy_(stage.view(shard.shape).to(shard.device))
+        shard_group.mark_updated()  # full parameters gathered before are stale
+    return commit
+
+

@@ -1,0 +1,102 @@
+"""Reads ``.safetensors`` files lazily: the header now, each tensor's bytes on demand.
+
+The format is an 8-byte little-endian header length, a JSON header giving every tensor's
+dtype, shape and byte range in the data that follows, then the data, each tensor
+contiguous and row-major. So any run of a tensor's elements is one ``pread``; a rank that
+needs a slice of a tensor reads that slice and nothing else. Tensors are handed out as
+``TensorRef`` (``reader``), the file acting as its storage.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from typing import Any, Dict, Tuple
+
+from .reader import CheckpointError, TensorRef, contiguous_strides
+from .writer import SAFETENSORS_DTYPES
+
+_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
+_MAX_HEADER = 100 << 20
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file: ``tensors`` by name, ``metadata`` (its ``__metadata__``)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.bytes_read = 0
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: no such file") from None
+        try:
+            self._ranges, self.metadata, self.tensors = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_header(self) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str],
+                                    Dict[str, TensorRef]]:
+        size = os.fstat(self._fd).st_size
+        head = os.pread(self._fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"{self.path}: not a safetensors file (shorter than 8 bytes)")
+        (length,) = struct.unpack("<Q", head)
+        if length > min(_MAX_HEADER, size - 8):
+            raise CheckpointError(f"{self.path}: not a safetensors file, or truncated (header "
+                                  f"of {length} bytes in a file of {size})")
+        try:
+            header = json.loads(os.pread(self._fd, length, 8))
+        except ValueError as exc:
+            raise CheckpointError(f"{self.path}: its safetensors header is not JSON ({exc})") \
+                from None
+        start = 8 + length
+        metadata = header.pop("__metadata__", None) or {}
+        ranges, tensors = {}, {}
+        for name, entry in header.items():
+            dtype = _DTYPES.get(entry.get("dtype"))
+            if dtype is None:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has dtype "
+                                      f"{entry.get('dtype')!r}, which this reader does not know")
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(x) for x in entry["data_offsets"])
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has {end - begin} bytes "
+                                      f"for shape {list(shape)} of {entry['dtype']}")
+            if start + end > size:
+                raise CheckpointError(f"{self.path}: truncated ({size} bytes; tensor {name!r} "
+                                      f"ends at byte {start + end})")
+            ranges[name] = (start + begin, end - begin)
+            tensors[name] = TensorRef(self, name, dtype, 0, shape, contiguous_strides(shape))
+        return ranges, metadata, tensors
+
+    def record_size(self, key: str) -> int:
+        return self._ranges[key][1]
+
+    def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
+        """Reads ``len(out)`` bytes of tensor ``key`` from ``byte_offset`` into ``out``."""
+        view = memoryview(out).cast("B")
+        at, size = self._ranges[key]
+        if byte_offset + len(view) > size:
+            raise CheckpointError(f"{self.path}: read past the end of tensor {key!r}")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], at + byte_offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: file ends inside tensor {key!r} "
+                                      f"(truncated)")
+            done += n
+        self.bytes_read += len(view)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "SafetensorsFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,116 @@
+"""Opening a consolidated checkpoint as a loader's source, whichever format holds it: a DCP
+directory, a Hugging Face directory (``model.safetensors`` or sharded with
+``model.safetensors.index.json``), a ``.safetensors`` file (with the ``.optimizer.pth``
+``consolidate_sharded_ckpts`` writes beside it), or a ``torch.save`` file (ours, with
+``model``, ``optimizer`` and ``optimizer_param_names``, or a bare state dict). Files are
+opened lazily (``files``): nothing but headers is read until the loader asks for runs.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable, Dict, List
+
+from ..dcp.load import DcpSource
+from ..dcp.save import METADATA_FILE
+from ..dcp.staging import Source
+from ..files import CheckpointError, CheckpointFile, SafetensorsFile
+from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
+
+HF_INDEX = "model.safetensors.index.json"
+HF_SINGLE = "model.safetensors"
+
+
+def open_consolidated(path: str) -> Source:
+    """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
+    when it is none of the formats above, or incomplete."""
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, METADATA_FILE)):
+            return DcpSource(path)
+        if os.path.exists(os.path.join(path, HF_INDEX)):
+            return _hf_sharded(path)
+        if os.path.exists(os.path.join(path, HF_SINGLE)):
+            return _safetensors(os.path.join(path, HF_SINGLE), optimizer_file=False)
+        raise CheckpointError(f"{path}: neither a DCP checkpoint ({METADATA_FILE}) nor a "
+                              f"Hugging Face directory ({HF_INDEX} or {HF_SINGLE})")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file or directory")
+    if path.endswith(".safetensors"):
+        return _safetensors(path, optimizer_file=True)
+    return _torch_file(path)
+
+
+def _hf_sharded(directory: str) -> EntrySource:
+    index_path = os.path.join(directory, HF_INDEX)
+    try:
+        with open(index_path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
+    files: Dict[str, SafetensorsFile] = {}
+    closers: List[Callable[[], None]] = []
+    try:
+        for name in sorted(set(weight_map.values())):
+            shard = os.path.join(directory, name)
+            if not os.path.exists(shard):
+                raise CheckpointError(f"{index_path} names {name}, which is missing from "
+                                      f"{directory}")
+            files[name] = SafetensorsFile(shard)
+            closers.append(files[name].close)
+        state = {}
+        for key, name in weight_map.items():
+            if key not in files[name].tensors:
+                raise CheckpointError(f"{index_path} puts {key!r} in {name}, which does not "
+                                      f"hold it")
+            state[key] = files[name].tensors[key]
+    except BaseException:
+        for close in closers:
+            close()
+        raise
+    tensors, objects = model_entries(state)
+    return EntrySource(directory, tensors, objects, closers)
+
+
+def _safetensors(path: str, optimizer_file: bool) -> EntrySource:
+    weights = SafetensorsFile(path)
+    tensors, objects = model_entries(weights.tensors)
+    closers = [weights.close]
+    companion = os.path.splitext(path)[0] + ".optimizer.pth"
+    if optimizer_file and os.path.exists(companion):
+        try:
+            file = CheckpointFile(companion)
+        except BaseException:
+            weights.close()
+            raise
+        closers.append(file.close)
+        _add_optimizer(file.tree, companion, tensors, objects)
+    return EntrySource(path, tensors, objects, closers)
+
+
+def _torch_file(path: str) -> EntrySource:
+    file = CheckpointFile(path)
+    tree = file.tree
+    if isinstance(tree, dict) and isinstance(tree.get("model"), dict):
+        state = tree["model"]
+    elif isinstance(tree, dict) and tree and all(is_tensor(v) for v in tree.values()):
+        state = tree  # torch.save(model.state_dict())
+    else:
+        file.close()
+        raise CheckpointError(f"{path}: holds neither a 'model' state dict nor a state dict")
+    tensors, objects = model_entries(state)
+    _add_optimizer(tree, path, tensors, objects)
+    return EntrySource(path, tensors, objects, [file.close])
+
+
+def _add_optimizer(tree: Any, where: str, tensors: Dict[str, Any],
+                   objects: Dict[str, Any]) -> None:
+    """The optimizer state and ``extra`` a consolidated file holds, if any."""
+    if not isinstance(tree, dict):
+        return
+    if "optimizer" in tree:
+        more_tensors, more_objects = optimizer_entries(tree["optimizer"], where,
+                                                       tree.get("optimizer_param_names"))
+        tensors.update(more_tensors)
+        objects.update(more_objects)
+    if "extra" in tree:
+        objects["extra"] = tree["extra"]
