@@ -22,3 +22,27 @@ def write_result(path: str, lines: list) -> None:
     print(text)
     with open(path, "w") as f:
         f.write(text)
+
+
+def _status(field: str) -> int:
+    import re
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def reset_peak() -> int:
+    """Returns memory to the system (garbage collector, ``malloc_trim``), resets the kernel's
+    high-water mark (``VmHWM``, by writing 5 to ``/proc/self/clear_refs``) and returns the
+    resident set now: what ``peak_added`` measures from."""
+    import ctypes
+    import gc
+    gc.collect()  # what an earlier run left in reference cycles
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
+def peak_added(before: int) -> int:
+    """The process's peak resident set since ``reset_peak``, less what it was then."""
+    return _status("VmHWM") - before

@@ -19,10 +19,7 @@ and its save adds the per-rank figure to that process.
 Needs the installed package (``pip install -e .``). Writes
 benchmarks/results/save_memory.md (``--out`` for another file).
 """
-import ctypes
-import gc
 import os
-import re
 import shutil
 import statistics
 import tempfile
@@ -30,14 +27,9 @@ import time
 
 import torch
 
-from common import size_args, write_result
+from common import peak_added, reset_peak, size_args, write_result
 
 WIDTH = 4096
-
-
-def _status(field):
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
 def _empty(directory):
@@ -84,7 +76,6 @@ def _run(rank, layers, repeats, directory):
     own += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
                if torch.is_tensor(v))
     results = {}
-    libc = ctypes.CDLL("libc.so.6")
     savers = list(_savers(directory).items())
     for name, save in savers:  # once each unrecorded: first-call costs (imports, threads)
         save(rank, model, opt, "warmup")
@@ -96,18 +87,14 @@ def _run(rank, layers, repeats, directory):
         for name, save in savers[i % len(savers):] + savers[:i % len(savers)]:
             xm.rendezvous("before")
             if rank == 0:
-                gc.collect()  # what an earlier save left in reference cycles
-                libc.malloc_trim(0)
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                before = _status("VmRSS")
+                before = reset_peak()
             xm.rendezvous("reset")
             start = time.monotonic()
             save(rank, model, opt, i)
             xm.rendezvous("saved")
             if rank == 0:
                 results.setdefault(name, []).append(
-                    (_status("VmHWM") - before, time.monotonic() - start))
+                    (peak_added(before), time.monotonic() - start))
                 _empty(directory)
     return {"own": own, "results": results}
 

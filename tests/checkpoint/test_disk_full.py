@@ -115,7 +115,8 @@ def at_four(rank, own_disks, shared, plain_prefix):
     ``plain_prefix``: checkpoints on an ordinary disk, of two states, for the consolidation
     test."""
     import torch_xla.core.xla_model as xm
-    from xla_fsdp.checkpoint import load_dcp, load_sharded, save_dcp, save_sharded
+    from xla_fsdp.checkpoint import (load_consolidated, load_dcp, load_sharded,
+                                     save_consolidated, save_dcp, save_sharded)
     model = wrapped_net()
     opt = optimizer_for(model)
     train(model, opt, range(0, 2), rank, WORLD)
@@ -126,6 +127,9 @@ def at_four(rank, own_disks, shared, plain_prefix):
     save_sharded(step2, model, opt, extra={"step": 2})
     save_dcp(dcp_dir, model, opt, extra={"step": 2})
     save_sharded(plain_prefix, model, opt, extra={"step": 2})
+    # consolidated from training code: rank 0 writes it on its own host's disk
+    consolidated = os.path.join(own_disks[rank], "consolidated.pth")
+    save_consolidated(consolidated, model, opt, extra={"step": 2})
     saved = model.full_state_dict()
     train(model, opt, range(2, 3), rank, WORLD)  # a state unlike the saved one, to save next
     save_sharded(plain_prefix + "_later", model, opt, extra={"step": 3})
@@ -160,6 +164,15 @@ def at_four(rank, own_disks, shared, plain_prefix):
     out["dcp_unchanged"] = state(shared) == before
     xm.rendezvous("dcp checked")  # before the disk is filled anew
 
+    # save_consolidated over the previous one, host 0's disk with room for half of it
+    if rank == 0:
+        leave_free(own_disks[0], os.path.getsize(consolidated) // 2)
+    xm.rendezvous("host 0 filled")
+    before = state(own_disks[rank])
+    out["consolidated_error"] = _attempt(save_consolidated, consolidated, model, opt,
+                                         extra={"step": 3})
+    out["consolidated_unchanged"] = state(own_disks[rank]) == before
+
     # every previous checkpoint loads, and holds what was saved
     out["own_extra"] = load_sharded(own, model, opt)
     out["own_loads"] = _same_full_state(model, saved)
@@ -168,6 +181,11 @@ def at_four(rank, own_disks, shared, plain_prefix):
     train(model, opt, range(3, 4), rank, WORLD)
     out["dcp_extra"] = load_dcp(dcp_dir, model, opt)
     out["dcp_loads"] = _same_full_state(model, saved)
+    train(model, opt, range(4, 5), rank, WORLD)
+    # only host 0 has it: rank 0 reads, the others receive over the collectives
+    out["consolidated_extra"] = load_consolidated(consolidated, model, opt,
+                                                  first_rank_reads=True)
+    out["consolidated_loads"] = _same_full_state(model, saved)
     return out
 
 
@@ -198,6 +216,17 @@ def test_saves_on_a_full_disk(launched):
         # DCP over the previous save: .metadata and the data files as they were
         assert result["dcp_unchanged"] and result["dcp_extra"] == {"step": 2}
         assert result["dcp_loads"], rank
+        # save_consolidated on host 0's full disk: the previous file stays and loads
+        if rank == 0:
+            path = os.path.join(own_disks[0], "consolidated.pth")
+            assert _names_the_full_disk(result["consolidated_error"], path), \
+                result["consolidated_error"]
+        else:
+            assert result["consolidated_error"].startswith("rank 0 failed, so this rank "
+                                                           "stopped too: "), rank
+        assert result["consolidated_unchanged"], rank
+        assert result["consolidated_extra"] == {"step": 2}
+        assert result["consolidated_loads"], rank
 
     for key, file_pattern in (("step3_error", "step3_rank-{rank:08d}-of-00000004.pth"),
                               ("dcp_error", None)):

@@ -11,6 +11,7 @@ import torch
 
 from ..files import (CheckpointError, CheckpointFile, SafetensorsWriter, StagedFile,
                      TorchFileWriter, atomic_path)
+from ..files.reader import materialized
 from ..files.writer import SAFETENSORS_DTYPES
 from ..metadata import MODEL
 from .optimizer import consolidate_optimizer
@@ -75,7 +76,8 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
                 with staged[1].writing() as tmp:
                     writer = TorchFileWriter(tmp)
                     optimizer, names = consolidate_optimizer(shards, plan, writer.add)
-                    writer.finish({"optimizer": optimizer, "optimizer_param_names": names})
+                    writer.finish(dict({"optimizer": optimizer, "optimizer_param_names": names},
+                                       **_extra(shards)))
         except BaseException:
             for file in staged:
                 file.discard()
@@ -95,8 +97,16 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
         if with_optimizer:
             tree["optimizer"], tree["optimizer_param_names"] = consolidate_optimizer(
                 shards, plan, writer.add)
+        tree.update(_extra(shards))
         writer.finish(tree)
     return [path]
+
+
+def _extra(shards: ShardSet) -> Dict[str, Any]:
+    """What the training code saved as ``extra`` (a step count, a scheduler), kept with the
+    optimizer for a resume."""
+    tree = shards.files[0].tree
+    return {"extra": materialized(tree["extra"])} if "extra" in tree else {}
 
 
 def verify_output(path: str, expected: Dict[str, tuple], fmt: str = "pt") -> str:

@@ -75,6 +75,17 @@ class TensorRef:
         return storage.as_strided(self.shape, self.stride, self.storage_offset).clone()
 
 
+def materialized(value: Any) -> Any:
+    """``value`` with every ``TensorRef`` in it read (objects saved next to the tensors)."""
+    if isinstance(value, TensorRef):
+        return value.read()
+    if isinstance(value, dict):
+        return {k: materialized(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(materialized(v) for v in value)
+    return value
+
+
 def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
     strides, acc = [], 1

@@ -24,23 +24,13 @@ from ..dcp.layout import GET_STATE_DICT, OPTIMIZER
 from ..dcp.planners import TensorPieces
 from ..dcp.staging import Stored
 from ..files import CheckpointError, TensorRef
+from ..files.reader import materialized
 
 Tensorish = Union[torch.Tensor, TensorRef]
 
 
 def is_tensor(value: Any) -> bool:
     return isinstance(value, (torch.Tensor, TensorRef))
-
-
-def materialized(value: Any) -> Any:
-    """``value`` with every ``TensorRef`` in it read (objects saved next to the tensors)."""
-    if isinstance(value, TensorRef):
-        return value.read()
-    if isinstance(value, dict):
-        return {k: materialized(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(materialized(v) for v in value)
-    return value
 
 
 class EntrySource:
