@@ -1,6 +1,6 @@
 """DCP round trips through every layout: a model wrapped one way is trained and saved with
-``save_dcp`` at one world size (``save_all``), then loaded into the same model wrapped
-another way at another world size and saved again (``load_all``). Run by
+``save_dcp`` (and ``save_consolidated``) at one world size (``save_all``), then loaded into
+the same model wrapped another way at another world size and saved again (``load_all``). Run by
 ``tests/checkpoint/dcp/test_roundtrip.py``; the bad-input checks run in the loading launch.
 """
 import os
@@ -11,6 +11,7 @@ import torch
 from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
 
 SAVE_WORLD, LOAD_WORLD, STEPS = 4, 2, 2
+CONSOLIDATED_FORMATS = ("pt", "safetensors")
 # name: (model, wrapping at SAVE_WORLD, wrapping at LOAD_WORLD, optimizer)
 CONFIGS = {
     "nested_to_flattened": ("net", "nested", "flattened", "adamw"),
@@ -86,32 +87,48 @@ def save_all(rank, directory):
     """Every config trained and saved at SAVE_WORLD; rank 0's full state dicts (of both
     groups for ``groups_to_nested``)."""
     import torch_xla
-    from xla_fsdp.checkpoint import save_dcp
+    from xla_fsdp.checkpoint import save_consolidated, save_dcp
     out = {}
-    for name, (kind, how, _, opt_name) in CONFIGS.items():
+    for i, (name, (kind, how, _, opt_name)) in enumerate(CONFIGS.items()):
         model = wrap(build(kind, 0), how, rank)
         opt = optimizer(opt_name, model)
         split = 2 if how in ("hybrid", "groups") else SAVE_WORLD
         _train(model, opt, kind, rank, split)
         save_dcp(os.path.join(directory, name), model, opt, extra={"config": name})
+        save_consolidated(consolidated_path(directory, name, i), model, opt,
+                          format=CONSOLIDATED_FORMATS[i % 2], extra={"config": name})
         out[name] = model.full_state_dict(rank0_only=False)
         torch_xla.sync()
     return out
 
 
+def consolidated_path(directory, name, i, sharding_group=""):
+    """Where ``save_all`` writes a config's consolidated checkpoint (``.pth`` and
+    ``.safetensors`` alternately), outside ``directory``."""
+    ext = ".safetensors" if CONSOLIDATED_FORMATS[i % 2] == "safetensors" else ".pth"
+    return os.path.join(directory + "_consolidated", name + sharding_group + ext)
+
+
 def load_all(rank, directory, again):
-    """Every config loaded at LOAD_WORLD into another wrapping and saved again to ``again``;
-    then the bad-input checks."""
+    """Every config loaded at LOAD_WORLD into another wrapping and saved again to ``again``,
+    from its DCP checkpoint and (under ``<name>_consolidated``) from its consolidated one, by
+    every rank or only the first; then the bad-input checks."""
     import torch_xla
-    from xla_fsdp.checkpoint import load_dcp, save_dcp
+    from xla_fsdp.checkpoint import load_consolidated, load_dcp, save_dcp
     out = {}
-    for name, (kind, _, how, opt_name) in CONFIGS.items():
+    for i, (name, (kind, _, how, opt_name)) in enumerate(CONFIGS.items()):
         model = wrap(build(kind, 1), how, rank)
         opt = optimizer(opt_name, model)
         source = os.path.join(directory, name)
         extra = load_dcp(source + ("_group-000" if name == "groups_to_nested" else ""), model, opt)
         save_dcp(os.path.join(again, name), model, opt, extra=extra)
         out[name] = model.full_state_dict(rank0_only=False)
+        model = wrap(build(kind, 2), how, rank)
+        opt = optimizer(opt_name, model)
+        group = "_group-000" if name == "groups_to_nested" else ""
+        extra = load_consolidated(consolidated_path(directory, name, i, group), model, opt,
+                                  first_rank_reads=i % 3 == 1)
+        save_dcp(os.path.join(again, name + "_consolidated"), model, opt, extra=extra)
         torch_xla.sync()
     out["refusals"] = _refusals(rank, os.path.join(directory, "nested_to_flattened"),
                                 os.path.join(again, "damaged"))

@@ -153,11 +153,13 @@ def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
     return [t if t.dtype == torch.float32 else t.float() for t in outputs]
 
 
-def broadcast_bytes(data: torch.Tensor, pin_layout: bool) -> torch.Tensor:
-    """Global rank 0's ``data`` (uint8, on the device; the same shape on every rank) on every
-    rank: an all-reduce sum to which the other ranks contribute zeros. Summing bytes, not
-    values, keeps it exact for every dtype (a float sum would turn -0.0 into 0.0)."""
+def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:
+    """Global rank 0's ``words`` (raw bytes viewed as int32, on the device; the same shape on
+    every rank) on every rank: an all-reduce sum to which the other ranks contribute zeros.
+    Summing integers, not the values the bytes encode, keeps it exact for every dtype (a
+    float sum would turn -0.0 into 0.0); int32, not uint8, because XLA:CPU reduces four
+    times fewer elements."""
     import torch_xla.core.xla_model as xm
-    if data.dtype != torch.uint8:
-        raise TypeError(f"broadcast_bytes takes uint8 data, not {data.dtype}")
-    return xm.all_reduce(xm.REDUCE_SUM, data, groups=None, pin_layout=pin_layout)
+    if words.dtype != torch.int32:
+        raise TypeError(f"broadcast_bytes takes bytes viewed as int32, not {words.dtype}")
+    return xm.all_reduce(xm.REDUCE_SUM, words, groups=None, pin_layout=pin_layout)

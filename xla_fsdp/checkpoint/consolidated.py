@@ -9,6 +9,7 @@ first rank alone when only its host has the checkpoint (``sources``).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -99,8 +100,15 @@ def load_consolidated(path: str, model: ShardedModel,
 
 def _sharding_group_path(path: str, model: ShardedModel) -> Tuple[str, bool]:
     """Where this rank's sharding group's consolidated checkpoint is, and whether the groups
-    are independent (each with its own), as ``save_consolidated`` writes them."""
+    are independent (each with its own: ``out/ck_group-001.pth``, ``out/hf_group-001``), as
+    ``save_consolidated`` writes them."""
     index = sharding_group_index(model)
     if index is None or model.options.replicate_across_groups:
         return path, False
-    return f"{path}_group-{index:03d}", True
+    stem, ext = os.path.splitext(path)
+    if ext not in _FILE_EXTENSIONS:
+        stem, ext = path, ""
+    return f"{stem}_group-{index:03d}{ext}", True
+
+
+_FILE_EXTENSIONS = (".pth", ".pt", ".bin", ".safetensors")

@@ -1,4 +1,5 @@
-"""Every layout round-trips through DCP exactly: saved at N = 4 one way, loaded at N = 2 another
+"""Every layout round-trips through DCP, and through ``save_consolidated`` /
+``load_consolidated``, exactly: saved at N = 4 one way, loaded at N = 2 another
 way (flattened, dim-0, scanned and per-layer units, tied parameters in a module group, frozen
 parameters, bf16 compute, hybrid and independent sharding groups), the model equals the one
 saved and a second save holds the same values, optimizer state included. Bad checkpoints are
@@ -53,6 +54,17 @@ def test_round_trip_is_exact(trips, name, tmp_path):
     _equal(second, first, name)
     assert first["extra"] == {"config": name}
     assert first["optimizer"]["state"], "no optimizer state was saved"
+    # through save_consolidated / load_consolidated instead: the same model and optimizer
+    through = _torch_save(os.path.join(trips["second"], name + "_consolidated"), tmp_path,
+                          "consolidated")
+    _equal(through, first, f"{name} through a consolidated checkpoint")
+
+
+def test_independent_groups_consolidate_a_file_each(trips):
+    files = sorted(os.listdir(str(trips["first"]) + "_consolidated"))
+    assert "groups_to_nested_group-000.pth" in files or \
+        "groups_to_nested_group-000.safetensors" in files, files
+    assert not [f for f in files if f.startswith("groups_to_nested.")], files
 
 
 def test_groups_save_a_directory_each(trips):

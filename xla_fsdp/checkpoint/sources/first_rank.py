@@ -84,8 +84,9 @@ class FirstRankSource:
                 except Exception as exc:
                     error = exc
             agree(f"{self._tag}.bucket.{n}", error)
-            got = broadcast_bytes(bucket.to(torch_xla.device()), self._pin_layout)
-            received = got.cpu()
+            got = broadcast_bytes(bucket.view(torch.int32).to(torch_xla.device()),
+                                  self._pin_layout)
+            received = got.cpu().view(torch.uint8)
             self.bytes_received += received.numel()
             receiver.take(begin, received)
         receiver.finish()
