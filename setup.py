@@ -11,7 +11,7 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
     # the clients that import torch_xla's FSDP themselves, tested through patch_torch_xla()
     extras_require={"test": ["pytest>=7", "safetensors", "transformers<5", "accelerate",
-                             "lightning==2.6.6", "matplotlib"],
+                             "peft", "lightning==2.6.6", "matplotlib"],
                     "example": ["matplotlib"]},  # examples/train_lm.py's loss curve
     entry_points={"console_scripts": [
         "consolidate_sharded_ckpts = xla_fsdp.checkpoint.consolidate.cli:main",

@@ -6,7 +6,10 @@ when the first unit is built (never at import):
 * ``torch.xla``, the device module ``torch.utils.checkpoint`` needs for XLA tensors
   (``_xla.torch_device_module``);
 * ``ACCELERATE_USE_FSDP=true`` unless set, so that accelerate does not average sharded
-  gradients across ranks (``optimizer_guard.declare_sharded_gradients``).
+  gradients across ranks (``optimizer_guard.declare_sharded_gradients``);
+* peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
+  nested units (``peft_names``). It waits for peft: installed on the first unit built once
+  peft has been imported, never importing peft itself.
 """
 from __future__ import annotations
 
@@ -15,14 +18,17 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
+from . import peft_names
 from .optimizer_guard import check_step, count_updates, declare_sharded_gradients
 
 _installed = False
 
 
 def install() -> None:
-    """Called by every unit's constructor; acts on the first call only."""
+    """Called by every unit's constructor; acts on the first call only (peft's names: on
+    the first call after peft was imported)."""
     global _installed
+    peft_names.install()
     if _installed:
         return
     _installed = True

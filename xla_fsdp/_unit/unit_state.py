@@ -28,12 +28,13 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.collectives import optimization_barrier
+from .._sharding.names import clean_name
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward
 from .options import FsdpOptions
 from .root_context import RootContext
-from .shard_group import ShardGroup
+from .shard_group import ShardGroup, shard_group_of
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
@@ -240,11 +241,27 @@ class UnitState:
         for state in self.context.states:
             if isinstance(state, UnitState) and state.detached:
                 raise ValueError(detached_message(state.members))
+        self._refuse_unsharded_parameters()
         if self.options.debug_print and self.options.rank == 0:
             count = sum(len(s.shard_groups) for s in self.context.states
                         if isinstance(s, UnitState))
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
+
+    def _refuse_unsharded_parameters(self) -> None:
+        """Every parameter the model registers must be a shard: one registered after the
+        units were built (adapters that peft's ``get_peft_model`` adds to a wrapped model)
+        would be neither sharded nor reduced, each rank training its own copy."""
+        added = sorted({clean_name(n) for m in self.members for n, p in m.named_parameters()
+                        if shard_group_of(p) is None})
+        if added:
+            shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4
+                                             else "")
+            raise ValueError(
+                f"FSDP unit around {self.name}: parameters were added to the model after it "
+                f"was wrapped, so no unit shards them or reduces their gradients: {shown}. "
+                f"Add them before wrapping (with peft: call get_peft_model on the unwrapped "
+                f"model, then wrap the PeftModel)")
 
     def _sync_trainable(self) -> None:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
