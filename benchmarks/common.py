@@ -46,3 +46,79 @@ def reset_peak() -> int:
 def peak_added(before: int) -> int:
     """The process's peak resident set since ``reset_peak``, less what it was then."""
     return _status("VmHWM") - before
+
+
+WIDTH = 4096
+
+
+def stack_layers(gb: float) -> int:
+    """How many WIDTH x WIDTH float32 layers make ``gb`` GiB of parameters."""
+    return max(1, round(gb * 2**30 / (WIDTH * WIDTH * 4)))
+
+
+def trained_stack(layers: int):
+    """In a launched function: a stack of bias-free linear layers, one FSDP unit each, and
+    AdamW after one step; with what this rank holds (its shards and their state), in bytes."""
+    import torch
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
+                                  for _ in range(layers)])
+    model = FSDP(torch.nn.Sequential(*[FSDP(m) for m in model]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.ones(2, WIDTH, device=torch_xla.device())).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    torch_xla.sync()
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    own += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
+               if torch.is_tensor(v))
+    return model, opt, own
+
+
+def measured_turns(rank: int, operations: dict, repeats: int, run, after=None) -> dict:
+    """In a launched function: ``run(operation, turn)`` for every operation, once unrecorded
+    (first-call costs: imports, threads, graphs), then ``repeats`` times in a rotating order,
+    each between rendezvous; on rank 0 ``{name: [(bytes added, seconds), ...]}`` and
+    ``after()`` after each call (cleaning up)."""
+    import time
+    import torch_xla.core.xla_model as xm
+    items = list(operations.items())
+
+    def done():
+        xm.rendezvous("done")
+        if rank == 0 and after is not None:
+            after()
+        xm.rendezvous("cleaned")
+    for name, operation in items:
+        run(operation, "warmup")
+        done()
+    results: dict = {}
+    for i in range(repeats):
+        for name, operation in items[i % len(items):] + items[:i % len(items)]:
+            xm.rendezvous("before")
+            before = reset_peak() if rank == 0 else 0
+            xm.rendezvous("reset")
+            start = time.monotonic()
+            run(operation, i)
+            xm.rendezvous("measured")
+            if rank == 0:
+                results.setdefault(name, []).append((peak_added(before),
+                                                     time.monotonic() - start))
+            done()
+    return results
+
+
+def launch_with_directory(fn, args: tuple, world: int):
+    """``launch(fn, (*args, directory))`` with a temporary directory removed afterwards, large
+    allocations their own mappings (so that freed memory is returned, not reused unseen)."""
+    import shutil
+    import tempfile
+    from xla_fsdp import launch
+    directory = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # the device process inherits it
+    try:
+        return launch(fn, tuple(args) + (directory,), num_devices=world)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

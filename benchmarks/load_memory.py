@@ -18,16 +18,12 @@ Needs the installed package (``pip install -e .``). Writes
 benchmarks/results/load_memory.md (``--out`` for another file).
 """
 import os
-import shutil
 import statistics
-import tempfile
-import time
 
 import torch
 
-from common import peak_added, reset_peak, size_args, write_result
-
-WIDTH = 4096
+from common import (WIDTH, launch_with_directory, measured_turns, size_args, stack_layers,
+                    trained_stack, write_result)
 
 
 def _loaders(directory):
@@ -55,52 +51,19 @@ def _loaders(directory):
 
 
 def _run(rank, layers, repeats, directory):
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    from xla_fsdp import FSDP
     from xla_fsdp.checkpoint import save_consolidated
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
-                                  for _ in range(layers)])
-    model = FSDP(torch.nn.Sequential(*[FSDP(m) for m in model]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(2, WIDTH, device=torch_xla.device())).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    torch_xla.sync()
+    model, opt, own = trained_stack(layers)
     for fmt, name in (("pt", "ck.pth"), ("safetensors", "ck.safetensors")):
         save_consolidated(os.path.join(directory, name), model, opt, format=fmt)
-    own = sum(p.numel() * p.element_size() for p in model.parameters())
-    own += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v))
-    results = {}
-    loaders = list(_loaders(directory).items())
-    for name, load in loaders:  # once each unrecorded: first-call costs (imports, graphs)
-        load(rank, model, opt)
-    for i in range(repeats):
-        for name, load in loaders[i % len(loaders):] + loaders[:i % len(loaders)]:
-            xm.rendezvous("before")
-            before = reset_peak() if rank == 0 else 0
-            xm.rendezvous("reset")
-            start = time.monotonic()
-            load(rank, model, opt)
-            xm.rendezvous("loaded")
-            if rank == 0:
-                results.setdefault(name, []).append((peak_added(before),
-                                                     time.monotonic() - start))
+    results = measured_turns(rank, _loaders(directory), repeats,
+                             lambda load, turn: load(rank, model, opt))
     return {"own": own, "results": results}
 
 
 def main():
-    from xla_fsdp import launch
     args = size_args("load_memory.md")
-    layers = max(1, round(args.gb * 2**30 / (WIDTH * WIDTH * 4)))
-    directory = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # the device process inherits it
-    try:
-        out = launch(_run, (layers, args.repeats, directory), num_devices=args.world)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    layers = stack_layers(args.gb)
+    out = launch_with_directory(_run, (layers, args.repeats), args.world)
     own = out[0]["own"]
     model_bytes = layers * WIDTH * WIDTH * 4
     lines = [

@@ -22,14 +22,9 @@ benchmarks/results/save_memory.md (``--out`` for another file).
 import os
 import shutil
 import statistics
-import tempfile
-import time
 
-import torch
-
-from common import peak_added, reset_peak, size_args, write_result
-
-WIDTH = 4096
+from common import (WIDTH, launch_with_directory, measured_turns, size_args, stack_layers,
+                    trained_stack, write_result)
 
 
 def _empty(directory):
@@ -60,55 +55,17 @@ def _savers(directory):
 
 
 def _run(rank, layers, repeats, directory):
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    from xla_fsdp import FSDP
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
-                                  for _ in range(layers)])
-    model = FSDP(torch.nn.Sequential(*[FSDP(m) for m in model]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.ones(2, WIDTH, device=torch_xla.device())).sum().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    torch_xla.sync()
-    own = sum(p.numel() * p.element_size() for p in model.parameters())
-    own += sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values()
-               if torch.is_tensor(v))
-    results = {}
-    savers = list(_savers(directory).items())
-    for name, save in savers:  # once each unrecorded: first-call costs (imports, threads)
-        save(rank, model, opt, "warmup")
-        xm.rendezvous("warm")
-        if rank == 0:
-            _empty(directory)
-        xm.rendezvous("emptied")
-    for i in range(repeats):
-        for name, save in savers[i % len(savers):] + savers[:i % len(savers)]:
-            xm.rendezvous("before")
-            if rank == 0:
-                before = reset_peak()
-            xm.rendezvous("reset")
-            start = time.monotonic()
-            save(rank, model, opt, i)
-            xm.rendezvous("saved")
-            if rank == 0:
-                results.setdefault(name, []).append(
-                    (peak_added(before), time.monotonic() - start))
-                _empty(directory)
+    model, opt, own = trained_stack(layers)
+    results = measured_turns(rank, _savers(directory), repeats,
+                             lambda save, turn: save(rank, model, opt, turn),
+                             after=lambda: _empty(directory))
     return {"own": own, "results": results}
 
 
 def main():
-    from xla_fsdp import launch
     args = size_args("save_memory.md")
-    layers = max(1, round(args.gb * 2**30 / (WIDTH * WIDTH * 4)))
-    directory = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # the device process inherits it
-    try:
-        out = launch(_run, (layers, args.repeats, directory), num_devices=args.world)
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
+    layers = stack_layers(args.gb)
+    out = launch_with_directory(_run, (layers, args.repeats), args.world)
     own = out[0]["own"]
     model_bytes = layers * WIDTH * WIDTH * 4
     lines = [

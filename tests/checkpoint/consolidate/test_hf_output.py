@@ -6,8 +6,8 @@ import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from xla_fsdp.checkpoint.consolidate.hf_output import (parse_size, split_into_files,
-                                                        tied_names_to_drop)
+from xla_fsdp.checkpoint.consolidate.hf_output import (hf_directory, parse_size,
+                                                        split_into_files, tied_names_to_drop)
 from xla_fsdp.checkpoint.files import CheckpointError
 
 
@@ -39,3 +39,15 @@ def test_tied_names_follow_the_model_class_then_the_first_registered():
     assert tied_names_to_drop(aliases, [r"embed_tokens"]) == ["model.embed_tokens.weight"]
     three = [("b", "a"), ("c", "a")]
     assert sorted(tied_names_to_drop(three, None)) == ["b", "c"]
+
+
+@pytest.mark.parametrize("name", ["base_model.model.model.layers.0.self_attn.q_proj.weight",
+                                  "model.layers.0.self_attn.q_proj.lora_A.default.weight"])
+def test_a_peft_model_is_refused_with_the_routes_that_work(tmp_path, name):
+    """Its names are the PeftModel's, which from_pretrained of the base class cannot load."""
+    specs = [("model.norm.weight", torch.float32, (4,)), (name, torch.float32, (4, 4))]
+    entries = iter([("model.norm.weight", torch.ones(4)), (name, torch.ones(4, 4))])
+    out = tmp_path / "hf"
+    with pytest.raises(CheckpointError, match="PEFT model .*merge_and_unload"):
+        hf_directory(str(out), specs, entries, [], "", None, "5GB", lambda n: None)
+    assert not out.exists()

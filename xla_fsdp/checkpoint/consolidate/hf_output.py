@@ -281,6 +281,7 @@ def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[
     The configuration is ``hf_config`` (a path) when given, else ``model.config`` (the
     unwrapped model's own, from training code), else none: then no ``config.json`` is
     written, and tied weights are stored once under their first-registered name."""
+    _refuse_adapter_names(specs)
     configs: Dict[str, bytes] = {}
     where = hf_config
     if hf_config:
@@ -303,3 +304,22 @@ def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[
     order = stored_order(specs, aliases, tied_names_to_drop(aliases, patterns))
     summary = verify_hf_directory(directory, {n: (d, s) for (n, d, s), _ in order})
     return [directory], summary
+
+
+_ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.",
+                  ".modules_to_save.", ".original_module.")
+
+
+def _refuse_adapter_names(specs: Sequence[Spec]) -> None:
+    """A PEFT model's weights carry its wrapper's names (``base_model.model.``) and unmerged
+    adapters, which no ``from_pretrained`` of the base architecture loads: refused, with the
+    two routes that give a loadable directory."""
+    found = [name for name, _, _ in specs
+             if name.startswith("base_model.model.") or any(p in name for p in _ADAPTER_PARTS)]
+    if found:
+        raise CheckpointError(
+            f"--format hf / format='hf': these are the weights of a PEFT model ({found[0]}"
+            f"{' ...' if len(found) > 1 else ''}), not of a Hugging Face architecture. Save "
+            f"its adapter with the PeftModel's save_pretrained(dir, state_dict="
+            f"model.full_state_dict()), or consolidate to .pth, load it into the unwrapped "
+            f"PeftModel and save merge_and_unload() with save_pretrained")
