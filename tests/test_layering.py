@@ -50,7 +50,7 @@ VIRTUAL_LAUNCHER = "xla_fsdp.launch.virtual"
 COLLECTIVES_MODULE = "xla_fsdp._sharding.collectives"
 UPSTREAM = ("torch", "torch_xla", "functorch")
 # names torch_xla's FSDP puts on tensors and modules, kept for the code that reads them
-TORCH_XLA_ATTRIBUTES = {"_is_sharded", "_orig_size", "_orig_name",
+TORCH_XLA_ATTRIBUTES = {"_is_sharded", "_orig_size", "_orig_name", "_has_full_param",
                         "_xla_checkpointed_forward_original", "_nn_linear_forward_original"}
 NAMEDTUPLE_API = {"_replace", "_fields", "_asdict", "_make"}
 MAX_LINES = 600

@@ -113,6 +113,19 @@ def _torch_xla_arguments(out, device):
         model.assert_state(TrainingState.FORWARD)
     except ValueError as exc:  # torch_xla raises ValueError
         out["assert_state"] = type(exc).__name__
+    # what torch_xla's frozen-weight test reads: full params held during forward, freed
+    # after backward, a frozen weight's too
+    linear = nn.Linear(16, 16)
+    linear.weight.requires_grad = False
+    linear = FSDP(linear)
+    seen = []
+    linear.register_forward_hook(
+        lambda *_: seen.append([p._has_full_param for p in linear.full_params]))
+    linear(torch.rand(2, 16).to(device)).sum().backward()
+    out["has_full_param"] = (seen, [p._has_full_param for p in linear.full_params])
+    kept = FSDP(nn.Linear(16, 16), reshard_after_forward=False)
+    kept(torch.rand(2, 16).to(device))
+    out["has_full_param_kept"] = [p._has_full_param for p in kept.full_params]
     torch_xla.sync()
 
 
@@ -153,3 +166,5 @@ def test_wrapper_api():
     assert out["dummy_step_collectives"] == []
     assert out["params_with_grad"]
     assert out["assert_state"] == "TrainingStateError"
+    assert out["has_full_param"] == ([[True, True]], [False, False])
+    assert out["has_full_param_kept"] == [True, True]

@@ -1,9 +1,12 @@
 """One record per original parameter of a unit: the placeholder that stands in its modules,
 every place and name it has, and whether the placeholder holds the full value now.
 
-No FSDP state lives on tensors except the three attributes other frameworks read on a
-shard (``_is_sharded``, ``_orig_size``, ``_orig_name``). The records are found from their
-tensors through identity-keyed weak maps, so a tensor that dies takes its entry with it.
+No FSDP state lives on tensors except what code written for torch_xla's FSDP reads there:
+``_is_sharded``, ``_orig_size`` and ``_orig_name`` on a shard, and ``_has_full_param`` on a
+placeholder (a unit's ``full_params``), whether it holds the full value now. That one is a
+copy of ``ParamRecord.gathered``, the state FSDP itself reads, written by the two methods
+that change it and nowhere else. The records are found from their tensors through
+identity-keyed weak maps, so a tensor that dies takes its entry with it.
 
 [Note: swapping .data]
 The placeholder is one leaf tensor per parameter, kept for the unit's lifetime, so autograd
@@ -45,6 +48,7 @@ class ParamRecord:
         self.gathered = False         # the placeholder holds the full value
         self.requires_grad = placeholder.requires_grad  # as last agreed with the shard
         self.grad_hook: Optional[RemovableHandle] = None
+        placeholder._has_full_param = False  # torch_xla's name, for the code that reads it
         _BY_PLACEHOLDER[placeholder] = self
 
     @property
@@ -53,12 +57,12 @@ class ParamRecord:
 
     def install(self, value: torch.Tensor) -> None:
         _swap(self.placeholder, value)
-        self.gathered = True
+        self.gathered = self.placeholder._has_full_param = True
 
     def free(self, dummy: torch.Tensor) -> None:
         if self.gathered:
             _swap(self.placeholder, dummy)
-            self.gathered = False
+            self.gathered = self.placeholder._has_full_param = False
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
         """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no
