@@ -1,9 +1,41 @@
-"""``checkpoint_module``: recompute a module's activations in backward instead of keeping them."""
+"""``checkpoint_module``: recompute a module's activations in backward instead of keeping them.
+
+[Note: the recompute's barrier holds the module's weights]
+torch_xla's ``checkpoint`` puts an optimization barrier before the recompute, over the
+saved inputs, the incoming gradients and, when the function it runs is a method of a
+module, that module's ``parameters()`` and ``buffers()``. The barrier stops XLA from
+reading the weights for the recompute before backward reaches it, and from merging the
+recompute into the forward, which would keep the activations after all. Inside an FSDP unit
+a module's parameters are placeholders, plain attributes that ``parameters()`` does not
+list, so the recomputed forward runs as a method of a view of the module
+(``_BarrierView``) whose ``parameters()`` are the module's own and its placeholders: the
+barrier holds the same weights as with torch_xla's FSDP, whose full parameters stay
+registered.
+"""
 from __future__ import annotations
 
 from types import MethodType
+from typing import Any, Iterator
 
+import torch
 import torch.nn as nn
+
+from ._unit.param_record import placeholders_in
+
+
+class _BarrierView(nn.Module):
+    """What torch_xla's checkpoint reads of the module whose method it recomputes."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "viewed", module)  # not a submodule: nothing registered twice
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        yield from self.viewed.parameters(recurse)
+        yield from placeholders_in(self.viewed)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.viewed.buffers(recurse)
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -11,19 +43,23 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     Use it inside the FSDP unit, e.g. as ``auto_wrapper_callable=lambda m, *a, **k:
     XlaFullyShardedDataParallel(checkpoint_module(m), *a, **k)``. Keyword arguments are passed
-    through; when no input requires grad (e.g. under no_grad) nothing is checkpointed."""
+    through; when no input requires grad (e.g. under no_grad) nothing is checkpointed. The
+    recompute's barrier holds the module's weights and buffers (see [Note: the recompute's
+    barrier holds the module's weights])."""
     from torch_xla.utils.checkpoint import checkpoint
 
     original = module.forward
 
-    def run_flat(n_args: int, keys: tuple, *flat):
+    def run_flat(_view: nn.Module, n_args: int, keys: tuple, *flat: Any) -> Any:
         return original(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
 
-    def forward(self, *args, **kwargs):
+    recompute = MethodType(run_flat, _BarrierView(module))
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         flat = args + tuple(kwargs.values())
         if not any(getattr(t, "requires_grad", False) for t in flat):
             return original(*args, **kwargs)
-        return checkpoint(run_flat, len(args), tuple(kwargs), *flat)
+        return checkpoint(recompute, len(args), tuple(kwargs), *flat)
 
     module._xla_checkpointed_forward_original = original
     module.forward = MethodType(forward, module)

@@ -80,6 +80,19 @@ class ParamRecord:
                 lambda _t: fn())
 
 
+def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
+    """The placeholders that ``module`` and its submodules hold, each once: inside a unit,
+    what stands where their parameters were."""
+    out, seen = [], set()
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and value in _BY_PLACEHOLDER \
+                    and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+    return out
+
+
 def mark_taken(original: torch.Tensor, name: str) -> None:
     """Marks an original parameter as replaced by a shard (its memory is no longer used)."""
     _TAKEN[original] = name
