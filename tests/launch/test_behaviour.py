@@ -113,6 +113,30 @@ def test_unmatched_sync_is_reported():
     assert "rank 1: return from the launched function" in text
 
 
+def extra_sync_with_nothing_pending(rank: int) -> list:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    x = torch.ones(4).to(torch_xla.device())
+    torch_xla.sync()
+    if rank == 1:
+        torch_xla.sync()  # meets rank 0's next sync, whose graph holds an all-reduce
+    y = xm.all_reduce(xm.REDUCE_SUM, x, pin_layout=False)
+    torch_xla.sync()
+    return y.cpu().tolist()
+
+
+def test_sync_paired_with_a_peer_that_has_nothing_pending_is_reported():
+    """Every rank arrives at "torch_xla.sync()", so the points match by kind, and rank 1 had
+    nothing to compile: only the graphs each rank ran tell the divergence (before, XLA
+    aborted the process after 10 s)."""
+    with pytest.raises(LaunchError) as info:
+        launch(extra_sync_with_nothing_pending, num_devices=2)
+    text = str(info.value)
+    assert "from different points of their programs" in text
+    assert "rank 0: ran a graph at" in text and "rank 1: had nothing pending at" in text
+    assert "test_behaviour.py" in text  # the sites are the user's lines
+
+
 def rank_baked_into_graph(rank: int) -> float:
     import torch_xla
     import torch_xla.core.xla_model as xm

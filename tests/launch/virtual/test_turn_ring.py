@@ -1,4 +1,5 @@
-"""The turn ring on plain threads: order, per-rank RNG, mismatches, failures. No XLA."""
+"""The turn ring on plain threads: order, per-rank RNG and process globals, mismatches,
+failures. No XLA."""
 import random
 import threading
 
@@ -8,9 +9,9 @@ import torch
 from xla_fsdp.launch.virtual.turn_ring import CollectiveMismatch, RankAborted, TurnRing
 
 
-def run_ranks(world, body):
+def run_ranks(world, body, process_globals=None):
     """Runs body(ring, rank) on `world` threads the way the launcher does."""
-    ring = TurnRing(world)
+    ring = TurnRing(world, process_globals)
     outcome = {}
 
     def thread(rank):
@@ -105,6 +106,34 @@ def test_failure_releases_ranks_waiting_anywhere():
     outcome = run_ranks(4, body)
     assert isinstance(outcome[2], KeyError)
     assert [outcome[r] for r in (0, 1, 3)] == ["aborted"] * 3
+
+
+class ModuleGlobal:
+    """A process global as ``process_globals`` sees one: a value the process holds."""
+    value = "as the process left it"
+
+    def fresh(self):
+        return "fresh"
+
+    def capture(self):
+        return ModuleGlobal.value
+
+    def restore(self, state):
+        ModuleGlobal.value = state
+
+
+def test_each_rank_holds_its_own_copy_of_a_process_global_in_its_turns():
+    def body(ring, rank):
+        seen = [ModuleGlobal.value]
+        ModuleGlobal.value = f"set by rank {rank}"
+        ring.collective(rank, "sync", "", lambda: seen.append(ModuleGlobal.value))
+        ring.step_aside(rank, lambda: None)
+        seen.append(ModuleGlobal.value)
+        return seen
+
+    outcome = run_ranks(3, body, process_globals=[ModuleGlobal()])
+    for rank in range(3):
+        assert outcome[rank] == ["fresh"] + [f"set by rank {rank}"] * 2
 
 
 def test_world_size_must_be_positive():

@@ -77,6 +77,7 @@ class SyncPoints:
         self._board: Dict[int, bytes] = {}
         self._any_collective_this_round = False
         self._first_rank = 0
+        self._ran_graph_this_round: Dict[int, bool] = {}  # rank -> dispatched a computation
         self._orig: Dict[str, Callable] = {}
 
     # -- install ---------------------------------------------------------------------------
@@ -124,12 +125,18 @@ class SyncPoints:
             if first:
                 self._any_collective_this_round = False
                 self._first_rank = rank
+                self._ran_graph_this_round = {}
             if self._local.collectives_traced:
                 self._any_collective_this_round = True
             before = self._xlac._xla_get_num_cached_compilation_graph()
+            graphs_before = self._graphs_dispatched()
             result = dispatch()
             compiled = self._xlac._xla_get_num_cached_compilation_graph() > before
+            self._ran_graph_this_round[rank] = self._graphs_dispatched() > graphs_before
             self._local.collectives_traced = False
+            if (self._any_collective_this_round
+                    and len(set(self._ran_graph_this_round.values())) > 1):
+                raise DivergentGraphs(self._unpaired_sync(rank, kind))
             if not first and compiled and self._any_collective_this_round:
                 raise DivergentGraphs(
                     f"rank {rank} traced a different graph from rank {self._first_rank} at "
@@ -143,6 +150,32 @@ class SyncPoints:
             return result
 
         return self._ring.collective(rank, kind, _user_site(), audited_dispatch)
+
+    def _graphs_dispatched(self) -> int:
+        # Only the turn holder dispatches, so the process-wide counters' change over a
+        # dispatch is its own. An empty sync compiles and runs nothing.
+        counter = self._xlac._xla_counter_value
+        return (counter("CachedCompile") or 0) + (counter("UncachedCompile") or 0)
+
+    def _unpaired_sync(self, rank: int, kind: str) -> str:
+        # [Note: a sync with nothing pending] Ranks that sync a different number of times
+        # can still meet at every point by kind (all of them "torch_xla.sync()"), and then
+        # a graph holding collectives is paired with a peer's sync that had nothing pending.
+        # Nothing is compiled there, so the check for differing graphs does not see it; the
+        # collectives would wait for the peer until XLA aborts. The ranks' sites say which
+        # calls were paired (a loader that syncs at its next batch unless a StepTrace did,
+        # a context manager that syncs on exit, an extra sync on some ranks).
+        lines = []
+        for r, ran in sorted(self._ran_graph_this_round.items()):
+            arrival = self._ring.arrival(r)
+            site = f" at {arrival.site}" if arrival is not None and arrival.site else ""
+            what = "ran a graph" if ran else "had nothing pending"
+            lines.append(f"  rank {r}: {what}{site}")
+        return (f"ranks met at {kind} from different points of their programs: a rank ran a "
+                f"graph holding collectives while another had nothing to run, so those "
+                f"collectives would never meet (on real hardware this hangs):\n"
+                + "\n".join(lines) + f"\n(found by rank {rank}). Every rank must sync the "
+                f"same number of times and at the same points.")
 
     # -- patched entry points --------------------------------------------------------------
     def _step_marker(self, device: str, devices: List[str], wait: bool = False,
@@ -296,8 +329,8 @@ def _user_site() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not any(part in filename for part in ("/torch/", "/torch_xla/", "/xla_fsdp/_virtual/",
-                                                  "/contextlib.py")):
+        if not any(part in filename for part in ("/torch/", "/torch_xla/",
+                                                  "/xla_fsdp/launch/virtual/", "/contextlib.py")):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"

@@ -9,7 +9,9 @@ processes get for free have to be rebuilt here:
   blocks on its device while a peer still needs the GIL to dispatch its part.
 * Each rank must own its RNG streams. The torch CPU generator, ``random`` and numpy are
   process-global; device threads drawing from them concurrently get different values per
-  rank, in a different order on every run.
+  rank, in a different order on every run. The same holds for other process-wide state
+  that code relies on (``process_globals``): the ring swaps each rank's copy in with its
+  turn.
 * One rank's failure must release all the others instead of leaving them waiting.
 
 One token circulates in rank order and only its holder runs Python. A collective point
@@ -19,17 +21,11 @@ execution still overlaps freely.
 """
 from __future__ import annotations
 
-import random
 import threading
 from dataclasses import dataclass
-from typing import Callable, List, Optional, TypeVar
+from typing import Callable, List, Optional, Sequence, TypeVar
 
-import torch
-
-try:
-    import numpy as _np
-except ImportError:  # numpy is optional for the ring itself
-    _np = None
+from .process_globals import ProcessGlobal, RngStreams
 
 T = TypeVar("T")
 
@@ -50,26 +46,17 @@ class Arrival:
     site: str  # where in user code, for the error message
 
 
-def _capture_rng() -> tuple:
-    return (torch.get_rng_state(), random.getstate(),
-            _np.random.get_state() if _np is not None else None)
-
-
-def _restore_rng(state: tuple) -> None:
-    torch_state, py_state, np_state = state
-    torch.set_rng_state(torch_state)
-    random.setstate(py_state)
-    if np_state is not None:
-        _np.random.set_state(np_state)
-
-
 _ASIDE = Arrival("waiting outside the ring", "")
 
 
 class TurnRing:
-    """A token passed 0, 1, ..., n-1, 0, ... among the ranks that have not returned."""
+    """A token passed 0, 1, ..., n-1, 0, ... among the ranks that have not returned.
 
-    def __init__(self, world_size: int) -> None:
+    Each rank holds its own copy of ``process_globals`` (by default the RNG streams) while
+    it holds the token."""
+
+    def __init__(self, world_size: int,
+                 process_globals: Optional[Sequence[ProcessGlobal]] = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -80,9 +67,9 @@ class TurnRing:
         self._arrivals: List[Optional[Arrival]] = [None] * world_size
         self._dispatched = 0  # ranks that have dispatched at the current collective point
         self.first_to_dispatch = True  # during a dispatch: no rank has dispatched before it
-        # Every rank starts from the same RNG state, as processes started alike would.
-        initial = _capture_rng()
-        self._rng = [initial] * world_size
+        self._globals = (tuple(process_globals) if process_globals is not None
+                         else (RngStreams(),))
+        self._saved = [[g.fresh() for g in self._globals] for _ in range(world_size)]
 
     # -- the token ---------------------------------------------------------------------
     def enter(self, rank: int) -> None:
@@ -95,10 +82,11 @@ class TurnRing:
                 self._cond.wait()
             if self._failure is not None and self._failure != rank:
                 raise RankAborted(f"rank {rank} stopped because rank {self._failure} failed")
-        _restore_rng(self._rng[rank])
+        for piece, state in zip(self._globals, self._saved[rank]):
+            piece.restore(state)
 
     def _pass_turn(self, rank: int) -> None:
-        self._rng[rank] = _capture_rng()
+        self._saved[rank] = [piece.capture() for piece in self._globals]
         with self._cond:
             self._holder = self._next_after(rank)
             self._cond.notify_all()
@@ -126,6 +114,10 @@ class TurnRing:
     @property
     def failed_rank(self) -> Optional[int]:
         return self._failure
+
+    def arrival(self, rank: int) -> Optional[Arrival]:
+        """Where ``rank`` last arrived (None before it reached any collective point)."""
+        return self._arrivals[rank]
 
     # -- collective points ---------------------------------------------------------------
     def collective(self, rank: int, kind: str, site: str, dispatch: Callable[[], T]) -> T:
