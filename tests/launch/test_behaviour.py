@@ -97,6 +97,24 @@ def test_rank_failure_releases_everyone_and_names_the_rank():
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def exits(rank: int, code_on_rank_one) -> int:
+    import sys
+    import torch_xla
+    torch_xla.sync()
+    if rank == 1:
+        sys.exit(code_on_rank_one)
+    return rank
+
+
+def test_sys_exit_ends_the_rank_as_its_process_would():
+    """torch_xla's launcher lets a rank end with sys.exit (its tests end _mp_fn with
+    sys.exit(0)): a zero code is a normal end, another one exits the caller with it."""
+    assert launch(exits, (0,), num_devices=2) == {0: 0, 1: None}
+    with pytest.raises(SystemExit) as info:
+        launch(exits, (3,), num_devices=2)
+    assert info.value.code == 3
+
+
 def extra_sync_on_rank_zero(rank: int) -> None:
     import torch_xla
     torch_xla.sync()

@@ -141,7 +141,8 @@ def _collect(process, receiver, tail) -> Dict[int, Any]:
             except EOFError:
                 break
             if message[0] == "results":
-                return {rank: pickle.loads(blob) for rank, blob in sorted(message[1].items())}
+                return _values_or_exit({rank: pickle.loads(blob)
+                                        for rank, blob in sorted(message[1].items())})
             if first_error is None:
                 first_error, failed_at = message, time.monotonic()
         elif not process.is_alive():
@@ -152,6 +153,15 @@ def _collect(process, receiver, tail) -> Dict[int, Any]:
     if first_error is not None:
         _raise_rank_error(first_error)
     raise LaunchError(_death_message(process.exitcode, tail.text()))
+
+
+def _values_or_exit(values: Dict[int, Any]) -> Dict[int, Any]:
+    """Each rank's return value; None for a rank that called ``sys.exit(0)``, and
+    ``SystemExit`` with the first other code, as torch_xla's launcher exits."""
+    for value in values.values():
+        if isinstance(value, worker.RankExit) and value.code not in (None, 0):
+            raise SystemExit(value.code)
+    return {rank: None if isinstance(v, worker.RankExit) else v for rank, v in values.items()}
 
 
 def _raise_rank_error(message):

@@ -3,7 +3,10 @@
 It runs ``fn(rank, *args)`` on every device thread under the turn ring and sends the
 parent one message per event over a pipe:
 ``("error", rank, pickled exception or None, formatted traceback)`` as soon as a rank
-fails, and ``("results", {rank: pickled value})`` at the end.
+fails, and ``("results", {rank: pickled value})`` at the end. A rank that calls
+``sys.exit(code)`` ends there, as a process of its own would, and its value is a
+``RankExit``: ``launch`` returns None for it, or exits with the first non-zero code, as
+torch_xla's launcher does.
 """
 from __future__ import annotations
 
@@ -11,7 +14,14 @@ import os
 import pickle
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import Any, Dict, List
+
+
+@dataclass(frozen=True)
+class RankExit:
+    """What a rank that ended with ``sys.exit(code)`` returned."""
+    code: Any
 
 
 def environment(num_devices: int) -> Dict[str, str]:
@@ -86,6 +96,9 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
             ring.finish(rank)
         except RankAborted:
             pass
+        except SystemExit as exc:  # the rank ends, as its process would
+            results[rank] = pickle.dumps(RankExit(exc.code))
+            ring.finish(rank)
         except BaseException as exc:
             send(("error", rank, _dumps_or_none(exc), traceback.format_exc()))
             ring.fail(rank)
