@@ -9,8 +9,7 @@ first rank alone when only its host has the checkpoint (``sources``).
 """
 from __future__ import annotations
 
-import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
@@ -25,7 +24,8 @@ from .files import CheckpointError
 from .metadata import MODEL
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
-from .unit_protocol import ShardedModel, require_root, sharding_group_index
+from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
+                            writes_sharding_group_copy)
 
 
 def save_consolidated(path: str, model: ShardedModel,
@@ -43,9 +43,8 @@ def save_consolidated(path: str, model: ShardedModel,
     require_root(model, "save_consolidated")
     if format not in FORMATS:
         raise ValueError(f"save_consolidated: format {format!r} is not one of {FORMATS}")
-    index = sharding_group_index(model)
-    path, independent = _sharding_group_path(path, model)
-    writes = model.rank == 0 and (independent or not index)
+    path, _ = sharding_group_path(path, model)
+    writes = model.rank == 0 and writes_sharding_group_copy(model)
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
     with gathered_shard_set(model, optimizer, writes, extra) as shards:
@@ -83,7 +82,7 @@ def load_consolidated(path: str, model: ShardedModel,
     on every rank, and changes nothing."""
     import torch_xla.runtime as xr
     require_root(model, "load_consolidated")
-    path, independent = _sharding_group_path(path, model)
+    path, independent = sharding_group_path(path, model)
     if not first_rank_reads:
         return load_staged(lambda: open_consolidated(path), model, optimizer,
                            "xla_fsdp.load_consolidated")
@@ -96,19 +95,3 @@ def load_consolidated(path: str, model: ShardedModel,
                                                xr.global_ordinal(), pin,
                                                "xla_fsdp.load_consolidated.first_rank"),
                        model, optimizer, "xla_fsdp.load_consolidated")
-
-
-def _sharding_group_path(path: str, model: ShardedModel) -> Tuple[str, bool]:
-    """Where this rank's sharding group's consolidated checkpoint is, and whether the groups
-    are independent (each with its own: ``out/ck_group-001.pth``, ``out/hf_group-001``), as
-    ``save_consolidated`` writes them."""
-    index = sharding_group_index(model)
-    if index is None or model.options.replicate_across_groups:
-        return path, False
-    stem, ext = os.path.splitext(path)
-    if ext not in _FILE_EXTENSIONS:
-        stem, ext = path, ""
-    return f"{stem}_group-{index:03d}{ext}", True
-
-
-_FILE_EXTENSIONS = (".pth", ".pt", ".bin", ".safetensors")

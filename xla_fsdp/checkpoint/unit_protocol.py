@@ -76,3 +76,27 @@ def sharding_group_index(model: ShardedModel) -> Optional[int]:
     if sharding is None:
         return None
     return next(i for i, g in enumerate(sharding) if xr.global_ordinal() in g)
+
+
+_FILE_EXTENSIONS = (".pth", ".pt", ".bin", ".safetensors")
+
+
+def sharding_group_path(path: str, model: ShardedModel) -> Tuple[str, bool]:
+    """Where this rank's sharding group keeps a checkpoint named ``path``, and whether the
+    groups are independent. Independent ``sharding_groups`` (parts of a model-parallel
+    model) each have one of their own (``out/dcp_group-001``, ``out/ck_group-001.pth``);
+    replicas (``replicate_across_groups``) share the first group's, which it writes."""
+    import os
+    index = sharding_group_index(model)
+    if index is None or model.options.replicate_across_groups:
+        return path, False
+    stem, ext = os.path.splitext(path)
+    if ext not in _FILE_EXTENSIONS:
+        stem, ext = path, ""
+    return f"{stem}_group-{index:03d}{ext}", True
+
+
+def writes_sharding_group_copy(model: ShardedModel) -> bool:
+    """Whether this rank's sharding group writes its checkpoint: every independent group,
+    and the first of replicas (or the only group)."""
+    return sharding_group_path("", model)[1] or not sharding_group_index(model)

@@ -55,7 +55,8 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
-from ..unit_protocol import ShardedModel, require_root, sharding_group_index
+from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
+                             sharding_group_path, writes_sharding_group_copy)
 from .coordination import agree, agree_or_undo, exchange
 from .layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                      slots_by_shard)
@@ -67,15 +68,9 @@ FILE_BYTES = 64 << 20
 
 
 def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, bool]:
-    """Where this rank's sharding group keeps its checkpoint, and whether it writes there:
-    with independent ``sharding_groups`` (parts of a model-parallel model) each group has a
-    directory of its own; replicas (``replicate_across_groups``) share the first group's."""
-    index = sharding_group_index(model)
-    if index is None:
-        return checkpoint_dir, True
-    if model.options.replicate_across_groups:
-        return checkpoint_dir, index == 0
-    return f"{checkpoint_dir}_group-{index:03d}", True
+    """Where this rank's sharding group keeps its checkpoint, and whether it writes there
+    (``unit_protocol.sharding_group_path``)."""
+    return sharding_group_path(checkpoint_dir, model)[0], writes_sharding_group_copy(model)
 
 
 @dataclass(frozen=True)

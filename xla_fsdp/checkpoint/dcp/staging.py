@@ -13,11 +13,10 @@ on every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorStorageMetadata)
-from typing_extensions import Protocol
 
 from ..._sharding.chunks import Chunk
 from ..files import CheckpointError

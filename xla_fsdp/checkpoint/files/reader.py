@@ -75,6 +75,17 @@ class TensorRef:
         return storage.as_strided(self.shape, self.stride, self.storage_offset).clone()
 
 
+def pread_fully(fd: int, view: memoryview, at: int, truncated: str) -> None:
+    """Fills ``view`` with the file's bytes from offset ``at``, in reads of at most
+    ``_CHUNK``; ``CheckpointError(truncated)`` if the file ends first."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:done + _CHUNK]], at + done)
+        if n <= 0:
+            raise CheckpointError(truncated)
+        done += n
+
+
 def materialized(value: Any) -> Any:
     """``value`` with every ``TensorRef`` in it read (objects saved next to the tensors)."""
     if isinstance(value, TensorRef):
@@ -169,13 +180,8 @@ class CheckpointFile:
         view = memoryview(out).cast("B")
         if byte_offset + len(view) > self.record_size(key):
             raise CheckpointError(f"{self.path}: read past the end of storage data/{key}")
-        at, done = self._data_offset(key) + byte_offset, 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:done + _CHUNK]], at + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: file ends inside storage data/{key} "
-                                      f"(truncated)")
-            done += n
+        pread_fully(self._fd, view, self._data_offset(key) + byte_offset,
+                    f"{self.path}: file ends inside storage data/{key} (truncated)")
         self.bytes_read += len(view)
 
     def verify(self) -> None:

@@ -14,7 +14,7 @@ import os
 import struct
 from typing import Any, Dict, Tuple
 
-from .reader import CheckpointError, TensorRef, contiguous_strides
+from .reader import CheckpointError, TensorRef, contiguous_strides, pread_fully
 from .writer import SAFETENSORS_DTYPES
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
@@ -81,13 +81,8 @@ class SafetensorsFile:
         at, size = self._ranges[key]
         if byte_offset + len(view) > size:
             raise CheckpointError(f"{self.path}: read past the end of tensor {key!r}")
-        done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], at + byte_offset + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: file ends inside tensor {key!r} "
-                                      f"(truncated)")
-            done += n
+        pread_fully(self._fd, view, at + byte_offset,
+                    f"{self.path}: file ends inside tensor {key!r} (truncated)")
         self.bytes_read += len(view)
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ it, so a failed read raises on every rank, before anything was changed.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -50,7 +51,6 @@ class FirstRankSource:
                 error = exc
         agree(f"{tag}.open", error)
         self.where, self.stored = exchange(f"{tag}.describe", described)[0]
-        self.bytes_received = 0
 
     def read(self, tensors: Dict[str, TensorPieces], objects: Dict[str, Any],
              into: Dict[str, Any]) -> None:
@@ -87,7 +87,6 @@ class FirstRankSource:
             got = broadcast_bytes(bucket.view(torch.int32).to(torch_xla.device()),
                                   self._pin_layout)
             received = got.cpu().view(torch.uint8)
-            self.bytes_received += received.numel()
             receiver.take(begin, received)
         receiver.finish()
 
@@ -118,9 +117,7 @@ class _StreamLayout:
         for key in keys:
             meta = stored[key]
             item = meta.properties.dtype.itemsize
-            numel = 1
-            for d in meta.size:
-                numel *= int(d)
+            numel = math.prod(meta.size)
             self.entries.append((key, at, item, numel))
             at += -(-numel * item // _ALIGN) * _ALIGN
         self.total = max(at, _ALIGN)
