@@ -163,3 +163,12 @@ def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:
     if words.dtype != torch.int32:
         raise TypeError(f"broadcast_bytes takes bytes viewed as int32, not {words.dtype}")
     return xm.all_reduce(xm.REDUCE_SUM, words, groups=None, pin_layout=pin_layout)
+
+
+def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """Executes the pending graph of ``tensors`` now, as its own computation (see [Note:
+    FSDP's hooks under torch.compile]); tensors already holding device data cost nothing."""
+    import torch_xla
+    tensors = [t for t in tensors if t is not None and t.device.type == "xla"]
+    if tensors:
+        torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False)

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
-                                     padded_gradient, scatter_gradients)
+                                     padded_gradient, run_pending, scatter_gradients)
 from .options import FsdpOptions
 from .shard_group import ShardGroup
 
@@ -51,10 +51,11 @@ class UnitParams:
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()
     def unshard(self, deps: Sequence[torch.Tensor], barrier: bool,
-                prefetch: Sequence["UnitParams"] = ()) -> bool:
+                prefetch: Sequence["UnitParams"] = (), run_now: bool = False) -> bool:
         """Makes the full parameters current, and issues the all-gathers of the ``prefetch``
         units now, behind the same barrier, so that the compiler may run them during this
-        unit's compute. Returns whether ``deps`` went into a barrier."""
+        unit's compute. ``run_now`` executes the gather at once (see [Note: FSDP's hooks under
+        torch.compile]). Returns whether ``deps`` went into a barrier."""
         issue = [u for u in (self, *prefetch) if u._needs_gather()]
         if issue and barrier:
             optimization_barrier([g.shard for u in issue for g in u.shard_groups] + list(deps))
@@ -62,7 +63,7 @@ class UnitParams:
             unit._issue_gather()
         installing = self.state is not FullParams.UNSHARDED
         if installing:
-            self._install(list(deps) if self not in issue else [], barrier)
+            self._install(list(deps) if self not in issue else [], barrier, run_now)
         return bool(issue) or installing
 
     def _needs_gather(self) -> bool:
@@ -85,11 +86,13 @@ class UnitParams:
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
 
-    def _install(self, deps: List[torch.Tensor], barrier: bool) -> None:
+    def _install(self, deps: List[torch.Tensor], barrier: bool, run_now: bool) -> None:
         gathered, self._gathered = self._gathered, None
         if gathered is not None:
             if barrier:
                 optimization_barrier([t for ts in gathered for t in ts] + deps)
+            if run_now:
+                run_pending([t for ts in gathered for t in ts])
             for g, full in zip(self.shard_groups, gathered):
                 for record, value in zip(g.records, g.layout.unshard_pieces(full)):
                     record.install(value)

@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._sharding.collectives import optimization_barrier
+from .._sharding.collectives import optimization_barrier, run_pending
 from .._sharding.names import clean_name
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
@@ -75,6 +75,7 @@ class UnitState:
         self.divide = (1.0, 1.0)           # gradient pre- and post-division factors
         self.detached = detached           # a grouping unit no unit was built around yet
         self._forward_id = -1              # the root forward this unit's members ran in
+        self._compiled = False             # its last forward ran inside torch.compile
         self._members_run: set = set()
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
@@ -172,16 +173,27 @@ class UnitState:
                 f"same forward without retain_graph.")
 
     # -- forward ---------------------------------------------------------------------------
+    # [Note: FSDP's hooks under torch.compile] is in compiled.py; these two run in Dynamo
+    # (which reads whether it is tracing) and hand over to the eager code at a graph break
     def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
                           kwargs: dict) -> Tuple[tuple, dict]:
-        return self.pre_forward(member, args, kwargs, _in_checkpoint_recompute())
+        return self._pre_forward_eager(member, args, kwargs, torch.compiler.is_compiling())
 
     def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
                            outputs: Any) -> Any:
-        return self.post_forward(member, outputs, _in_checkpoint_recompute())
+        return self._post_forward_eager(member, outputs, torch.compiler.is_compiling())
+
+    @torch.compiler.disable
+    def _pre_forward_eager(self, member: nn.Module, args: tuple, kwargs: dict,
+                           compiled: bool) -> Tuple[tuple, dict]:
+        return self.pre_forward(member, args, kwargs, _in_checkpoint_recompute(), compiled)
+
+    @torch.compiler.disable
+    def _post_forward_eager(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
+        return self.post_forward(member, outputs, _in_checkpoint_recompute(), compiled)
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
-                    recompute: bool) -> Tuple[tuple, dict]:
+                    recompute: bool, compiled: bool = False) -> Tuple[tuple, dict]:
         if self.detached:
             raise ValueError(detached_message(self.members))
         context = self.context
@@ -193,6 +205,7 @@ class UnitState:
             self._members_run.clear()
         self._members_run.add(id(member))
         if not recompute:  # a recompute runs inside this unit's backward: keep its state
+            self._compiled = compiled
             self._sync_trainable()
             self.params.drop_abandoned()
             self.training_state = TrainingState.FORWARD
@@ -200,15 +213,18 @@ class UnitState:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
         inputs = collect_tensors((args, kwargs))
         barrier = self.options.optimization_barrier_in_forward
-        prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
-        self.params.unshard(inputs if barrier else [], barrier, prefetch)
+        if compiled:
+            inputs = []
+        prefetch = [] if recompute or compiled else [s.params for s in self.forward_prefetch]
+        self.params.unshard(inputs if barrier else [], barrier, prefetch, run_now=compiled)
         if self.options.optimization_barrier_in_backward and torch.is_grad_enabled():
             for t in inputs:
                 if t.requires_grad:
                     self._hook(t, self._input_grad_barrier)
         return args, kwargs
 
-    def post_forward(self, member: nn.Module, outputs: Any, recompute: bool) -> Any:
+    def post_forward(self, member: nn.Module, outputs: Any, recompute: bool,
+                     compiled: bool = False) -> Any:
         if recompute:
             # the recomputed activations' backward comes next and reads the full
             # parameters; it frees them as any backward does
@@ -221,7 +237,7 @@ class UnitState:
                 self._keep_for_hidden_outputs()
             else:
                 barrier = self.options.optimization_barrier_in_forward
-                deps = collect_tensors(outputs) if barrier else []
+                deps = collect_tensors(outputs) if barrier and not compiled else []
                 self.params.reshard(self.shard_groups, deps, barrier)
         if last:
             self.training_state = TrainingState.IDLE
@@ -318,11 +334,15 @@ class UnitState:
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         context = self.context
         context.queue_final_callback()
-        barrier = self.options.optimization_barrier_in_backward
+        compiled = self._compiled
+        barrier = self.options.optimization_barrier_in_backward and not compiled
         if barrier:
             context.backward_barrier.append(grad)
+        prefetch = [] if compiled else [s.params for s in self.backward_prefetch]
+        if compiled:  # the reductions issued so far, before this unit's compiled backward
+            run_pending([g for s in context.states for g in s.shard_gradients()])
         if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
-                               [s.params for s in self.backward_prefetch]):
+                               prefetch, run_now=compiled):
             context.backward_barrier.clear()
         if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.training_state = TrainingState.BACKWARD_PRE

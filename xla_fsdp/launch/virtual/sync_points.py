@@ -61,6 +61,7 @@ class DivergentGraphs(RuntimeError):
 class _RankContext(threading.local):
     rank: Optional[int] = None
     collectives_traced: bool = False
+    compiling: int = 0  # inside the openxla bridge's compilation of a graph
 
 
 class SyncPoints:
@@ -99,6 +100,44 @@ class SyncPoints:
         xm.all_gather = self._all_gather
         self._orig["sleep"] = time.sleep
         time.sleep = self._sleep
+        self._install_bridge()
+
+    def _install_bridge(self) -> None:
+        # [Note: the compiling rank syncs alone] Dynamo's cache is shared by the device
+        # threads, so only the first rank to reach a region compiles it, and torch_xla's
+        # openxla bridge syncs this rank's device while it compiles (to read the region's
+        # inputs as device data). The other ranks hit the cache and never make that sync,
+        # so it cannot be a collective point: it runs at once, outside the ring. That is
+        # only sound with no collective pending on the device, which FSDP guarantees by
+        # running its gathers and reductions before a compiled region; a pending collective
+        # in the region's inputs is refused by name instead of hanging.
+        try:
+            from torch_xla._dynamo import dynamo_bridge
+        except ImportError:
+            return
+        for name in ("extract_compiled_graph", "extract_graph_helper"):
+            self._orig[name] = getattr(dynamo_bridge, name)
+            setattr(dynamo_bridge, name, self._compiling(name, self._orig[name]))
+
+    def _compiling(self, name: str, compile_fn: Callable) -> Callable:
+        def compile_alone(model: Any, args: Any, *rest: Any) -> Any:
+            if self._rank is None:
+                return compile_fn(model, args, *rest)
+            inputs = list(_xla_tensors(list(args) if name == "extract_compiled_graph"
+                                       else list(getattr(model, "xla_args", []))))
+            if has_pending_collective(inputs):
+                raise DivergentGraphs(
+                    f"rank {self._rank}: a torch.compile region (openxla) is being "
+                    f"compiled with inputs that depend on a collective not yet run; on "
+                    f"virtual devices only the first rank compiles a region, so that "
+                    f"collective would never meet its peers. Run the collective (e.g. "
+                    f"torch_xla.sync()) before calling the compiled code.")
+            self._local.compiling += 1
+            try:
+                return compile_fn(model, args, *rest)
+            finally:
+                self._local.compiling -= 1
+        return compile_alone
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
         """Marks the calling thread as ``rank``'s device thread."""
@@ -107,11 +146,23 @@ class SyncPoints:
 
     @property
     def _rank(self) -> Optional[int]:
-        return self._local.rank
+        rank = self._local.rank
+        if rank is None and torch._C._current_graph_task_id() != -1:
+            rank = self._engine_thread_rank()
+        return rank
+
+    def _engine_thread_rank(self) -> Optional[int]:
+        # [Note: backward runs on the autograd engine's device threads] The engine runs an
+        # XLA backward on its own thread for each device, with that device current, while
+        # the rank's thread waits in .backward() holding the turn. Eager backward only
+        # traces, but a torch.compile region's backward executes (and syncs) there, so such
+        # a thread acts as the rank of its device.
+        device = self._xlac._xla_get_default_device()
+        return self._devices.index(device) if device in self._devices else None
 
     def _noting_collective(self, binding: Callable) -> Callable:
         def traced(*args, **kwargs):
-            if self._local.rank is not None:
+            if self._rank is not None:
                 self._local.collectives_traced = True
             return binding(*args, **kwargs)
         return traced
@@ -180,7 +231,7 @@ class SyncPoints:
     # -- patched entry points --------------------------------------------------------------
     def _step_marker(self, device: str, devices: List[str], wait: bool = False,
                      reset_scope: bool = True) -> None:
-        if self._rank is None:
+        if self._rank is None or self._local.compiling:  # [Note: the compiling rank syncs alone]
             return self._orig["step_marker"](device, devices, wait=wait, reset_scope=reset_scope)
         self._collective("torch_xla.sync()", lambda: self._orig["step_marker"](
             device, devices, wait=False, reset_scope=reset_scope))
@@ -190,7 +241,8 @@ class SyncPoints:
     def _sync_multi(self, tensors: List[torch.Tensor], devices: List[str], wait: bool = True,
                     sync_xla_data: bool = True) -> None:
         orig = self._orig["sync_multi"]
-        if self._rank is None or not has_pending_collective(tensors):
+        if (self._rank is None or self._local.compiling
+                or not has_pending_collective(tensors)):
             return orig(tensors, devices, wait=wait, sync_xla_data=sync_xla_data)
         self._collective("a sync of tensors that depend on a collective", lambda: orig(
             tensors, devices, wait=False, sync_xla_data=sync_xla_data))
