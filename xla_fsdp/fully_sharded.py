@@ -26,6 +26,7 @@ import torch.nn as nn
 from ._init.find_parameters import find_parameters, shard_group_members
 from ._init.meta_init import materialize_meta
 from ._init.mixed_precision import float32_modules, run_in_float32
+from ._init.compiled_module import split_compiled
 from ._init.module_group import ModuleGroup, attach_module_groups, check_members, mark_grouped
 from ._init.validate import validate_module
 from ._sharding.collectives import Collectives
@@ -137,6 +138,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         zero_missing_gradients: bool = False,
     ) -> None:
         grouping = isinstance(module, (list, tuple))
+        compiled = None
+        if not grouping:
+            module, compiled = split_compiled(module)
         if grouping:
             members = check_members(module)
             if auto_wrap_policy is not None:
@@ -192,6 +196,9 @@ class XlaFullyShardedDataParallel(nn.Module):
             if options.use_xla_patched_linear:
                 patch_linear_layers(m)
         self._fsdp_wrapped_module = ModuleGroup(members) if grouping else module
+        # called instead of the wrapped module, not registered: its parameters are the
+        # wrapped module's (see [Note: FSDP's hooks under torch.compile])
+        self.__dict__["_compiled_module"] = compiled
         import torch_xla
         self.xla_device = torch_xla.device()
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names
@@ -542,6 +549,9 @@ class XlaFullyShardedDataParallel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # the work is in the hooks on the wrapped module (or, for a group, on each module,
         # and calling the group itself raises)
+        compiled = self.__dict__["_compiled_module"]
+        if compiled is not None:
+            return compiled(*args, **kwargs)
         return self._fsdp_wrapped_module(*args, **kwargs)
 
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type
 
 import torch.nn as nn
 
+from ._init.compiled_module import split_compiled
 from ._unit.unit_state import is_unit
 
 
@@ -80,17 +81,19 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
     # it would build units around its placeholders
     if module in ignored_modules or is_unit(module):
         return module, 0
-    if not policy(module=module, recurse=True,
-                  unwrapped_params=_unwrapped_numel(module, ignored_ids)):
+    # a compiled module is judged and walked as the module it compiles, and wrapped whole
+    inner, _ = split_compiled(module)
+    if not policy(module=inner, recurse=True,
+                  unwrapped_params=_unwrapped_numel(inner, ignored_ids)):
         return module, 0
     wrapped_total = 0
-    for name, child in module.named_children():
+    for name, child in inner.named_children():
         new_child, count = _wrap(child, policy, wrapper_cls, ignored_modules, ignored_ids,
                                  False, kwargs)
         if new_child is not child:
-            setattr(module, name, new_child)
+            setattr(inner, name, new_child)
         wrapped_total += count
-    remaining = _unwrapped_numel(module, ignored_ids)
-    if not only_children and policy(module=module, recurse=False, unwrapped_params=remaining):
+    remaining = _unwrapped_numel(inner, ignored_ids)
+    if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):
         return wrapper_cls(module, **kwargs), wrapped_total + remaining
     return module, wrapped_total

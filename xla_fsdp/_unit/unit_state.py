@@ -173,7 +173,7 @@ class UnitState:
                 f"same forward without retain_graph.")
 
     # -- forward ---------------------------------------------------------------------------
-    # [Note: FSDP's hooks under torch.compile] is in compiled.py; these two run in Dynamo
+    # [Note: FSDP's hooks under torch.compile]: these two run in Dynamo
     # (which reads whether it is tracing) and hand over to the eager code at a graph break
     def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
                           kwargs: dict) -> Tuple[tuple, dict]:
@@ -214,6 +214,7 @@ class UnitState:
         inputs = collect_tensors((args, kwargs))
         barrier = self.options.optimization_barrier_in_forward
         if compiled:
+            run_pending(inputs)
             inputs = []
         prefetch = [] if recompute or compiled else [s.params for s in self.forward_prefetch]
         self.params.unshard(inputs if barrier else [], barrier, prefetch, run_now=compiled)

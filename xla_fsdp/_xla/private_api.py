@@ -132,6 +132,17 @@ def fresh_collective_token() -> Iterator[None]:
         torch_xla._XLAC._set_all_reduce_token(device, outer)
 
 
+def execute_now(tensors: List[torch.Tensor]) -> None:
+    """Computes ``tensors`` now, and restarts the device's collective token after them.
+
+    The token chains every collective after the previous one; a sync of some tensors (unlike
+    ``torch_xla.sync()``) leaves the token pointing at the graph just run, whose input
+    buffers XLA may since have donated, so the next collective would read a deleted buffer."""
+    import torch_xla
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False, sync_xla_data=True)
+    torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
+
+
 def run_single_process(fn: Callable[[], Any]) -> Any:
     """torch_xla's launcher for one device of an accelerator, in this process."""
     from torch_xla._internal import pjrt

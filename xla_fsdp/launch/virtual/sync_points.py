@@ -118,6 +118,27 @@ class SyncPoints:
         for name in ("extract_compiled_graph", "extract_graph_helper"):
             self._orig[name] = getattr(dynamo_bridge, name)
             setattr(dynamo_bridge, name, self._compiling(name, self._orig[name]))
+        # Work pending before a compiled module or function is called (eager FSDP units
+        # around it, the user's own collectives) runs on every rank as it enters, so that a
+        # compile there finds no collective pending.
+        from torch._dynamo.eval_frame import _TorchDynamoContext
+        context_init = _TorchDynamoContext.__init__
+        points = self
+
+        def init_with_entry_sync(context: Any, *args: Any, **kwargs: Any) -> None:
+            context_init(context, *args, **kwargs)
+            context.enter_exit_hooks.append(points._entering_compiled_code)
+
+        self._orig["dynamo_context_init"] = context_init
+        _TorchDynamoContext.__init__ = init_with_entry_sync
+
+    def _entering_compiled_code(self) -> Callable[[], None]:
+        if self._rank is not None and not self._local.compiling:
+            device = self._devices[self._rank]
+            self._collective("entering torch.compile'd code",
+                             lambda: self._orig["step_marker"](device, [], wait=False))
+            self._xlac._set_all_reduce_token(device, None)  # as torch_xla.sync() does
+        return lambda: None
 
     def _compiling(self, name: str, compile_fn: Callable) -> Callable:
         def compile_alone(model: Any, args: Any, *rest: Any) -> Any:

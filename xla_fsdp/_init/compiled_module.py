@@ -1,0 +1,54 @@
+"""Modules compiled with ``torch.compile`` before they are wrapped.
+
+``torch.compile(module)`` returns an ``OptimizedModule`` that holds the module as
+``_orig_mod`` and runs its ``__call__`` under Dynamo. A unit built around it shards the
+inner module (so names and checkpoints are those of the uncompiled model) and calls the
+compiled module, whose Dynamo frame then meets the unit's hooks on the inner module.
+
+[Note: FSDP's hooks under torch.compile]
+Two designs can make a compiled model run with sharded parameters. One traces the
+collectives into the graph: an all-gather whose backward is a reduce-scatter, the full
+parameter a value inside the graph. AOTAutograd's partitioner then decides what is saved
+for backward, and it saves the gathered parameter (cheaper than gathering again), so every
+unit's full parameters live from forward to backward: data parallelism with sharded
+optimizer state, not ZeRO-3. The other, chosen here and by PyTorch's FSDP on GPUs, breaks
+the graph at each unit: the unit's hooks run eagerly between compiled regions, exactly the
+code the eager path runs, and a region sees the full parameters as graph inputs (Dynamo
+lifts a module's parameters as inputs, so swapping their ``.data`` needs no recompile).
+Freeing, regathering in backward and the per-parameter reduction hooks keep their eager
+meaning, and so do checkpoints.
+
+What changes under compile is when work executes. torch_xla's openxla bridge runs each
+compiled region as its own computation, materialising the region's inputs first, and
+syncs the device when it compiles a region. So the traced overlap the eager path builds
+with optimization barriers and prefetches cannot exist across a region boundary; instead:
+* a unit's gather executes in its pre-forward (and pre-backward) hook, before the region
+  that reads it; prefetching is off, since a prefetched gather would only execute later
+  with the next region's inputs;
+* the reductions issued so far execute at each unit's pre-backward hook, so that each
+  region's full gradients are freed as the backward moves on, not all held to the step's
+  sync (a pending reduce-scatter keeps its inputs alive);
+* the barriers on the unit's inputs and outputs are left out: they order work inside one
+  traced graph, and an in-place barrier on a region's output would replace a tensor the
+  bridge still holds, whose buffer XLA then donates.
+These executions also mean a sync inside a compile never holds a collective, which is what
+lets one process hosting several virtual devices compile a region once for all of them.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch.nn as nn
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is what ``torch.compile(module)`` returns."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return isinstance(module, OptimizedModule)
+
+
+def split_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
+    """The module to shard, and the compiled module to call instead of it (or None)."""
+    if is_compiled(module):
+        return module._orig_mod, module
+    return module, None
