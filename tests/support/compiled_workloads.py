@@ -1,0 +1,114 @@
+"""The torch.compile placements, trained in one launch next to the same FSDP model run
+eagerly: each setting returns its losses, its full parameters and, per step, how many
+frames Dynamo compiled and how many graphs XLA compiled (with Dynamo's guard failures, the
+reasons for any recompilation).
+
+Only rank 0 resets Dynamo between settings: the device threads share Dynamo's cache, so a
+reset on another rank would drop what rank 0 compiled for all of them (on separate hosts
+every process resets its own).
+"""
+import functools
+
+import torch
+import torch.nn as nn
+
+from .models import STEPS, Block, Net, batch, loss_fn
+
+COMPILE_STEPS = 6
+WARM_UP = 3  # steps after which nothing may compile
+
+PLACEMENTS = ("compile_root", "compile_blocks", "compile_blocks_autowrap",
+              "compile_autowrapped")
+# name: (placement, fsdp kwargs, extra)
+SETTINGS = {
+    "eager": ("eager", {}, {}),
+    **{p: (p, {}, {}) for p in PLACEMENTS},
+    "eager_bf16": ("eager", {"compute_dtype": torch.bfloat16}, {}),
+    "compile_root_bf16": ("compile_root", {"compute_dtype": torch.bfloat16}, {}),
+    "eager_checkpointed": ("eager", {}, {"checkpoint": True}),
+    "compile_root_checkpointed": ("compile_root", {}, {"checkpoint": True}),
+    "compile_blocks_checkpointed": ("compile_blocks", {}, {"checkpoint": True}),
+    "eager_no_sync": ("eager", {}, {"no_sync": True}),
+    "compile_root_no_sync": ("compile_root", {}, {"no_sync": True}),
+    "compile_blocks_no_sync": ("compile_blocks", {}, {"no_sync": True}),
+}
+assert COMPILE_STEPS <= STEPS
+
+
+def _compile(module):
+    return torch.compile(module, backend="openxla")
+
+
+def build(placement, kwargs, extra):
+    from xla_fsdp import FSDP, checkpoint_module, transformer_auto_wrap_policy
+    torch.manual_seed(0)
+    net = Net()
+    block = checkpoint_module if extra.get("checkpoint") else (lambda b: b)
+    if placement in ("eager", "compile_root"):
+        net.b1, net.b2 = FSDP(block(net.b1), **kwargs), FSDP(block(net.b2), **kwargs)
+        model = FSDP(net, **kwargs)
+        return _compile(model) if placement == "compile_root" else model
+    if placement == "compile_blocks":
+        net.b1 = FSDP(_compile(block(net.b1)), **kwargs)
+        net.b2 = FSDP(_compile(block(net.b2)), **kwargs)
+        return FSDP(net, **kwargs)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    if placement == "compile_blocks_autowrap":
+        net.b1, net.b2 = _compile(net.b1), _compile(net.b2)
+        return FSDP(net, auto_wrap_policy=policy, **kwargs)
+    assert placement == "compile_autowrapped", placement
+    return _compile(FSDP(net, auto_wrap_policy=policy, **kwargs))
+
+
+def counts():
+    import torch_xla.debug.metrics as met
+    from torch._dynamo.utils import counters
+    return counters["frames"]["ok"], met.counter_value("UncachedCompile") or 0
+
+
+def guard_failures():
+    from torch._dynamo.utils import guard_failures as failures
+    return {f"{code.co_filename}:{code.co_firstlineno} {code.co_name}": list(reasons)
+            for code, reasons in failures.items()}
+
+
+def train(rank, world, model, extra):
+    import torch_xla
+    device = torch_xla.device()
+    unit = getattr(model, "_orig_mod", model)  # the FSDP root, compiled or not
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    local = 16 // world
+    losses, per_step = [], []
+    for step in range(COMPILE_STEPS):
+        before = counts()
+        x, y = batch("net", step)
+        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        opt.zero_grad()
+        if extra.get("no_sync"):  # two micro-batches, the first accumulated unreduced
+            half = local // 2
+            with unit.no_sync():
+                loss_fn("net", model(x[:half].to(device)), y[:half].to(device)).div(2).backward()
+            loss = loss_fn("net", model(x[half:].to(device)), y[half:].to(device)).div(2)
+        else:
+            loss = loss_fn("net", model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.item())
+        after = counts()
+        per_step.append((after[0] - before[0], after[1] - before[1]))
+    full = {k: v.cpu() for k, v in unit.full_state_dict(rank0_only=False).items()}
+    return losses, full, per_step
+
+
+def run_settings(rank, world, names):
+    import torch._dynamo
+    out = {}
+    for name in names:
+        placement, kwargs, extra = SETTINGS[name]
+        if rank == 0:
+            torch._dynamo.reset()
+        losses, full, per_step = train(rank, world, build(placement, kwargs, extra), extra)
+        out[name] = {"losses": losses, "full": full, "per_step": per_step,
+                     "guard_failures": guard_failures()}
+    return out
