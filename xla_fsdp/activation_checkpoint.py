@@ -62,5 +62,8 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         return checkpoint(recompute, len(args), tuple(kwargs), *flat)
 
     module._xla_checkpointed_forward_original = original
-    module.forward = MethodType(forward, module)
+    # Under torch.compile the checkpointed module runs eagerly, between compiled regions:
+    # torch_xla's checkpoint keeps the device RNG state as a Python int, which Dynamo would
+    # bake into the graph and recompile for at every step.
+    module.forward = MethodType(torch.compiler.disable(forward), module)
     return module

@@ -31,6 +31,10 @@ SETTINGS = {
     "eager_no_sync": ("eager", {}, {"no_sync": True}),
     "compile_root_no_sync": ("compile_root", {}, {"no_sync": True}),
     "compile_blocks_no_sync": ("compile_blocks", {}, {"no_sync": True}),
+    # a Hugging Face Llama from the real-architecture suite, its decoder layers the units
+    "llama_eager": ("eager", {}, {"llama": True}),
+    "llama_compile_root": ("compile_autowrapped", {}, {"llama": True}),
+    "llama_compile_blocks": ("compile_blocks_autowrap", {}, {"llama": True}),
 }
 assert COMPILE_STEPS <= STEPS
 
@@ -41,6 +45,8 @@ def _compile(module):
 
 def build(placement, kwargs, extra):
     from xla_fsdp import FSDP, checkpoint_module, transformer_auto_wrap_policy
+    if extra.get("llama"):
+        return _build_llama(placement, kwargs)
     torch.manual_seed(0)
     net = Net()
     block = checkpoint_module if extra.get("checkpoint") else (lambda b: b)
@@ -60,6 +66,37 @@ def build(placement, kwargs, extra):
     return _compile(FSDP(net, auto_wrap_policy=policy, **kwargs))
 
 
+def _build_llama(placement, kwargs):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from xla_fsdp import FSDP, transformer_auto_wrap_policy
+
+    from . import hf_architectures
+    model = hf_architectures.build("llama")
+    policy = functools.partial(transformer_auto_wrap_policy,
+                               transformer_layer_cls={LlamaDecoderLayer})
+    if placement == "compile_blocks_autowrap":
+        layers = model.model.layers
+        for i in range(len(layers)):
+            layers[i] = _compile(layers[i])
+    model = FSDP(model, auto_wrap_policy=policy, **kwargs)
+    return _compile(model) if placement == "compile_autowrapped" else model
+
+
+def _loss(model, extra, x, y, device):
+    if extra.get("llama"):
+        return model(input_ids=x.to(device), labels=y.to(device)).loss
+    return loss_fn("net", model(x.to(device)), y.to(device))
+
+
+def _batch(extra, step):
+    if extra.get("llama"):
+        from .hf_architectures import causal_lm_batch
+        b = causal_lm_batch("llama", step)
+        return b["input_ids"], b["labels"]
+    return batch("net", step)
+
+
 def counts():
     import torch_xla.debug.metrics as met
     from torch._dynamo.utils import counters
@@ -77,20 +114,20 @@ def train(rank, world, model, extra):
     device = torch_xla.device()
     unit = getattr(model, "_orig_mod", model)  # the FSDP root, compiled or not
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    local = 16 // world
     losses, per_step = [], []
     for step in range(COMPILE_STEPS):
         before = counts()
-        x, y = batch("net", step)
+        x, y = _batch(extra, step)
+        local = len(x) // world
         x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
         opt.zero_grad()
         if extra.get("no_sync"):  # two micro-batches, the first accumulated unreduced
             half = local // 2
             with unit.no_sync():
-                loss_fn("net", model(x[:half].to(device)), y[:half].to(device)).div(2).backward()
-            loss = loss_fn("net", model(x[half:].to(device)), y[half:].to(device)).div(2)
+                _loss(model, extra, x[:half], y[:half], device).div(2).backward()
+            loss = _loss(model, extra, x[half:], y[half:], device).div(2)
         else:
-            loss = loss_fn("net", model(x.to(device)), y.to(device))
+            loss = _loss(model, extra, x, y, device)
         loss.backward()
         opt.step()
         torch_xla.sync()

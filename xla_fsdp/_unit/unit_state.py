@@ -373,11 +373,9 @@ class UnitState:
             self._took_part = True
             if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
                 self._reduce(shard_group)
-                if self._compiled and all(g.reduced for g in self.shard_groups
-                                          if g.shard.requires_grad):
-                    # the unit's last reduction, before the next compiled region's backward
+                if self._compiled:  # before the next compiled region's backward
                     self.params.flush(False, self.divide, self.context.backward_barrier)
-                    run_pending(self.shard_gradients())
+                    run_pending([shard_group.shard.grad])
 
     def _reduce(self, shard_group: ShardGroup) -> None:
         self.params.reduce(shard_group, self.require_grad_sync,

@@ -35,6 +35,12 @@ class LinearReadingWeight(torch.autograd.Function):
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        # AOTAutograd derives a compiled region's backward itself and saves what its
+        # partitioner picks. Traced, this function's saved input is a view of a region
+        # input, which torch_xla's bridge (matching outputs to inputs by identity) would
+        # expect back from the graph and not get.
+        return torch.nn.functional.linear(x, module.weight, module.bias)
     return LinearReadingWeight.apply(x, module.weight, module.bias)
 
 
