@@ -210,7 +210,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
                                          self.world_size
                                          / _default_predivide_factor(self.world_size), False)
-        self._state.hook_members()
+        self._state.hook_members([compiled] if compiled is not None else [])
         self.register_load_state_dict_post_hook(_after_load)
         if grouping:
             mark_grouped(members, self)

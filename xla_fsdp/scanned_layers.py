@@ -73,6 +73,13 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         self.__dict__["_tracing"] = False
         self.__dict__["_prefetch"] = bool(prefetch_next_layer)
         super().__init__(layers, **kwargs)
+        self._state.compile_refusal = (
+            f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) cannot run inside "
+            f"torch.compile: Dynamo cannot trace the scan, whose loop is already one compiled "
+            f"XLA computation. Either keep the scan and run the model without torch.compile, "
+            f"or compile per layer instead of ScannedLayers: each layer its own unit around "
+            f"its compiled module, FSDP(torch.compile(layer)) (auto-wrap builds these for "
+            f"layers compiled before wrapping)")
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._refuse_direct_call(i))
 

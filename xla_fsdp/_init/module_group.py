@@ -22,6 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.names import GROUP_PREFIX, clean_name
 from .._xla.private_api import children
+from .compiled_module import is_compiled
 from .validate import validate_module
 
 _GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # grouped module -> its unit
@@ -61,6 +62,12 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
     if not members:
         raise ValueError("FSDP was given an empty list of modules to group")
     for m in members:
+        if is_compiled(m):
+            raise ValueError(
+                f"FSDP was given a torch.compile'd module ({type(m._orig_mod).__name__}) to "
+                f"group: a group's hooks sit on the modules themselves. Group the modules "
+                f"before compiling them, or compile the model around the group: "
+                f"torch.compile(FSDP(model)) with FSDP([a, b]) built inside it")
         validate_module(m)
         if m in _GROUPED:
             raise ValueError(f"{type(m).__name__} is already grouped in another FSDP unit")

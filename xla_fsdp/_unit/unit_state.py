@@ -76,17 +76,32 @@ class UnitState:
         self.detached = detached           # a grouping unit no unit was built around yet
         self._forward_id = -1              # the root forward this unit's members ran in
         self._compiled = False             # its last forward ran inside torch.compile
+        self.compile_refusal: Optional[str] = None  # why the unit cannot run compiled
         self._members_run: set = set()
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
         self._warned_hidden = False
         _STATES[unit] = self
 
-    def hook_members(self) -> None:
-        for m in self.members:
-            m.register_forward_pre_hook(functools.partial(self._pre_forward_hook, m),
-                                        with_kwargs=True, prepend=True)
-            m.register_forward_hook(functools.partial(self._post_forward_hook, m))
+    def hook_members(self, compiled: Sequence[Optional[nn.Module]] = ()) -> None:
+        """Hooks each member's forward; a member given with its ``torch.compile`` module is
+        hooked on that module, so that its hooks run before its compiled region, not in it
+        (see [Note: FSDP's hooks under torch.compile])."""
+        disable = functools.partial(torch.compiler.disable, reason=(
+            f"FSDP unit around {self.name}: its gathers and reductions run eagerly between "
+            f"compiled regions, so torch.compile(fullgraph=True) cannot span the unit. Compile "
+            f"the module the unit wraps instead, and wrap the compiled module: "
+            f"FSDP(torch.compile(module, fullgraph=True))"))
+        self._pre_eager = disable(self._pre_forward_eager)
+        self._post_eager = disable(self._post_forward_eager)
+        for m, outer in zip(self.members, list(compiled) or [None] * len(self.members)):
+            if outer is None:
+                target, pre, post = m, self._pre_forward_hook, self._post_forward_hook
+            else:
+                target, pre, post = outer, self._pre_compiled_hook, self._post_compiled_hook
+            target.register_forward_pre_hook(functools.partial(pre, m), with_kwargs=True,
+                                             prepend=True)
+            target.register_forward_hook(functools.partial(post, m))
 
     @property
     def shard_groups(self) -> List[ShardGroup]:
@@ -173,22 +188,29 @@ class UnitState:
                 f"same forward without retain_graph.")
 
     # -- forward ---------------------------------------------------------------------------
-    # [Note: FSDP's hooks under torch.compile]: these two run in Dynamo
-    # (which reads whether it is tracing) and hand over to the eager code at a graph break
+    # [Note: FSDP's hooks under torch.compile]: these two may run in Dynamo (which then
+    # reads that it is tracing) and hand over to the eager code at a graph break
     def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
                           kwargs: dict) -> Tuple[tuple, dict]:
-        return self._pre_forward_eager(member, args, kwargs, torch.compiler.is_compiling())
+        return self._pre_eager(member, args, kwargs, torch.compiler.is_compiling())
 
     def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
                            outputs: Any) -> Any:
-        return self._post_forward_eager(member, outputs, torch.compiler.is_compiling())
+        return self._post_eager(member, outputs, torch.compiler.is_compiling())
 
-    @torch.compiler.disable
+    # on a member's torch.compile module: the compiled region comes right after
+    def _pre_compiled_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
+                           kwargs: dict) -> Tuple[tuple, dict]:
+        return self._pre_eager(member, args, kwargs, True)
+
+    def _post_compiled_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
+                            outputs: Any) -> Any:
+        return self._post_eager(member, outputs, True)
+
     def _pre_forward_eager(self, member: nn.Module, args: tuple, kwargs: dict,
                            compiled: bool) -> Tuple[tuple, dict]:
         return self.pre_forward(member, args, kwargs, _in_checkpoint_recompute(), compiled)
 
-    @torch.compiler.disable
     def _post_forward_eager(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
         return self.post_forward(member, outputs, _in_checkpoint_recompute(), compiled)
 
@@ -198,6 +220,8 @@ class UnitState:
             raise ValueError(detached_message(self.members))
         context = self.context
         if self is context.root and not recompute:
+            if compiled:
+                self._refuse_compiled_units()
             context.begin_forward(self._first_root_forward)
             pin_parameter_order(self.params.device)
         if self._forward_id != context.forward_id or id(member) in self._members_run:
@@ -264,6 +288,11 @@ class UnitState:
                         if isinstance(s, UnitState))
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
+
+    def _refuse_compiled_units(self) -> None:
+        for state in self.context.states:
+            if isinstance(state, UnitState) and state.compile_refusal:
+                raise RuntimeError(state.compile_refusal)
 
     def _refuse_unsharded_parameters(self) -> None:
         """Every parameter the model registers must be a shard: one registered after the
