@@ -206,7 +206,8 @@ class XlaFullyShardedDataParallel(nn.Module):
         self._state = UnitState(self, type(members[0]).__name__ if not grouping else
                                 "+".join(type(m).__name__ for m in members), members,
                                 UnitParams(self._collectives, options, self.xla_device),
-                                options, detached=grouping)
+                                options, detached=grouping,
+                                compile_refusal=self.compile_refusal())
         self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
                                          self.world_size
                                          / _default_predivide_factor(self.world_size), False)
@@ -479,6 +480,12 @@ class XlaFullyShardedDataParallel(nn.Module):
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs, in torch_xla's format (see ``checkpoint.metadata``)."""
         return shard_metadata(self, self.named_units(), self.world_size, self.rank)
+
+    def compile_refusal(self) -> Optional[str]:
+        """Why this unit cannot run inside ``torch.compile``, or None: a subclass that runs
+        its modules itself (a scan) says so, and a compiled model containing it is refused
+        with that message (see [Note: FSDP's hooks under torch.compile])."""
+        return None
 
     def check_root_call(self, what: str) -> None:
         """Raises unless this is the root unit and it is idle: ``what`` concerns the whole

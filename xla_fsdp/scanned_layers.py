@@ -20,7 +20,7 @@ does (``layers.3.mlp.fc1.weight``); the shards are ``StackedLayout`` groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -73,15 +73,17 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         self.__dict__["_tracing"] = False
         self.__dict__["_prefetch"] = bool(prefetch_next_layer)
         super().__init__(layers, **kwargs)
-        self._state.compile_refusal = (
-            f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) cannot run inside "
-            f"torch.compile: Dynamo cannot trace the scan, whose loop is already one compiled "
-            f"XLA computation. Either keep the scan and run the model without torch.compile, "
-            f"or compile per layer instead of ScannedLayers: each layer its own unit around "
-            f"its compiled module, FSDP(torch.compile(layer)) (auto-wrap builds these for "
-            f"layers compiled before wrapping)")
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._refuse_direct_call(i))
+
+    def compile_refusal(self) -> Optional[str]:
+        layers = self.wrapped_module
+        return (f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) cannot run inside "
+                f"torch.compile: Dynamo cannot trace the scan, whose loop is already one "
+                f"compiled XLA computation. Either keep the scan and run the model without "
+                f"torch.compile, or compile per layer instead of ScannedLayers: each layer its "
+                f"own unit around its compiled module, FSDP(torch.compile(layer)) (auto-wrap "
+                f"builds these for layers compiled before wrapping)")
 
     # -- the stack as Hugging Face's loops see it ------------------------------------------
     def __len__(self) -> int:

@@ -10,7 +10,6 @@ every process resets its own).
 import functools
 
 import torch
-import torch.nn as nn
 
 from .models import STEPS, Block, Net, batch, loss_fn
 

@@ -40,15 +40,10 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
-
-def is_compiled(module: nn.Module) -> bool:
-    """Whether ``module`` is what ``torch.compile(module)`` returns."""
-    from torch._dynamo.eval_frame import OptimizedModule
-    return isinstance(module, OptimizedModule)
+from .._xla.private_api import compiled_inner
 
 
 def split_compiled(module: nn.Module) -> Tuple[nn.Module, Optional[nn.Module]]:
     """The module to shard, and the compiled module to call instead of it (or None)."""
-    if is_compiled(module):
-        return module._orig_mod, module
-    return module, None
+    inner = compiled_inner(module)
+    return (module, None) if inner is None else (inner, module)

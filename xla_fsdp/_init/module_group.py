@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.names import GROUP_PREFIX, clean_name
 from .._xla.private_api import children
-from .compiled_module import is_compiled
+from .compiled_module import split_compiled
 from .validate import validate_module
 
 _GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # grouped module -> its unit
@@ -62,9 +62,10 @@ def check_members(members: Sequence[Any]) -> List[nn.Module]:
     if not members:
         raise ValueError("FSDP was given an empty list of modules to group")
     for m in members:
-        if is_compiled(m):
+        inner, compiled = split_compiled(m)
+        if compiled is not None:
             raise ValueError(
-                f"FSDP was given a torch.compile'd module ({type(m._orig_mod).__name__}) to "
+                f"FSDP was given a torch.compile'd module ({type(inner).__name__}) to "
                 f"group: a group's hooks sit on the modules themselves. Group the modules "
                 f"before compiling them, or compile the model around the group: "
                 f"torch.compile(FSDP(model)) with FSDP([a, b]) built inside it")

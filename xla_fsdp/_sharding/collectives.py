@@ -165,12 +165,3 @@ def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:
     return xm.all_reduce(xm.REDUCE_SUM, words, groups=None, pin_layout=pin_layout)
 
 
-
-def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
-    """Executes the pending graph of ``tensors`` now, as its own computation (see [Note:
-    FSDP's hooks under torch.compile]). The caller's collectives must be the last ones
-    issued on the device: the chain that orders collectives then restarts after them."""
-    from .._xla.private_api import execute_now
-    tensors = [t for t in tensors if t is not None and t.device.type == "xla"]
-    if tensors:
-        execute_now(tensors)

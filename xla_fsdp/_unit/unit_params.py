@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
-                                     padded_gradient, run_pending, scatter_gradients)
+                                     padded_gradient, scatter_gradients)
+from .._xla.private_api import run_pending
 from .options import FsdpOptions
 from .shard_group import ShardGroup
 

@@ -27,11 +27,11 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._sharding.collectives import optimization_barrier, run_pending
+from .._sharding.collectives import optimization_barrier
 from .._sharding.names import clean_name
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
-from .._xla.private_api import in_backward
+from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
 from .root_context import RootContext
 from .shard_group import ShardGroup, shard_group_of
@@ -58,7 +58,8 @@ def detached_message(members: Sequence[nn.Module]) -> str:
 
 class UnitState:
     def __init__(self, unit: nn.Module, name: str, members: Sequence[nn.Module],
-                 params: UnitParams, options: FsdpOptions, detached: bool) -> None:
+                 params: UnitParams, options: FsdpOptions, detached: bool,
+                 compile_refusal: Optional[str] = None) -> None:
         self.name = name                   # the wrapped module's class, for messages
         self.members = list(members)
         self.params = params
@@ -76,7 +77,7 @@ class UnitState:
         self.detached = detached           # a grouping unit no unit was built around yet
         self._forward_id = -1              # the root forward this unit's members ran in
         self._compiled = False             # its last forward ran inside torch.compile
-        self.compile_refusal: Optional[str] = None  # why the unit cannot run compiled
+        self.compile_refusal = compile_refusal  # why the unit cannot run compiled, if it cannot
         self._members_run: set = set()
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
@@ -188,8 +189,8 @@ class UnitState:
                 f"same forward without retain_graph.")
 
     # -- forward ---------------------------------------------------------------------------
-    # [Note: FSDP's hooks under torch.compile]: these two may run in Dynamo (which then
-    # reads that it is tracing) and hand over to the eager code at a graph break
+    # These two may run in Dynamo (which then reads that it is tracing) and hand over to
+    # the eager code at a graph break (see [Note: FSDP's hooks under torch.compile])
     def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
                           kwargs: dict) -> Tuple[tuple, dict]:
         return self._pre_eager(member, args, kwargs, torch.compiler.is_compiling())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -132,15 +132,27 @@ def fresh_collective_token() -> Iterator[None]:
         torch_xla._XLAC._set_all_reduce_token(device, outer)
 
 
-def execute_now(tensors: List[torch.Tensor]) -> None:
-    """Computes ``tensors`` now, and restarts the device's collective token after them.
+def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
+    """Executes the pending graph of ``tensors`` now, as its own computation, and restarts
+    the device's collective token after it (see [Note: FSDP's hooks under torch.compile]).
 
     The token chains every collective after the previous one; a sync of some tensors (unlike
     ``torch_xla.sync()``) leaves the token pointing at the graph just run, whose input
-    buffers XLA may since have donated, so the next collective would read a deleted buffer."""
+    buffers XLA may since have donated, so the next collective would read a deleted buffer.
+    The caller's collectives must therefore be the last ones issued on the device."""
     import torch_xla
-    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=False, sync_xla_data=True)
-    torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
+    import torch_xla.core.xla_model as xm
+    tensors = [t for t in tensors if t is not None and t.device.type == "xla"]
+    if tensors:
+        xm.unlazy(tensors)
+        torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
+
+
+# -- torch.compile --------------------------------------------------------------------------
+def compiled_inner(module: nn.Module) -> Optional[nn.Module]:
+    """The module ``torch.compile`` compiled, if ``module`` is what it returned."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    return module._orig_mod if isinstance(module, OptimizedModule) else None
 
 
 def run_single_process(fn: Callable[[], Any]) -> Any:

@@ -252,7 +252,7 @@ class SyncPoints:
     # -- patched entry points --------------------------------------------------------------
     def _step_marker(self, device: str, devices: List[str], wait: bool = False,
                      reset_scope: bool = True) -> None:
-        if self._rank is None or self._local.compiling:  # [Note: the compiling rank syncs alone]
+        if self._rank is None or self._local.compiling:  # see [Note: the compiling rank syncs alone]
             return self._orig["step_marker"](device, devices, wait=wait, reset_scope=reset_scope)
         self._collective("torch_xla.sync()", lambda: self._orig["step_marker"](
             device, devices, wait=False, reset_scope=reset_scope))
