@@ -148,3 +148,50 @@ def run_settings(rank, world, names):
         out[name] = {"losses": losses, "full": full, "per_step": per_step,
                      "guard_failures": guard_failures()}
     return out
+
+
+def refusals(rank):
+    """The placements that cannot work, each with the error it gets."""
+    import torch_xla
+
+    from xla_fsdp import FSDP, ScannedLayers
+
+    from .models import Stack
+    device = torch_xla.device()
+    x, _ = batch("net", 0)
+    out = {}
+
+    def attempt(name, make_and_run):
+        try:
+            make_and_run()
+            out[name] = None
+        except Exception as exc:  # noqa: BLE001 - the message is what the test reads
+            out[name] = f"{type(exc).__name__}: {exc}"
+        torch_xla.sync()
+
+    def fullgraph():
+        net = Net()
+        net.b1, net.b2 = FSDP(net.b1), FSDP(net.b2)
+        torch.compile(FSDP(net), backend="openxla", fullgraph=True)(x.to(device))
+
+    def fullgraph_inside_block():  # the placement the error points to: it works
+        net = Net()
+        net.b1 = FSDP(torch.compile(net.b1, backend="openxla", fullgraph=True))
+        net.b2 = FSDP(torch.compile(net.b2, backend="openxla", fullgraph=True))
+        FSDP(net)(x.to(device)).sum().backward()
+
+    def scanned():
+        stack = Stack()
+        stack.layers = ScannedLayers(stack.layers)
+        _compile(FSDP(stack))(x.to(device))
+
+    def group_of_compiled():
+        net = Net()
+        FSDP([_compile(net.b1), _compile(net.b2)])
+
+    for name, fn in (("fullgraph", fullgraph), ("fullgraph_inside_block", fullgraph_inside_block),
+                     ("scanned", scanned), ("group_of_compiled", group_of_compiled)):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        attempt(name, fn)
+    return out

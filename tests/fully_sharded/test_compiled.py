@@ -1,0 +1,86 @@
+"""torch.compile on FSDP models (see [Note: FSDP's hooks under torch.compile]).
+
+Every placement trains at N = 1, 2 and 4 as the same FSDP model run eagerly does, step by
+step: ``torch.compile(root)``, ``FSDP(torch.compile(block))`` by hand and through auto-wrap
+of blocks compiled first, and ``torch.compile`` of an auto-wrapped model; with bf16
+compute, activation checkpointing, ``no_sync`` accumulation, and on a Hugging Face Llama.
+After the warm-up steps neither Dynamo nor XLA compiles anything (a failing guard's reason
+is in the assertion message). Placements that cannot work are refused by name.
+"""
+import pytest
+
+from xla_fsdp import launch
+
+from ..support.compiled_workloads import SETTINGS, WARM_UP, refusals, run_settings
+
+# fp32: the parity bounds; bf16: the parity settings' bf16 bounds (tests/support/parity.py)
+LOSS_RTOL = {False: 1e-5, True: 3e-2}
+PARAM_ATOL = {False: 1e-5, True: 5e-2}
+NET = [n for n, (_, _, extra) in SETTINGS.items() if not extra.get("llama")]
+LLAMA = [n for n, (_, _, extra) in SETTINGS.items() if extra.get("llama")]
+
+
+def _reference(name):
+    """The eager setting with the same options as ``name``."""
+    placement, kwargs, extra = SETTINGS[name]
+    (ref,) = [n for n, (p, k, e) in SETTINGS.items() if p == "eager" and k == kwargs and e == extra]
+    return ref
+
+
+@pytest.fixture(scope="module")
+def net_runs():
+    return {world: launch(run_settings, (world, NET), num_devices=world) for world in (1, 2, 4)}
+
+
+def _problems(results, name):
+    ref = results[_reference(name)]
+    got = results[name]
+    low = "compute_dtype" in SETTINGS[name][1]
+    problems = []
+    if sorted(got["full"]) != sorted(ref["full"]):
+        problems.append(f"parameter names differ: {sorted(got['full'])} vs {sorted(ref['full'])}")
+    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+        if abs(a - b) > LOSS_RTOL[low] * abs(b):
+            problems.append(f"step {step}: loss {a} vs eager {b}")
+    for key, value in ref["full"].items():
+        diff = (got["full"][key].float() - value.float()).abs().max().item()
+        if diff > PARAM_ATOL[low]:
+            problems.append(f"{key}: differs from eager by {diff}")
+    frames, graphs = got["per_step"][0]
+    if frames == 0:
+        problems.append("Dynamo compiled nothing: the model did not run compiled")
+    late = got["per_step"][WARM_UP:]
+    if any(step != (0, 0) for step in late):
+        problems.append(f"compiled after step {WARM_UP} (Dynamo frames, XLA graphs per step): "
+                        f"{got['per_step']}; guard failures: {got['guard_failures']}")
+    return problems
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
+def test_compiled_trains_as_eager(net_runs, world, name):
+    for rank, results in net_runs[world].items():
+        problems = _problems(results, name)
+        assert not problems, f"N={world} rank {rank} {name}:\n" + "\n".join(problems)
+
+
+@pytest.mark.slow
+def test_compiled_llama_trains_as_eager():
+    runs = launch(run_settings, (2, LLAMA), num_devices=2)
+    for rank, results in runs.items():
+        for name in LLAMA:
+            if SETTINGS[name][0] != "eager":
+                problems = _problems(results, name)
+                assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
+
+
+def test_placements_that_cannot_work_are_refused_by_name():
+    out = launch(refusals, num_devices=1)[0]
+    assert out["fullgraph_inside_block"] is None, out["fullgraph_inside_block"]
+    assert "FSDP unit around Net" in out["fullgraph"], out["fullgraph"]
+    assert "FSDP(torch.compile(module, fullgraph=True))" in out["fullgraph"], out["fullgraph"]
+    assert out["scanned"].startswith("RuntimeError: ScannedLayers (3 x Block) cannot run inside "
+                                     "torch.compile"), out["scanned"]
+    assert "FSDP(torch.compile(layer))" in out["scanned"], out["scanned"]
+    assert "torch.compile'd module (Block) to group" in out["group_of_compiled"], \
+        out["group_of_compiled"]
