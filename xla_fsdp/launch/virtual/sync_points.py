@@ -121,8 +121,8 @@ class SyncPoints:
         # Work pending before a compiled module or function is called (eager FSDP units
         # around it, the user's own collectives) runs on every rank as it enters, so that a
         # compile there finds no collective pending.
-        from torch._dynamo.eval_frame import _TorchDynamoContext
-        context_init = _TorchDynamoContext.__init__
+        from torch._dynamo.eval_frame import OptimizeContext
+        context_init = OptimizeContext.__init__
         points = self
 
         def init_with_entry_sync(context: Any, *args: Any, **kwargs: Any) -> None:
@@ -130,7 +130,7 @@ class SyncPoints:
             context.enter_exit_hooks.append(points._entering_compiled_code)
 
         self._orig["dynamo_context_init"] = context_init
-        _TorchDynamoContext.__init__ = init_with_entry_sync
+        OptimizeContext.__init__ = init_with_entry_sync
 
     def _entering_compiled_code(self) -> Callable[[], None]:
         if self._rank is not None and not self._local.compiling:
@@ -155,10 +155,31 @@ class SyncPoints:
                     f"torch_xla.sync()) before calling the compiled code.")
             self._local.compiling += 1
             try:
-                return compile_fn(model, args, *rest)
+                compiled = compile_fn(model, args, *rest)
             finally:
                 self._local.compiling -= 1
+            if name != "extract_compiled_graph":
+                return compiled
+            return self._peers_sync_where_compiled(compiled, self._rank)
         return compile_alone
+
+    def _peers_sync_where_compiled(self, compiled: Callable, compiler: int) -> Callable:
+        # The compiling rank synced its device while compiling; the others' first call of
+        # the region is the same point of their programs, and they sync there too, so that
+        # every rank has the same work pending afterwards and traces the same graphs at its
+        # next collective point. Nothing collective is pending then (see [Note: the
+        # compiling rank syncs alone]), so this sync, like the compiler's, runs alone.
+        synced = {compiler}
+
+        def region(*args: Any) -> Any:
+            rank = self._rank
+            if rank is not None and rank not in synced:
+                synced.add(rank)
+                device = self._devices[rank]
+                self._orig["step_marker"](device, [], wait=False)
+                self._xlac._set_all_reduce_token(device, None)
+            return compiled(*args)
+        return region
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
         """Marks the calling thread as ``rank``'s device thread."""
@@ -352,7 +373,10 @@ class MaterializeGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self._points.materialize(func, args, kwargs)
+        # Dynamo traces the active mode into compiled regions, where nothing is read back
+        # (a read breaks the graph and then passes here eagerly)
+        if not torch.compiler.is_compiling():
+            self._points.materialize(func, args, kwargs)
         return func(*args, **kwargs)
 
 

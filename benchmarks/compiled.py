@@ -1,0 +1,167 @@
+"""The ``compiled`` setting: the benchmark's GPT (``scripts/bench/model.py``, every block a
+unit, the root the rest) trained with xla_fsdp eagerly and under
+``torch.compile(root, backend="openxla")``, and torch_xla's FSDP under the same compile,
+side by side in one run.
+
+    python benchmarks/compiled.py [--world 4] [--repeats 3] [--steps 8] [--layers 8] [--dim 512]
+
+Each (wrapper, mode) trains in a fresh device process per repeat, so compile caches start
+cold. Per rank 0, after ``WARM_UP`` steps (the figures are medians over those steps, then
+over repeats):
+
+- step time: wall time of a step, loss on the host;
+- host per rank: CPU time of rank 0's thread over the step (tracing, Dynamo's guards,
+  the bridge, dispatch); on virtual devices the other ranks' threads are not counted;
+- device: torch_xla's execute-time metric over the step (all ranks' executions, since the
+  metric is process-wide), and the number of executions per rank;
+- Dynamo graphs and graph breaks: what Dynamo compiled in the whole run (each compiled
+  graph runs once per step, so the breaks per step are the graphs run per step less one);
+- compile: wall time of the first step less the steady step, and XLA's compile time;
+- peak memory: the device process's resident-set high-water mark over the steps after
+  warm-up (all ranks' buffers, one process), less what it held before them;
+- compiles after warm-up (Dynamo frames, XLA graphs), which must be 0.
+
+Needs the installed package and the repository root on ``sys.path`` (run from the root).
+Writes benchmarks/results/compiled.md (``--out`` for another file).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import RESULTS, peak_added, reset_peak, write_result  # noqa: E402
+
+WARM_UP = 3
+RUNS = (("xla_fsdp", "eager"), ("xla_fsdp", "compiled"), ("torch_xla", "compiled"))
+
+
+def run_rank(rank, impl, mode, layers, dim, steps):
+    import torch
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from torch._dynamo.utils import counters
+
+    from scripts.bench.model import Config, batch, build_model, wrap
+
+    cfg = Config(layers=layers, dim=dim, steps=steps)
+    device = torch_xla.device()
+    model = wrap(build_model(cfg), impl, "defaults")
+    if mode == "compiled":
+        model = torch.compile(model, backend="openxla")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+    def execute():
+        data = met.metric_data("ExecuteTime")
+        return (data[0], data[1] / 1e9) if data else (0, 0.0)
+
+    out = {k: [] for k in ("wall", "host", "executions", "device", "losses", "dynamo",
+                           "xla_compiles")}
+    baseline = 0
+    for step in range(steps):
+        if step == WARM_UP and rank == 0:
+            baseline = reset_peak()
+        x, y = (t.to(device) for t in batch(cfg, rank, step))
+        frames, compiles = counters["frames"]["ok"], met.counter_value("UncachedCompile") or 0
+        (count, seconds), start, cpu = execute(), time.perf_counter(), time.thread_time()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        torch_xla.sync()
+        out["losses"].append(loss.item())
+        out["host"].append(time.thread_time() - cpu)
+        out["wall"].append(time.perf_counter() - start)
+        count2, seconds2 = execute()
+        out["executions"].append(count2 - count)
+        out["device"].append(seconds2 - seconds)
+        out["dynamo"].append(counters["frames"]["ok"] - frames)
+        out["xla_compiles"].append((met.counter_value("UncachedCompile") or 0) - compiles)
+    out["peak"] = peak_added(baseline) if rank == 0 else 0
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    out["breaks"] = sum(counters["graph_break"].values())
+    out["xla_compile_seconds"] = (met.metric_data("CompileTime") or (0, 0))[1] / 1e9
+    return out
+
+
+def measure(impl, mode, args):
+    from xla_fsdp import launch
+    runs, error = [], None
+    for _ in range(args.repeats):
+        try:
+            got = launch(run_rank, (impl, mode, args.layers, args.dim, args.steps),
+                         num_devices=args.world)
+        except Exception as exc:  # noqa: BLE001 - a competitor that fails is a result
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            break
+        runs.append(got[0])
+    return runs, error
+
+
+def summary(runs):
+    def med(key):  # the median over steady steps, then over repeats
+        return statistics.median(statistics.median(r[key][WARM_UP:]) for r in runs)
+    steady = med("wall")
+    return {
+        "step": steady, "host": med("host"), "device": med("device"),
+        "executions": med("executions"),
+        "graphs": runs[0]["graphs"], "breaks": runs[0]["breaks"],
+        "compile": statistics.median(r["wall"][0] for r in runs) - steady,
+        "xla_compile": statistics.median(r["xla_compile_seconds"] for r in runs),
+        "peak": statistics.median(r["peak"] for r in runs) / 2**20,
+        "late": max(sum(r["dynamo"][WARM_UP:]) + sum(r["xla_compiles"][WARM_UP:])
+                    for r in runs),
+        "losses": runs[0]["losses"],
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "compiled.md"))
+    args = ap.parse_args()
+    results = {}
+    for impl, mode in RUNS:
+        runs, error = measure(impl, mode, args)
+        results[(impl, mode)] = summary(runs) if runs else error
+        print(impl, mode, results[(impl, mode)], flush=True)
+    eager = results[("xla_fsdp", "eager")]
+    lines = [f"# torch.compile on FSDP: eager against compiled (N = {args.world})", "",
+             f"`python benchmarks/compiled.py --world {args.world} --repeats {args.repeats} "
+             f"--steps {args.steps} --layers {args.layers} --dim {args.dim}`; the benchmark's "
+             f"GPT, AdamW, medians over steps {WARM_UP + 1}-{args.steps} and "
+             f"{args.repeats} fresh processes. Ratios are compiled / eager.", "",
+             "| wrapper, mode | step s | host s per rank | device s | executions per rank "
+             "| Dynamo graphs | graph breaks | compile s (first step less steady) "
+             "| XLA compile s | peak MiB after warm-up | compiles after warm-up |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (impl, mode), r in results.items():
+        if isinstance(r, str):
+            lines.append(f"| {impl}, {mode} | failed: {r} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {impl}, {mode} | {r['step']:.3f} | {r['host']:.3f} | {r['device']:.3f} | "
+            f"{r['executions']:.0f} | {r['graphs']} | {r['breaks']} | {r['compile']:.1f} | "
+            f"{r['xla_compile']:.1f} | {r['peak']:.0f} | {r['late']} |")
+    compiled = results[("xla_fsdp", "compiled")]
+    if not isinstance(compiled, str) and not isinstance(eager, str):
+        lines += ["", "| ratio compiled / eager | step | host | device | peak |",
+                  "| --- | --- | --- | --- | --- |",
+                  f"| xla_fsdp | {compiled['step'] / eager['step']:.2f} | "
+                  f"{compiled['host'] / eager['host']:.2f} | "
+                  f"{compiled['device'] / eager['device']:.2f} | "
+                  f"{compiled['peak'] / eager['peak']:.2f} |", "",
+                  f"Largest loss difference, compiled against eager, over "
+                  f"{args.steps} steps: "
+                  f"{max(abs(a - b) for a, b in zip(compiled['losses'], eager['losses'])):.2e}."]
+    write_result(args.out, lines)
+
+
+if __name__ == "__main__":
+    main()
