@@ -133,12 +133,21 @@ class SyncPoints:
         OptimizeContext.__init__ = init_with_entry_sync
 
     def _entering_compiled_code(self) -> Callable[[], None]:
-        if self._rank is not None and not self._local.compiling:
-            device = self._devices[self._rank]
-            self._collective("entering torch.compile'd code",
-                             lambda: self._orig["step_marker"](device, [], wait=False))
-            self._xlac._set_all_reduce_token(device, None)  # as torch_xla.sync() does
-        return lambda: None
+        if self._rank is None or self._local.compiling:
+            return lambda: None
+        device = self._devices[self._rank]
+        self._collective("entering torch.compile'd code",
+                         lambda: self._orig["step_marker"](device, [], wait=False))
+        self._xlac._set_all_reduce_token(device, None)  # as torch_xla.sync() does
+        # The rank's MaterializeGuard leaves the torch-function mode stack while compiled
+        # code runs: Dynamo would trace the mode into the shared regions, specialised on the
+        # rank that compiled them.
+        from torch.overrides import _get_current_function_mode, _pop_mode_temporarily
+        if not isinstance(_get_current_function_mode(), MaterializeGuard):
+            return lambda: None
+        popped = _pop_mode_temporarily()
+        popped.__enter__()
+        return lambda: popped.__exit__(None, None, None)
 
     def _compiling(self, name: str, compile_fn: Callable) -> Callable:
         def compile_alone(model: Any, args: Any, *rest: Any) -> Any:
@@ -373,10 +382,7 @@ class MaterializeGuard(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # Dynamo traces the active mode into compiled regions, where nothing is read back
-        # (a read breaks the graph and then passes here eagerly)
-        if not torch.compiler.is_compiling():
-            self._points.materialize(func, args, kwargs)
+        self._points.materialize(func, args, kwargs)
         return func(*args, **kwargs)
 
 
