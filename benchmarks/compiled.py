@@ -12,11 +12,12 @@ over repeats):
 - step time: wall time of a step, loss on the host;
 - host per rank: CPU time of rank 0's thread over the step (tracing, Dynamo's guards,
   the bridge, dispatch); on virtual devices the other ranks' threads are not counted;
-- device: torch_xla's execute-time metric over the step (all ranks' executions, since the
-  metric is process-wide), and the number of executions per rank;
+- device: torch_xla's execute-time metric over the step, and the number of executions,
+  both summed over all ranks (the metric is process-wide);
 - Dynamo graphs and graph breaks: what Dynamo compiled in the whole run (each compiled
   graph runs once per step, so the breaks per step are the graphs run per step less one);
-- compile: wall time of the first step less the steady step, and XLA's compile time;
+- first step: wall time of the first step (Dynamo, AOTAutograd and XLA compiling, plus one
+  step's work), and XLA's compile time in the whole run;
 - peak memory: the device process's resident-set high-water mark over the steps after
   warm-up (all ranks' buffers, one process), less what it held before them;
 - compiles after warm-up (Dynamo frames, XLA graphs), which must be 0.
@@ -108,7 +109,7 @@ def summary(runs):
         "step": steady, "host": med("host"), "device": med("device"),
         "executions": med("executions"),
         "graphs": runs[0]["graphs"], "breaks": runs[0]["breaks"],
-        "compile": statistics.median(r["wall"][0] for r in runs) - steady,
+        "first": statistics.median(r["wall"][0] for r in runs),
         "xla_compile": statistics.median(r["xla_compile_seconds"] for r in runs),
         "peak": statistics.median(r["peak"] for r in runs) / 2**20,
         "late": max(sum(r["dynamo"][WARM_UP:]) + sum(r["xla_compiles"][WARM_UP:])
@@ -137,8 +138,8 @@ def main():
              f"--steps {args.steps} --layers {args.layers} --dim {args.dim}`; the benchmark's "
              f"GPT, AdamW, medians over steps {WARM_UP + 1}-{args.steps} and "
              f"{args.repeats} fresh processes. Ratios are compiled / eager.", "",
-             "| wrapper, mode | step s | host s per rank | device s | executions per rank "
-             "| Dynamo graphs | graph breaks | compile s (first step less steady) "
+             "| wrapper, mode | step s | host s per rank | device s (all ranks) | executions (all ranks) "
+             "| Dynamo graphs | graph breaks | first step s "
              "| XLA compile s | peak MiB after warm-up | compiles after warm-up |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (impl, mode), r in results.items():
@@ -147,7 +148,7 @@ def main():
             continue
         lines.append(
             f"| {impl}, {mode} | {r['step']:.3f} | {r['host']:.3f} | {r['device']:.3f} | "
-            f"{r['executions']:.0f} | {r['graphs']} | {r['breaks']} | {r['compile']:.1f} | "
+            f"{r['executions']:.0f} | {r['graphs']} | {r['breaks']} | {r['first']:.1f} | "
             f"{r['xla_compile']:.1f} | {r['peak']:.0f} | {r['late']} |")
     compiled = results[("xla_fsdp", "compiled")]
     if not isinstance(compiled, str) and not isinstance(eager, str):
