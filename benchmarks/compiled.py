@@ -95,7 +95,8 @@ def measure(impl, mode, args):
             got = launch(run_rank, (impl, mode, args.layers, args.dim, args.steps),
                          num_devices=args.world)
         except Exception as exc:  # noqa: BLE001 - a competitor that fails is a result
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            error = lines[-1][:200] if lines else type(exc).__name__  # the rank's own error
             break
         runs.append(got[0])
     return runs, error
