@@ -27,9 +27,14 @@ def _reference(name):
     return ref
 
 
-@pytest.fixture(scope="module")
-def net_runs():
-    return {world: launch(run_settings, (world, NET), num_devices=world) for world in (1, 2, 4)}
+_RUNS = {}
+
+
+def net_runs(world):
+    """Every setting at ``world`` ranks, in one launch (made once, when first asked for)."""
+    if world not in _RUNS:
+        _RUNS[world] = launch(run_settings, (world, NET), num_devices=world)
+    return _RUNS[world]
 
 
 def _problems(results, name):
@@ -56,10 +61,10 @@ def _problems(results, name):
     return problems
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
-def test_compiled_trains_as_eager(net_runs, world, name):
-    for rank, results in net_runs[world].items():
+def test_compiled_trains_as_eager(world, name):
+    for rank, results in net_runs(world).items():
         problems = _problems(results, name)
         assert not problems, f"N={world} rank {rank} {name}:\n" + "\n".join(problems)
 
