@@ -25,9 +25,12 @@ with optimization barriers and prefetches cannot exist across a region boundary;
 * a unit's gather executes in its pre-forward (and pre-backward) hook, before the region
   that reads it; prefetching is off, since a prefetched gather would only execute later
   with the next region's inputs;
-* the reductions issued so far execute at each unit's pre-backward hook, so that each
+* a unit's reductions are held until its last shard group's gradients arrive, then issued
+  and executed together; at every unit's pre-backward hook the reductions held by any unit
+  (one whose parameters span several regions, as a model's root does) execute too. So each
   region's full gradients are freed as the backward moves on, not all held to the step's
-  sync (a pending reduce-scatter keeps its inputs alive);
+  sync (a pending reduce-scatter keeps its inputs alive), and no reduction is pending when
+  Dynamo compiles the next region's backward;
 * the barriers on the unit's inputs and outputs are left out: they order work inside one
   traced graph, and an in-place barrier on a region's output would replace a tensor the
   bridge still holds, whose buffer XLA then donates.

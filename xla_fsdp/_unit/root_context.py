@@ -26,6 +26,8 @@ class Participant(Protocol):
 
     def shard_gradients(self) -> List[torch.Tensor]: ...
 
+    def run_reductions(self) -> None: ...
+
 
 class RootContext:
     def __init__(self, root: Participant, sync_on_finalization: bool, barrier: bool) -> None:

@@ -130,11 +130,13 @@ class UnitParams:
     # -- gradients ----------------------------------------------------------------------------
     @torch.no_grad()
     def reduce(self, shard_group: ShardGroup, sync: bool, reshard: bool, barrier: bool,
-               divide: Tuple[float, float], barrier_out: List[torch.Tensor]) -> None:
+               divide: Tuple[float, float], barrier_out: List[torch.Tensor],
+               hold: bool = False) -> None:
         """The shard group's gradients are complete for this backward (or as complete as
         they will be: a parameter without a gradient contributes zeros, so that every rank
         issues the same collectives whatever its data). Frees the shard group if
-        ``reshard``; with ``sync`` queues its reduce-scatter, otherwise leaves the full
+        ``reshard``; with ``sync`` queues its reduce-scatter (issued when the bucket is
+        full, unless ``hold``: then at the next ``flush``), otherwise leaves the full
         gradients on the placeholders."""
         shard_group.start_reduction()
         grads = [r.placeholder.grad for r in shard_group.records]
@@ -153,7 +155,8 @@ class UnitParams:
         self.reshard([shard_group] if reshard else [], [flat], barrier)
         self._queue.append((shard_group, flat))
         self._queue_bytes += flat.numel() * flat.element_size()
-        if self._queue_bytes > self.options.reduce_scatter_bucket_size_mb * 1024 * 1024:
+        if not hold and \
+                self._queue_bytes > self.options.reduce_scatter_bucket_size_mb * 1024 * 1024:
             self.flush(barrier, divide, barrier_out)
 
     @torch.no_grad()

@@ -370,8 +370,9 @@ class UnitState:
         if barrier:
             context.backward_barrier.append(grad)
         prefetch = [] if compiled else [s.params for s in self.backward_prefetch]
-        if compiled:  # the reductions issued so far, before this unit's compiled backward
-            run_pending([g for s in context.states for g in s.shard_gradients()])
+        if compiled:  # the reductions held so far, before this unit's compiled backward
+            for state in context.states:
+                state.run_reductions()
         if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
                                prefetch, run_now=compiled):
             context.backward_barrier.clear()
@@ -403,15 +404,21 @@ class UnitState:
             self._took_part = True
             if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
                 self._reduce(shard_group)
-                if self._compiled:  # before the next compiled region's backward
-                    self.params.flush(False, self.divide, self.context.backward_barrier)
-                    run_pending([shard_group.shard.grad])
+                if self._compiled and all(g.reduced for g in self.shard_groups
+                                          if g.shard.requires_grad):
+                    self.run_reductions()  # the unit's last: all of them, as one execution
+
+    def run_reductions(self) -> None:
+        """Under torch.compile: issues the reductions held back and executes them now (see
+        [Note: FSDP's hooks under torch.compile])."""
+        self.params.flush(False, self.divide, self.context.backward_barrier)
+        run_pending(self.shard_gradients())
 
     def _reduce(self, shard_group: ShardGroup) -> None:
         self.params.reduce(shard_group, self.require_grad_sync,
                            self.reshard_after_backward_now(),
                            self.options.optimization_barrier_in_backward, self.divide,
-                           self.context.backward_barrier)
+                           self.context.backward_barrier, hold=self._compiled)
 
     def finish_backward(self) -> None:
         """The end of a backward, for every unit of the model (from the root context)."""
