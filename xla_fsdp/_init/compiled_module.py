@@ -16,7 +16,10 @@ the graph at each unit: the unit's hooks run eagerly between compiled regions, e
 code the eager path runs, and a region sees the full parameters as graph inputs (Dynamo
 lifts a module's parameters as inputs, so swapping their ``.data`` needs no recompile).
 Freeing, regathering in backward and the per-parameter reduction hooks keep their eager
-meaning, and so do checkpoints.
+meaning, and so do checkpoints. One cost remains that this design does not remove: the
+same partitioner saves what a region's linear layers derive from their weights in forward
+(the transposes) as buffers of their own, so a unit's weights still live from forward to
+backward in that form (benchmarks/results/compiled.md measures it).
 
 What changes under compile is when work executes. torch_xla's openxla bridge runs each
 compiled region as its own computation, materialising the region's inputs first, and
