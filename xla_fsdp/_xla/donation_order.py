@@ -23,6 +23,7 @@ from typing import Any, List
 import torch
 
 from .._sharding.collectives import optimization_barrier
+from .private_api import multiply_in_place
 
 # in the order they first stepped shards, the same on every rank (a WeakSet's order follows
 # object addresses, which differ between ranks, and so would the ranks' step graphs)
@@ -55,11 +56,11 @@ def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: A
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
     tensors = donors(optimizer)
     if tensors:
-        torch._foreach_mul_(tensors, 1)
+        multiply_in_place(tensors, 1)
     grads = [p.grad for param_group in optimizer.param_groups for p in param_group["params"]
              if p.device.type == "xla" and p.grad is not None]
     if grads:
-        torch._foreach_mul_(grads, 1)
+        multiply_in_place(grads, 1)
 
 
 @torch.no_grad()

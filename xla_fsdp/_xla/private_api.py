@@ -148,6 +148,12 @@ def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
         torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
 
 
+def multiply_in_place(tensors: List[torch.Tensor], value: float) -> None:
+    """``t.mul_(value)`` for every tensor, as one foreach call (one dispatch, not one per
+    tensor through torch's Python meta checks)."""
+    torch._foreach_mul_(tensors, value)
+
+
 # -- torch.compile --------------------------------------------------------------------------
 def compiled_inner(module: nn.Module) -> Optional[nn.Module]:
     """The module ``torch.compile`` compiled, if ``module`` is what it returned."""
