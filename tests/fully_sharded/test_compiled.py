@@ -1,7 +1,7 @@
 """torch.compile on FSDP models (see [Note: FSDP's hooks under torch.compile]).
 
 Every placement trains at N = 1, 2 and 4 as the same FSDP model run eagerly does, step by
-step: ``torch.compile(root)``, ``FSDP(torch.compile(block))`` by hand and through auto-wrap
+step, and as the model trained unsharded on one device does: ``torch.compile(root)``, ``FSDP(torch.compile(block))`` by hand and through auto-wrap
 of blocks compiled first, and ``torch.compile`` of an auto-wrapped model; with bf16
 compute, activation checkpointing, ``no_sync`` accumulation, and on a Hugging Face Llama.
 After the warm-up steps neither Dynamo nor XLA compiles anything (a failing guard's reason
@@ -37,6 +37,28 @@ def net_runs(world):
     return _RUNS[world]
 
 
+def _unsharded_problems(results, world, name):
+    """Against the unsharded run: the full parameters, and the ranks' mean loss (the global
+    batch's loss; not under no_sync, whose recorded loss is the second micro-batch's)."""
+    ref = results[0]["unsharded"]
+    low = "compute_dtype" in SETTINGS[name][1]
+    problems = []
+    if not SETTINGS[name][2].get("no_sync"):
+        for step, want in enumerate(ref["losses"]):
+            got = sum(r[name]["losses"][step] for r in results.values()) / world
+            if abs(got - want) > LOSS_RTOL[low] * abs(want):
+                problems.append(f"step {step}: mean loss {got} vs unsharded {want}")
+    full = results[0][name]["full"]
+    if sorted(full) != sorted(ref["full"]):
+        problems.append(f"parameter names differ from the unsharded model's: {sorted(full)}")
+    else:
+        for key, value in ref["full"].items():
+            diff = (full[key].float() - value.float()).abs().max().item()
+            if diff > PARAM_ATOL[low]:
+                problems.append(f"{key}: differs from unsharded by {diff}")
+    return problems
+
+
 def _problems(results, name):
     ref = results[_reference(name)]
     got = results[name]
@@ -64,19 +86,24 @@ def _problems(results, name):
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
 def test_compiled_trains_as_eager(world, name):
-    for rank, results in net_runs(world).items():
+    runs = net_runs(world)
+    for rank, results in runs.items():
         problems = _problems(results, name)
         assert not problems, f"N={world} rank {rank} {name}:\n" + "\n".join(problems)
+    problems = _unsharded_problems(runs, world, name)
+    assert not problems, f"N={world} {name} against unsharded:\n" + "\n".join(problems)
 
 
 @pytest.mark.slow
 def test_compiled_llama_trains_as_eager():
     runs = launch(run_settings, (2, LLAMA), num_devices=2)
-    for rank, results in runs.items():
-        for name in LLAMA:
-            if SETTINGS[name][0] != "eager":
+    for name in LLAMA:
+        if SETTINGS[name][0] != "eager":
+            for rank, results in runs.items():
                 problems = _problems(results, name)
                 assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
+            problems = _unsharded_problems(runs, 2, name)
+            assert not problems, f"{name} against unsharded:\n" + "\n".join(problems)
 
 
 def test_placements_that_cannot_work_are_refused_by_name():

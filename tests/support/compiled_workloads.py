@@ -1,5 +1,6 @@
 """The torch.compile placements, trained in one launch next to the same FSDP model run
-eagerly: each setting returns its losses, its full parameters and, per step, how many
+eagerly and next to the model trained unsharded on one device (``unsharded``, once per
+launch): each setting returns its losses, its full parameters and, per step, how many
 frames Dynamo compiled and how many graphs XLA compiled (with Dynamo's guard failures, the
 reasons for any recompilation).
 
@@ -137,9 +138,33 @@ def train(rank, world, model, extra):
     return losses, full, per_step
 
 
+def unsharded(extra):
+    """The reference: the same model trained unsharded on this rank's device, on the global
+    batch (the ranks' mean loss; their averaged gradient, with or without ``no_sync``)."""
+    import torch_xla
+    device = torch_xla.device()
+    if extra.get("llama"):
+        from . import hf_architectures
+        model = hf_architectures.build("llama").to(device)
+    else:
+        torch.manual_seed(0)
+        model = Net().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for step in range(COMPILE_STEPS):
+        x, y = _batch(extra, step)
+        opt.zero_grad()
+        loss = _loss(model, extra, x, y, device)
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.item())
+    return {"losses": losses, "full": {k: v.cpu() for k, v in model.state_dict().items()}}
+
+
 def run_settings(rank, world, names):
     import torch._dynamo
-    out = {}
+    out = {"unsharded": unsharded(SETTINGS[names[0]][2])}
     for name in names:
         placement, kwargs, extra = SETTINGS[name]
         if rank == 0:
