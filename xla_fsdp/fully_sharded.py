@@ -23,10 +23,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn as nn
 
+from ._init.compiled_module import split_compiled
 from ._init.find_parameters import find_parameters, shard_group_members
 from ._init.meta_init import materialize_meta
 from ._init.mixed_precision import float32_modules, run_in_float32
-from ._init.compiled_module import split_compiled
 from ._init.module_group import ModuleGroup, attach_module_groups, check_members, mark_grouped
 from ._init.validate import validate_module
 from ._sharding.collectives import Collectives
@@ -138,15 +138,14 @@ class XlaFullyShardedDataParallel(nn.Module):
         zero_missing_gradients: bool = False,
     ) -> None:
         grouping = isinstance(module, (list, tuple))
-        compiled = None
-        if not grouping:
-            module, compiled = split_compiled(module)
+        compiled = None  # the torch.compile'd module to call, when given one
         if grouping:
             members = check_members(module)
             if auto_wrap_policy is not None:
                 raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
                                  "combined with a list of modules to group")
         else:
+            module, compiled = split_compiled(module)
             validate_module(module, self._calls_wrapped_module)
             members = [module]
         options = FsdpOptions.build(

@@ -163,5 +163,3 @@ def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:
     if words.dtype != torch.int32:
         raise TypeError(f"broadcast_bytes takes bytes viewed as int32, not {words.dtype}")
     return xm.all_reduce(xm.REDUCE_SUM, words, groups=None, pin_layout=pin_layout)
-
-

@@ -135,10 +135,7 @@ class SyncPoints:
     def _entering_compiled_code(self) -> Callable[[], None]:
         if self._rank is None or self._local.compiling:
             return lambda: None
-        device = self._devices[self._rank]
-        self._collective("entering torch.compile'd code",
-                         lambda: self._orig["step_marker"](device, [], wait=False))
-        self._xlac._set_all_reduce_token(device, None)  # as torch_xla.sync() does
+        self._collective("entering torch.compile'd code", self._sync_own_device)
         # The rank's MaterializeGuard leaves the torch-function mode stack while compiled
         # code runs: Dynamo would trace the mode into the shared regions, specialised on the
         # rank that compiled them.
@@ -184,11 +181,15 @@ class SyncPoints:
             rank = self._rank
             if rank is not None and rank not in synced:
                 synced.add(rank)
-                device = self._devices[rank]
-                self._orig["step_marker"](device, [], wait=False)
-                self._xlac._set_all_reduce_token(device, None)
+                self._sync_own_device()
             return compiled(*args)
         return region
+
+    def _sync_own_device(self) -> None:
+        """What ``torch_xla.sync()`` does for the calling rank's device, past the ring."""
+        device = self._devices[self._rank]
+        self._orig["step_marker"](device, [], wait=False)
+        self._xlac._set_all_reduce_token(device, None)
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
         """Marks the calling thread as ``rank``'s device thread."""
