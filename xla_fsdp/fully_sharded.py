@@ -41,6 +41,7 @@ from ._unit.training_state import TrainingState
 from ._unit.unit_params import UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
+from ._xla.private_api import pinned_all_gathers
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.metadata import original_names_and_shards, shard_metadata
@@ -186,7 +187,7 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
         self._collectives = Collectives(self.world_size, self.sharding_groups,
                                         options.pin_layout_in_collective_ops, self.rank,
-                                        options.dummy_collectives)
+                                        options.dummy_collectives, pinned_all_gathers)
         if options.debug_dummy_forward_pass:
             warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
                           "torch_xla and has no effect in xla_fsdp: the real forward runs")

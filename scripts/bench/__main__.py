@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import List
 
 from .measure import measure
-from .model import COMPARISON, IMPLS, SETTINGS, SPMD_IMPLS, Config
+from .model import BASELINES, COMPARISON, IMPLS, SETTINGS, SPMD_IMPLS, Config
 from .report import RESULTS_DIR, machine, markdown_report, plot
 
 
@@ -34,9 +34,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS),
                         default=COMPARISON, help="wrapper options, the same for both")
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS) + ["fsdpv2"],
-                        choices=list(IMPLS) + list(SPMD_IMPLS),
-                        help="competitors (FSDPv2 variants only in the defaults setting)")
+    parser.add_argument("--impls", nargs="+",
+                        default=list(IMPLS) + ["fsdpv2"] + list(BASELINES),
+                        choices=list(IMPLS) + list(SPMD_IMPLS) + list(BASELINES),
+                        help="competitors (FSDPv2 variants only in the defaults setting) and "
+                             "the unwrapped baselines their host time is split against")
     parser.add_argument("--no-inspect", dest="inspect", action="store_false",
                         help="skip the inspection runs (no HLO, no memory)")
     parser.add_argument("--repeats", type=int, default=3)

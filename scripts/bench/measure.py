@@ -17,7 +17,7 @@ from unittest import mock
 from xla_fsdp.launch import LaunchError, launch
 
 from .hlo import collectives_in_hlo, debug_file, step_graph
-from .model import SPMD_IMPLS, SPMD_SETTINGS, Config, unit_sizes
+from .model import BASELINES, SPMD_IMPLS, SPMD_SETTINGS, Config, unit_sizes
 from .spmd import run_spmd, spmd_launch
 from .train import run_rank
 
@@ -27,17 +27,24 @@ def _launch_impl(impl: str, setting: str, cfg: Config, devices: int,
                  marks_dir: Optional[str]) -> dict:
     """One fresh process; rank 0's result, with every rank's losses and host times."""
     launched_at = time.time()
-    if impl in SPMD_IMPLS:
+    if impl in SPMD_IMPLS or impl == "spmd_unwrapped":
         run = spmd_launch(run_spmd, (impl, cfg, marks_dir, launched_at), devices)
-        return dict(run, global_losses=run["losses"], host_per_rank=[run["host"]])
+        return dict(run, global_losses=run["losses"], per_rank=[_host(run)])
     ranks = launch(run_rank, (impl, setting, cfg, marks_dir, launched_at), num_devices=devices)
     # ranks see different batches of the same size: the global loss is their mean
     losses = [statistics.fmean(step) for step in zip(*(r["losses"] for r in ranks.values()))]
-    return dict(ranks[0], global_losses=losses, host_per_rank=[r["host"] for r in ranks.values()])
+    return dict(ranks[0], global_losses=losses, per_rank=[_host(r) for r in ranks.values()])
+
+
+HOST_KEYS = ("host", "host_thread", "host_backward")
+
+
+def _host(run: dict) -> dict:
+    return {key: run[key] for key in HOST_KEYS}
 
 
 def one_run(impl: str, setting: str, cfg: Config, devices: int, inspect: bool) -> dict:
-    if not inspect:
+    if not inspect or impl in BASELINES:  # a baseline is only timed
         return _launch_impl(impl, setting, cfg, devices, None)
     marks_dir = tempfile.mkdtemp(prefix="xla_fsdp_bench_")
     os.makedirs(os.path.join(marks_dir, "dump"))
@@ -58,12 +65,16 @@ def phases(runs: List[dict], warmup: int) -> dict:
     is a rank's own (the median over ranks)."""
     def med(key):
         return statistics.median(statistics.median(r[key][warmup:]) for r in runs)
+
+    def per_rank(key):
+        return statistics.median(
+            statistics.median(statistics.median(rank[key][warmup:]) for rank in r["per_rank"])
+            for r in runs)
     return {
         "step_seconds": med("times"), "dispatch_seconds": med("dispatch"),
         "wait_seconds": med("wait"), "execute_seconds": med("execute"),
-        "host_seconds": statistics.median(
-            statistics.median(statistics.median(h[warmup:]) for h in r["host_per_rank"])
-            for r in runs),
+        "host_seconds": per_rank("host"), "host_thread_seconds": per_rank("host_thread"),
+        "host_backward_seconds": per_rank("host_backward"),
         "startup_seconds": statistics.median(r["startup_seconds"] for r in runs),
         "compile_seconds": statistics.median(r["compile_seconds"] for r in runs),
         "compile_seconds_step_1": statistics.median(r["compile_seconds_step_1"] for r in runs),
@@ -127,8 +138,10 @@ def crash_reason(error: Exception) -> str:
 
 # -- a setting ------------------------------------------------------------------------------
 def impls_for(setting: str, wanted) -> List[str]:
-    """The competitors of a setting: FSDPv2 only where its options are the same."""
-    return [i for i in wanted if i not in SPMD_IMPLS or setting in SPMD_SETTINGS]
+    """The competitors of a setting: FSDPv2 (and its unwrapped baseline) only where its
+    options are the same."""
+    return [i for i in wanted if (i not in SPMD_IMPLS and i != "spmd_unwrapped")
+            or setting in SPMD_SETTINGS]
 
 
 def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace,
@@ -139,7 +152,7 @@ def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace,
     for impl in impls:
         print(f"{setting} N={devices} {impl}: inspection run", flush=True)
         try:
-            if args.inspect:
+            if args.inspect and impl not in BASELINES:
                 inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
         except LaunchError as error:  # a wrapper that dies in a setting is a result too
             crashes[impl] = crash_reason(error)

@@ -15,6 +15,14 @@ from examples.train_lm import Block  # the example's transformer block
 
 IMPLS = ("xla_fsdp", "torch_xla")
 SPMD_IMPLS = ("fsdpv2", "fsdpv2_scan")  # one SPMD process, see spmd.py
+# The same model and loop with no wrapper: what tracing the model itself costs a rank, so a
+# wrapper's own host time is its host time minus its baseline's. "unwrapped" runs per rank
+# under ``launch`` (each rank its own full replica, no collectives); "spmd_unwrapped" in the
+# SPMD process (parameters replicated, the global batch sharded along the batch).
+BASELINES = ("unwrapped", "spmd_unwrapped")
+BASELINE_OF = {"xla_fsdp": "unwrapped", "xla_fsdp_scanned": "unwrapped",
+               "torch_xla": "unwrapped", "fsdpv2": "spmd_unwrapped",
+               "fsdpv2_scan": "spmd_unwrapped"}
 SPMD_SETTINGS = ("defaults",)  # FSDPv2 has none of the other settings' options
 # Wrapper options, the same for both implementations. The first two are the comparison; the
 # others are levers measured on their own (see benchmarks/results/levers/).
@@ -87,8 +95,12 @@ def batch(cfg: Config, rank: int, step: int) -> tuple:
 
 # -- wrapping -------------------------------------------------------------------------------
 def wrap(model: GPT, impl: str, setting: str) -> nn.Module:
-    """``impl`` "xla_fsdp_scanned": the blocks one ``ScannedLayers`` unit, then the root."""
+    """``impl`` "xla_fsdp_scanned": the blocks one ``ScannedLayers`` unit, then the root;
+    "unwrapped": the model as it is."""
     options = dict(SETTINGS[setting])
+    if impl == "unwrapped":
+        import torch_xla
+        return model.to(torch_xla.device())
     if impl == "xla_fsdp_scanned":
         from xla_fsdp import FSDP, ScannedLayers  # ImportError: the variant is unavailable
         options.pop("controls", None)

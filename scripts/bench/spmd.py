@@ -13,6 +13,9 @@ Variants:
   do it: a mesh ``(N, 1)`` over ``('fsdp', 'model')`` set as the global mesh, every block
   wrapped (``transformer_auto_wrap_policy``), then the root; inputs sharded along the batch
   with ``xs.mark_sharding(x, mesh, ('fsdp', None))``.
+- ``spmd_unwrapped``: no wrapper, the baseline of the host-time split: parameters
+  replicated, the global batch sharded along the batch as above (XLA partitions it as data
+  parallelism);
 - ``fsdpv2_scan``: the same, with the model's forward running
   ``torch_xla.experimental.scan_layers`` over the blocks. Each block is wrapped by FSDPv2
   as above (the same parameter sharding), but with ``shard_output`` turned off, because
@@ -97,6 +100,9 @@ def wrap_spmd(model: GPT, impl: str, mesh) -> nn.Module:
     from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
         SpmdFullyShardedDataParallel as FSDPv2)
+    if impl == "spmd_unwrapped":
+        import torch_xla
+        return model.to(torch_xla.device())
     if impl == "fsdpv2":
         policy = functools.partial(transformer_auto_wrap_policy,
                                    transformer_layer_cls={Block})

@@ -11,20 +11,23 @@ no pinned form of the coalesced (list) all-gather, so coalesced gathers are neve
 """
 from __future__ import annotations
 
-from typing import AbstractSet, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .layout import Layout
 
 RankGroups = Optional[List[List[int]]]  # torch_xla's ``groups``: lists of ranks, None for all
+# (shards, shard count, groups) -> the pinned native all-gathers of the shards, one each
+PinnedGathers = Callable[[Sequence[torch.Tensor], int, RankGroups], List[torch.Tensor]]
 
 
 class Collectives:
     """Collectives over the ranks of one sharding group, as FSDP uses them."""
 
     def __init__(self, world_size: int, rank_groups: RankGroups, pin_layout: bool,
-                 rank: int = 0, dummy: AbstractSet[str] = frozenset()) -> None:
+                 rank: int = 0, dummy: AbstractSet[str] = frozenset(),
+                 pinned_gathers: Optional[PinnedGathers] = None) -> None:
         self.world_size = world_size
         self.rank_groups = rank_groups
         self.pin_layout = pin_layout
@@ -32,6 +35,9 @@ class Collectives:
         # torch_xla's _debug_dummy_*_op switches: local stand-ins with the collectives'
         # shapes, to measure what a step costs without them. Their results are wrong.
         self.dummy = frozenset(dummy)
+        # the same collectives as the xm.all_gather calls below, issued with less Python
+        # (``_xla.private_api.pinned_all_gathers``, which this layer may not import)
+        self.pinned_gathers = pinned_gathers
 
     def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
         """Concatenations along dim 0 of every rank's shard, one per input."""
@@ -43,6 +49,9 @@ class Collectives:
         if coalesce and len(shards) > 1 or not self.pin_layout:
             return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
                                       pin_layout=False))
+        if self.pinned_gathers is not None:
+            count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
+            return self.pinned_gathers(shards, count, self.rank_groups)
         return [xm.all_gather(s, dim=0, groups=self.rank_groups, pin_layout=True,
                               output=s.new_empty((s.shape[0] * self.world_size,) + s.shape[1:]))
                 for s in shards]

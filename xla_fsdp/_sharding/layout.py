@@ -20,6 +20,10 @@ Every FSDP unit owns one or more *shard groups*. A group is sharded as one tenso
   layer is laid out as one of the above would lay it out on its own, and a rank's shard is
   its ``L`` layer shards stacked, ``[L, *layer shard]``: the scan slices one row per step.
 
+Layouts are frozen, and their derived sizes (offsets, padded sizes, shard shapes) are cached
+properties: every step reads them for every parameter, and computing them once keeps that
+reading off the step's host time.
+
 Only the padding a collective needs is added: a multiple of ``world_size`` elements (or
 rows), not of ``128 * world_size`` as torch_xla does.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Sequence, Tuple, Union
 
 import torch
@@ -71,11 +76,11 @@ class _Tensors:
         if self.world_size < 1 or self.multiple < 1:
             raise ValueError(f"world_size and multiple must be >= 1: {self}")
 
-    @property
+    @cached_property
     def numels(self) -> Tuple[int, ...]:
         return tuple(math.prod(s) for s in self.shapes)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return sum(self.numels)
 
@@ -84,15 +89,15 @@ class _Tensors:
 class FlatLayout(_Tensors):
     """Elements per shard are a multiple of ``multiple``."""
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return _ceil_to(max(self.numel, 1), self.world_size * self.multiple)
 
-    @property
+    @cached_property
     def shard_shape(self) -> torch.Size:
         return torch.Size([self.padded_numel // self.world_size])
 
-    @property
+    @cached_property
     def offsets(self) -> Tuple[int, ...]:
         return _starts(self.numels)
 
@@ -144,21 +149,21 @@ class FlatLayout(_Tensors):
 class InterleavedLayout(_Tensors):
     """Elements of each parameter per shard are a multiple of ``multiple``."""
 
-    @property
+    @cached_property
     def piece_numels(self) -> Tuple[int, ...]:
         """Elements of each parameter in every rank's shard."""
         return tuple(_ceil_to(max(n, 1), self.world_size * self.multiple) // self.world_size
                      for n in self.numels)
 
-    @property
+    @cached_property
     def piece_offsets(self) -> Tuple[int, ...]:
         return _starts(self.piece_numels)
 
-    @property
+    @cached_property
     def padded_numel(self) -> int:
         return sum(self.piece_numels) * self.world_size
 
-    @property
+    @cached_property
     def shard_shape(self) -> torch.Size:
         return torch.Size([sum(self.piece_numels)])
 
@@ -217,27 +222,27 @@ class Dim0Layout:
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1: {self}")
 
-    @property
+    @cached_property
     def shapes(self) -> Tuple[torch.Size, ...]:
         return (self.shape,)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def rows(self) -> int:
         return self.shape[0] if len(self.shape) else 1  # a 0-dim tensor is one row
 
-    @property
+    @cached_property
     def padded_rows(self) -> int:
         return _ceil_to(self.rows, self.world_size)
 
-    @property
+    @cached_property
     def pad_rows(self) -> int:
         return self.padded_rows - self.rows
 
-    @property
+    @cached_property
     def shard_shape(self) -> torch.Size:
         tail = tuple(self.shape[1:]) if len(self.shape) else ()
         return torch.Size((self.padded_rows // self.world_size,) + tail)
@@ -285,19 +290,19 @@ class StackedLayout:
     layer: Union[FlatLayout, InterleavedLayout, Dim0Layout]
     layers: int
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return self.layer.world_size
 
-    @property
+    @cached_property
     def shapes(self) -> Tuple[torch.Size, ...]:
         return tuple(self.layer.shapes) * self.layers
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return self.layer.numel * self.layers
 
-    @property
+    @cached_property
     def shard_shape(self) -> torch.Size:
         return torch.Size((self.layers,) + tuple(self.layer.shard_shape))
 

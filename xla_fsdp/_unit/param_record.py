@@ -15,12 +15,12 @@ value assigns ``.data``. torch_xla's ``_replace_xla_tensor`` would avoid ``set_`
 the old ``numel()`` (torch_xla gets away with it because its placeholders keep full size;
 ours are one element, so nothing full-size ever reaches the device outside the gather), and
 XLA tensors have no storage to resize as FSDP2 does on GPU. The swap is confined to
-``install``/``free`` below, the one place to change when a functional gather (all-gather
+``ParamRecord.install``/``free`` below, the one place to change when a functional gather (all-gather
 whose backward reduce-scatters) replaces placeholders.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -55,14 +55,26 @@ class ParamRecord:
     def name(self) -> str:
         return self.names[0]
 
-    def install(self, value: torch.Tensor) -> None:
-        _swap(self.placeholder, value)
-        self.gathered = self.placeholder._has_full_param = True
+    @staticmethod
+    def install(records: Sequence["ParamRecord"], values: Sequence[torch.Tensor]) -> None:
+        """Puts each full value into its record's placeholder (see [Note: swapping .data]).
+        A unit's records swap together: one version-counter guard for all of them."""
+        placeholders = [r.placeholder for r in records]
+        with preserve_version_counter(placeholders):
+            for record, placeholder, value in zip(records, placeholders, values):
+                placeholder.data = value
+                record.gathered = placeholder._has_full_param = True
 
-    def free(self, dummy: torch.Tensor) -> None:
-        if self.gathered:
-            _swap(self.placeholder, dummy)
-            self.gathered = self.placeholder._has_full_param = False
+    @staticmethod
+    def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> None:
+        """Puts each record's dummy back into its placeholder, where it holds a full value."""
+        held = [(r, d) for r, d in zip(records, dummies) if r.gathered]
+        if not held:
+            return
+        with preserve_version_counter([r.placeholder for r, _ in held]):
+            for record, dummy in held:
+                record.placeholder.data = dummy
+                record.gathered = record.placeholder._has_full_param = False
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
         """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no
@@ -105,10 +117,3 @@ def taken_name(t: torch.Tensor) -> Optional[str]:
     if record is not None:
         return record.name
     return _TAKEN.get(t)
-
-
-def _swap(placeholder: torch.Tensor, value: torch.Tensor) -> None:
-    # see [Note: swapping .data]; the version counter is kept so that autograd does not
-    # mistake the swap for an in-place update of a tensor it saved for backward
-    with preserve_version_counter(placeholder):
-        placeholder.data = value

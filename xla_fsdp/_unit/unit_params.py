@@ -11,6 +11,27 @@ The full parameters are in one of three states:
 Gradients of complete shard groups are queued and reduce-scattered into the shards' ``.grad``
 in buckets (``reduce_scatter_bucket_size_mb``); under ``no_sync`` they stay on the
 placeholders until the next synchronised backward.
+
+[Note: per-step host cost]
+On XLA the host traces every step while the device runs the previous one; once tracing
+takes longer, the chips wait, so a wrapper's per-step Python is step time on small and
+medium models. The per-step path does per parameter only what puts a node in the graph
+(its gather, its install, its reduction), and what depends only on the model's structure
+once, while that structure is unchanged:
+
+* layouts cache their derived sizes (``_sharding.layout``);
+* a unit's placeholders swap under one version-counter guard (``ParamRecord.install``);
+* gathers go straight to torch_xla's bindings (``_xla.private_api.pinned_all_gathers``):
+  ``xm.all_gather`` with an output buffer compares it with ``None`` twice, and each
+  comparison raises and catches a TypeError inside torch;
+* the optimizer's donors are listed again only when it holds other tensors
+  (``_xla.donation_order``);
+* on the virtual devices every torch call (a ``.grad`` or ``.requires_grad`` read
+  included) also passes the launcher's torch-function mode, so reads that repeat per
+  parameter cost more there than on a TPU: the benchmark measures the launcher's tax too.
+
+``python -m scripts.bench.step_phases`` shows a step's host time per phase next to the
+unwrapped model's and torch_xla's FSDP's.
 """
 from __future__ import annotations
 
@@ -23,6 +44,7 @@ from .._sharding.collectives import (Collectives, gather_pieces, optimization_ba
                                      padded_gradient, scatter_gradients)
 from .._xla.private_api import run_pending
 from .options import FsdpOptions
+from .param_record import ParamRecord
 from .shard_group import ShardGroup
 
 
@@ -94,20 +116,23 @@ class UnitParams:
                 optimization_barrier([t for ts in gathered for t in ts] + deps)
             if run_now:
                 run_pending([t for ts in gathered for t in ts])
+            records, values = [], []
             for g, full in zip(self.shard_groups, gathered):
-                for record, value in zip(g.records, g.layout.unshard_pieces(full)):
-                    record.install(value)
+                records += g.records
+                values += g.layout.unshard_pieces(full)
+            ParamRecord.install(records, values)
         self.state = FullParams.UNSHARDED
 
     @torch.no_grad()
     def reshard(self, shard_groups: Sequence[ShardGroup], deps: Sequence[torch.Tensor],
                 barrier: bool) -> None:
         """Frees the full parameters of ``shard_groups`` (and a gather issued for them)."""
-        freed = False
+        records, dummies = [], []
         for g in shard_groups:
-            for record in g.records:
-                freed |= record.gathered
-                record.free(self._dummy(g.compute_dtype))
+            records += g.records
+            dummies += [self._dummy(g.compute_dtype)] * len(g.records)
+        freed = any(r.gathered for r in records)
+        ParamRecord.free(records, dummies)
         if len(shard_groups) == len(self.shard_groups):
             self._gathered = None
         if self._gathered is None:

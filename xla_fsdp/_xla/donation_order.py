@@ -18,16 +18,55 @@ Two no-op operations make both orders the same list, ``donors()``:
 from __future__ import annotations
 
 import weakref
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .._sharding.collectives import optimization_barrier
 from .private_api import multiply_in_place
 
+class _Donors:
+    """An optimizer's donors, and its XLA parameters (whose gradients are reissued too), as
+    of the last time they were listed; reused while the optimizer holds the same tensors.
+
+    Listing them reads every tensor's device, a torch call per tensor; the step's host time
+    should not grow with that (see [Note: per-step host cost]). What the optimizer holds is
+    compared by identity: the ids of its parameters and state values (no tensor is hashed or
+    compared, which would be torch calls too). The lists are kept as weak references, so a
+    state replaced by ``load_state_dict`` is freed as before, and an id reused by a newer
+    tensor cannot pass for the old one."""
+
+    def __init__(self) -> None:
+        self.holdings: Optional[tuple] = None
+        self.tensors: List["weakref.ref[torch.Tensor]"] = []
+        self.devices: List[torch.device] = []
+        self.params: List["weakref.ref[torch.Tensor]"] = []
+
+    def current(self, optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
+                                                                  List[torch.device],
+                                                                  List[torch.Tensor]]:
+        holdings = (tuple(id(p) for param_group in optimizer.param_groups
+                          for p in param_group["params"]),
+                    tuple((id(p), tuple(state), tuple(map(id, state.values())))
+                          for p, state in optimizer.state.items()))
+        if holdings == self.holdings:
+            tensors = [ref() for ref in self.tensors]
+            params = [ref() for ref in self.params]
+            if all(t is not None for t in tensors) and all(p is not None for p in params):
+                return tensors, self.devices, params
+        tensors = donors(optimizer)
+        params = [p for param_group in optimizer.param_groups for p in param_group["params"]
+                  if p.device.type == "xla"]
+        self.holdings = holdings
+        self.tensors = [weakref.ref(t) for t in tensors]
+        self.devices = [t.device for t in tensors]
+        self.params = [weakref.ref(p) for p in params]
+        return tensors, self.devices, params
+
+
 # in the order they first stepped shards, the same on every rank (a WeakSet's order follows
 # object addresses, which differ between ranks, and so would the ranks' step graphs)
-_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, None]" = \
+_optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Donors]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -48,17 +87,18 @@ def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 @torch.no_grad()
 def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
     """Optimizer step post-hook; acts on optimizers that step FSDP shards."""
-    if not any(getattr(p, "_is_sharded", False)
-               for param_group in optimizer.param_groups for p in param_group["params"]):
-        return
-    _optimizers.setdefault(optimizer, None)
+    cache = _optimizers.get(optimizer)
+    if cache is None:
+        if not any(getattr(p, "_is_sharded", False)
+                   for param_group in optimizer.param_groups for p in param_group["params"]):
+            return
+        cache = _optimizers.setdefault(optimizer, _Donors())
     # one foreach call each: a mul_ per tensor costs the host ~50 us in torch's Python meta
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
-    tensors = donors(optimizer)
+    tensors, _, params = cache.current(optimizer)
     if tensors:
         multiply_in_place(tensors, 1)
-    grads = [p.grad for param_group in optimizer.param_groups for p in param_group["params"]
-             if p.device.type == "xla" and p.grad is not None]
+    grads = [g for g in (p.grad for p in params) if g is not None]
     if grads:
         multiply_in_place(grads, 1)
 
@@ -66,6 +106,9 @@ def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: A
 @torch.no_grad()
 def pin_parameter_order(device: torch.device) -> None:
     """Called by the root unit before its forward reads anything, for its device."""
-    tensors = [t for opt in list(_optimizers) for t in donors(opt) if t.device == device]
+    tensors = []
+    for opt, cache in list(_optimizers.items()):
+        held, devices, _ = cache.current(opt)
+        tensors += [t for t, d in zip(held, devices) if d == device]
     # the traced graph numbers a node's inputs last to first
     optimization_barrier(list(reversed(tensors)))

@@ -32,10 +32,12 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def preserve_version_counter(t: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Keeps ``t``'s version counter across a ``.data`` swap, so that autograd does not take
-    the swap for an in-place update of a tensor it saved."""
-    return torch.autograd._unsafe_preserve_version_counter(t)
+def preserve_version_counter(tensors: Sequence[torch.Tensor]
+                             ) -> contextlib.AbstractContextManager:
+    """Keeps the tensors' version counters across ``.data`` swaps, so that autograd does not
+    take a swap for an in-place update of a tensor it saved. One context for many tensors:
+    its cost is per call, not per tensor."""
+    return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
 
 
 def version(t: torch.Tensor) -> int:
@@ -146,6 +148,28 @@ def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
     if tensors:
         xm.unlazy(tensors)
         torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
+
+
+def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
+                       rank_groups: Optional[List[List[int]]]) -> List[torch.Tensor]:
+    """One native all-gather along dim 0 per shard, layout pinned: the collectives
+    ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues, chained on the device's
+    collective token in the same order. Without its per-call Python: it compares the output
+    buffer with ``None`` twice, and a tensor compared with ``None`` raises and catches a
+    TypeError inside torch (~30 us each, twice per parameter per gather). See
+    [Note: per-step host cost]."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    xlac = torch_xla._XLAC
+    token, context = xm._get_all_reduce_token()
+    outputs = []
+    for shard in shards:
+        out = shard.new_empty((shard.shape[0] * shard_count,) + tuple(shard.shape[1:]))
+        token = xlac._xla_all_gather_out(out, shard, token, 0, shard_count, rank_groups or [],
+                                          True)
+        outputs.append(out)
+    xlac._set_all_reduce_token(context.device, token)
+    return outputs
 
 
 def multiply_in_place(tensors: List[torch.Tensor], value: float) -> None:
