@@ -21,8 +21,11 @@ def test_memory_stats_and_peak():
 
 
 def _run(times, host_per_rank, wait, startup=10.0, compile_s=5.0):
+    # a rank's host time is its thread's plus its backward thread's: here 3/4 and 1/4
+    per_rank = [{"host": h, "host_thread": [x * 0.75 for x in h],
+                 "host_backward": [x * 0.25 for x in h]} for h in host_per_rank]
     return {"times": times, "dispatch": times, "wait": wait, "execute": wait,
-            "host_per_rank": host_per_rank, "startup_seconds": startup,
+            "per_rank": per_rank, "startup_seconds": startup,
             "compile_seconds": compile_s, "compile_seconds_step_1": compile_s / 2}
 
 
@@ -33,6 +36,8 @@ def test_phases_take_medians_after_warmup_and_a_rank_s_own_host_time():
     out = measure.phases(runs, warmup=1)
     assert out["step_seconds"] == 2.0
     assert out["host_seconds"] == 0.4        # medians over ranks: 0.2, 0.4, 0.6
+    assert abs(out["host_thread_seconds"] - 0.3) < 1e-12
+    assert abs(out["host_backward_seconds"] - 0.1) < 1e-12
     assert out["wait_seconds"] == 0.7
     assert out["startup_seconds"] == 20.0
     assert out["execute_seconds"] == 0.7
@@ -54,9 +59,29 @@ def test_crash_reason_tells_an_unavailable_variant_from_a_crash():
 
 
 def test_fsdpv2_runs_only_where_its_options_are_the_same():
-    wanted = ["xla_fsdp", "torch_xla", "fsdpv2"]
+    wanted = ["xla_fsdp", "torch_xla", "fsdpv2", "unwrapped", "spmd_unwrapped"]
     assert measure.impls_for("defaults", wanted) == wanted
-    assert measure.impls_for("flattened", wanted) == ["xla_fsdp", "torch_xla"]
+    assert measure.impls_for("flattened", wanted) == ["xla_fsdp", "torch_xla", "unwrapped"]
+
+
+def test_host_split_subtracts_each_competitor_s_own_baseline():
+    def result(impl, host, execute=0.5):
+        return {"impl": impl, "setting": "defaults", "devices": 4, "host_seconds": host,
+                "host_thread_seconds": host * 0.75, "host_backward_seconds": host * 0.25,
+                "execute_seconds": execute, "pod_estimate_seconds": host + execute}
+    results = [result("xla_fsdp", 0.110), result("torch_xla", 0.140),
+               result("fsdpv2", 0.090, 0.6), result("unwrapped", 0.100),
+               result("spmd_unwrapped", 0.080)]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in report.host_split(results) if line.startswith("| ")}
+    # ours: 10 ms over the per-rank baseline, torch_xla's 40: 0.25x; host + execute
+    # 610 ms against FSDPv2's 690
+    assert rows["xla_fsdp"][2] == "10.0" and rows["xla_fsdp"][3] == "0.25"
+    assert rows["xla_fsdp"][6] == f"{0.610 / 0.690:.3f}"
+    assert rows["torch_xla"][2] == "40.0"
+    assert rows["fsdpv2"][1] == "80.0" and rows["fsdpv2"][2] == "10.0"  # its SPMD baseline
+    assert "unwrapped" not in rows and "spmd_unwrapped" not in rows
+    assert report.host_split([r for r in results if "unwrapped" not in r["impl"]]) == []
 
 
 def _result(impl, setting="defaults", **extra):

@@ -191,7 +191,7 @@ class UnitParams:
             return
         queue, self._queue, self._queue_bytes = self._queue, [], 0
         inputs = [flat for _, flat in queue]
-        if barrier:
+        if barrier and len(inputs) > 1:  # one input already passed reduce()'s barrier
             optimization_barrier(inputs)
         outputs = scatter_gradients(self.collectives, divide, inputs,
                                     self.options.replica_groups)

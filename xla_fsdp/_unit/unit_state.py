@@ -325,9 +325,13 @@ class UnitState:
                         f"flat tensor and must all be trainable or all frozen; set "
                         f"requires_grad on all of them (or wrap without flatten_parameters)")
                 g.shard.requires_grad_(want)
-            for r in g.records:
-                r.agree_requires_grad(g.shard.requires_grad)
-            self._hook_gradients(g)
+            trainable = g.shard.requires_grad
+            # unchanged (the common case, every step): two reads, no writes (see [Note:
+            # per-step host cost]); the records always agree among themselves
+            if changed or g.records[0].requires_grad != trainable:
+                for r in g.records:
+                    r.agree_requires_grad(trainable)
+                self._hook_gradients(g)
 
     # -- backward --------------------------------------------------------------------------
     def _hook(self, t: torch.Tensor, fn: Any) -> None:
