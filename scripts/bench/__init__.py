@@ -4,7 +4,8 @@ Run from the repository root::
 
     python -m scripts.bench [--devices 4 8] [--repeats 3] [--steps 8]   # the side-by-side table
     python -m scripts.bench.depth [--depths 4 16 64]                     # the depth sweep
-    python -m scripts.bench.step_phases xla_fsdp defaults --devices 4   # one rank's step, split
+    python -m scripts.bench.step_phases [unwrapped xla_fsdp torch_xla]  # host time per phase
+    python -m scripts.bench.host_scale [--depths 8 32 64]               # host overhead by depth
 
 Modules, each importing only those above it in this list:
 
@@ -17,5 +18,6 @@ Modules, each importing only those above it in this list:
 - ``measure``: fresh processes, repetitions, crashes, analytic bounds and the summary of a
   setting;
 - ``report``: the markdown table and chart of the results;
-- ``__main__``, ``depth``, ``step_phases``: the command lines.
+- ``__main__``, ``depth``, ``step_phases``, ``host_scale``: the command lines
+  (``host_scale`` runs ``step_phases``' interleaved steps at each depth).
 """
