@@ -186,8 +186,9 @@ class XlaFullyShardedDataParallel(nn.Module):
         self.flatten_parameters = options.flatten_parameters
         self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
         self._collectives = Collectives(self.world_size, self.sharding_groups,
-                                        options.pin_layout_in_collective_ops, self.rank,
-                                        options.dummy_collectives, pinned_all_gathers)
+                                        options.pin_layout_in_collective_ops,
+                                        pinned_all_gathers, self.rank,
+                                        options.dummy_collectives)
         if options.debug_dummy_forward_pass:
             warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
                           "torch_xla and has no effect in xla_fsdp: the real forward runs")

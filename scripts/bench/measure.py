@@ -17,7 +17,7 @@ from unittest import mock
 from xla_fsdp.launch import LaunchError, launch
 
 from .hlo import collectives_in_hlo, debug_file, step_graph
-from .model import BASELINES, SPMD_IMPLS, SPMD_SETTINGS, Config, unit_sizes
+from .model import BASELINES, SPMD_IMPLS, SPMD_PROCESS, SPMD_SETTINGS, Config, unit_sizes
 from .spmd import run_spmd, spmd_launch
 from .train import run_rank
 
@@ -27,7 +27,7 @@ def _launch_impl(impl: str, setting: str, cfg: Config, devices: int,
                  marks_dir: Optional[str]) -> dict:
     """One fresh process; rank 0's result, with every rank's losses and host times."""
     launched_at = time.time()
-    if impl in SPMD_IMPLS or impl == "spmd_unwrapped":
+    if impl in SPMD_PROCESS:
         run = spmd_launch(run_spmd, (impl, cfg, marks_dir, launched_at), devices)
         return dict(run, global_losses=run["losses"], per_rank=[_host(run)])
     ranks = launch(run_rank, (impl, setting, cfg, marks_dir, launched_at), num_devices=devices)
@@ -44,7 +44,7 @@ def _host(run: dict) -> dict:
 
 
 def one_run(impl: str, setting: str, cfg: Config, devices: int, inspect: bool) -> dict:
-    if not inspect or impl in BASELINES:  # a baseline is only timed
+    if not inspect:
         return _launch_impl(impl, setting, cfg, devices, None)
     marks_dir = tempfile.mkdtemp(prefix="xla_fsdp_bench_")
     os.makedirs(os.path.join(marks_dir, "dump"))
@@ -140,8 +140,7 @@ def crash_reason(error: Exception) -> str:
 def impls_for(setting: str, wanted) -> List[str]:
     """The competitors of a setting: FSDPv2 (and its unwrapped baseline) only where its
     options are the same."""
-    return [i for i in wanted if (i not in SPMD_IMPLS and i != "spmd_unwrapped")
-            or setting in SPMD_SETTINGS]
+    return [i for i in wanted if i not in SPMD_PROCESS or setting in SPMD_SETTINGS]
 
 
 def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace,
@@ -150,10 +149,11 @@ def measure(setting: str, devices: int, cfg: Config, args: argparse.Namespace,
     runs: Dict[str, List[dict]] = {impl: [] for impl in impls}
     inspections, crashes = {}, {}
     for impl in impls:
+        if not args.inspect or impl in BASELINES:  # a baseline is only timed
+            continue
         print(f"{setting} N={devices} {impl}: inspection run", flush=True)
         try:
-            if args.inspect and impl not in BASELINES:
-                inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
+            inspections[impl] = one_run(impl, setting, cfg, devices, inspect=True)
         except LaunchError as error:  # a wrapper that dies in a setting is a result too
             crashes[impl] = crash_reason(error)
             print(f"{setting} N={devices} {impl}: {crashes[impl]}", flush=True)

@@ -23,6 +23,7 @@ BASELINES = ("unwrapped", "spmd_unwrapped")
 BASELINE_OF = {"xla_fsdp": "unwrapped", "xla_fsdp_scanned": "unwrapped",
                "torch_xla": "unwrapped", "fsdpv2": "spmd_unwrapped",
                "fsdpv2_scan": "spmd_unwrapped"}
+SPMD_PROCESS = SPMD_IMPLS + ("spmd_unwrapped",)  # what runs in the SPMD process
 SPMD_SETTINGS = ("defaults",)  # FSDPv2 has none of the other settings' options
 # Wrapper options, the same for both implementations. The first two are the comparison; the
 # others are levers measured on their own (see benchmarks/results/levers/).

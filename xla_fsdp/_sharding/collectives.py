@@ -5,9 +5,11 @@ loop bodies use the same steps.
 
 All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
-``world_size`` times the data and bakes the rank into the graph. Given an ``output``
-buffer, the same call lowers to a native all-gather with its layout pinned. torch_xla has
-no pinned form of the coalesced (list) all-gather, so coalesced gathers are never pinned.
+``world_size`` times the data and bakes the rank into the graph. Pinned gathers therefore
+use the native all-gather into an output buffer, issued by the ``pinned_gathers`` function
+a ``Collectives`` is given (``_xla.private_api.pinned_all_gathers``: this layer may not
+import torch_xla's private bindings). torch_xla has no pinned form of the coalesced (list)
+all-gather, so coalesced gathers are never pinned.
 """
 from __future__ import annotations
 
@@ -26,8 +28,8 @@ class Collectives:
     """Collectives over the ranks of one sharding group, as FSDP uses them."""
 
     def __init__(self, world_size: int, rank_groups: RankGroups, pin_layout: bool,
-                 rank: int = 0, dummy: AbstractSet[str] = frozenset(),
-                 pinned_gathers: Optional[PinnedGathers] = None) -> None:
+                 pinned_gathers: PinnedGathers, rank: int = 0,
+                 dummy: AbstractSet[str] = frozenset()) -> None:
         self.world_size = world_size
         self.rank_groups = rank_groups
         self.pin_layout = pin_layout
@@ -35,8 +37,6 @@ class Collectives:
         # torch_xla's _debug_dummy_*_op switches: local stand-ins with the collectives'
         # shapes, to measure what a step costs without them. Their results are wrong.
         self.dummy = frozenset(dummy)
-        # the same collectives as the xm.all_gather calls below, issued with less Python
-        # (``_xla.private_api.pinned_all_gathers``, which this layer may not import)
         self.pinned_gathers = pinned_gathers
 
     def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
@@ -49,12 +49,8 @@ class Collectives:
         if coalesce and len(shards) > 1 or not self.pin_layout:
             return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
                                       pin_layout=False))
-        if self.pinned_gathers is not None:
-            count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
-            return self.pinned_gathers(shards, count, self.rank_groups)
-        return [xm.all_gather(s, dim=0, groups=self.rank_groups, pin_layout=True,
-                              output=s.new_empty((s.shape[0] * self.world_size,) + s.shape[1:]))
-                for s in shards]
+        count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
+        return self.pinned_gathers(shards, count, self.rank_groups)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
         """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.

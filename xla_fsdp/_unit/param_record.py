@@ -15,8 +15,8 @@ value assigns ``.data``. torch_xla's ``_replace_xla_tensor`` would avoid ``set_`
 the old ``numel()`` (torch_xla gets away with it because its placeholders keep full size;
 ours are one element, so nothing full-size ever reaches the device outside the gather), and
 XLA tensors have no storage to resize as FSDP2 does on GPU. The swap is confined to
-``ParamRecord.install``/``free`` below, the one place to change when a functional gather (all-gather
-whose backward reduce-scatters) replaces placeholders.
+``ParamRecord.install``/``free`` below, the one place to change when a functional gather
+(all-gather whose backward reduce-scatters) replaces placeholders.
 """
 from __future__ import annotations
 
@@ -66,15 +66,17 @@ class ParamRecord:
                 record.gathered = placeholder._has_full_param = True
 
     @staticmethod
-    def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> None:
-        """Puts each record's dummy back into its placeholder, where it holds a full value."""
+    def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> bool:
+        """Puts each record's dummy back into its placeholder, where it holds a full value;
+        returns whether any did."""
         held = [(r, d) for r, d in zip(records, dummies) if r.gathered]
         if not held:
-            return
+            return False
         with preserve_version_counter([r.placeholder for r, _ in held]):
             for record, dummy in held:
                 record.placeholder.data = dummy
                 record.gathered = record.placeholder._has_full_param = False
+        return True
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
         """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no

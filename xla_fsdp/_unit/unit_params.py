@@ -131,8 +131,7 @@ class UnitParams:
         for g in shard_groups:
             records += g.records
             dummies += [self._dummy(g.compute_dtype)] * len(g.records)
-        freed = any(r.gathered for r in records)
-        ParamRecord.free(records, dummies)
+        freed = ParamRecord.free(records, dummies)
         if len(shard_groups) == len(self.shard_groups):
             self._gathered = None
         if self._gathered is None:

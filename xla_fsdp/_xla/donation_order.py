@@ -25,6 +25,7 @@ import torch
 from .._sharding.collectives import optimization_barrier
 from .private_api import multiply_in_place
 
+
 class _Donors:
     """An optimizer's donors, and its XLA parameters (whose gradients are reissued too), as
     of the last time they were listed; reused while the optimizer holds the same tensors.

@@ -156,7 +156,7 @@ def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
     ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues, chained on the device's
     collective token in the same order. Without its per-call Python: it compares the output
     buffer with ``None`` twice, and a tensor compared with ``None`` raises and catches a
-    TypeError inside torch (~30 us each, twice per parameter per gather). See
+    TypeError inside torch (32 us each under cProfile, twice per parameter per gather). See
     [Note: per-step host cost]."""
     import torch_xla
     import torch_xla.core.xla_model as xm
