@@ -7,6 +7,7 @@ from typing import Callable, Iterator, Optional
 import torch.nn as nn
 
 from .._unit.unit_state import is_unit
+from .._xla import trace_only
 from .._xla.private_api import children
 from .module_group import grouping_unit_of
 
@@ -18,7 +19,10 @@ def materialize_meta(module: nn.Module, param_init_fn: Optional[Callable[[nn.Mod
     Inner units are already sharded on the device; they are hidden while ``param_init_fn``
     (or the default ``to_empty`` + ``reset_parameters()``) runs, so a function written for
     the whole module cannot move or overwrite their shards. So are modules that a grouping
-    unit holds: it initialised them itself."""
+    unit holds: it initialised them itself. A process that only traces leaves them on the
+    meta device: their shards become placeholders (see [Note: tracing without values])."""
+    if trace_only.active():
+        return
     with _inner_units_hidden(module):
         if not any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
             return

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .._xla.trace_only import to_device
+
 _PLACED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # buffer -> its dtype before placing
 
 
@@ -24,7 +26,7 @@ def place_buffers(module: nn.Module, dtype: Optional[torch.dtype], device: torch
                 continue
             cast = (id(m) not in keep and dtype is not None and buf.is_floating_point()
                     and buf.dtype != dtype)
-            new = (buf.to(dtype) if cast else buf).to(device)
+            new = to_device(buf.to(dtype) if cast else buf, device)
             _PLACED[new] = buf.dtype
             setattr(m, name, new)
 

@@ -17,6 +17,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
 from .._xla.private_api import version
+from .._xla.trace_only import to_device
 from .param_record import Member, ParamRecord, mark_taken
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
@@ -153,7 +154,7 @@ def build_stacked_shard_group(layers: List[List[Member]], layer_names: List[str]
 def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,
             members: List[Member], device: torch.device, compute_dtype: torch.dtype,
             unit_name: str) -> ShardGroup:
-    shard = nn.Parameter(shard_value.to(device), requires_grad=members[0][0].requires_grad)
+    shard = nn.Parameter(to_device(shard_value, device), requires_grad=members[0][0].requires_grad)
     # the three attributes torch_xla's users and tools read on a shard
     shard._is_sharded = True
     shard._orig_size = orig_size

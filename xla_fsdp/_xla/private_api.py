@@ -195,3 +195,81 @@ def run_multiprocess(fn: Callable[[], Any]) -> Dict[int, Any]:
     """torch_xla's launcher for every local device of an accelerator, a process each."""
     from torch_xla._internal import pjrt
     return pjrt.run_multiprocess(fn)
+
+
+# -- tracing without executing (xla_fsdp.aot) --------------------------------------------------
+def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An XLA tensor of ``shape`` and ``dtype`` that holds no device memory: a graph that
+    uses it takes it as a parameter; reading its value aborts the process."""
+    from torch_xla.core.xla_builder import create_placeholder_tensor
+    return create_placeholder_tensor(tuple(shape), dtype)
+
+
+def xla_tensor_id(t: torch.Tensor) -> int:
+    """The id of the lazy tensor behind ``t`` now (an in-place update through
+    functionalization gives it a new one)."""
+    import torch_xla
+    return torch_xla._XLAC._xla_get_tensor_id(t)
+
+
+def pending_tensor_ids(device: str) -> List[int]:
+    """Ids of the live tensors on ``device`` whose value is a graph not yet run: what the
+    next ``torch_xla.sync()`` computes."""
+    import re
+
+    import torch_xla
+    report = torch_xla._XLAC._xla_tensors_report(0, device)
+    return [int(x) for x in re.findall(r"Tensor: id=(\d+)", report)]
+
+
+def needs_computation(tensors: Sequence[torch.Tensor]) -> List[bool]:
+    """For each tensor, whether its value is a pending graph (not device data)."""
+    import torch_xla
+    return list(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+
+
+def graph_hlo(outputs: Sequence[torch.Tensor]) -> str:
+    """The HLO text of the graph computing ``outputs``, as torch_xla lowers it to compile
+    (without the donations, which torch_xla decides at compile time)."""
+    import torch_xla
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+
+
+def graph_inputs(outputs: Sequence[torch.Tensor]) -> Tuple[List[int], List[torch.Tensor]]:
+    """The device data the graph computing ``outputs`` reads, in parameter order: for each,
+    the id of the lazy tensor that held it when the graph first used it, and a tensor
+    holding it."""
+    import torch_xla
+    ids, tensors = torch_xla._XLAC._get_tensors_xla_device_data_node(list(outputs), [])
+    return list(ids), list(tensors)
+
+
+def cut_pending_graphs(device: str) -> None:
+    """Every live tensor on ``device`` whose value is a pending graph gets a placeholder
+    instead: the graph is dropped unrun, and later graphs take the tensor as a parameter,
+    as they would after ``torch_xla.sync()`` had run it."""
+    import torch_xla
+    torch_xla._XLAC._clear_pending_irs(device)
+
+
+def pretend_world(world_size: int, rank: int) -> None:
+    """Makes torch_xla's runtime answer ``world_size`` and ``rank`` for this process, so
+    that one traced rank builds the graphs rank ``rank`` of that world would."""
+    import torch_xla.runtime as xr
+    xr._WORLD_SIZE = world_size
+    xr._ORDINAL = rank
+
+
+def view_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of, if any."""
+    return t._base
+
+
+def alias_id(t: torch.Tensor) -> int:
+    """The lazy tensor id whose buffer ``t``'s pending value replaces: torch_xla donates an
+    input to a sync's program when the input was read under this id."""
+    import re
+
+    import torch_xla
+    info = torch_xla._XLAC._get_xla_tensor_debug_info(t)
+    return int(re.search(r"AliasID: (-?\d+)", info).group(1))

@@ -100,24 +100,37 @@ def _rebuild_rank_call(payload: bytes) -> "_RankCall":
 
 
 def _launch_virtual(fn: Callable[..., Any], args: tuple, num_devices: int) -> Dict[int, Any]:
+    env = dict(worker.environment(num_devices), XLA_FSDP_IN_LAUNCH="1")
+    return run_device_process(worker.main, (picklable_call(fn, args), num_devices), env)
+
+
+def picklable_call(fn: Callable[..., Any], args: tuple) -> bytes:
+    """``(fn, args)`` pickled for a child process; TypeError naming what cannot be."""
     if os.environ.get("XLA_FSDP_IN_LAUNCH") == "1":
         raise RuntimeError("launch() cannot be called from inside a launched function")
     try:
-        payload = pickle.dumps((fn, args))
+        return pickle.dumps((fn, args))
     except Exception as exc:
         raise TypeError(
             f"launch() needs a picklable fn and args (fn must be defined at module level, "
             f"not a lambda or a nested function): {exc}") from exc
 
+
+def run_device_process(target: Callable[..., None], target_args: tuple,
+                       env: Dict[str, str]) -> Dict[int, Any]:
+    """Runs ``target(sender, *target_args, log_path)`` in a spawned child process born with
+    ``env``, and returns the ``{rank: value}`` it reports. The child reports over
+    ``sender`` as ``worker`` does: ``("error", rank, pickled exception or None,
+    traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at the
+    end; it writes its fd 2 to ``log_path``, which is forwarded to our stderr."""
     ctx = multiprocessing.get_context("spawn")
     receiver, sender = ctx.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile("w+b", prefix="xla_fsdp_launch_", suffix=".log",
                                      delete=False) as log:
         log_path = log.name
-    env = dict(worker.environment(num_devices), XLA_FSDP_IN_LAUNCH="1")
     with environment_for_child(env):  # before torch_xla starts in the child
-        process = ctx.Process(target=worker.main, name="xla_fsdp-devices",
-                              args=(sender, payload, num_devices, log_path))
+        process = ctx.Process(target=target, name="xla_fsdp-devices",
+                              args=(sender,) + tuple(target_args) + (log_path,))
         process.start()
     sender.close()
     tail = _LogTail(log_path)

@@ -29,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from ..._xla.host_reads import reads_host_value
 from .turn_ring import TurnRing
 
 # a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
@@ -46,14 +47,6 @@ _COLLECTIVE_BINDINGS = (
 # torch.ops._c10d_functional and never touch the bindings above.
 _COLLECTIVE_XM_FUNCTIONS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                             "collective_permute", "collective_broadcast", "send", "recv")
-# Tensor methods and functions that hand a value to Python and so force execution.
-_MATERIALIZING = frozenset((
-    "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
-    "__complex__", "__repr__", "__str__", "__format__", "__array__", "__reduce_ex__",
-    "is_nonzero", "equal", "allclose", "to", "copy_"))
-_CPU_TARGET_ONLY = frozenset(("to", "copy_"))
-
-
 class DivergentGraphs(RuntimeError):
     """Ranks traced different graphs that contain collectives."""
 
@@ -358,11 +351,9 @@ class SyncPoints:
     # -- implicit syncs --------------------------------------------------------------------
     def materialize(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Syncs, as a collective point, XLA tensors that ``func`` is about to read back."""
+        if self._rank is None or not reads_host_value(func, args, kwargs):
+            return
         name = getattr(func, "__name__", "")
-        if name not in _MATERIALIZING or self._rank is None:
-            return
-        if name in _CPU_TARGET_ONLY and not _targets_cpu(args, kwargs):
-            return
         pending = list(_xla_tensors((args, kwargs)))
         if not has_pending_collective(pending):
             return
@@ -406,26 +397,6 @@ def _xla_tensors(obj: Any) -> Iterable[torch.Tensor]:
     elif isinstance(obj, dict):
         for item in obj.values():
             yield from _xla_tensors(item)
-
-
-def _targets_cpu(args: tuple, kwargs: dict) -> bool:
-    def is_cpu(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return x.device.type == "cpu"
-        if isinstance(x, (str, torch.device)):
-            return torch.device(x).type == "cpu" if _is_device_like(x) else False
-        return False
-    return any(is_cpu(a) for a in list(args) + list(kwargs.values()))
-
-
-def _is_device_like(x: Any) -> bool:
-    if isinstance(x, torch.device):
-        return True
-    try:
-        torch.device(x)
-        return True
-    except (RuntimeError, TypeError):
-        return False
 
 
 def _user_site() -> str:

@@ -1,0 +1,37 @@
+"""Processes that trace training steps and never execute them (``xla_fsdp.aot``).
+
+[Note: tracing without values] To compile a step for hardware that is not here, only the
+graph matters: its operations and shapes, not the values. A process that will never execute
+can therefore build a model on the meta device and give its shards, buffers and every
+tensor a graph leaves behind placeholders, which hold no memory. So a plan for a model
+larger than this machine's memory traces in little memory. The wrapper asks ``active()``
+where it would otherwise give meta tensors values (``materialize_meta``) and puts tensors
+on the device through ``to_device``; nothing else in it changes. Only the traced process of
+``xla_fsdp.aot`` activates this, once, before the user's function runs; a training process
+never does.
+"""
+from __future__ import annotations
+
+import torch
+
+from .private_api import placeholder
+
+_ACTIVE = False
+
+
+def active() -> bool:
+    """Whether this process only traces (see [Note: tracing without values])."""
+    return _ACTIVE
+
+
+def activate() -> None:
+    global _ACTIVE
+    _ACTIVE = True
+
+
+def to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` on ``device``; a meta tensor, in a process that only traces, becomes a
+    placeholder of its shape and dtype."""
+    if value.is_meta and _ACTIVE:
+        return placeholder(value.shape, value.dtype)
+    return value.to(device)

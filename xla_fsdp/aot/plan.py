@@ -1,0 +1,112 @@
+"""``compile_for_tpu``: a training function's steady step, traced here, compiled by libtpu
+for a TPU slice, reported."""
+from __future__ import annotations
+
+from typing import Any, Callable, List, Sequence
+
+from ..launch.runner import picklable_call, run_device_process
+from . import tpu_compiler
+from .report import TpuReport
+from .topology import Topology, resolve
+from .tpu_schedule import collectives, traced_collectives
+from .traced import process
+from .traced.process import TracedStep
+
+
+def trace_step(fn: Callable[..., Any], args: Sequence[Any], world: int,
+               max_graphs: int = 12) -> TracedStep:
+    """Runs ``fn(0, *args)`` in a traced process standing for ``world`` ranks (see [Note:
+    one traced rank stands for the world]) and returns its steady step's graphs."""
+    payload = picklable_call(fn, tuple(args))
+    results = run_device_process(process.main, (payload, world, max_graphs),
+                                 process.environment())
+    return results[0]
+
+
+def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] = (), *,
+                    max_graphs: int = 12) -> TpuReport:
+    """Compiles the steady training step of ``fn`` for the TPU slice ``topology`` with
+    libtpu, on this machine, and reports what the compiler says.
+
+    ``fn(rank, *args)`` is what you would pass to ``xla_fsdp.launch``. It runs once, as
+    rank 0 of a world with as many ranks as the slice has chips, and nothing it traces is
+    executed: a model built on the meta device is planned without its values, in little
+    memory. Its steps are traced until one repeats (giving up after ``max_graphs`` different graphs); the
+    repeated step's program is compiled. Values the function reads on the host are zeros.
+
+    A step that does not fit the chip's HBM is reported with ``fits=False`` and the
+    compiler's message; this never raises for that. It raises ValueError for an unknown
+    topology (naming the known ones), ``tpu_compiler.CompilerNotInstalled`` without the
+    compiler, and ``LaunchError`` when ``fn`` fails.
+    """
+    slice_ = resolve(topology)
+    traced = trace_step(fn, args, slice_.chips, max_graphs)
+    return report_for(traced, slice_)
+
+
+def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
+    """Compiles the traced step's graphs for ``slice_`` and reports them."""
+    programs = [tpu_compiler.Program(g.hlo, replicas=slice_.chips) for g in traced.graphs]
+    usable, compiled = tpu_compiler.compile_programs(slice_.name, programs)
+    refused = [i for i, c in enumerate(compiled) if c.status == "oom"]
+    lifted = False
+    if refused:
+        _, again = tpu_compiler.compile_programs(
+            slice_.name, [programs[i] for i in refused], lift_hbm_limit=True)
+        for i, c in zip(refused, again):
+            if c.status == "ok":
+                compiled[i] = _with_refusal(c, compiled[i])
+                lifted = True
+    failed = [c for c in compiled if c.status == "error"]
+    if failed:
+        raise RuntimeError("libtpu could not compile the traced step:\n" + failed[0].message)
+    notes = _notes(traced)
+    ok = [c for c in compiled if c.memory]
+    peak = max(ok, key=lambda c: c.memory["peak_memory_in_bytes"]) if ok else None
+    found = []
+    for graph, c in zip(traced.graphs, compiled):
+        if c.optimized_hlo:
+            found += collectives(c.optimized_hlo, slice_.chips, traced_collectives(graph.hlo))
+    oom = next((c for c in compiled if c.oom or c.status == "oom"), None)
+    memory = peak.memory if peak is not None else {}
+    return TpuReport(
+        topology=slice_, fits=not refused, hbm_bytes=slice_.chip.hbm_bytes,
+        usable_hbm_bytes=usable or (oom.oom.get("available_bytes", 0) if oom else 0),
+        peak_bytes=memory.get("peak_memory_in_bytes", 0),
+        argument_bytes=memory.get("argument_size_in_bytes", 0),
+        output_bytes=memory.get("output_size_in_bytes", 0),
+        alias_bytes=memory.get("alias_size_in_bytes", 0),
+        temp_bytes=memory.get("temp_size_in_bytes", 0),
+        flops=sum(c.cost.get("flops", 0.0) for c in ok),
+        bytes_accessed=sum(c.cost.get("bytes accessed", 0.0) for c in ok),
+        collectives=found, programs=len(compiled),
+        message=oom.message if oom else "",
+        required_bytes=oom.oom.get("required_bytes", 0) if oom else 0,
+        limit_lifted=lifted, compile_seconds=sum(c.compile_seconds for c in compiled),
+        notes=notes)
+
+
+def _with_refusal(figures: tpu_compiler.Compiled, refusal: tpu_compiler.Compiled
+                  ) -> tpu_compiler.Compiled:
+    figures.status, figures.message, figures.oom = "oom", refusal.message, refusal.oom
+    return figures
+
+
+def _notes(traced: TracedStep) -> List[str]:
+    notes = []
+    if not traced.repeated:
+        notes.append(
+            f"no step repeated within {traced.syncs} syncs ({len(traced.graphs)} graphs)"
+            + (" (the function returned)" if traced.returned else "")
+            + ": the last sync's graph was compiled, which may not be the steady step")
+    if len(traced.graphs) > 1:
+        notes.append(f"a step is {len(traced.graphs)} programs (the function syncs more than "
+                     f"once per step): peak is the largest, FLOPs and bytes are summed")
+    untracked = sum(g.untracked for g in traced.graphs)
+    if untracked:
+        notes.append(f"{untracked} pending tensor(s) were not reachable from Python: they "
+                     f"are not in the planned program, which may differ from the real one")
+    if traced.host_reads:
+        notes.append(f"the function read {traced.host_reads} value(s) on the host; in a plan "
+                     f"they read as zeros")
+    return notes

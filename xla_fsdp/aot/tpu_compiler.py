@@ -1,0 +1,176 @@
+"""The TPU compiler, in an interpreter of its own: finding it, installing it, calling it.
+
+libtpu's compile-only client comes with ``jax[tpu]``, whose current releases need Python
+3.12 or later, while this package runs wherever torch_xla 2.9 does (3.10 to 3.13). So the
+compiler lives in a virtual environment of its own, created by ``install()`` (``python -m
+xla_fsdp.aot install``), and runs as a child process (``libtpu_worker.py``) that reads HLO
+text from files and writes what libtpu says back as JSON. The two processes share no
+library, so neither torch's nor jax's version constrains the other's.
+
+Which interpreter: ``XLA_FSDP_TPU_PYTHON`` if set, else the environment ``install()`` made
+(``XLA_FSDP_TPU_VENV``, default ``~/.cache/xla_fsdp/tpu-compiler``).
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+# jax and the libtpu it pins, as checked: libtpu 0.0.50.1 compiles torch_xla 2.9's HLO
+JAX_REQUIREMENT = "jax[tpu]==0.12.0.1"
+PYTHON_ENV = "XLA_FSDP_TPU_PYTHON"
+VENV_ENV = "XLA_FSDP_TPU_VENV"
+_WORKER = Path(__file__).with_name("libtpu_worker.py")
+_MIN_PYTHON = (3, 12)
+
+
+class CompilerNotInstalled(RuntimeError):
+    """No interpreter with the TPU compiler was found."""
+
+
+@dataclass
+class Program:
+    """One HLO module to compile: ``replicas`` x ``partitions`` chips take part."""
+    hlo_text: str
+    replicas: int
+    partitions: int = 1
+
+
+@dataclass
+class Compiled:
+    """What libtpu said of one program. ``status``: "ok", "oom" (the compiler refused it for
+    lack of HBM) or "error"."""
+    status: str
+    message: str
+    memory: dict
+    cost: dict
+    optimized_hlo: str
+    oom: dict
+    compile_seconds: float
+
+
+def venv_path() -> Path:
+    return Path(os.environ.get(VENV_ENV, "~/.cache/xla_fsdp/tpu-compiler")).expanduser()
+
+
+def compiler_python() -> str:
+    """The interpreter that has the TPU compiler; CompilerNotInstalled says how to get one."""
+    configured = os.environ.get(PYTHON_ENV)
+    if configured:
+        return configured
+    candidate = venv_path() / "bin" / "python"
+    if candidate.exists():
+        return str(candidate)
+    raise CompilerNotInstalled(
+        f"the TPU compiler (libtpu, from {JAX_REQUIREMENT}, which needs Python >= 3.12) is not "
+        f"installed: run `python -m xla_fsdp.aot install` once (it creates {venv_path()}), or "
+        f"set {PYTHON_ENV} to a Python that has it")
+
+
+def _python_version(python: str) -> Optional[tuple]:
+    try:
+        out = subprocess.run([python, "-c", "import sys; print(*sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return tuple(int(x) for x in out.stdout.split())
+
+
+def find_base_python() -> str:
+    """A Python >= 3.12 to build the compiler's environment from: this one if it is new
+    enough, else ``python3.12``/``python3.13``/``python3.14`` on the PATH or under pyenv."""
+    if sys.version_info[:2] >= _MIN_PYTHON:
+        return sys.executable
+    names = ["python3.12", "python3.13", "python3.14"]
+    candidates = [p for p in (shutil.which(n) for n in names) if p]
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for version in ("3.12", "3.13", "3.14"):
+        candidates += sorted(glob.glob(os.path.join(pyenv_root, "versions", f"{version}*",
+                                                    "bin", "python" + version)))
+    candidates += [f"/usr/bin/{n}" for n in names] + [f"/usr/local/bin/{n}" for n in names]
+    for candidate in candidates:
+        version = _python_version(candidate)
+        if version is not None and version >= _MIN_PYTHON:
+            return candidate
+    raise CompilerNotInstalled(
+        f"the TPU compiler needs Python >= 3.12 ({JAX_REQUIREMENT}); none was found on the "
+        f"PATH or under pyenv. Install one, or pass --python to `python -m xla_fsdp.aot "
+        f"install`")
+
+
+def install(venv: Optional[Path] = None, python: Optional[str] = None,
+            quiet: bool = False) -> Path:
+    """Creates (or completes) the compiler's environment and checks that libtpu loads.
+    Returns the environment's interpreter."""
+    venv = Path(venv) if venv is not None else venv_path()
+    target = venv / "bin" / "python"
+    if not target.exists():
+        base = python or find_base_python()
+        subprocess.run([base, "-m", "venv", str(venv)], check=True)
+    pip = [str(target), "-m", "pip", "install", "--disable-pip-version-check"]
+    subprocess.run(pip + (["-q"] if quiet else []) + [JAX_REQUIREMENT], check=True)
+    check = subprocess.run([str(target), "-c", "import jax, libtpu; print(jax.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise CompilerNotInstalled(f"{target} cannot import jax and libtpu:\n{check.stderr}")
+    return target
+
+
+def compile_programs(topology: str, programs: Sequence[Program], *,
+                     lift_hbm_limit: bool = False, timeout: float = 3600.0
+                     ) -> "tuple[int, List[Compiled]]":
+    """Compiles ``programs`` with libtpu for the slice named ``topology`` (libtpu's grid
+    name). Returns the HBM the compiler lets one chip use, and one ``Compiled`` each.
+
+    ``lift_hbm_limit``: let the compiler go on past the chip's HBM, to see the figures of a
+    program that does not fit (libtpu's ``--xla_tpu_no_crash_on_oom``)."""
+    python = compiler_python()
+    with tempfile.TemporaryDirectory(prefix="xla_fsdp_tpu_") as tmp:
+        request = {"topology": topology, "programs": []}
+        for i, program in enumerate(programs):
+            path = os.path.join(tmp, f"program_{i}.hlo.txt")
+            with open(path, "w") as f:
+                f.write(program.hlo_text)
+            request["programs"].append({"hlo": path, "replicas": program.replicas,
+                                        "partitions": program.partitions,
+                                        "out_hlo": os.path.join(tmp, f"optimized_{i}.txt")})
+        request_path = os.path.join(tmp, "request.json")
+        response_path = os.path.join(tmp, "response.json")
+        with open(request_path, "w") as f:
+            json.dump(request, f)
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
+        env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: not on a TPU VM
+        if lift_hbm_limit:
+            env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "")
+                                       + " --xla_tpu_no_crash_on_oom=true").strip()
+        done = subprocess.run([python, str(_WORKER), request_path, response_path], env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0 or not os.path.exists(response_path):
+            raise RuntimeError(f"the TPU compiler process ({python}) failed with exit code "
+                               f"{done.returncode}:\n{_tail(done.stderr)}")
+        with open(response_path) as f:
+            response = json.load(f)
+        compiled = []
+        for entry, spec in zip(response["programs"], request["programs"]):
+            optimized = ""
+            if os.path.exists(spec["out_hlo"]):
+                with open(spec["out_hlo"]) as f:
+                    optimized = f.read()
+            compiled.append(Compiled(entry["status"], entry.get("message", ""),
+                                     entry.get("memory", {}), entry.get("cost", {}), optimized,
+                                     entry.get("oom", {}), entry.get("compile_seconds", 0.0)))
+        return response["usable_hbm_bytes"], compiled
+
+
+def _tail(text: str, lines: int = 30) -> str:
+    return "\n".join(text.rstrip().splitlines()[-lines:])

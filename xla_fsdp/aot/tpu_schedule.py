@@ -1,0 +1,314 @@
+"""What the TPU compiler did with a program's collectives, read off its optimized HLO.
+Pure text analysis: no jax, no torch.
+
+The optimized module is scheduled: each computation that runs instructions one after the
+other (the entry, a while loop's body) lists them in execution order. A collective the
+traced program issued may reach that schedule as one instruction (it runs synchronously,
+nothing else runs meanwhile), or as a start, some steps and a done, between which other
+work is scheduled. libtpu splits an asynchronous collective into fusions
+(``async-collective-start``, ``async_collective_fusion`` steps, ``async-collective-done``)
+whose collective ops keep the traced instruction's name in their ``op_name`` metadata; a
+step fusion may also carry compute of its own (a matmul that runs while data moves).
+
+[Note: what counts as overlapped] A collective is *asynchronous* when its pieces are
+separate instructions of the schedule, and *overlapped* when compute runs between its first
+and last piece, or inside one of them. Compute is any instruction that does work on data
+and is not part of a collective: a fusion, convolution, dot, reduce, sort, scatter, gather
+or loop, anything that makes a non-scalar value. Moves between memories
+(``copy-start``/``copy-done``), views and tuple plumbing are not compute.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Dict, Iterator, List, Optional, Tuple
+
+COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+                  "collective-permute", "collective-broadcast", "ragged-all-to-all")
+_NOT_COMPUTE = frozenset((
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
+    "copy", "replica-id", "partition-id", "after-all", "opt-barrier", "add-dependency",
+    "reshape", "broadcast", "iota", "slice", "send", "send-done", "recv", "recv-done"))
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
+
+
+@dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str
+    opcode: str
+    text: str
+
+    def attr(self, key: str) -> Optional[str]:
+        m = re.search(rf"\b{key}=(%?[\w.\-]+|\{{[^}}]*\}}|\"[^\"]*\")", self.text)
+        return m.group(1) if m else None
+
+    @property
+    def callees(self) -> List[str]:
+        return re.findall(r"\b(?:calls|body|condition|to_apply|branch_computations)="
+                          r"\{?%?([\w.\-]+)", self.text) + \
+            [c for group in re.findall(r"branch_computations=\{([^}]*)\}", self.text)
+             for c in re.findall(r"%?([\w.\-]+)", group)]
+
+    @property
+    def op_name(self) -> Optional[str]:
+        m = re.search(r'op_name="([^"]*)"', self.text)
+        return m.group(1) if m else None
+
+
+def _split_shape(rest: str) -> Tuple[str, str]:
+    """(shape, remainder) of ``rest``, which starts with an instruction's result shape."""
+    if rest.startswith("("):
+        depth = 0
+        for i, ch in enumerate(rest):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return rest[:i + 1], rest[i + 1:].lstrip()
+    shape, _, remainder = rest.partition(" ")
+    return shape, remainder
+
+
+def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]]:
+    """Computations by name, each a list of instructions in order, and the entry's name.
+    Several modules may be concatenated; the first entry wins."""
+    computations: Dict[str, List[Instruction]] = {}
+    entry, current = None, None
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{"):
+            m = re.match(r"^(ENTRY )?%?([\w.\-]+)\s", line)
+            if m:
+                current = m.group(2)
+                computations[current] = []
+                if m.group(1) and entry is None:
+                    entry = current
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is None:
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+        if not m:
+            continue
+        shape, remainder = _split_shape(m.group(2))
+        op = re.match(r"([a-z][a-z0-9\-]*)\(", remainder)
+        if op:
+            computations[current].append(Instruction(m.group(1), shape, op.group(1), remainder))
+    return computations, entry
+
+
+def array_bytes(shape: str) -> float:
+    """Bytes of every array in an HLO shape (a tuple's elements summed)."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape.split("{")[0] if not shape.startswith("(")
+                                      else re.sub(r"\{[^}]*\}", "", shape)):
+        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def group_size(instruction: Instruction, participants: int) -> int:
+    """How many chips one instance of the collective spans: its replica groups' size, or
+    every participant when the groups are empty."""
+    groups = instruction.attr("replica_groups")
+    if groups and groups not in ("{}", "{{}}"):
+        if groups.startswith("["):  # iota form [G,S]<=[N]
+            m = re.match(r"\[(\d+),(\d+)\]", groups)
+            if m:
+                return int(m.group(2))
+        first = re.search(r"\{([\d,]+)\}", groups)
+        if first:
+            return len(first.group(1).split(","))
+    return participants
+
+
+def bytes_sent_per_chip(kind: str, result_bytes: float, size: int) -> float:
+    """Bytes each chip sends for one collective under the ring algorithm: an all-gather or
+    reduce-scatter moves (n-1)/n of its full-size side (an all-gather's result, n times a
+    reduce-scatter's result), an all-reduce twice that; an all-to-all (n-1)/n of its
+    operand; a collective permute its whole operand."""
+    if size <= 1:
+        return 0.0
+    share = (size - 1) / size
+    if kind == "all-gather":
+        return share * result_bytes
+    if kind == "reduce-scatter":
+        return share * result_bytes * size
+    if kind == "all-reduce":
+        return 2 * share * result_bytes
+    if kind in ("all-to-all", "ragged-all-to-all"):
+        return share * result_bytes
+    return result_bytes
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the program, as the TPU schedule runs it, per execution of the
+    step (``count`` times per step when it sits in a loop body)."""
+    kind: str                 # as the traced program issued it
+    name: str                 # the traced program's instruction, or the compiler's own
+    bytes_per_chip: float     # sent by each chip per step, ring algorithm
+    count: int                # executions per step
+    compiled_as: str          # the op(s) libtpu emitted for it
+    asynchronous: bool        # start and done are separate scheduled instructions
+    overlapped: bool          # compute runs between them, or inside a step
+    compute_between: int      # compute instructions scheduled between start and done
+
+
+def _collectives_in(computations: Dict[str, List[Instruction]], name: str,
+                    memo: Dict[str, Tuple[List[Instruction], bool]], fused: bool
+                    ) -> Tuple[List[Instruction], bool]:
+    """The collective ops a fused computation holds, and whether it holds compute too."""
+    if name in memo:
+        return memo[name]
+    memo[name] = ([], False)
+    found, compute = [], False
+    for ins in computations.get(name, []):
+        if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
+            if not ins.opcode.endswith("-done"):
+                found.append(ins)
+            continue
+        if ins.opcode == "fusion" or ins.opcode in ("call", "async-start"):
+            for callee in ins.callees:
+                inner, inner_compute = _collectives_in(computations, callee, memo, True)
+                found += inner
+                compute = compute or inner_compute
+        elif fused and _is_compute(ins):
+            compute = True
+    memo[name] = (found, compute)
+    return memo[name]
+
+
+def _is_compute(ins: Instruction) -> bool:
+    if ins.opcode in _NOT_COMPUTE:
+        return False
+    return not re.fullmatch(r"[a-z0-9]+\[\](\{[^}]*\})?", ins.shape)  # not a scalar
+
+
+def _trip_count(ins: Instruction) -> int:
+    m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.text) or \
+        re.search(r"known_trip_count=\{n=(\d+)\}", ins.text)
+    return int(m.group(1)) if m else 1
+
+
+def _schedules(computations: Dict[str, List[Instruction]], entry: str
+               ) -> Iterator[Tuple[str, int]]:
+    """The computations that run their instructions in order (the entry, loop bodies,
+    branches, called computations), each with how often it runs per step."""
+    stack, seen = [(entry, 1)], set()
+    while stack:
+        name, times = stack.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        yield name, times
+        for ins in computations.get(name, []):
+            if ins.opcode == "while":
+                body = ins.attr("body")
+                if body:
+                    stack.append((body.lstrip("%"), times * _trip_count(ins)))
+            elif ins.opcode in ("conditional", "call"):
+                stack.extend((c, times) for c in ins.callees)
+
+
+def collectives(optimized_hlo: str, participants: int,
+                traced_kinds: Optional[Dict[str, str]] = None
+                ) -> List[Collective]:
+    """Every collective in ``optimized_hlo`` (libtpu's scheduled module), in schedule
+    order. ``participants``: chips taking part (replicas times partitions).
+    ``traced_kinds`` maps the traced program's collective instructions to their kind, so
+    that each is reported as issued (a reduce-scatter libtpu lowers to an all-reduce is
+    still a reduce-scatter; its bytes are the all-reduce's); see ``traced_collectives``."""
+    computations, entry = parse_module(optimized_hlo)
+    if entry is None:
+        return []
+    traced_kinds = traced_kinds or {}
+    memo: Dict[str, Tuple[List[Instruction], bool]] = {}
+    out: List[Collective] = []
+    for schedule, times in _schedules(computations, entry):
+        steps = computations[schedule]
+        chains: Dict[str, List[int]] = {}
+        pieces: Dict[str, Instruction] = {}
+        fused_compute: Dict[int, bool] = {}
+        for i, ins in enumerate(steps):
+            if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
+                held, compute = ([ins], False)
+                if ins.opcode.endswith("-done"):
+                    start = _start_of(steps, ins) or ins
+                    chains.setdefault(_chain_key(start, computations), []).append(i)
+                    continue
+            elif ins.opcode in ("fusion", "async-start", "async-update", "async-done"):
+                held, compute = [], False
+                for callee in ins.callees:
+                    inner, inner_compute = _collectives_in(computations, callee, memo, True)
+                    held += inner
+                    compute = compute or inner_compute
+            else:
+                continue
+            fused_compute[i] = compute
+            for piece in held:
+                key = _chain_key(piece, computations)
+                chains.setdefault(key, []).append(i)
+                pieces.setdefault(key, piece)
+        members = {i for idx in chains.values() for i in idx}
+        for key, idx in sorted(chains.items(), key=lambda kv: kv[1][0]):
+            if key not in pieces:
+                continue
+            lo, hi = min(idx), max(idx)
+            between = sum(1 for j in range(lo + 1, hi) if j not in members
+                          and _is_compute(steps[j]))
+            piece = pieces[key]
+            compiled = piece.opcode.replace("-start", "")
+            kind = traced_kinds.get(key, compiled)
+            moved = bytes_sent_per_chip(compiled, array_bytes(_result_shape(piece)),
+                                        group_size(piece, participants))
+            out.append(Collective(
+                kind=kind, name=key, count=times, bytes_per_chip=times * moved,
+                compiled_as=compiled,
+                asynchronous=len(set(idx)) > 1,
+                overlapped=between > 0 or any(fused_compute.get(j, False) for j in idx),
+                compute_between=between))
+    return out
+
+
+def _chain_key(piece: Instruction, computations: Dict[str, List[Instruction]]) -> str:
+    """The traced instruction a collective op came from: its ``op_name``; for an op libtpu
+    rewrote (a reduce-scatter as an all-reduce) the ``op_name`` its reduction's parameters
+    kept; else its own name."""
+    names = [piece.op_name]
+    reducer = piece.attr("to_apply")
+    if reducer:
+        names += [ins.op_name for ins in computations.get(reducer.lstrip("%"), [])
+                  if ins.opcode == "parameter"]
+    for name in names:
+        if name and ";" not in name and re.match(r"[a-z\-]+\.\d+$", name):
+            return name
+    return piece.name
+
+
+def _start_of(steps: List[Instruction], done: Instruction) -> Optional[Instruction]:
+    operand = re.match(r"[a-z\-]+\(%?([\w.\-]+)", done.text)
+    if operand:
+        for ins in steps:
+            if ins.name == operand.group(1):
+                return ins
+    return None
+
+
+def _result_shape(piece: Instruction) -> str:
+    """An async start's result is (operand, result, ...): take the result."""
+    if piece.opcode.endswith("-start") and piece.shape.startswith("("):
+        inner = re.findall(r"[a-z0-9]+\[[0-9,]*\]", piece.shape)
+        if len(inner) >= 2:
+            return inner[1]
+    return piece.shape
+
+
+def traced_collectives(traced_hlo: str) -> Dict[str, str]:
+    """The collectives of the program as traced (before libtpu): name -> kind."""
+    computations, _ = parse_module(traced_hlo)
+    return {ins.name: ins.opcode for steps in computations.values() for ins in steps
+            if ins.opcode in COLLECTIVE_OPS}

@@ -1,0 +1,147 @@
+"""The traced process: ``fn(0, *args)`` as rank 0 of a world it stands for alone, with
+nothing executed, until its steady training step is known.
+
+[Note: one traced rank stands for the world] A step's graph is the same on every rank:
+the launcher checks it on virtual devices (ranks with different graphs are refused before
+their collectives would hang), and FSDP's collectives take their sizes from the world
+size, not from the devices present. So one process with one device, told the world has N
+ranks and it is rank 0, traces the program every rank of an N-chip slice would compile,
+with N-way collectives in it. Nothing runs, so the other N - 1 ranks are never needed:
+256 chips are planned as cheaply as 4. What this relies on, and what breaks it: code whose
+graph depends on the rank (rank 0's program is the one compiled), and code that reads
+values to decide what to trace (every value read here is zero, see below).
+
+What the process changes in torch_xla, for its own lifetime only:
+* ``torch_xla.sync()`` (the step marker) captures the pending graph and cuts it
+  (``step_graphs``); ``xm.wait_device_ops`` and syncs of chosen tensors do nothing;
+* a value read on the host (``.item()``, ``print(t)``, ``.cpu()``...) is zeros of the
+  tensor's shape: nothing has run, so no value exists;
+* ``xm.rendezvous`` returns this rank's payload for every rank, ``xm.mesh_reduce``
+  reduces N copies of this rank's value;
+* ``torch.save`` refuses: a checkpoint of zeros must not replace a real one.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..._xla import trace_only
+from ..._xla.host_reads import reads_host_value
+from ..._xla.private_api import pretend_world
+from .step_graphs import Graph, StepFound, StepGraphs
+
+
+@dataclass
+class TracedStep:
+    """What the traced process sends back: the steady step's graphs (several when the
+    function syncs more than once per step), and how the trace ended."""
+    graphs: List[Graph]
+    syncs: int
+    repeated: bool              # a graph repeated: these are the steady step
+    host_reads: int             # values read on the host (each read as zeros)
+    returned: bool              # the function returned before a step repeated
+
+
+def environment() -> Dict[str, str]:
+    """Variables the traced process must be born with: one CPU device."""
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "XLA_FSDP_IN_LAUNCH": "1",
+            "PJRT_CPU_ASYNC_CLIENT": "false"}
+
+
+class _ZeroReads(TorchFunctionMode):
+    """Host reads of XLA tensors see zeros of the same shape and dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if reads_host_value(func, args, kwargs):
+            name = getattr(func, "__name__", "")
+            if name == "copy_":     # into a CPU tensor: only the source is read
+                swapped = args[0].device.type == "cpu" and _is_xla(args[1])
+                args = (args[0], _zeros(args[1])) + tuple(args[2:]) if swapped else args
+            elif name == "to":      # to the CPU: only the tensor moved is read
+                swapped = _is_xla(args[0])
+                args = (_zeros(args[0]),) + tuple(args[1:]) if swapped else args
+            else:
+                args, kwargs, swapped = _zeros_everywhere(args, kwargs)
+            self.count += swapped
+        return func(*args, **kwargs)
+
+
+def _is_xla(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor) and obj.device.type == "xla"
+
+
+def _zeros(obj: Any) -> Any:
+    return torch.zeros(obj.shape, dtype=obj.dtype) if _is_xla(obj) else obj
+
+
+def _zeros_everywhere(args: tuple, kwargs: dict):
+    found = any(_is_xla(a) for a in list(args) + list(kwargs.values()))
+    return (tuple(_zeros(a) for a in args), {k: _zeros(v) for k, v in kwargs.items()},
+            found)
+
+
+def _refuse_save(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "xla_fsdp.aot: the traced function saved a checkpoint before its training step "
+        "repeated; nothing runs in a plan, so it would hold zeros. Save after a few "
+        "steps, or skip saving when planning")
+
+
+def _patch(graphs: StepGraphs, world: int) -> None:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla._XLAC._xla_step_marker = lambda *a, **k: graphs.sync()
+    torch_xla._XLAC._xla_sync_multi = lambda *a, **k: None
+    torch_xla._XLAC._xla_wait_device_ops = lambda *a, **k: None
+    xm.rendezvous = lambda tag, payload=b"", replicas=None: [payload] * world
+    xm.mesh_reduce = lambda tag, data, reduce_fn: reduce_fn([data] * world)
+    torch.save = _refuse_save
+
+
+def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) -> None:
+    """The child process: reports ``("results", {0: TracedStep})`` or ``("error", 0, ...)``
+    as ``launch``'s device process does."""
+    log_fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    try:
+        from ...compat.patch import patch_if_requested
+        patch_if_requested()
+        fn, args = pickle.loads(payload)
+        import torch_xla
+        pretend_world(world, 0)
+        trace_only.activate()
+        graphs = StepGraphs(str(torch_xla.device()), max_graphs)
+        _patch(graphs, world)
+        reads = _ZeroReads()
+        returned = False
+        try:
+            with reads:
+                fn(0, *args)
+            returned = True
+        except StepFound:
+            pass
+        steady = graphs.steady
+        result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
+                            graphs.syncs, steady is not None, reads.count, returned)
+        conn.send(("results", {0: pickle.dumps(result)}))
+    except BaseException as exc:
+        try:
+            blob = pickle.dumps(exc)
+        except Exception:
+            blob = None
+        conn.send(("error", 0, blob, traceback.format_exc()))
+    finally:
+        conn.close()
