@@ -12,7 +12,10 @@ setup(
     # the clients that import torch_xla's FSDP themselves, tested through patch_torch_xla()
     extras_require={"test": ["pytest>=7", "safetensors", "transformers<5", "accelerate",
                              "peft", "lightning==2.6.6", "matplotlib"],
-                    "example": ["matplotlib"]},  # examples/train_lm.py's loss curve
+                    "example": ["matplotlib"],  # examples/train_lm.py's loss curve
+                    # the TPU compiler for xla_fsdp.aot; on Python < 3.12 it lives in an
+                    # environment of its own: `python -m xla_fsdp.aot install`
+                    "tpu": ["jax[tpu]==0.12.0.1; python_version >= '3.12'"]},
     entry_points={"console_scripts": [
         "consolidate_sharded_ckpts = xla_fsdp.checkpoint.consolidate.cli:main",
     ]},

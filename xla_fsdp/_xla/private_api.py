@@ -212,14 +212,11 @@ def xla_tensor_id(t: torch.Tensor) -> int:
     return torch_xla._XLAC._xla_get_tensor_id(t)
 
 
-def pending_tensor_ids(device: str) -> List[int]:
-    """Ids of the live tensors on ``device`` whose value is a graph not yet run: what the
-    next ``torch_xla.sync()`` computes."""
-    import re
-
+def pending_tensor_count(device: str) -> int:
+    """How many live tensors on ``device`` have a pending graph for a value: what the next
+    ``torch_xla.sync()`` computes."""
     import torch_xla
-    report = torch_xla._XLAC._xla_tensors_report(0, device)
-    return [int(x) for x in re.findall(r"Tensor: id=(\d+)", report)]
+    return sum(torch_xla._XLAC._check_device_tensor_need_materialization(device))
 
 
 def needs_computation(tensors: Sequence[torch.Tensor]) -> List[bool]:
@@ -252,9 +249,10 @@ def cut_pending_graphs(device: str) -> None:
     torch_xla._XLAC._clear_pending_irs(device)
 
 
-def pretend_world(world_size: int, rank: int) -> None:
+def pretend_world(world_size: Optional[int], rank: Optional[int]) -> None:
     """Makes torch_xla's runtime answer ``world_size`` and ``rank`` for this process, so
-    that one traced rank builds the graphs rank ``rank`` of that world would."""
+    that one traced rank builds the graphs rank ``rank`` of that world would (None, None:
+    its own answers again)."""
     import torch_xla.runtime as xr
     xr._WORLD_SIZE = world_size
     xr._ORDINAL = rank

@@ -10,8 +10,7 @@ so that the training process can import this module too.
 The request: ``{"topology": "v5e:2x4", "programs": [{"hlo": path, "replicas": R,
 "partitions": P, "out_hlo": path}]}``; the response: ``{"usable_hbm_bytes": int,
 "programs": [{"status": "ok" | "oom" | "error", "message": str, "memory": {...},
-"cost": {...}, "compile_seconds": float}]}``. ``LIBTPU_INIT_ARGS`` set by the caller reaches
-libtpu (``--xla_tpu_no_crash_on_oom=true`` to see the figures of a step that does not fit).
+"cost": {...}, "compile_seconds": float}]}``.
 
 [Note: donors through StableHLO] HLO text carries the buffers a program may reuse for its
 outputs as ``buffer_donor={...}`` (or ``input_output_alias={...}``) in the module header.
@@ -19,11 +18,19 @@ The conversion to StableHLO, which this client compiles, drops both, and without
 compiler keeps every input alive beside its replacement (a small FSDP step's peak went from
 141.5 to 189.7 MiB). They are put back as ``jax.buffer_donor`` on the entry's arguments,
 which is how jax itself marks donated arguments; the compiler then pairs them with outputs.
+
+[Note: shardings the partitioner chooses] An SPMD program (``partitions`` > 1) names the
+shardings its code chose (``mark_sharding``). torch_xla lets the partitioner choose the
+others for the outputs (``allow_spmd_sharding_propagation_to_output``), and the next step
+receives those tensors sharded as chosen. A traced step's inputs carry only the chosen
+shardings (nothing ran to shard the others), so the partitioner is let choose those of the
+inputs as well; it picks what the previous step's outputs would have had (an optimizer
+state is sharded like its parameter). Checked: a planned FSDPv2 step and the same step
+executed on virtual devices compile to the same memory per chip.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import time
@@ -122,16 +129,14 @@ def main(request_path: str, response_path: str) -> None:
             options = compiler.get_compile_options(num_replicas=replicas,
                                                    num_partitions=partitions,
                                                    device_assignment=assignment)
-            if spmd:  # outputs keep the shardings the partitioner gives them, as torch_xla's
+            if spmd:  # see [Note: shardings the partitioner chooses]
                 build = options.executable_build_options
                 build.allow_spmd_sharding_propagation_to_output = [True]
+                build.allow_spmd_sharding_propagation_to_parameters = [True]
             return devs[0].client.compile(module, executable_devices=xla_client.DeviceList(
                 tuple(devs[:replicas * partitions])), compile_options=options)
 
-    # with the limit lifted the compiler no longer refuses the probe
-    usable = 0 if "no_crash_on_oom" in os.environ.get("LIBTPU_INIT_ARGS", "") \
-        else _usable_hbm(devices, compile_one)
-    response = {"usable_hbm_bytes": usable, "programs": []}
+    response = {"usable_hbm_bytes": _usable_hbm(devices, compile_one), "programs": []}
     for program in request["programs"]:
         with open(program["hlo"]) as f:
             text = f.read()

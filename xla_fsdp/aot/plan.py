@@ -2,6 +2,7 @@
 for a TPU slice, reported."""
 from __future__ import annotations
 
+
 from typing import Any, Callable, List, Sequence
 
 from ..launch.runner import picklable_call, run_device_process
@@ -19,7 +20,7 @@ def trace_step(fn: Callable[..., Any], args: Sequence[Any], world: int,
     one traced rank stands for the world]) and returns its steady step's graphs."""
     payload = picklable_call(fn, tuple(args))
     results = run_device_process(process.main, (payload, world, max_graphs),
-                                 process.environment())
+                                 process.environment(world))
     return results[0]
 
 
@@ -46,17 +47,10 @@ def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] =
 
 def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     """Compiles the traced step's graphs for ``slice_`` and reports them."""
-    programs = [tpu_compiler.Program(g.hlo, replicas=slice_.chips) for g in traced.graphs]
+    replicas, partitions = (1, slice_.chips) if traced.spmd else (slice_.chips, 1)
+    programs = [tpu_compiler.Program(g.hlo, replicas, partitions) for g in traced.graphs]
     usable, compiled = tpu_compiler.compile_programs(slice_.name, programs)
     refused = [i for i, c in enumerate(compiled) if c.status == "oom"]
-    lifted = False
-    if refused:
-        _, again = tpu_compiler.compile_programs(
-            slice_.name, [programs[i] for i in refused], lift_hbm_limit=True)
-        for i, c in zip(refused, again):
-            if c.status == "ok":
-                compiled[i] = _with_refusal(c, compiled[i])
-                lifted = True
     failed = [c for c in compiled if c.status == "error"]
     if failed:
         raise RuntimeError("libtpu could not compile the traced step:\n" + failed[0].message)
@@ -82,14 +76,8 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
         collectives=found, programs=len(compiled),
         message=oom.message if oom else "",
         required_bytes=oom.oom.get("required_bytes", 0) if oom else 0,
-        limit_lifted=lifted, compile_seconds=sum(c.compile_seconds for c in compiled),
+        compile_seconds=sum(c.compile_seconds for c in compiled),
         notes=notes)
-
-
-def _with_refusal(figures: tpu_compiler.Compiled, refusal: tpu_compiler.Compiled
-                  ) -> tpu_compiler.Compiled:
-    figures.status, figures.message, figures.oom = "oom", refusal.message, refusal.oom
-    return figures
 
 
 def _notes(traced: TracedStep) -> List[str]:

@@ -42,9 +42,9 @@ class TpuReport:
     """libtpu's account of one training step on one chip of ``topology``.
 
     Byte figures are per chip, from the compiler. ``fits`` is the compiler's verdict. When
-    the step does not fit, ``message`` is the compiler's refusal, ``required_bytes`` its
-    figure, and the other figures (if any) come from compiling again with the HBM limit
-    lifted (``limit_lifted``)."""
+    the step does not fit, ``message`` is the compiler's refusal and ``required_bytes`` the
+    memory it says the step needs; libtpu gives no other figures for a program it refuses,
+    so the others are zero."""
     topology: Topology
     fits: bool
     hbm_bytes: int                 # the chip's HBM, as published
@@ -60,7 +60,6 @@ class TpuReport:
     programs: int = 1              # programs per step (a function that syncs more often)
     message: str = ""
     required_bytes: int = 0
-    limit_lifted: bool = False
     compile_seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
 
@@ -82,7 +81,7 @@ class TpuReport:
         return out
 
     def roofline(self) -> Optional[Roofline]:
-        """The estimate of [Note: the roofline estimate]; None without the figures."""
+        """The step time estimate (see [Note: the roofline estimate]); None without figures."""
         if not self.flops and not self.bytes_accessed:
             return None
         chip = self.topology.chip
@@ -107,8 +106,7 @@ class TpuReport:
         if not self.fits and self.required_bytes:
             rows.append(("required (compiler)", _gib(self.required_bytes)))
         if self.peak_bytes:
-            suffix = " (HBM limit lifted)" if self.limit_lifted else ""
-            rows += [("peak per chip" + suffix, _gib(self.peak_bytes)),
+            rows += [("peak per chip", _gib(self.peak_bytes)),
                      ("  arguments", _gib(self.argument_bytes)),
                      ("  outputs", _gib(self.output_bytes)),
                      ("  aliased (outputs in donated inputs)", _gib(self.alias_bytes)),

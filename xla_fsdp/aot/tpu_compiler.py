@@ -68,10 +68,19 @@ def compiler_python() -> str:
     candidate = venv_path() / "bin" / "python"
     if candidate.exists():
         return str(candidate)
+    if _has_compiler_here():
+        return sys.executable
     raise CompilerNotInstalled(
         f"the TPU compiler (libtpu, from {JAX_REQUIREMENT}, which needs Python >= 3.12) is not "
         f"installed: run `python -m xla_fsdp.aot install` once (it creates {venv_path()}), or "
         f"set {PYTHON_ENV} to a Python that has it")
+
+
+def _has_compiler_here() -> bool:
+    """Whether this interpreter has it (``pip install 'xla_fsdp[tpu]'`` on Python >= 3.12)."""
+    import importlib.util
+    return sys.version_info[:2] >= _MIN_PYTHON and all(
+        importlib.util.find_spec(m) is not None for m in ("jax", "libtpu"))
 
 
 def _python_version(python: str) -> Optional[tuple]:
@@ -110,7 +119,9 @@ def find_base_python() -> str:
 def install(venv: Optional[Path] = None, python: Optional[str] = None,
             quiet: bool = False) -> Path:
     """Creates (or completes) the compiler's environment and checks that libtpu loads.
-    Returns the environment's interpreter."""
+    Returns the environment's interpreter (this one, when it has the compiler already)."""
+    if venv is None and python is None and _has_compiler_here():
+        return Path(sys.executable)
     venv = Path(venv) if venv is not None else venv_path()
     target = venv / "bin" / "python"
     if not target.exists():
@@ -126,13 +137,14 @@ def install(venv: Optional[Path] = None, python: Optional[str] = None,
 
 
 def compile_programs(topology: str, programs: Sequence[Program], *,
-                     lift_hbm_limit: bool = False, timeout: float = 3600.0
-                     ) -> "tuple[int, List[Compiled]]":
+                     timeout: float = 3600.0) -> "tuple[int, List[Compiled]]":
     """Compiles ``programs`` with libtpu for the slice named ``topology`` (libtpu's grid
     name). Returns the HBM the compiler lets one chip use, and one ``Compiled`` each.
 
-    ``lift_hbm_limit``: let the compiler go on past the chip's HBM, to see the figures of a
-    program that does not fit (libtpu's ``--xla_tpu_no_crash_on_oom``)."""
+    A program larger than the chip's HBM is refused with the compiler's figures (required,
+    available) and nothing else: libtpu has no way to compile it for the slice regardless
+    (``--xla_tpu_max_hbm_size_mib`` is not honoured by the compile-only client, and
+    ``--xla_tpu_no_crash_on_oom`` yields "Invalid TPU program")."""
     python = compiler_python()
     with tempfile.TemporaryDirectory(prefix="xla_fsdp_tpu_") as tmp:
         request = {"topology": topology, "programs": []}
@@ -150,9 +162,6 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
         env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: not on a TPU VM
-        if lift_hbm_limit:
-            env["LIBTPU_INIT_ARGS"] = (env.get("LIBTPU_INIT_ARGS", "")
-                                       + " --xla_tpu_no_crash_on_oom=true").strip()
         done = subprocess.run([python, str(_WORKER), request_path, response_path], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not os.path.exists(response_path):

@@ -51,8 +51,8 @@ class Instruction:
     def callees(self) -> List[str]:
         return re.findall(r"\b(?:calls|body|condition|to_apply|branch_computations)="
                           r"\{?%?([\w.\-]+)", self.text) + \
-            [c for group in re.findall(r"branch_computations=\{([^}]*)\}", self.text)
-             for c in re.findall(r"%?([\w.\-]+)", group)]
+            [c for listed in re.findall(r"branch_computations=\{([^}]*)\}", self.text)
+             for c in re.findall(r"%?([\w.\-]+)", listed)]
 
     @property
     def op_name(self) -> Optional[str]:
@@ -110,16 +110,16 @@ def array_bytes(shape: str) -> float:
     return total
 
 
-def group_size(instruction: Instruction, participants: int) -> int:
+def span(instruction: Instruction, participants: int) -> int:
     """How many chips one instance of the collective spans: its replica groups' size, or
     every participant when the groups are empty."""
-    groups = instruction.attr("replica_groups")
-    if groups and groups not in ("{}", "{{}}"):
-        if groups.startswith("["):  # iota form [G,S]<=[N]
-            m = re.match(r"\[(\d+),(\d+)\]", groups)
+    replica_groups = instruction.attr("replica_groups")
+    if replica_groups and replica_groups not in ("{}", "{{}}"):
+        if replica_groups.startswith("["):  # iota form [G,S]<=[N]
+            m = re.match(r"\[(\d+),(\d+)\]", replica_groups)
             if m:
                 return int(m.group(2))
-        first = re.search(r"\{([\d,]+)\}", groups)
+        first = re.search(r"\{([\d,]+)\}", replica_groups)
         if first:
             return len(first.group(1).split(","))
     return participants
@@ -264,7 +264,7 @@ def collectives(optimized_hlo: str, participants: int,
             compiled = piece.opcode.replace("-start", "")
             kind = traced_kinds.get(key, compiled)
             moved = bytes_sent_per_chip(compiled, array_bytes(_result_shape(piece)),
-                                        group_size(piece, participants))
+                                        span(piece, participants))
             out.append(Collective(
                 kind=kind, name=key, count=times, bytes_per_chip=times * moved,
                 compiled_as=compiled,

@@ -24,6 +24,15 @@ from .virtual import worker
 DEFAULT_VIRTUAL_DEVICES = 4
 NUM_DEVICES_ENV = "XLA_FSDP_NUM_DEVICES"
 _FAILED_GRACE_SECONDS = 20.0
+_instead: Optional[Callable[[Callable[..., Any], tuple], Any]] = None
+
+
+def launch_instead(replacement: Optional[Callable[[Callable[..., Any], tuple], Any]]) -> None:
+    """Makes every later ``launch(fn, args, ...)`` in this process return
+    ``replacement(fn, args)`` instead of running ``fn`` (None restores launching): how
+    ``python -m xla_fsdp.aot`` plans an unchanged script's launch."""
+    global _instead
+    _instead = replacement
 
 
 class LaunchError(RuntimeError):
@@ -44,6 +53,8 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (),
     rank is released and a LaunchError naming that rank and carrying its traceback is
     raised here, chained to the original exception when it can be pickled.
     """
+    if _instead is not None:
+        return _instead(fn, tuple(args))
     if accelerator_type() is not None:
         return _launch_on_accelerator(fn, tuple(args), num_devices)
     if num_devices is None:

@@ -18,7 +18,9 @@ What the process changes in torch_xla, for its own lifetime only:
   tensor's shape: nothing has run, so no value exists;
 * ``xm.rendezvous`` returns this rank's payload for every rank, ``xm.mesh_reduce``
   reduces N copies of this rank's value;
-* ``torch.save`` refuses: a checkpoint of zeros must not replace a real one.
+* ``torch.save`` refuses: a checkpoint of zeros must not replace a real one;
+* ``xr.use_spmd()`` puts the world back: an SPMD program is one program for every chip,
+  traced over the process's CPU devices (one per chip), with no rank to stand in for.
 """
 from __future__ import annotations
 
@@ -46,11 +48,14 @@ class TracedStep:
     repeated: bool              # a graph repeated: these are the steady step
     host_reads: int             # values read on the host (each read as zeros)
     returned: bool              # the function returned before a step repeated
+    spmd: bool                  # traced in SPMD mode: one program partitioned over the chips
 
 
-def environment() -> Dict[str, str]:
-    """Variables the traced process must be born with: one CPU device."""
-    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "XLA_FSDP_IN_LAUNCH": "1",
+def environment(world: int) -> Dict[str, str]:
+    """Variables the traced process must be born with: a CPU device per chip. Only the
+    first is used, except by SPMD programs (FSDPv2), whose mesh spans all of them; CPU
+    devices that never run anything cost nothing."""
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(world), "XLA_FSDP_IN_LAUNCH": "1",
             "PJRT_CPU_ASYNC_CLIENT": "false"}
 
 
@@ -108,6 +113,14 @@ def _patch(graphs: StepGraphs, world: int) -> None:
     xm.rendezvous = lambda tag, payload=b"", replicas=None: [payload] * world
     xm.mesh_reduce = lambda tag, data, reduce_fn: reduce_fn([data] * world)
     torch.save = _refuse_save
+    import torch_xla.runtime as xr
+    use_spmd = xr.use_spmd
+
+    def spmd_is_one_process(*args: Any, **kwargs: Any) -> Any:
+        # SPMD traces one program for all devices: no rank to stand in for
+        pretend_world(None, None)
+        return use_spmd(*args, **kwargs)
+    xr.use_spmd = spmd_is_one_process
 
 
 def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) -> None:
@@ -134,8 +147,10 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         except StepFound:
             pass
         steady = graphs.steady
+        import torch_xla.runtime as xr
         result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
-                            graphs.syncs, steady is not None, reads.count, returned)
+                            graphs.syncs, steady is not None, reads.count, returned,
+                            xr.is_spmd())
         conn.send(("results", {0: pickle.dumps(result)}))
     except BaseException as exc:
         try:

@@ -29,7 +29,7 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from ..._xla.private_api import (alias_id, cut_pending_graphs, graph_hlo, graph_inputs,
-                                 needs_computation, pending_tensor_ids, view_base,
+                                 needs_computation, pending_tensor_count, view_base,
                                  xla_tensor_id)
 
 
@@ -78,11 +78,9 @@ class StepGraphs:
 
     def _capture(self) -> Optional[Graph]:
         tensors = list(_live_xla_tensors())
-        pending = set(pending_tensor_ids(self.device))
-        ids = [xla_tensor_id(t) for t in tensors]
-        untracked = len(pending - set(ids))
         outputs = sorted((t for t, need in zip(tensors, needs_computation(tensors)) if need),
                          key=xla_tensor_id)
+        untracked = pending_tensor_count(self.device) - len(outputs)
         if not outputs:
             return None
         replaced = {alias_id(t) for t in outputs}
