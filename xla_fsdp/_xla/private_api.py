@@ -271,3 +271,9 @@ def alias_id(t: torch.Tensor) -> int:
     import torch_xla
     info = torch_xla._XLAC._get_xla_tensor_debug_info(t)
     return int(re.search(r"AliasID: (-?\d+)", info).group(1))
+
+
+def sharding_spec(t: torch.Tensor) -> str:
+    """The SPMD sharding ``t`` is annotated with, in HLO's syntax ("" if none)."""
+    import torch_xla
+    return torch_xla._XLAC._get_xla_sharding_spec(t)

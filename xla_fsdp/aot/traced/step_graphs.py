@@ -17,6 +17,15 @@ found among the Python objects (and their ``.grad`` and ``._base``), checked aga
 torch_xla's own list of pending tensors, put in the same order, and the same rule picks
 the donations. A pending tensor that is not reachable from Python cannot be an output
 here; ``Graph.untracked`` counts them, and a plan with any says so.
+
+[Note: shardings across a cut] Under SPMD, ``mark_sharding`` on a tensor whose value is a
+pending graph (a parameter created on the device, as FSDPv2 shards it) annotates that
+graph; after torch_xla runs it, the tensor's buffer is sharded, and the next step's
+program reads it sharded. A cut gives the tensor a placeholder, which carries no sharding,
+so the next graph would read it whole. The annotation is therefore noted, per lazy tensor
+id, at each cut and put on the next graph's parameter read under that id. Shardings no
+code named (an optimizer state sharded like its parameter) are the partitioner's to choose,
+then as now (see [Note: shardings the partitioner chooses]).
 """
 from __future__ import annotations
 
@@ -29,8 +38,8 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from ..._xla.private_api import (alias_id, cut_pending_graphs, graph_hlo, graph_inputs,
-                                 needs_computation, pending_tensor_count, view_base,
-                                 xla_tensor_id)
+                                 needs_computation, pending_tensor_count, sharding_spec,
+                                 view_base, xla_tensor_id)
 
 
 class StepFound(BaseException):
@@ -56,6 +65,9 @@ class StepGraphs:
     graphs: List[Graph] = field(default_factory=list)
     steady: Optional[List[Graph]] = None
     syncs: int = 0
+    # lazy tensor id -> the SPMD sharding its pending value was annotated with, for the
+    # tensors given placeholders at the last cut (see [Note: shardings across a cut])
+    _shardings: Dict[int, str] = field(default_factory=dict)
 
     def sync(self) -> None:
         """What ``torch_xla.sync()`` does in the traced process."""
@@ -88,6 +100,11 @@ class StepGraphs:
         hlo = graph_hlo(outputs)
         _check_parameters(hlo, inputs)
         donors = [i for i, tid in enumerate(input_ids) if tid in replaced]
+        hlo = with_parameter_shardings(hlo, {i: self._shardings[tid]
+                                             for i, tid in enumerate(input_ids)
+                                             if tid in self._shardings})
+        self._shardings = {xla_tensor_id(t): spec for t in outputs
+                           if (spec := sharding_spec(t))}
         body = hlo.split("\n", 1)[1]
         return Graph(with_donors(hlo, donors), hashlib.sha256(body.encode()).hexdigest(),
                      len(outputs), len(donors), untracked)
@@ -134,6 +151,22 @@ def _check_parameters(hlo: str, inputs: List[torch.Tensor]) -> None:
         if dims != want or _DTYPES.get(t.dtype, dtype) != dtype:
             raise RuntimeError(f"parameter {i} of the traced graph is {dtype}[{dims}] but "
                                f"its input is {t.dtype}{list(t.shape)}")
+
+
+def with_parameter_shardings(hlo: str, shardings: Dict[int, str]) -> str:
+    """``hlo`` with ``sharding=`` on the entry parameters numbered in ``shardings`` that
+    have none (see [Note: shardings across a cut])."""
+    if not shardings:
+        return hlo
+    head, entry = hlo.split("\nENTRY", 1)
+
+    def annotate(m: "re.Match") -> str:
+        line, number = m.group(0), int(m.group(1))
+        if number not in shardings or "sharding=" in line:
+            return line
+        return f"{line}, sharding={shardings[number]}"
+    return head + "\nENTRY" + re.sub(r"^[^\n]* parameter\((\d+)\)[^\n]*", annotate, entry,
+                                     flags=re.M)
 
 
 def with_donors(hlo: str, donors: List[int]) -> str:
