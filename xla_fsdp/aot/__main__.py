@@ -34,7 +34,7 @@ def _planning_launch(topology: str, max_graphs: int, json_path: Optional[str]
     def launch_instead(fn: Callable[..., Any], args: Sequence[Any] = (), *_: Any,
                        **__: Any) -> Any:
         report = compile_for_tpu(fn, topology, args=tuple(args), max_graphs=max_graphs)
-        print(report, flush=True)
+        print(f"\n{report}", flush=True)
         if json_path:
             with open(json_path, "w") as f:
                 json.dump(report_dict(report), f, indent=1)
@@ -45,6 +45,7 @@ def _planning_launch(topology: str, max_graphs: int, json_path: Optional[str]
 def report_dict(report: TpuReport) -> dict:
     """The report as plain data (``--json``), its roofline included."""
     out = asdict(report)
+    del out["hlo"]
     out["topology"] = {"name": report.topology.name, "cloud_name": report.topology.cloud_name,
                        "chips": report.topology.chips, "chip": asdict(report.topology.chip)}
     roof = report.roofline()

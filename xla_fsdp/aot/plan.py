@@ -77,7 +77,7 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
         message=oom.message if oom else "",
         required_bytes=oom.oom.get("required_bytes", 0) if oom else 0,
         compile_seconds=sum(c.compile_seconds for c in compiled),
-        notes=notes)
+        notes=notes, hlo=[g.hlo for g in traced.graphs])
 
 
 def _notes(traced: TracedStep) -> List[str]:

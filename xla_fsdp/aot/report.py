@@ -62,6 +62,7 @@ class TpuReport:
     required_bytes: int = 0
     compile_seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
+    hlo: List[str] = field(default_factory=list, repr=False)  # the traced programs compiled
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -161,7 +161,10 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
             json.dump(request, f)
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
+        env.pop("XLA_FLAGS", None)   # XLA:CPU's flags; libtpu takes LIBTPU_INIT_ARGS
         env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: not on a TPU VM
+        # libtpu takes a machine-wide lock file; compile-only clients may share the machine
+        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         done = subprocess.run([python, str(_WORKER), request_path, response_path], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not os.path.exists(response_path):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional
 
@@ -114,7 +115,9 @@ def _live_xla_tensors() -> Iterator[torch.Tensor]:
     """Every XLA tensor reachable from Python objects, once each: tensors the garbage
     collector tracks, their gradients (which autograd may hold in C++ only) and bases."""
     seen_objects, seen_ids = set(), set()
-    stack = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    with warnings.catch_warnings():  # isinstance() on some objects warns (deprecated names)
+        warnings.simplefilter("ignore")
+        stack = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
     while stack:
         t = stack.pop()
         if t is None or id(t) in seen_objects:

@@ -1,0 +1,85 @@
+"""``compile_for_tpu`` against libtpu itself: a planned step (one traced rank, nothing
+executed, the model on the meta device or not) is the program torch_xla compiles when the
+same step runs on virtual devices, and the report says what libtpu says of it.
+
+Needs the TPU compiler (``python -m xla_fsdp.aot install``, which ``.ci/run`` does)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from tests.support import tpu_plans
+from xla_fsdp.aot import compile_for_tpu, tpu_compiler
+from xla_fsdp.aot.plan import trace_step
+from xla_fsdp.launch import LaunchError
+
+FIELDS = ("peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+          "alias_size_in_bytes", "temp_size_in_bytes")
+
+
+def _compile(hlos, topology, replicas, partitions=1):
+    _, compiled = tpu_compiler.compile_programs(
+        topology, [tpu_compiler.Program(h, replicas, partitions) for h in hlos])
+    assert all(c.status == "ok" for c in compiled), [c.message for c in compiled]
+    return [({k: c.memory[k] for k in FIELDS}, c.cost["flops"]) for c in compiled]
+
+
+@pytest.mark.parametrize("workload", ["ours", "fsdpv2"])
+def test_the_planned_step_is_the_executed_one(workload, tmp_path):
+    """Ours at N=4 under ``launch``, FSDPv2 in one SPMD process: the steady step traced
+    with no execution (from a model built on the CPU, and on the meta device) compiles to
+    the same memory and FLOPs per chip as the step XLA compiled when it ran. Without the
+    donations the traced graphs carry, or with FSDPv2's parameter shardings lost at a cut,
+    the planned peaks differ."""
+    fn = getattr(tpu_plans, workload)
+    executed = tpu_plans.executed_steady_step(workload, "real", str(tmp_path), 4)
+    assert len(executed) == 1, "one program compiled in the steady step"
+    planned = [trace_step(fn, (build,), 4) for build in ("real", "meta")]
+    for traced in planned:
+        assert traced.repeated and len(traced.graphs) == 1 and traced.graphs[0].untracked == 0
+        assert traced.spmd == (workload == "fsdpv2")
+    partitions = 4 if workload == "fsdpv2" else 1
+    results = _compile(executed + [t.graphs[0].hlo for t in planned], "v5e:2x2",
+                       1 if partitions > 1 else 4, partitions)
+    assert results[1] == results[0] and results[2] == results[0], results
+    assert results[0][0]["alias_size_in_bytes"] > 0     # shards and optimizer state donated
+
+
+def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
+    report = compile_for_tpu(tpu_plans.ours, "v5e-4", args=("meta",))
+    assert report.fits and report.programs == 1 and report.notes == []
+    assert report.topology.chips == 4 and report.usable_hbm_bytes == int(15.75 * 2 ** 30)
+    path = tmp_path / "step.hlo"
+    path.write_text(report.hlo[0])
+    direct = subprocess.run(
+        [tpu_compiler.compiler_python(), os.path.join(os.path.dirname(tpu_plans.__file__),
+                                                      "libtpu_direct.py"),
+         str(path), "v5e:2x2", "4"],
+        capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in dict(os.environ, ALLOW_MULTIPLE_LIBTPU_LOAD="1",
+                                   TPU_SKIP_MDS_QUERY="1").items() if k != "XLA_FLAGS"})
+    assert direct.returncode == 0, direct.stderr[-2000:]
+    figures = json.loads(direct.stdout.strip().splitlines()[-1])
+    assert figures["donors"] > 0
+    assert report.peak_bytes == figures["peak"] and report.flops == figures["flops"]
+    # FSDP's collectives, each mapped back to the traced program's instruction: a
+    # reduce-scatter per parameter (12 in each of 3 blocks, 3 in the root); each block's
+    # gathered in forward and again in backward, the root's once (it keeps them)
+    kinds = report.collective_summary()
+    assert set(kinds) == {"all-gather", "reduce-scatter"}
+    assert kinds["reduce-scatter"]["count"] == 39 and kinds["all-gather"]["count"] == 75
+    assert "TPU plan for v5e-4" in str(report) and "MFU" in str(report)
+
+
+def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
+    report = compile_for_tpu(tpu_plans.syncs_twice, "v6e-4")
+    assert report.programs == 2 and "2 programs" in report.notes[0]
+    with pytest.raises(LaunchError, match="saved a checkpoint before its training step"):
+        compile_for_tpu(tpu_plans.reads_and_saves, "v5e-1", args=(str(tmp_path / "ckpt"),))
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_unknown_topology_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="unknown TPU topology 'v4-8'.*v5e-8 / v5e:2x4"):
+        compile_for_tpu(tpu_plans.ours, "v4-8")

@@ -1,0 +1,169 @@
+"""Training functions the TPU-planning tests compile, and the same steps executed for real
+on virtual devices with XLA's dumps, to compare the planned programs with torch_xla's own.
+
+Every function takes ``(rank, build, dump_dir, steps)``: ``build`` "real" builds the model
+on the CPU, "meta" on the meta device (ours: sharded as placeholders when planned; FSDPv2:
+its parameters created on the device), and with ``dump_dir`` rank 0 returns the HLO
+modules XLA compiled during the second step, the steady one.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+
+from examples.train_lm import Block
+
+VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH = 1024, 256, 4, 3, 64, 2   # per rank
+
+
+class GPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block(DIM, HEADS) for _ in range(LAYERS))
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return nn.functional.cross_entropy(self.head(h).flatten(0, 1), tokens.flatten())
+
+
+def _build(build: str) -> GPT:
+    torch.manual_seed(0)
+    if build == "meta":
+        with torch.device("meta"):
+            return GPT()
+    return GPT()
+
+
+def _steady_dumps(dump_dir: str, before: List[str]) -> List[str]:
+    new = sorted(set(os.listdir(dump_dir)) - set(before))
+    out = []
+    for name in new:
+        if name.endswith(".before_optimizations.txt"):
+            with open(os.path.join(dump_dir, name)) as f:
+                out.append(f.read())
+    return out
+
+
+def _loop(model, batches, dump_dir: Optional[str], steps: int, rank: int):
+    import torch_xla
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    steady = None
+    for step in range(steps):
+        before = os.listdir(dump_dir) if dump_dir and rank == 0 and step == 1 else None
+        loss = model(batches(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+        if before is not None:
+            steady = _steady_dumps(dump_dir, before)
+    return steady
+
+
+def ours(rank: int, build: str = "real", dump_dir: Optional[str] = None, steps: int = 4):
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    model = FSDP(_build(build), auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+    device = torch_xla.device()
+
+    def batches(step):
+        g = torch.Generator().manual_seed(1000 * rank + step)
+        return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device)
+    return _loop(model, batches, dump_dir, steps, rank)
+
+
+def fsdpv2(rank: int, build: str = "real", dump_dir: Optional[str] = None, steps: int = 4):
+    import numpy as np
+    import torch_xla
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel as FSDPv2)
+    xr.use_spmd()
+    n = xr.global_runtime_device_count()
+    mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
+    device = torch_xla.device()
+    model = _build(build)
+    if build == "meta":   # parameters made on the device: sharded by annotating their graphs
+        for m in model.modules():
+            for name, p in list(m.named_parameters(recurse=False)):
+                setattr(m, name, nn.Parameter(torch.empty(p.shape, device=device)))
+    model = FSDPv2(model.to(device), mesh=mesh, auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+
+    def batches(step):
+        g = torch.Generator().manual_seed(step)
+        tokens = torch.randint(0, VOCAB, (BATCH * n, SEQ), generator=g).to(device)
+        xs.mark_sharding(tokens, mesh, ("fsdp", None))
+        return tokens
+    return _loop(model, batches, dump_dir, steps, rank)
+
+
+def syncs_twice(rank: int):
+    """A loop that syncs after forward too: a step is two programs."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(5):
+        loss = model(torch.ones(4, 64).to(torch_xla.device())).sum()
+        torch_xla.sync()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()
+
+
+def reads_and_saves(rank: int, path: str):
+    """Reads values on the host (zeros in a plan), then saves a checkpoint (refused)."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(nn.Linear(64, 64))
+    loss = model(torch.ones(4, 64).to(torch_xla.device())).sum()
+    loss.backward()
+    torch_xla.sync()
+    if loss.item() != 0.0 or model.module.weight.sum().cpu().item() != 0.0:
+        raise AssertionError("values read in a plan are not zeros")
+    torch.save({"loss": loss}, path)
+
+
+_EXECUTE_SPMD = """
+import json, sys
+sys.path[:0] = {paths!r}
+from tests.support import tpu_plans
+print(json.dumps(tpu_plans.fsdpv2(0, {build!r}, {dump_dir!r}, 3)))
+"""
+
+
+def executed_steady_step(workload: str, build: str, dump_dir: str, world: int) -> List[str]:
+    """The HLO modules XLA compiled for the steady step of ``workload`` run for real on
+    ``world`` virtual devices (launch for ours; one SPMD process for FSDPv2)."""
+    import json
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text "
+                                     f"--xla_dump_hlo_pass_re=^$")
+    if workload == "fsdpv2":
+        env.update(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(world))
+        code = _EXECUTE_SPMD.format(paths=sys.path[:3] + [os.getcwd()], build=build,
+                                    dump_dir=dump_dir)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    from xla_fsdp import launch
+    from xla_fsdp.launch.environment import restored_environment
+    with restored_environment(["XLA_FLAGS"]):
+        os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
+        return launch(ours, (build, dump_dir, 3), num_devices=world)[0]
