@@ -25,7 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-IMPLS = ("xla_fsdp", "torch_xla", "fsdpv2")
+IMPLS = ("xla_fsdp", "xla_fsdp_unpinned", "torch_xla", "fsdpv2")
+# "xla_fsdp" at its defaults (torch_xla's: collectives with pinned layouts); the unpinned
+# variant has the options torch_xla's FSDP runs with here (its pinned all-gather is an
+# all-reduce of N times the data). "xla_fsdp_tpu" (not run by default): the settings the
+# plans recommend on TPU, see TPU_SETTINGS.
+TPU_SETTINGS = {"pin_layout_in_collective_ops": False, "shard_param_on_dim_0": True}
+TPU_ENVIRONMENT = {"DISABLE_NUMERIC_CC_TOKEN": "1"}   # read by torch_xla when first lowering
 SHAPES: Dict[str, dict] = {
     # https://huggingface.co/meta-llama/Llama-3.2-1B/blob/main/config.json
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -46,6 +52,7 @@ class Setting:
     layers: int
     seq: int            # tokens per chip (one sequence)
     steps: int = 4
+    options: tuple = ()  # (name, value) pairs of extra wrapper options (ours, torch_xla's)
 
 
 def _config(setting: Setting):
@@ -98,18 +105,24 @@ def train_step(rank: int, setting: Setting) -> None:
     layer = {LlamaDecoderLayer}
     device = torch_xla.device()
     mesh = None
-    if setting.impl == "xla_fsdp":
+    if setting.impl.startswith("xla_fsdp"):
         from xla_fsdp import FSDP
         from xla_fsdp.wrap import transformer_auto_wrap_policy
+        options = dict(setting.options)
+        if setting.impl == "xla_fsdp_unpinned":
+            options["pin_layout_in_collective_ops"] = False
+        if setting.impl == "xla_fsdp_tpu":
+            options.update(TPU_SETTINGS)
+            os.environ.update(TPU_ENVIRONMENT)
         model = FSDP(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer))
+            transformer_auto_wrap_policy, transformer_layer_cls=layer), **options)
     elif setting.impl == "torch_xla":
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         model = FSDP(model, auto_wrap_policy=functools.partial(
             transformer_auto_wrap_policy, transformer_layer_cls=layer),
             param_init_fn=functools.partial(_on_device, device=device),
-            pin_layout_in_collective_ops=False)
+            **dict((("pin_layout_in_collective_ops", False),) + setting.options))
     else:
         import numpy as np
         import torch_xla.distributed.spmd as xs
@@ -217,9 +230,10 @@ def _markdown(rows: List[dict], depths: List[dict], command: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
     parser.add_argument("--topologies", nargs="+", default=["v5e-8", "v6e-8"])
-    parser.add_argument("--impls", nargs="+", default=list(IMPLS))
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS),
+                        help=f"of {IMPLS + ('xla_fsdp_tpu',)}")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per chip")
     parser.add_argument("--layers", type=int, help="override every shape's depth")
     parser.add_argument("--deepest", help="also search the deepest 8B-shaped model here")
