@@ -42,6 +42,8 @@ SHAPES: Dict[str, dict] = {
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=False, rope_theta=500000.0, head_dim=128),
 }
+# an ablation: the 1B shape with a small vocabulary, to see what the vocabulary costs each
+SHAPES["llama-3.2-1b-vocab8k"] = dict(SHAPES["llama-3.2-1b"], vocab_size=8192)
 OUT = os.path.join("benchmarks", "results", "tpu_plan")
 
 
@@ -230,15 +232,20 @@ def _markdown(rows: List[dict], depths: List[dict], command: str) -> str:
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="*", default=["llama-3.2-1b", "llama-3.1-8b"],
+                        help=f"of {list(SHAPES)}")
     parser.add_argument("--topologies", nargs="+", default=["v5e-8", "v6e-8"])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS),
                         help=f"of {IMPLS + ('xla_fsdp_tpu',)}")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per chip")
     parser.add_argument("--layers", type=int, help="override every shape's depth")
     parser.add_argument("--deepest", help="also search the deepest 8B-shaped model here")
+    parser.add_argument("--libtpu-flags", help="LIBTPU_INIT_ARGS for the compiler, e.g. "
+                        "MaxText's async-collective flags")
     parser.add_argument("--out", default=OUT)
     ns = parser.parse_args(argv)
+    if ns.libtpu_flags:
+        os.environ["LIBTPU_INIT_ARGS"] = ns.libtpu_flags
     command = " ".join(["python -m scripts.bench.tpu_plan"] + argv)
     rows = [plan(Setting(impl, shape, ns.layers or SHAPES[shape]["num_hidden_layers"],
                          ns.seq), topology)
