@@ -20,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -246,7 +247,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ns = parser.parse_args(argv)
     if ns.libtpu_flags:
         os.environ["LIBTPU_INIT_ARGS"] = ns.libtpu_flags
-    command = " ".join(["python -m scripts.bench.tpu_plan"] + argv)
+    command = "python -m scripts.bench.tpu_plan " + shlex.join(argv)
     rows = [plan(Setting(impl, shape, ns.layers or SHAPES[shape]["num_hidden_layers"],
                          ns.seq), topology)
             for shape in ns.shapes for topology in ns.topologies for impl in ns.impls]

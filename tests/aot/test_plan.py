@@ -81,9 +81,16 @@ def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
 def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
     report = compile_for_tpu(tpu_plans.syncs_twice, "v6e-4")
     assert report.programs == 2 and "2 programs" in report.notes[0]
-    with pytest.raises(LaunchError, match="saved a checkpoint before its training step"):
-        compile_for_tpu(tpu_plans.reads_and_saves, "v5e-1", args=(str(tmp_path / "ckpt"),))
-    assert not (tmp_path / "ckpt").exists()
+    for how in ("torch.save", "save_sharded"):
+        with pytest.raises(LaunchError, match=r"saved a checkpoint \(.*ckpt.*\) before"):
+            compile_for_tpu(tpu_plans.reads_and_saves, "v5e-1",
+                            args=(str(tmp_path / "ckpt"), how))
+    assert list(tmp_path.iterdir()) == []
+    unsynced = compile_for_tpu(tpu_plans.never_syncs, "v5e-1")   # what it left pending
+    assert "no step repeated" in unsynced.notes[0] and "returned" in unsynced.notes[0]
+    assert unsynced.flops > 0
+    with pytest.raises(RuntimeError, match="traced no step to compile"):
+        compile_for_tpu(tpu_plans.does_nothing, "v5e-1")
 
 
 def test_an_unknown_topology_is_refused_before_anything_runs():

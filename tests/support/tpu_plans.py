@@ -127,7 +127,7 @@ def syncs_twice(rank: int):
         torch_xla.sync()
 
 
-def reads_and_saves(rank: int, path: str):
+def reads_and_saves(rank: int, path: str, how: str = "torch.save"):
     """Reads values on the host (zeros in a plan), then saves a checkpoint (refused)."""
     import torch_xla
     from xla_fsdp import FSDP
@@ -137,7 +137,11 @@ def reads_and_saves(rank: int, path: str):
     torch_xla.sync()
     if loss.item() != 0.0 or model.module.weight.sum().cpu().item() != 0.0:
         raise AssertionError("values read in a plan are not zeros")
-    torch.save({"loss": loss}, path)
+    if how == "torch.save":
+        torch.save({"loss": loss}, path)
+    else:
+        from xla_fsdp.checkpoint import save_sharded
+        save_sharded(path, model)
 
 
 _EXECUTE_SPMD = """
@@ -167,3 +171,15 @@ def executed_steady_step(workload: str, build: str, dump_dir: str, world: int) -
     with restored_environment(["XLA_FLAGS"]):
         os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
         return launch(ours, (build, dump_dir, 3), num_devices=world)[0]
+
+
+def does_nothing(rank: int):
+    """Traces nothing."""
+
+
+def never_syncs(rank: int):
+    """Traces a step but never ends it with a sync."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(nn.Linear(64, 64))
+    model(torch.ones(4, 64).to(torch_xla.device())).sum().backward()

@@ -6,9 +6,9 @@ can therefore build a model on the meta device and give its shards, buffers and 
 tensor a graph leaves behind placeholders, which hold no memory. So a plan for a model
 larger than this machine's memory traces in little memory. The wrapper asks ``active()``
 where it would otherwise give meta tensors values (``materialize_meta``) and puts tensors
-on the device through ``to_device``; nothing else in it changes. Only the traced process of
-``xla_fsdp.aot`` activates this, once, before the user's function runs; a training process
-never does.
+on the device through ``to_device``, and checkpoint writers refuse (``refuse_writes``);
+nothing else in it changes. Only the traced process of ``xla_fsdp.aot`` activates this,
+once, before the user's function runs; a training process never does.
 """
 from __future__ import annotations
 
@@ -35,3 +35,13 @@ def to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     if value.is_meta and _ACTIVE:
         return placeholder(value.shape, value.dtype)
     return value.to(device)
+
+
+def refuse_writes(path: str) -> None:
+    """Raises if this process only traces: its tensors hold no values, so a checkpoint it
+    wrote would hold zeros, and could replace a real one at ``path``."""
+    if _ACTIVE:
+        raise RuntimeError(
+            f"xla_fsdp.aot: the traced function saved a checkpoint ({path}) before its "
+            f"training step repeated; nothing runs in a plan, so it would hold zeros. Save "
+            f"after a few steps, or skip saving when planning")

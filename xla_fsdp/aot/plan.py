@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, List, Sequence
 
-from ..launch.runner import picklable_call, run_device_process
+from ..launch.runner import LaunchError, picklable_call, run_device_process
 from . import tpu_compiler
 from .report import TpuReport
 from .topology import Topology, resolve
@@ -19,8 +19,17 @@ def trace_step(fn: Callable[..., Any], args: Sequence[Any], world: int,
     """Runs ``fn(0, *args)`` in a traced process standing for ``world`` ranks (see [Note:
     one traced rank stands for the world]) and returns its steady step's graphs."""
     payload = picklable_call(fn, tuple(args))
-    results = run_device_process(process.main, (payload, world, max_graphs),
-                                 process.environment(world))
+    try:
+        results = run_device_process(process.main, (payload, world, max_graphs),
+                                     process.environment(world))
+    except LaunchError as exc:
+        if "buffer is null" not in str(exc) and "placeholder" not in str(exc):
+            raise
+        raise LaunchError(
+            "xla_fsdp.aot: the traced function needed a value that only running the step "
+            "would give (torch_xla read a placeholder, which aborts), e.g. a data-dependent "
+            "op that torch_xla computes on the CPU, or a read this planner does not turn "
+            f"into zeros. The traced process said:\n{exc}") from exc
     return results[0]
 
 
@@ -47,6 +56,10 @@ def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] =
 
 def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     """Compiles the traced step's graphs for ``slice_`` and reports them."""
+    if not traced.graphs:
+        raise RuntimeError(
+            f"xla_fsdp.aot: the function traced no step to compile: no XLA work was "
+            f"pending at any of its {traced.syncs} syncs, nor when it returned")
     replicas, partitions = (1, slice_.chips) if traced.spmd else (slice_.chips, 1)
     programs = [tpu_compiler.Program(g.hlo, replicas, partitions) for g in traced.graphs]
     usable, compiled = tpu_compiler.compile_programs(slice_.name, programs)

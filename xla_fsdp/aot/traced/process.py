@@ -14,8 +14,8 @@ values to decide what to trace (every value read here is zero, see below).
 What the process changes in torch_xla, for its own lifetime only:
 * ``torch_xla.sync()`` (the step marker) captures the pending graph and cuts it
   (``step_graphs``); ``xm.wait_device_ops`` and syncs of chosen tensors do nothing;
-* a value read on the host (``.item()``, ``print(t)``, ``.cpu()``...) is zeros of the
-  tensor's shape: nothing has run, so no value exists;
+* a value read on the host (``.item()``, ``print(t)``, ``.cpu()``, torch_xla's own copies
+  to the CPU...) is zeros of the tensor's shape: nothing has run, so no value exists;
 * ``xm.rendezvous`` returns this rank's payload for every rank, ``xm.mesh_reduce``
   reduces N copies of this rank's value;
 * ``torch.save`` refuses: a checkpoint of zeros must not replace a real one;
@@ -96,11 +96,8 @@ def _zeros_everywhere(args: tuple, kwargs: dict):
             found)
 
 
-def _refuse_save(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        "xla_fsdp.aot: the traced function saved a checkpoint before its training step "
-        "repeated; nothing runs in a plan, so it would hold zeros. Save after a few "
-        "steps, or skip saving when planning")
+def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+    trace_only.refuse_writes(str(f))
 
 
 def _patch(graphs: StepGraphs, world: int) -> None:
@@ -108,6 +105,7 @@ def _patch(graphs: StepGraphs, world: int) -> None:
     import torch_xla.core.xla_model as xm
 
     torch_xla._XLAC._xla_step_marker = lambda *a, **k: graphs.sync()
+    torch_xla._XLAC._xla_get_cpu_tensors = lambda tensors: [_zeros(t) for t in tensors]
     torch_xla._XLAC._xla_sync_multi = lambda *a, **k: None
     torch_xla._XLAC._xla_wait_device_ops = lambda *a, **k: None
     xm.rendezvous = lambda tag, payload=b"", replicas=None: [payload] * world
@@ -143,7 +141,8 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         try:
             with reads:
                 fn(0, *args)
-            returned = True
+                returned = True
+                graphs.sync()   # what it left pending, as the sync it did not make
         except StepFound:
             pass
         steady = graphs.steady

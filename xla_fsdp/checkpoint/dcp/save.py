@@ -53,6 +53,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
+from ..._xla.trace_only import refuse_writes
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
@@ -89,6 +90,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     the directory (None on a replica that does not write)."""
     import torch_xla
     require_root(model, "save_dcp")
+    refuse_writes(checkpoint_dir)   # before DCP's writer touches a data file
     scheme = key_scheme(keys)
     torch_xla.sync()
     directory, writes = checkpoint_dir_for(checkpoint_dir, model)

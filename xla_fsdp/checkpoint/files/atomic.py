@@ -14,6 +14,7 @@ import os
 import secrets
 from typing import Dict, Iterator, Optional, Tuple
 
+from ..._xla.trace_only import refuse_writes
 from .reader import CheckpointError
 
 _NO_SPACE = {errno.ENOSPC: "no space left on the device",
@@ -107,6 +108,7 @@ class StagedFile:
     the final names never matches a half-written file)."""
 
     def __init__(self, path: str, needed: Optional[int] = None) -> None:
+        refuse_writes(path)
         self.path = os.path.abspath(path)
         directory, name = os.path.split(self.path)
         os.makedirs(directory, exist_ok=True)
