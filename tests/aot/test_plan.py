@@ -93,6 +93,17 @@ def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
         compile_for_tpu(tpu_plans.does_nothing, "v5e-1")
 
 
+def test_256_chips_are_planned_by_one_traced_rank_and_spmd_stops_at_64():
+    four, pod = (compile_for_tpu(tpu_plans.ours, t) for t in ("v6e-4", "v6e-256"))
+    assert pod.fits and pod.topology.chips == 256
+    assert pod.flops == pytest.approx(four.flops, rel=0.01)     # the same step per chip
+    # shards and optimizer state are a 256th of the model, not a 4th
+    assert pod.alias_bytes < four.alias_bytes / 32
+    with pytest.raises(LaunchError, match=r"SPMD step \(FSDPv2\) cannot be planned for 256 "
+                                          r"chips.*127 devices.*up to 64"):
+        compile_for_tpu(tpu_plans.fsdpv2, "v6e-256")
+
+
 def test_an_unknown_topology_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="unknown TPU topology 'v4-8'.*v5e-8 / v5e:2x4"):
         compile_for_tpu(tpu_plans.ours, "v4-8")

@@ -51,11 +51,24 @@ class TracedStep:
     spmd: bool                  # traced in SPMD mode: one program partitioned over the chips
 
 
+# [Note: at most 127 devices in a process]
+# PyTorch's autograd engine keeps one ready queue per device and indexes them with
+# c10::DeviceIndex, an 8-bit integer: with 128 XLA devices in a process or more (SPMD
+# counts them all even though it shows one), every backward fails an internal assert in
+# engine.cpp. A TPU host has 4 or 8 local devices, so only a plan meets it. Replica
+# programs (ours, torch_xla's FSDP) trace on the first device alone and need one; an
+# SPMD program's mesh spans a device per chip, so SPMD plans stop at the largest slice
+# below the limit, and a larger one is refused when the function turns SPMD on.
+MAX_DEVICES = 127
+
+
 def environment(world: int) -> Dict[str, str]:
-    """Variables the traced process must be born with: a CPU device per chip. Only the
+    """Variables the traced process must be born with: a CPU device per chip while there
+    are few enough (see [Note: at most 127 devices in a process]), else one. Only the
     first is used, except by SPMD programs (FSDPv2), whose mesh spans all of them; CPU
     devices that never run anything cost nothing."""
-    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(world), "XLA_FSDP_IN_LAUNCH": "1",
+    devices = world if world <= MAX_DEVICES else 1
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_FSDP_IN_LAUNCH": "1",
             "PJRT_CPU_ASYNC_CLIENT": "false"}
 
 
@@ -115,6 +128,12 @@ def _patch(graphs: StepGraphs, world: int) -> None:
     use_spmd = xr.use_spmd
 
     def spmd_is_one_process(*args: Any, **kwargs: Any) -> Any:
+        if world > MAX_DEVICES:   # see [Note: at most 127 devices in a process]
+            raise RuntimeError(
+                f"an SPMD step (FSDPv2) cannot be planned for {world} chips here: its mesh "
+                f"needs a CPU device per chip, and PyTorch's autograd engine fails with more "
+                f"than {MAX_DEVICES} devices in one process. SPMD plans go up to 64 chips; "
+                f"replica FSDP (xla_fsdp, torch_xla's FSDP) plans go up to 256.")
         # SPMD traces one program for all devices: no rank to stand in for
         pretend_world(None, None)
         return use_spmd(*args, **kwargs)
