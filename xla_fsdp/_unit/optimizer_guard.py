@@ -3,18 +3,23 @@
 Installed as global optimizer step hooks (``process_effects``): before a step, refuse what
 would train silently wrong (an optimizer over the parameters FSDP replaced, a step after a
 ``no_sync`` backward whose gradients were never reduced, ``xm.optimizer_step`` or
-accelerate averaging the already-sharded gradients across ranks); after it, count the
-update of each shard it stepped (see ``ShardGroup.generation``).
+accelerate averaging the already-sharded gradients across ranks, and at an optimizer's
+first step anything in the pending graph that all-reduces reduced gradients again or
+scales them by one rank's own norm: [Note: auditing reduced gradients]); after it, count
+the update of each shard it stepped (see ``ShardGroup.generation``).
 """
 from __future__ import annotations
 
 import os
 import sys
 import warnings
-from typing import Any
+import weakref
+from typing import Any, List
 
 import torch
 
+from .._xla import reduced_gradients
+from .._xla.private_api import graph_hlo, needs_computation
 from .param_record import taken_name
 from .shard_group import shard_group_of
 
@@ -49,14 +54,17 @@ def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
                 shard_group.mark_updated()
 
 
+_audited: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
 def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step pre-hook."""
-    stale, unreduced, sharded = [], [], False
+    stale, unreduced, sharded = [], [], []
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             shard_group = shard_group_of(p)
             if shard_group is not None:
-                sharded = True
+                sharded.append(p)
                 if shard_group.accumulating():
                     unreduced.append(shard_group.names[0])
             elif taken_name(p) is not None:
@@ -83,6 +91,37 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             "different ranks' shards together, because ACCELERATE_USE_FSDP is not set "
             "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
             "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
+    if sharded and optimizer not in _audited:
+        _audit_reduced_gradients(optimizer, sharded)
+        _audited.add(optimizer)
+
+
+def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
+                             params: List[torch.Tensor]) -> None:
+    """See [Note: auditing reduced gradients]: once per optimizer, on the graph of the
+    gradients it is about to apply, before anything of it runs."""
+    grads = [p.grad for p in params if p.grad is not None and p.grad.device.type == "xla"]
+    pending = [g for g, pending in zip(grads, needs_computation(grads)) if pending] \
+        if grads else []
+    if not pending:
+        return
+    findings = reduced_gradients.audit(graph_hlo(pending))
+    if not findings:
+        return
+    owner = {id(p.grad): p for p in params if p.grad is not None}
+    names = [shard_group_of(owner[id(pending[f.output])]).names[0] for f in findings]
+    first = findings[0]
+    raise RuntimeError(
+        f"{type(optimizer).__name__}.step(): the FSDP gradients of {', '.join(names[:5])}"
+        f"{', ...' if len(names) > 5 else ''} were {first.what} after FSDP reduce-scattered "
+        f"them (HLO instruction {first.instruction} of the pending step), so each rank would "
+        f"apply a different, wrong update. The usual causes: "
+        + ("torch.nn.utils.clip_grad_norm_ (or a library's clipping) over the shards instead "
+           "of the FSDP model's clip_grad_norm_(), which takes the norm over all ranks"
+           if first.what == reduced_gradients.LOCAL_SCALE else
+           "a data-parallel gradient all-reduce (xm.reduce_gradients, xm.optimizer_step, "
+           "accelerate without ACCELERATE_USE_FSDP) on a model whose FSDP units already "
+           "reduce their gradients") + ". The step is refused before any update.")
 
 
 def _called_from(function: str, file_suffix: str) -> bool:

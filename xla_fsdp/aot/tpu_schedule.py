@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
 
+from .._xla.hlo_text import Instruction, parse_module
+
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                   "collective-permute", "collective-broadcast", "ragged-all-to-all")
 _NOT_COMPUTE = frozenset((
@@ -34,71 +36,6 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
                 "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
-
-
-@dataclass(frozen=True)
-class Instruction:
-    name: str
-    shape: str
-    opcode: str
-    text: str
-
-    def attr(self, key: str) -> Optional[str]:
-        m = re.search(rf"\b{key}=(%?[\w.\-]+|\{{[^}}]*\}}|\"[^\"]*\")", self.text)
-        return m.group(1) if m else None
-
-    @property
-    def callees(self) -> List[str]:
-        return re.findall(r"\b(?:calls|body|condition|to_apply|branch_computations)="
-                          r"\{?%?([\w.\-]+)", self.text) + \
-            [c for listed in re.findall(r"branch_computations=\{([^}]*)\}", self.text)
-             for c in re.findall(r"%?([\w.\-]+)", listed)]
-
-    @property
-    def op_name(self) -> Optional[str]:
-        m = re.search(r'op_name="([^"]*)"', self.text)
-        return m.group(1) if m else None
-
-
-def _split_shape(rest: str) -> Tuple[str, str]:
-    """(shape, remainder) of ``rest``, which starts with an instruction's result shape."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                return rest[:i + 1], rest[i + 1:].lstrip()
-    shape, _, remainder = rest.partition(" ")
-    return shape, remainder
-
-
-def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]]:
-    """Computations by name, each a list of instructions in order, and the entry's name.
-    Several modules may be concatenated; the first entry wins."""
-    computations: Dict[str, List[Instruction]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        if not line.startswith(" ") and line.rstrip().endswith("{"):
-            m = re.match(r"^(ENTRY )?%?([\w.\-]+)\s", line)
-            if m:
-                current = m.group(2)
-                computations[current] = []
-                if m.group(1) and entry is None:
-                    entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        if current is None:
-            continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
-        if not m:
-            continue
-        shape, remainder = _split_shape(m.group(2))
-        op = re.match(r"([a-z][a-z0-9\-]*)\(", remainder)
-        if op:
-            computations[current].append(Instruction(m.group(1), shape, op.group(1), remainder))
-    return computations, entry
 
 
 def array_bytes(shape: str) -> float:

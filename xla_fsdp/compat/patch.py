@@ -40,7 +40,11 @@ def patch_torch_xla() -> None:
 
     Hugging Face accelerate is told that FSDP is in use when the first unit is built (see
     ``_unit.optimizer_guard.declare_sharded_gradients``), not here: a process that patches
-    but trains without FSDP still gets accelerate's gradient all-reduce."""
+    but trains without FSDP still gets accelerate's gradient all-reduce.
+
+    On transformers >= 5, Trainer's XLA FSDP path gets back the line it lost (see
+    [Note: Trainer's wrapped model on transformers 5] in ``compat/hf_trainer.py``), when
+    ``transformers.trainer`` is imported or at once if it is."""
     if is_patched():
         return
     _refuse_if_mixed()
@@ -57,6 +61,8 @@ def patch_torch_xla() -> None:
             sys.modules[f"{_PACKAGE}.{name}"] = module
     import torch_xla.distributed
     torch_xla.distributed.fsdp = torch_xla_fsdp
+    from .hf_trainer import install_when_imported
+    install_when_imported()   # Trainer's XLA FSDP path on transformers 5
     os.environ[ENV] = "1"
 
 

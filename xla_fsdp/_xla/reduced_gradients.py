@@ -1,0 +1,186 @@
+"""What happened to sharded gradients between their reduce-scatter and the optimizer step,
+read off the HLO of the graph that computes them. Pure text analysis.
+
+[Note: auditing reduced gradients]
+Once FSDP has reduce-scattered a gradient, each rank holds the sum over ranks of a
+different slice. Two things done to it afterwards train silently wrong, and both have
+happened inside client libraries that mean well (accelerate all-reducing gradients for
+data parallelism; transformers 5 letting accelerate clip sharded gradients with each
+rank's own norm):
+
+* **all-reduced again** over ranks that hold different slices: every rank gets an
+  average of unrelated slices;
+* **scaled by a rank-local reduction** of reduced gradients, the signature of
+  ``torch.nn.utils.clip_grad_norm_`` over shards: each rank clips its slice by the norm
+  of its slice alone, so the update is no longer the global one.
+
+The audit walks each gradient's graph back from the gradient until it meets a
+reduce-scatter (what lies beyond is the backward pass, where rank-local reductions are the
+point). On the way:
+
+* an ``all-reduce`` whose operand reaches a reduce-scatter without a ``reduce`` in
+  between (the gradient itself, not a norm of it), over groups that put two ranks of one
+  reduce-scatter group together, is the first mistake. An all-reduce across sharding
+  groups (hybrid sharding's replicas) keeps slices apart and is fine; a scalar operand
+  (torch_xla's collective token, a norm) is never a gradient.
+* a ``reduce`` that reaches a reduce-scatter without passing an ``all-reduce`` is the
+  second: a norm of this rank's slices that feeds the gradient. A norm that goes through
+  an all-reduce first (``clip_grad_norm_`` of FSDP) is the same on every rank; the walk
+  stops at every all-reduce, whose result is.
+
+Elementwise work (scaling by a constant, clamping, adding weight decay, casting, slicing
+a flat shard into parameters) passes. So does anything computed after the step began, and
+anything already executed: the audit sees only the pending graph.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional, Set
+
+from .hlo_text import Instruction, parse_module
+
+ALL_REDUCED = "all-reduced across ranks that hold different slices"
+LOCAL_SCALE = "scaled by a reduction of this rank's slices alone"
+
+
+@dataclass(frozen=True)
+class Finding:
+    output: int        # index of the gradient among the graph's outputs
+    what: str          # ALL_REDUCED or LOCAL_SCALE
+    instruction: str   # the all-reduce or reduce that does it
+
+
+def audit(hlo: str) -> List[Finding]:
+    """Findings for the outputs of the entry computation of ``hlo`` (one per gradient, in
+    the order they were given to the lowering); empty when nothing is wrong."""
+    computations, entry = parse_module(hlo)
+    if entry is None:
+        return []
+    graph = {i.name: i for i in computations[entry]}
+    root = computations[entry][-1]
+    outputs = root.operands if root.opcode == "tuple" else [root.name]
+    walk = _Walk(graph)
+    findings = []
+    for index, name in enumerate(outputs):
+        found = walk.after_reduction(name)
+        if found is not None:
+            findings.append(Finding(index, *found))
+    return findings
+
+
+class _Walk:
+    def __init__(self, graph: Dict[str, Instruction]) -> None:
+        self.graph = graph
+        self._local: Dict[str, bool] = {}        # reaches a reduce-scatter, no all-reduce
+        self._elementwise: Dict[str, Optional[FrozenSet]] = {}
+
+    def _inputs(self, inst: Instruction) -> List[str]:
+        """What ``inst`` reads, with an element of a tuple read as that element alone:
+        optimization barriers tie gradients to the backward's other values in one tuple,
+        and only the gradient's own element leads back to it."""
+        if inst.opcode != "get-tuple-element" or not inst.operands:
+            return inst.operands
+        index = int(inst.attr("index") or 0)
+        source = self.graph.get(inst.operands[0])
+        while source is not None and source.opcode == "opt-barrier" and source.operands:
+            source = self.graph.get(source.operands[0])
+        if source is not None and source.opcode == "tuple" and index < len(source.operands):
+            return [source.operands[index]]
+        return inst.operands
+
+    def after_reduction(self, output: str):
+        seen: Set[str] = set()
+        stack = [output]
+        while stack:
+            name = stack.pop()
+            if name in seen or name not in self.graph:
+                continue
+            seen.add(name)
+            inst = self.graph[name]
+            if inst.opcode == "reduce-scatter":
+                continue
+            if inst.opcode == "all-reduce":
+                if self._averages_slices(inst):
+                    return ALL_REDUCED, name
+                continue
+            if inst.opcode == "reduce" and any(self._reaches_locally(o) for o in inst.operands):
+                return LOCAL_SCALE, name
+            stack.extend(self._inputs(inst))
+        return None
+
+    def _averages_slices(self, inst: Instruction) -> bool:
+        groups = _replica_groups(inst)
+        for operand in inst.operands:
+            if _is_scalar(self.graph.get(operand)):
+                continue
+            for scattered in self._scattered_elementwise(operand):
+                if _share_two_ranks(groups, scattered):
+                    return True
+        return False
+
+    def _reaches_locally(self, name: str) -> bool:
+        """``name`` depends on a reduce-scatter's result by a path with no all-reduce."""
+        memo = self._local
+        stack = [(name, False)]
+        while stack:
+            current, expanded = stack.pop()
+            if current in memo and not expanded:
+                continue
+            inst = self.graph.get(current)
+            if inst is None or inst.opcode == "all-reduce":
+                memo[current] = False
+            elif inst.opcode == "reduce-scatter":
+                memo[current] = True
+            elif expanded:
+                memo[current] = any(memo.get(o, False) for o in self._inputs(inst))
+            else:
+                stack.append((current, True))
+                stack.extend((o, False) for o in self._inputs(inst) if o not in memo)
+        return memo[name]
+
+    def _scattered_elementwise(self, name: str) -> List[Optional[List[List[int]]]]:
+        """Replica groups of the reduce-scatters ``name`` reaches with neither a reduce nor
+        an all-reduce on the way (None: all ranks)."""
+        out, seen, stack = [], set(), [name]
+        while stack:
+            current = stack.pop()
+            if current in seen:
+                continue
+            seen.add(current)
+            inst = self.graph.get(current)
+            if inst is None or inst.opcode in ("all-reduce", "reduce"):
+                continue
+            if inst.opcode == "reduce-scatter":
+                out.append(_replica_groups(inst))
+                continue
+            stack.extend(self._inputs(inst))
+        return out
+
+
+def _is_scalar(inst: Optional[Instruction]) -> bool:
+    return inst is not None and re.fullmatch(r"[a-z0-9]+\[\](\{\})?", inst.shape) is not None
+
+
+def _replica_groups(inst: Instruction) -> Optional[List[List[int]]]:
+    """Explicit groups, or None for every rank (``{}``). The iota form ``[G,S]<=[N]`` is
+    the groups of S consecutive ranks."""
+    m = re.search(r"replica_groups=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[\d+\])", inst.text)
+    if m is None:
+        return None
+    text = m.group(1)
+    if text.startswith("["):
+        count, size = (int(x) for x in re.match(r"\[(\d+),(\d+)\]", text).groups())
+        return [list(range(g * size, (g + 1) * size)) for g in range(count)]
+    groups = [[int(r) for r in g.split(",") if r] for g in re.findall(r"\{([\d,]*)\}", text)]
+    groups = [g for g in groups if g]
+    return groups or None
+
+
+def _share_two_ranks(a: Optional[List[List[int]]], b: Optional[List[List[int]]]) -> bool:
+    """Some group of ``a`` and some group of ``b`` have two ranks in common (None: one
+    group of every rank)."""
+    if a is None or b is None:
+        other = b if a is None else a
+        return other is None or any(len(g) > 1 for g in other)
+    return any(len(set(g) & set(h)) > 1 for g in a for h in b)

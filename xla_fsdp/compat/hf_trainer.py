@@ -1,0 +1,102 @@
+"""Hugging Face Trainer's XLA FSDP path on transformers 5: the one thing its wrapping
+stopped doing, done again.
+
+[Note: Trainer's wrapped model on transformers 5]
+transformers 4's ``Trainer._wrap_model`` wrapped the model for XLA FSDP and set
+``self.model`` to the wrapped model (``self.model = model = FSDP(...)``). The training
+loop then took ``model is self.model`` as "accelerate may prepare this model", handed it
+to ``accelerator.prepare`` and created the optimizer from it. transformers 5 moved the
+wrapping to ``integrations/tpu.py`` (``wrap_model_xla_fsdp``), which returns the wrapped
+model and leaves ``self.model`` alone, so ``Trainer._prepare_for_training`` takes the
+branch for models wrapped by something accelerate does not handle:
+
+* ``self.optimizer = self.accelerator.prepare(self.optimizer)``: the optimizer, whose
+  creation is delayed for XLA FSDP and done only in the other branch, is None, and
+  ``create_scheduler`` fails on ``None.param_groups`` before the first step;
+* the model is never registered with accelerate, so ``Accelerator.clip_grad_norm_``
+  finds no model whose parameters match and falls back to torch's ``clip_grad_norm_``
+  over the parameters it is given: each rank clips its own shards by their own norm, and
+  training goes silently wrong (see [Note: auditing reduced gradients], which now refuses
+  it at the first step).
+
+Both are the same lost line, and it is restored where it was lost: after
+``Trainer._wrap_model`` has wrapped a model for XLA FSDP (v1) in training,
+``self.model`` is the wrapped model, and transformers' own code takes the branch it takes
+for every model accelerate prepares (prepare the model, create the optimizer from it,
+prepare the optimizer), as transformers 4 did. FSDPv2 (SPMD) is left alone: it is not
+ours to replace. Installed by ``patch_torch_xla()`` on transformers >= 5 only, when
+``transformers.trainer`` is imported (at once if it already is), without importing
+transformers ourselves.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import sys
+import threading
+from typing import Any, Callable
+
+_MODULE = "transformers.trainer"
+_lock = threading.Lock()
+_done = False
+
+
+def install_when_imported() -> None:
+    """Installs the fix now if ``transformers.trainer`` is imported, else when it is."""
+    module = sys.modules.get(_MODULE)
+    if module is not None:
+        _install(module)
+    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(_MODULE, _install))
+
+
+def _install(module: Any) -> None:
+    global _done
+    with _lock:
+        if _done:
+            return
+        _done = True
+        version = getattr(sys.modules.get("transformers"), "__version__", "0")
+        if int(version.split(".")[0]) < 5:
+            return
+        trainer = module.Trainer
+        trainer._wrap_model = _keeps_wrapped_model(trainer._wrap_model)
+
+
+def _keeps_wrapped_model(wrap_model: Callable) -> Callable:
+    @functools.wraps(wrap_model)
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        wrapped = wrap_model(self, model, training, dataloader)
+        if training and wrapped is not model and getattr(self, "is_fsdp_xla_v1_enabled", False):
+            self.model = wrapped   # see [Note: Trainer's wrapped model on transformers 5]
+        return wrapped
+    _wrap_model.xla_fsdp_keeps_wrapped_model = True
+    return _wrap_model
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``then(module)`` once ``name`` has been executed by its own loader."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        spec = None
+        for finder in list(sys.meta_path):   # the finder that would have found it
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module):
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            self.then(module)
+        spec.loader.exec_module = exec_then_install
+        return spec
