@@ -57,7 +57,38 @@ def misuses(rank):
     out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
     torch_xla.sync()
     _grouping_misuses(out)
+    _reduced_gradient_misuses(out)
     return out
+
+
+def _reduced_gradient_misuses(out):
+    """What is done to gradients between FSDP's reduce-scatter and the step, refused at the
+    first step when it trains wrong (a data-parallel all-reduce on top; clipping by each
+    rank's own norm, as accelerate falls back to for a model it was not given) and let
+    through when it does not."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp import FSDP
+
+    def step_after(change):
+        model = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+        change(model, opt)
+        result = _error(opt.step)
+        torch_xla.sync()
+        return result
+    params = lambda m: list(m.parameters())  # noqa: E731
+    out["grads_all_reduced"] = step_after(lambda m, opt: xm.reduce_gradients(opt))
+    out["grads_clipped_locally"] = step_after(
+        lambda m, opt: torch.nn.utils.clip_grad_norm_(params(m), 1e-3))
+
+    def allowed(m, opt):
+        m.clip_grad_norm_(1e-3)
+        torch.nn.utils.clip_grad_value_(params(m), 1e-4)
+        for p in params(m):
+            p.grad.add_(p, alpha=0.01)
+    out["grads_clipped_globally"] = step_after(allowed)
 
 
 def _grouping_misuses(out):
@@ -108,3 +139,9 @@ def test_misuse_errors():
     assert "is not called itself" in out["group_called"]
     assert "got Tiny, which is not wrapped in FSDP" in out["prefetch_plain_module"]
     assert "cannot prefetch itself (Tiny)" in out["prefetch_self"]
+    for case, what in (("grads_all_reduced", "all-reduced across ranks that hold different"),
+                       ("grads_clipped_locally", "scaled by a reduction of this rank's slices")):
+        assert "SGD.step(): the FSDP gradients of 1.lin.weight" in out[case], out[case]
+        assert what in out[case] and "refused before any update" in out[case], out[case]
+    assert "clip_grad_norm_ (or a library's clipping)" in out["grads_clipped_locally"]
+    assert out["grads_clipped_globally"] == "no error"

@@ -111,6 +111,10 @@ class _GradientsAtStep(TrainerCallback):
             self.steps.append(shard_facts(model, getattr(optimizer, "optimizer", optimizer)))
 
 
+# transformers 5 always saves safetensors and no longer takes the switch
+_SAFETENSORS = {} if int(transformers.__version__.split(".")[0]) >= 5 else {"save_safetensors": True}
+
+
 def run_trainer(rank: int, out: str, fsdp: bool) -> Dict[str, Any]:
     if fsdp:
         from xla_fsdp import patch_torch_xla
@@ -128,7 +132,7 @@ def run_trainer(rank: int, out: str, fsdp: bool) -> Dict[str, Any]:
                              learning_rate=TRAINER_LR, lr_scheduler_type="constant",
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                              report_to="none", dataloader_drop_last=True, seed=SEED,
-                             save_safetensors=True, **extra)
+                             **_SAFETENSORS, **extra)
     watch = _GradientsAtStep()
     trainer = Trainer(model=model, args=args, train_dataset=TokenData(), callbacks=[watch])
     watch.trainer = trainer
