@@ -1,11 +1,14 @@
 """Hugging Face Trainer's XLA FSDP path, unchanged, on xla_fsdp through patch_torch_xla().
 
-The same Trainer run twice at N = 4: plain data parallel (accelerate all-reduces the
-gradients), and with ``fsdp="full_shard"`` and ``fsdp_config={"xla": True, ...}`` after
-``patch_torch_xla()``, so that Trainer's own imports of torch_xla's FSDP get ours. Same
-model init, data pipeline, SGD and gradient clipping. The logged losses must agree step by
-step, and the model Trainer's ``save_model()`` consolidates and writes must load with
-``from_pretrained`` and equal the plain run's. This exercises, through Trainer's public
+The same Trainer run on one device with the whole batch, at N = 4 plain data parallel
+(accelerate all-reduces the gradients), and at N = 4 with ``fsdp="full_shard"`` and
+``fsdp_config={"xla": True, ...}`` after ``patch_torch_xla()``, so that Trainer's own
+imports of torch_xla's FSDP get ours. Same model init, data, SGD and gradient clipping
+(which the first steps hit: clipping by each rank's own norm shows). The logged losses must
+agree step by step, and the models Trainer's ``save_model()`` writes must load with
+``from_pretrained`` and be equal. The file also runs on transformers 5
+(``test_transformers_5.py``), where Trainer lost the line that made this work
+([Note: Trainer's wrapped model on transformers 5]). This exercises, through Trainer's public
 entry points: wrapping with a transformer-layer policy, accelerate's sharded-gradient
 handling (``ACCELERATE_USE_FSDP``), accelerate's pinned all-gather of token counts, the
 per-rank save with ``xm.save``, ``consolidate_sharded_model_checkpoints(save_model=False)``
@@ -42,7 +45,7 @@ def _config():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def run_trainer(rank, out, fsdp, grad_ckpt=False):
+def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2):
     if fsdp:
         from xla_fsdp import patch_torch_xla
         patch_torch_xla()
@@ -54,7 +57,7 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False):
     if fsdp:
         extra = {"fsdp": "full_shard",
                  "fsdp_config": {"xla": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
-    args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=2,
+    args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=batch,
                              optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                              report_to="none", dataloader_drop_last=True, seed=0,
@@ -68,9 +71,11 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False):
 
 
 @pytest.mark.slow
-def test_trainer_fsdp_matches_plain_trainer(tmp_path):
-    plain_dir = str(tmp_path / "plain")
+def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
+    one_dir, plain_dir = str(tmp_path / "one"), str(tmp_path / "plain")
+    one = launch(run_trainer, (one_dir, False, False, 2 * WORLD), num_devices=1)[0]
     plain = launch(run_trainer, (plain_dir, False), num_devices=WORLD)[0]
+    _compare(one, one_dir, plain, plain_dir)   # Trainer's own data parallelism is exact
     # without and with Hugging Face's gradient checkpointing (torch.utils.checkpoint inside
     # every wrapped GPT2Block), which recomputes the same values
     for grad_ckpt in (False, True):
@@ -78,9 +83,11 @@ def test_trainer_fsdp_matches_plain_trainer(tmp_path):
         sharded = launch(run_trainer, (fsdp_dir, True, grad_ckpt), num_devices=WORLD)[0]
         assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded"
         _compare(plain, plain_dir, sharded, fsdp_dir)
+        _compare(one, one_dir, sharded, fsdp_dir)
 
 
 def _compare(plain, plain_dir, sharded, fsdp_dir):
+    """``sharded`` (the run in ``fsdp_dir``) equals ``plain`` (in ``plain_dir``)."""
     assert len(plain["losses"]) == len(sharded["losses"]) == STEPS
     for step, (a, b) in enumerate(zip(sharded["losses"], plain["losses"])):
         assert abs(a - b) <= LOSS_BOUND * abs(b), (step, a, b)

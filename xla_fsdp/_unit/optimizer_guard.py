@@ -5,7 +5,7 @@ would train silently wrong (an optimizer over the parameters FSDP replaced, a st
 ``no_sync`` backward whose gradients were never reduced, ``xm.optimizer_step`` or
 accelerate averaging the already-sharded gradients across ranks, and at an optimizer's
 first step anything in the pending graph that all-reduces reduced gradients again or
-scales them by one rank's own norm: [Note: auditing reduced gradients]); after it, count
+scales them by one rank's own norm, see [Note: auditing reduced gradients]); after it, count
 the update of each shard it stepped (see ``ShardGroup.generation``).
 """
 from __future__ import annotations

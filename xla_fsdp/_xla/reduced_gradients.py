@@ -19,8 +19,8 @@ reduce-scatter (what lies beyond is the backward pass, where rank-local reductio
 point). On the way:
 
 * an ``all-reduce`` whose operand reaches a reduce-scatter without a ``reduce`` in
-  between (the gradient itself, not a norm of it), over groups that put two ranks of one
-  reduce-scatter group together, is the first mistake. An all-reduce across sharding
+  between (the gradient itself, not a norm of it), over replica groups that put two
+  ranks of one reduce-scatter group together, is the first mistake. An all-reduce across sharding
   groups (hybrid sharding's replicas) keeps slices apart and is fine; a scalar operand
   (torch_xla's collective token, a norm) is never a gradient.
 * a ``reduce`` that reaches a reduce-scatter without passing an ``all-reduce`` is the
@@ -110,12 +110,12 @@ class _Walk:
         return None
 
     def _averages_slices(self, inst: Instruction) -> bool:
-        groups = _replica_groups(inst)
+        rank_groups = _replica_groups(inst)
         for operand in inst.operands:
             if _is_scalar(self.graph.get(operand)):
                 continue
             for scattered in self._scattered_elementwise(operand):
-                if _share_two_ranks(groups, scattered):
+                if _share_two_ranks(rank_groups, scattered):
                     return True
         return False
 
@@ -163,8 +163,8 @@ def _is_scalar(inst: Optional[Instruction]) -> bool:
 
 
 def _replica_groups(inst: Instruction) -> Optional[List[List[int]]]:
-    """Explicit groups, or None for every rank (``{}``). The iota form ``[G,S]<=[N]`` is
-    the groups of S consecutive ranks."""
+    """Explicit replica groups, or None for every rank (``{}``). The iota form ``[G,S]<=[N]``
+    is the groups of S consecutive ranks."""
     m = re.search(r"replica_groups=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[\d+\])", inst.text)
     if m is None:
         return None
@@ -172,9 +172,9 @@ def _replica_groups(inst: Instruction) -> Optional[List[List[int]]]:
     if text.startswith("["):
         count, size = (int(x) for x in re.match(r"\[(\d+),(\d+)\]", text).groups())
         return [list(range(g * size, (g + 1) * size)) for g in range(count)]
-    groups = [[int(r) for r in g.split(",") if r] for g in re.findall(r"\{([\d,]*)\}", text)]
-    groups = [g for g in groups if g]
-    return groups or None
+    rank_groups = [[int(r) for r in g.split(",") if r] for g in re.findall(r"\{([\d,]*)\}", text)]
+    rank_groups = [g for g in rank_groups if g]
+    return rank_groups or None
 
 
 def _share_two_ranks(a: Optional[List[List[int]]], b: Optional[List[List[int]]]) -> bool:
