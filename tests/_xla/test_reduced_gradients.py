@@ -90,3 +90,17 @@ def test_a_barrier_tuple_leads_only_to_its_own_element():
   %out.25 = f32[4]{0} get-tuple-element((f32[4]{0}, f32[]) %ob.24), index=0
 """
     assert audit(_module(body, root="%out.25, f32[4]{0} %rs.13")) == []
+
+
+def test_an_element_past_index_5_is_read_by_its_index_not_the_shape_comment():
+    """XLA prints ``/*index=5*/`` inside long tuple shapes; the element read is the one
+    named by the instruction's own ``index=``."""
+    shape = "(f32[], f32[], f32[], f32[], f32[], /*index=5*/f32[], f32[4]{0})"
+    body = f"""  %zero.20 = f32[] constant(0)
+  %act.21 = f32[4]{{0}} multiply(f32[4]{{0}} %rs.13, f32[4]{{0}} %rs.13)
+  %r.22 = f32[] reduce(f32[4]{{0}} %act.21, f32[] %zero.20), dimensions={{0}}, to_apply=%AddComputation.1
+  %t.23 = {shape} tuple(f32[] %r.22, f32[] %r.22, f32[] %r.22, f32[] %r.22, f32[] %r.22, f32[] %r.22, f32[4]{{0}} %g.16)
+  %ob.24 = {shape} opt-barrier({shape} %t.23)
+  %out.25 = f32[4]{{0}} get-tuple-element({shape} %ob.24), index=6
+"""
+    assert audit(_module(body, root="%out.25, f32[4]{0} %rs.13")) == []

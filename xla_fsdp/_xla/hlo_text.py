@@ -16,7 +16,9 @@ class Instruction:
     text: str
 
     def attr(self, key: str) -> Optional[str]:
-        m = re.search(rf"\b{key}=(%?[\w.\-]+|\{{[^}}]*\}}|\"[^\"]*\")", self.text)
+        # comments first: a long tuple shape prints /*index=5*/ markers
+        text = re.sub(r"/\*.*?\*/", "", self.text)
+        m = re.search(rf"\b{key}=(%?[\w.\-]+|\{{[^}}]*\}}|\"[^\"]*\")", text)
         return m.group(1) if m else None
 
     @property

@@ -26,11 +26,13 @@ point). On the way:
 * a ``reduce`` that reaches a reduce-scatter without passing an ``all-reduce`` is the
   second: a norm of this rank's slices that feeds the gradient. A norm that goes through
   an all-reduce first (``clip_grad_norm_`` of FSDP) is the same on every rank; the walk
-  stops at every all-reduce, whose result is.
+  stops at every all-reduce and all-gather, whose results are.
 
 Elementwise work (scaling by a constant, clamping, adding weight decay, casting, slicing
-a flat shard into parameters) passes. So does anything computed after the step began, and
-anything already executed: the audit sees only the pending graph.
+a flat shard into parameters) passes. So does anything computed after the step began,
+anything already executed (the audit sees only the pending graph), and anything inside a
+computation of its own (a scanned stack's loop, a call): the audit does not look into
+them, so that what it cannot follow is never refused. A refused step must be a wrong one.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ from typing import Dict, FrozenSet, List, Optional, Set
 
 from .hlo_text import Instruction, parse_module
 
+# collectives whose result is the same on every rank of their group
+UNIFORM = frozenset(("all-reduce", "all-gather"))
+# computations of their own (scanned layers' loops, calls): not looked into, never found
+OPAQUE = frozenset(("while", "conditional", "call", "custom-call", "async-start", "async-done"))
 ALL_REDUCED = "all-reduced across ranks that hold different slices"
 LOCAL_SCALE = "scaled by a reduction of this rank's slices alone"
 
@@ -98,7 +104,7 @@ class _Walk:
                 continue
             seen.add(name)
             inst = self.graph[name]
-            if inst.opcode == "reduce-scatter":
+            if inst.opcode in ("reduce-scatter", "all-gather") or inst.opcode in OPAQUE:
                 continue
             if inst.opcode == "all-reduce":
                 if self._averages_slices(inst):
@@ -120,7 +126,9 @@ class _Walk:
         return False
 
     def _reaches_locally(self, name: str) -> bool:
-        """``name`` depends on a reduce-scatter's result by a path with no all-reduce."""
+        """``name`` depends on a reduce-scatter's result by a path with no all-reduce or
+        all-gather (whose results are the same on every rank; torch_xla's collective token
+        makes every later collective's input depend on earlier ones')."""
         memo = self._local
         stack = [(name, False)]
         while stack:
@@ -128,7 +136,7 @@ class _Walk:
             if current in memo and not expanded:
                 continue
             inst = self.graph.get(current)
-            if inst is None or inst.opcode == "all-reduce":
+            if inst is None or inst.opcode in UNIFORM or inst.opcode in OPAQUE:
                 memo[current] = False
             elif inst.opcode == "reduce-scatter":
                 memo[current] = True
@@ -149,7 +157,8 @@ class _Walk:
                 continue
             seen.add(current)
             inst = self.graph.get(current)
-            if inst is None or inst.opcode in ("all-reduce", "reduce"):
+            if inst is None or inst.opcode in UNIFORM or inst.opcode in OPAQUE \
+                    or inst.opcode == "reduce":
                 continue
             if inst.opcode == "reduce-scatter":
                 out.append(_replica_groups(inst))
