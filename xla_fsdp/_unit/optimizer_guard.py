@@ -100,7 +100,9 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
                              params: List[torch.Tensor]) -> None:
     """See [Note: auditing reduced gradients]: once per optimizer, on the graph of the
     gradients it is about to apply, before anything of it runs."""
-    grads = [p.grad for p in params if p.grad is not None and p.grad.device.type == "xla"]
+    # a world of one holds whole gradients: nothing done to them mixes slices
+    grads = [p.grad for p in params if p.grad is not None and p.grad.device.type == "xla"
+             and shard_group_of(p).layout.world_size > 1]
     pending = [g for g, pending in zip(grads, needs_computation(grads)) if pending] \
         if grads else []
     if not pending:
