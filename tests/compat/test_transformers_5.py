@@ -5,6 +5,7 @@ unchanged, run by that venv's interpreter. The main environment runs them on tra
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,22 @@ def test_trainer_and_peft_tests_pass_on_transformers_5():
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     passed = re.search(r"(\d+) passed", summary)
     assert passed and int(passed.group(1)) >= 7 and "skipped" not in summary, summary
+
+
+PATCH = "import xla_fsdp; xla_fsdp.patch_torch_xla()"
+TRAINER = "from transformers import Trainer"
+PROBE = "print(getattr(Trainer._wrap_model, 'xla_fsdp_keeps_wrapped_model', False))"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("major, order", [(5, "patch_first"), (5, "trainer_first"),
+                                          (4, "patch_first")])
+def test_trainer_is_fixed_on_5_only_whichever_is_imported_first(major, order):
+    """[Note: Trainer's wrapped model on transformers 5]: installed when transformers.trainer
+    is imported after the patch, or at once if it was before; never on transformers 4."""
+    lines = [PATCH, TRAINER] if order == "patch_first" else [TRAINER, PATCH]
+    interpreter = client_venvs.python("transformers-5") if major == 5 else sys.executable
+    done = subprocess.run([str(interpreter), "-c", "; ".join(lines + [PROBE])],
+                          capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(major == 5), done.stdout
