@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Set
+from typing import Dict, List, Optional, Set, Tuple
 
 from .hlo_text import Instruction, parse_module
 
@@ -78,8 +78,7 @@ def audit(hlo: str) -> List[Finding]:
 class _Walk:
     def __init__(self, graph: Dict[str, Instruction]) -> None:
         self.graph = graph
-        self._local: Dict[str, bool] = {}        # reaches a reduce-scatter, no all-reduce
-        self._elementwise: Dict[str, Optional[FrozenSet]] = {}
+        self._local: Dict[str, bool] = {}        # memo of _reaches_locally
 
     def _inputs(self, inst: Instruction) -> List[str]:
         """What ``inst`` reads, with an element of a tuple read as that element alone:
@@ -95,7 +94,9 @@ class _Walk:
             return [source.operands[index]]
         return inst.operands
 
-    def after_reduction(self, output: str):
+    def after_reduction(self, output: str) -> Optional[Tuple[str, str]]:
+        """(what, instruction) of the first mistake between ``output`` and the
+        reduce-scatters it comes from, or None."""
         seen: Set[str] = set()
         stack = [output]
         while stack:
