@@ -12,11 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLAN = """
 import json, resource, sys
 from scripts.bench.tpu_plan import Setting, train_step
-from xla_fsdp.aot import compile_for_tpu
+from xla_fsdp.aot.plan import report_for, trace_step
+from xla_fsdp.aot.topology import resolve
 setting = Setting("xla_fsdp", "llama-3.1-8b", 32, 1024, steps=3)
+traced = trace_step(train_step, (setting,), 8)   # one trace serves both 8-chip slices
 out = {}
 for topology in ("v5e-8", "v6e-8"):
-    r = compile_for_tpu(train_step, topology, args=(setting,))
+    r = report_for(traced, resolve(topology))
     out[topology] = {"fits": r.fits, "peak": r.peak_bytes, "required": r.required_bytes,
                      "argument": r.argument_bytes, "message": r.message}
 out["rss"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -94,11 +94,12 @@ def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
 
 
 def test_256_chips_are_planned_by_one_traced_rank_and_spmd_stops_at_64():
-    four, pod = (compile_for_tpu(tpu_plans.ours, t) for t in ("v6e-4", "v6e-256"))
-    assert pod.fits and pod.topology.chips == 256
-    assert pod.flops == pytest.approx(four.flops, rel=0.01)     # the same step per chip
-    # shards and optimizer state are a 256th of the model, not a 4th
-    assert pod.alias_bytes < four.alias_bytes / 32
+    pod = compile_for_tpu(tpu_plans.ours, "v6e-256")
+    assert pod.fits and pod.topology.chips == 256 and pod.flops > 0
+    # donated per chip: a 256th of the shards and AdamW's two moments (4 bytes each), with
+    # every unit's padding to a multiple of 256; a plan for fewer chips would hold more
+    elements = sum(p.numel() for p in tpu_plans.GPT().parameters())
+    assert 3 * 4 * elements / 256 < pod.alias_bytes < 3 * 4 * (elements / 256 + 256 * 64)
     with pytest.raises(LaunchError, match=r"SPMD step \(FSDPv2\) cannot be planned for 256 "
                                           r"chips.*127 devices.*up to 64"):
         compile_for_tpu(tpu_plans.fsdpv2, "v6e-256")
