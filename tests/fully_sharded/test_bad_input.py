@@ -14,6 +14,22 @@ class Tiny(nn.Module):
         return self.lin(x)
 
 
+class Stack(nn.Module):
+    """A layer, then two scanned ones."""
+
+    def __init__(self):
+        super().__init__()
+        from xla_fsdp import ScannedLayers
+        self.first = Tiny()
+        self.layers = ScannedLayers(nn.ModuleList([Tiny(), Tiny()]))
+
+    def forward(self, x):
+        x = self.first(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def _error(fn):
     try:
         fn()
@@ -70,8 +86,11 @@ def _reduced_gradient_misuses(out):
     import torch_xla.core.xla_model as xm
     from xla_fsdp import FSDP
 
-    def step_after(change):
-        model = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+    def step_after(change, scanned=False):
+        if scanned:   # gradients reduced inside the backward loop and around it
+            model = FSDP(Stack())
+        else:
+            model = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
         change(model, opt)
@@ -82,6 +101,10 @@ def _reduced_gradient_misuses(out):
     out["grads_all_reduced"] = step_after(lambda m, opt: xm.reduce_gradients(opt))
     out["grads_clipped_locally"] = step_after(
         lambda m, opt: torch.nn.utils.clip_grad_norm_(params(m), 1e-3))
+    out["scanned_clipped_locally"] = step_after(
+        lambda m, opt: torch.nn.utils.clip_grad_norm_(params(m), 1e-3), scanned=True)
+    out["scanned_clipped_globally"] = step_after(lambda m, opt: m.clip_grad_norm_(1e-3),
+                                                 scanned=True)
 
     def allowed(m, opt):
         m.clip_grad_norm_(1e-3)
@@ -145,3 +168,5 @@ def test_misuse_errors():
         assert what in out[case] and "refused before any update" in out[case], out[case]
     assert "clip_grad_norm_ (or a library's clipping)" in out["grads_clipped_locally"]
     assert out["grads_clipped_globally"] == "no error"
+    assert "scaled by a reduction of this rank's slices" in out["scanned_clipped_locally"]
+    assert out["scanned_clipped_globally"] == "no error"
