@@ -77,6 +77,7 @@ def test_an_all_reduce_of_the_gradient_is_found_unless_it_keeps_slices_apart():
     assert found("{{0,1},{2,3}}", "[2,2]<=[4]") == [(0, ALL_REDUCED)]   # iota: the same groups
     # hybrid sharding: replicas of one slice are averaged across sharding groups
     assert found("{{0,1},{2,3}}", "{{0,2},{1,3}}") == []
+    assert found("{{0,1},{2,3}}", "[2,2]<=[2,2]T(1,0)") == []           # the same, as iota
 
 
 def test_a_barrier_tuple_leads_only_to_its_own_element():

@@ -101,17 +101,17 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
     """See [Note: auditing reduced gradients]: once per optimizer, on the graph of the
     gradients it is about to apply, before anything of it runs."""
     # a world of one holds whole gradients: nothing done to them mixes slices
-    grads = [p.grad for p in params if p.grad is not None and p.grad.device.type == "xla"
-             and shard_group_of(p).layout.world_size > 1]
-    pending = [g for g, pending in zip(grads, needs_computation(grads)) if pending] \
-        if grads else []
-    if not pending:
+    audited = [p for p in params if p.grad is not None and p.grad.device.type == "xla"
+               and shard_group_of(p).layout.world_size > 1]
+    if audited:
+        pending = needs_computation([p.grad for p in audited])
+        audited = [p for p, waits in zip(audited, pending) if waits]
+    if not audited:
         return
-    findings = reduced_gradients.audit(graph_hlo(pending))
+    findings = reduced_gradients.audit(graph_hlo([p.grad for p in audited]))
     if not findings:
         return
-    owner = {id(p.grad): p for p in params if p.grad is not None}
-    names = [shard_group_of(owner[id(pending[f.output])]).names[0] for f in findings]
+    names = [shard_group_of(audited[f.output]).names[0] for f in findings]
     first = findings[0]
     raise RuntimeError(
         f"{type(optimizer).__name__}.step(): the FSDP gradients of {', '.join(names[:5])}"

@@ -3,6 +3,8 @@ module (the TPU compiler's optimized programs in ``aot``, the optimizer guard's 
 what happened to reduced gradients). Pure text; no torch, no jax."""
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -39,6 +41,30 @@ class Instruction:
             if depth == 0:
                 return re.findall(r"%([\w.\-]+)", body[:i + 1])
         return []
+
+    @property
+    def replica_groups(self) -> Optional[List[List[int]]]:
+        """A collective's groups of ranks; None for one group of every rank (``{}``).
+        The iota form ``[G,S]<=[dims]T(perm)`` is the ranks 0..N-1 laid out as ``dims``,
+        transposed by ``perm``, read as G groups of S."""
+        m = re.search(r"replica_groups=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[[\d,]+\]"
+                      r"(?:T\([\d,]+\))?)", self.text)
+        if m is None:
+            return None
+        text = m.group(1)
+        if text.startswith("{"):
+            listed = [[int(r) for r in g.split(",") if r]
+                      for g in re.findall(r"\{([\d,]*)\}", text)]
+            return [g for g in listed if g] or None
+        shape, dims, perm = re.match(
+            r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text).groups()
+        count, size = (int(x) for x in shape.split(","))
+        dims_ = [int(d) for d in dims.split(",")]
+        order = [int(p) for p in perm.split(",")] if perm else list(range(len(dims_)))
+        strides = [math.prod(dims_[i + 1:]) for i in range(len(dims_))]
+        ranks = [sum(index[k] * strides[order[k]] for k in range(len(order)))
+                 for index in itertools.product(*(range(dims_[o]) for o in order))]
+        return [ranks[g * size:(g + 1) * size] for g in range(count)]
 
     @property
     def op_name(self) -> Optional[str]:

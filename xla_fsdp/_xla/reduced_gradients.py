@@ -117,7 +117,7 @@ class _Walk:
         return None
 
     def _averages_slices(self, inst: Instruction) -> bool:
-        rank_groups = _replica_groups(inst)
+        rank_groups = inst.replica_groups
         for operand in inst.operands:
             if _is_scalar(self.graph.get(operand)):
                 continue
@@ -162,7 +162,7 @@ class _Walk:
                     or inst.opcode == "reduce":
                 continue
             if inst.opcode == "reduce-scatter":
-                out.append(_replica_groups(inst))
+                out.append(inst.replica_groups)
                 continue
             stack.extend(self._inputs(inst))
         return out
@@ -170,21 +170,6 @@ class _Walk:
 
 def _is_scalar(inst: Optional[Instruction]) -> bool:
     return inst is not None and re.fullmatch(r"[a-z0-9]+\[\](\{\})?", inst.shape) is not None
-
-
-def _replica_groups(inst: Instruction) -> Optional[List[List[int]]]:
-    """Explicit replica groups, or None for every rank (``{}``). The iota form ``[G,S]<=[N]``
-    is the groups of S consecutive ranks."""
-    m = re.search(r"replica_groups=(\{(?:[^{}]|\{[^{}]*\})*\}|\[[\d,]+\]<=\[\d+\])", inst.text)
-    if m is None:
-        return None
-    text = m.group(1)
-    if text.startswith("["):
-        count, size = (int(x) for x in re.match(r"\[(\d+),(\d+)\]", text).groups())
-        return [list(range(g * size, (g + 1) * size)) for g in range(count)]
-    rank_groups = [[int(r) for r in g.split(",") if r] for g in re.findall(r"\{([\d,]*)\}", text)]
-    rank_groups = [g for g in rank_groups if g]
-    return rank_groups or None
 
 
 def _share_two_ranks(a: Optional[List[List[int]]], b: Optional[List[List[int]]]) -> bool:

@@ -50,16 +50,8 @@ def array_bytes(shape: str) -> float:
 def span(instruction: Instruction, participants: int) -> int:
     """How many chips one instance of the collective spans: its replica groups' size, or
     every participant when the groups are empty."""
-    replica_groups = instruction.attr("replica_groups")
-    if replica_groups and replica_groups not in ("{}", "{{}}"):
-        if replica_groups.startswith("["):  # iota form [G,S]<=[N]
-            m = re.match(r"\[(\d+),(\d+)\]", replica_groups)
-            if m:
-                return int(m.group(2))
-        first = re.search(r"\{([\d,]+)\}", replica_groups)
-        if first:
-            return len(first.group(1).split(","))
-    return participants
+    rank_groups = instruction.replica_groups
+    return len(rank_groups[0]) if rank_groups else participants
 
 
 def bytes_sent_per_chip(kind: str, result_bytes: float, size: int) -> float:
