@@ -168,3 +168,11 @@ def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:
     if words.dtype != torch.int32:
         raise TypeError(f"broadcast_bytes takes bytes viewed as int32, not {words.dtype}")
     return xm.all_reduce(xm.REDUCE_SUM, words, groups=None, pin_layout=pin_layout)
+
+
+def sum_over_all_ranks(counts: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``counts`` summed, on every rank: an all-reduce over all ranks added to
+    the pending graph, so that ranks can agree on a decision without a rendezvous of its own
+    (``checkpoint.manager.step_vote``)."""
+    import torch_xla.core.xla_model as xm
+    return xm.all_reduce(xm.REDUCE_SUM, counts, groups=None, pin_layout=False)

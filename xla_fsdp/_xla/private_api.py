@@ -277,3 +277,30 @@ def sharding_spec(t: torch.Tensor) -> str:
     """The SPMD sharding ``t`` is annotated with, in HLO's syntax ("" if none)."""
     import torch_xla
     return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def activate_preemption_sync() -> Optional[str]:
+    """Starts the XLA runtime's preemption sync point (the one torch_xla's
+    ``CheckpointManager`` uses); returns None, or why the runtime does not provide it (it
+    needs the distributed runtime's coordination service, as on a multi-host TPU slice)."""
+    import torch_xla
+    try:
+        torch_xla._XLAC._activate_preemption_sync_manager()
+    except RuntimeError as exc:
+        return str(exc).strip().splitlines()[-1]
+    return None
+
+
+def preemption_sync_point_reached(step: int) -> bool:
+    """Whether the runtime's preemption sync point says every process is to stop at
+    ``step`` (after ``activate_preemption_sync`` succeeded)."""
+    import torch_xla
+    return bool(torch_xla._XLAC._sync_point_reached(step))
+
+
+def start_alone(tensors: Sequence[torch.Tensor]) -> None:
+    """Starts computing the pending graph of ``tensors`` as a computation of its own and
+    returns without waiting for it. Their graph must depend on no other pending collective
+    (trace its collectives under ``fresh_collective_token``)."""
+    import torch_xla
+    torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=False)

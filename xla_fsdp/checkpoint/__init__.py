@@ -4,14 +4,18 @@ read and write (``save_dcp``/``load_dcp``), consolidated checkpoints written fro
 code with no shared filesystem and loaded back in any of their formats
 (``save_consolidated``/``load_consolidated``), the unwrapped model's full state dict, the
 per-rank format itself (``metadata``), the file reading and writing under them (``files``),
-and the ``consolidate_sharded_ckpts`` tool (``consolidate``)."""
+asynchronous saves (``async_save=True``, ``async_save``), ``CheckpointManager`` (periodic,
+retained checkpoints that stop cleanly on a preemption: ``manager``), and the
+``consolidate_sharded_ckpts`` tool (``consolidate``)."""
+from .async_save import PendingSave
 from .consolidated import load_consolidated, save_consolidated
 from .dcp import load_dcp, save_dcp
 from .files import CheckpointError
+from .manager import PREEMPTED_EXIT_CODE, CheckpointManager, watch_for_preemption
 from .metadata import sharded_checkpoint_path
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_sharded", "load_sharded", "save_dcp", "load_dcp", "save_consolidated",
            "load_consolidated",
-           "sharded_checkpoint_path",
-           "CheckpointError"]
+           "sharded_checkpoint_path", "CheckpointManager", "PendingSave",
+           "PREEMPTED_EXIT_CODE", "watch_for_preemption", "CheckpointError"]

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from ..checkpoint.manager import preemption
 from ..compat.patch import patch_if_requested
 from .environment import environment_for_child
 from .virtual import worker
@@ -107,6 +108,7 @@ class _RankCall:
 
 def _rebuild_rank_call(payload: bytes) -> "_RankCall":
     patch_if_requested()
+    preemption.watch_for_preemption()  # unpickled on the child's main thread
     return _RankCall(*pickle.loads(payload))
 
 
@@ -145,9 +147,13 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
         process.start()
     sender.close()
     tail = _LogTail(log_path)
+    # a preemption notice to this process is the devices' (see [Note: who installs the
+    # SIGTERM handler])
+    handler = preemption.forward_to(process.pid)
     try:
         return _collect(process, receiver, tail)
     finally:
+        preemption.restore(handler)
         tail.stop()
         if process.is_alive():
             process.kill()

@@ -36,6 +36,7 @@ larger), each a file of its own: what is held at once is one such file's worth.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import math
 import os
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
+from ..async_save import host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
@@ -82,21 +84,29 @@ class _FilePrefix:
 
 def save_dcp(checkpoint_dir: str, model: ShardedModel,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
-             keys: str = "get_state_dict") -> Optional[str]:
+             keys: str = "get_state_dict", async_save: bool = False) -> Any:
     """Saves ``model`` (and ``optimizer``, and ``extra``) as a DCP checkpoint in
     ``checkpoint_dir``, in the layout of ``dcp.layout`` with the key scheme ``keys``
     (``"get_state_dict"``, what FSDP2's recipe loads, or ``"torchtitan"``). Every rank calls
     it; each writes only its own chunks, never a full parameter it does not hold. Returns
-    the directory (None on a replica that does not write)."""
+    the directory (None on a replica that does not write).
+
+    With ``async_save=True`` every rank's state is copied to host memory at once and a
+    ``PendingSave`` is returned; the files are written on a background thread, and the
+    pending save's ``wait()`` (or the model's next save) writes ``.metadata`` and returns
+    the directory; see [Note: the three phases of a save]."""
     import torch_xla
     require_root(model, "save_dcp")
     refuse_writes(checkpoint_dir)   # before DCP's writer touches a data file
     scheme = key_scheme(keys)
+    wait_for_pending(model)
     torch_xla.sync()
     directory, writes = checkpoint_dir_for(checkpoint_dir, model)
     sharding_group = sharding_group_index(model)
     rank = model.rank
-    planner = _planner(model, optimizer, extra, scheme, first=rank == 0) if writes else None
+    host = HostCopies(all_at_once=async_save)
+    planner = (_planner(model, optimizer, copy.deepcopy(extra), scheme, rank == 0, host)
+               if writes else None)
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
                               thread_count=1) if writes else None
     local = None
@@ -113,26 +123,45 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
         central = ({r: dataclasses.replace(p, storage_data=_FilePrefix(f"__{r}_{token}_"))
                     for (r, _), p in zip(mine, global_plans)}, metadata)
     centrals = exchange("xla_fsdp.dcp.save.central", (sharding_group, central))
-    error, results, prefix = None, None, None
+    job = _DcpRankSave(directory, sharding_group, rank, writer, planner, central)
     if writes:
-        try:
-            plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
-            prefix = plan.storage_data.prefix
-            results = write_in_files(writer, planner.finish_plan(plan), planner)
-        except Exception as exc:  # every rank must reach the agreement below
-            error = exc
-    agree_or_undo("xla_fsdp.dcp.save.written", error,
-                  None if prefix is None else lambda: _remove_files(directory, prefix))
-    all_results = exchange("xla_fsdp.dcp.save.results", (sharding_group, results))
-    if writes and rank == 0:
-        try:
-            _commit(directory, central[1],
-                    [r for g, r in all_results if g == sharding_group and r],
-                    writer)
-        except Exception as exc:
-            error = exc
-    agree("xla_fsdp.dcp.save.committed", error)
-    return directory if writes else None
+        job.plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
+    return run_save(model, job, async_save, f"save_dcp {directory}")
+
+
+class _DcpRankSave:
+    """This rank's files of one ``save_dcp`` after the copy and the plans
+    (``async_save.SaveJob``)."""
+
+    def __init__(self, directory: str, sharding_group: Optional[int], rank: int,
+                 writer: Optional[FileSystemWriter], planner: Optional[ChunkSavePlanner],
+                 central: Any) -> None:
+        self.directory, self.sharding_group, self.rank = directory, sharding_group, rank
+        self.writer, self.planner, self.central = writer, planner, central
+        self.plan: Optional[SavePlan] = None   # None on a replica that does not write
+        self.results: Optional[List[WriteResult]] = None
+
+    def write(self) -> None:
+        if self.plan is not None:
+            planner, self.planner = self.planner, None  # the host copies go once written
+            self.results = write_in_files(self.writer, planner.finish_plan(self.plan), planner)
+
+    def publish(self, error: Optional[BaseException]) -> Optional[str]:
+        self.planner = None
+        prefix = None if self.plan is None else self.plan.storage_data.prefix
+        directory, group = self.directory, self.sharding_group
+        agree_or_undo("xla_fsdp.dcp.save.written", error,
+                      None if prefix is None else lambda: _remove_files(directory, prefix))
+        all_results = exchange("xla_fsdp.dcp.save.results", (group, self.results))
+        error = None
+        if self.plan is not None and self.rank == 0:
+            try:
+                _commit(directory, self.central[1],
+                        [r for g, r in all_results if g == group and r], self.writer)
+            except Exception as exc:
+                error = exc
+        agree("xla_fsdp.dcp.save.committed", error)
+        return directory if self.plan is not None else None
 
 
 def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSavePlanner,
@@ -204,24 +233,47 @@ def _remove_files(directory: str, prefix: str) -> None:
 
 
 class HostCopies:
-    """See [Note: a save copies one tensor to the host at a time]."""
+    """The host copies a save writes from: made one at a time as the writer reaches each
+    tensor (see [Note: a save copies one tensor to the host at a time]), or all at once
+    (``all_at_once``, for a save written after training has moved on: ``copy_all``)."""
 
-    def __init__(self) -> None:
-        self._source: Optional[torch.Tensor] = None
-        self._flat: Optional[torch.Tensor] = None
+    def __init__(self, all_at_once: bool = False) -> None:
+        self._all_at_once = all_at_once
+        self._sources: List[torch.Tensor] = []
+        self._keys: Dict[int, int] = {}   # id(source) -> key: a source is copied once
+        self._copies: List[torch.Tensor] = []
+        self._held: Optional[Tuple[int, torch.Tensor]] = None
 
-    def flat(self, source: torch.Tensor) -> torch.Tensor:
-        if source is not self._source:
-            self._source = self._flat = None  # the previous copy goes before the next comes
-            self._flat = to_cpu(source.detach()).reshape(-1)
-            self._source = source
-        return self._flat
+    def add(self, source: torch.Tensor) -> int:
+        """A tensor the save will read; returns its key."""
+        if id(source) not in self._keys:
+            self._keys[id(source)] = len(self._sources)
+            self._sources.append(source)
+        return self._keys[id(source)]
+
+    def copy_all(self) -> None:
+        """With ``all_at_once``: copies every source now and lets go of the sources."""
+        if self._all_at_once:
+            self._copies = host_copy([s.detach() for s in self._sources])
+            self._sources, self._keys = [], {}
+
+    def whole(self, key: int) -> torch.Tensor:
+        if self._all_at_once:
+            return self._copies[key]
+        if self._held is None or self._held[0] != key:
+            self._held = None  # the previous copy goes before the next comes
+            self._held = (key, to_cpu(self._sources[key].detach()))
+        return self._held[1]
+
+    def flat(self, key: int) -> torch.Tensor:
+        return self.whole(key).reshape(-1)
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
-             scheme: KeyScheme, first: bool) -> ChunkSavePlanner:
+             scheme: KeyScheme, first: bool, host: HostCopies) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
-    first rank) the buffers, the replicated optimizer state and every other value."""
+    first rank) the buffers, the replicated optimizer state and every other value, read
+    through ``host``."""
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
     state: Dict[int, Dict[str, Any]] = {}
@@ -234,7 +286,6 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                                      f"create the optimizer from model.parameters() after "
                                      f"wrapping")
                 state[id(p)] = dict(optimizer.state.get(p, {}))
-    host = HostCopies()
     tensors: Dict[str, TensorPieces] = {}
     wholes: Dict[str, OnDemand] = {}
     objects: Dict[str, Any] = {}
@@ -243,11 +294,12 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     def add_pieces(key_path: Tuple[str, Path], slot: ParamSlot, source: torch.Tensor) -> None:
         key, paths[key] = key_path
         tensors[key] = TensorPieces(slot.shape, source.dtype, list(slot.pieces),
-                                    lambda: host.flat(source))
+                                    lambda at=host.add(source): host.flat(at))
 
     def add_whole(key_path: Tuple[str, Path], tensor: torch.Tensor, dtype: torch.dtype) -> None:
         key, paths[key] = key_path
-        wholes[key] = OnDemand(tensor.shape, dtype, lambda: to_cpu(tensor.detach()).to(dtype))
+        wholes[key] = OnDemand(tensor.shape, dtype,
+                               lambda at=host.add(tensor): host.whole(at).to(dtype))
 
     for slot in slots:
         for name in slot.names:
@@ -279,6 +331,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     if first and extra is not None:
         key, paths[key] = extra_key()
         objects[key] = extra
+    host.copy_all()
     return ChunkSavePlanner(tensors, wholes, objects, paths)
 
 

@@ -58,6 +58,8 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
     try:
         from ...compat.patch import patch_if_requested
         patch_if_requested()  # before fn's module imports torch_xla's FSDP
+        from ...checkpoint.manager import preemption
+        preemption.watch_for_preemption()  # the ranks' threads cannot; see its Note
         fn, args = pickle.loads(payload)
         results = _run(fn, args, num_devices, send)
         send(("results", results))

@@ -1,0 +1,133 @@
+"""Saves that run in three phases, so that the slow one can leave the training loop:
+``save_sharded`` and ``save_dcp`` build a ``SaveJob``, and ``run_save`` runs it at once or
+with its writing on a background thread (``async_save=True``).
+
+[Note: the three phases of a save]
+1. *Copy* (on the training thread, every rank): the device is synchronised, and the rank's
+   shards, buffers and optimizer state are copied to host memory. The job is built only
+   once this is done; nothing it does later reads the device or the model, so training may
+   change both.
+2. *Write* (on any thread, no collective): the rank's files are written under temporary
+   names and flushed to disk. This is the part that takes as long as the disk does.
+3. *Publish* (on the training thread, every rank, a collective): the ranks agree whether
+   every rank's write succeeded; then either every file is put in place, or every rank
+   removes what it wrote and raises. See [Note: a save is all ranks' or none] in
+   ``sharded`` and [Note: a DCP directory is complete or not a checkpoint] in ``dcp.save``.
+
+A synchronous save runs the three in a row. An asynchronous one returns a ``PendingSave``
+after the copy; its ``wait()`` publishes. Only the write may run beside training: the
+collectives of the copy and the publication go through ``xm.rendezvous``, which is
+ordered with the training step's own collectives only on the training thread.
+
+[Note: one save in flight]
+At most one asynchronous save per model is in flight: a save of a model whose previous save
+is still pending first waits for it (and publishes it, or raises its error). So what a
+rank holds on the host for saving is at most one copy of its own state (its shards, its
+optimizer state, and on the first rank the buffers): the copy is dropped as soon as the
+write is done. The host of a TPU VM or a virtual-device process serving several ranks holds
+one copy per rank it serves.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Optional, Protocol
+
+import torch
+
+from .._sharding.tensor_tree import map_tensors
+from .._xla.private_api import to_cpu
+
+_PENDING: "weakref.WeakKeyDictionary[Any, PendingSave]" = weakref.WeakKeyDictionary()
+
+
+def host_copy(tree: Any) -> Any:
+    """``tree`` with every tensor copied to host memory: XLA tensors in one transfer, and
+    host tensors cloned, since their owner may change them in place while the copy is
+    written (an optimizer's ``step`` count is a host tensor it increments)."""
+    return to_cpu(map_tensors(
+        lambda t: t if t.device.type == "xla" else t.detach().clone(), tree))
+
+
+class SaveJob(Protocol):
+    """One save after its copy phase (see [Note: the three phases of a save])."""
+
+    def write(self) -> None:
+        """Writes this rank's files under temporary names; no collective, no device."""
+
+    def publish(self, error: Optional[BaseException]) -> Any:
+        """Every rank: agrees on the ranks' write errors (``error`` is this rank's), puts the
+        files in place or removes them, and returns what the save function returns."""
+
+
+class PendingSave:
+    """A save whose files are being written on a background thread. ``wait()`` (every rank
+    calls it, or the next save of the same model does) publishes it."""
+
+    def __init__(self, owner: Any, job: SaveJob, what: str) -> None:
+        self.what = what
+        self._job: Optional[SaveJob] = job
+        self._error: Optional[BaseException] = None
+        self._result: Any = None
+        self._published = False
+        self._owner = weakref.ref(owner)
+        self._thread = threading.Thread(target=self._write, name=f"xla_fsdp save: {what}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        try:
+            self._job.write()
+        except BaseException as exc:  # raised on the training thread, by publish
+            self._error = exc
+
+    def written(self) -> bool:
+        """Whether this rank's write is over (successfully or not); not a collective."""
+        return not self._thread.is_alive()
+
+    def failed(self) -> bool:
+        """Whether this rank's write is over and failed; not a collective."""
+        return self.written() and self._error is not None
+
+    def wait(self) -> Any:
+        """Every rank: waits for this rank's write, then publishes; returns what the
+        synchronous save would have (its path or directory). Raises the save's error, on
+        every rank if any rank's write failed, and then nothing of it is in place."""
+        if self._published:
+            return self._result
+        self._thread.join()
+        job, error = self._job, self._error
+        self._job, self._error = None, None  # the host copy goes with the job
+        self._published = True
+        owner = self._owner()
+        if owner is not None and _PENDING.get(owner) is self:
+            del _PENDING[owner]
+        self._result = job.publish(error)
+        return self._result
+
+
+def pending_save(owner: Any) -> Optional[PendingSave]:
+    """The save of ``owner`` (a root model) still to be published, if any."""
+    return _PENDING.get(owner)
+
+
+def wait_for_pending(owner: Any) -> None:
+    """Every rank: publishes ``owner``'s pending save, if it has one (raising its error)."""
+    pending = _PENDING.get(owner)
+    if pending is not None:
+        pending.wait()
+
+
+def run_save(owner: Any, job: SaveJob, async_save: bool, what: str) -> Any:
+    """Runs ``job`` to the end, or starts its write and returns a ``PendingSave``. The
+    caller waited for ``owner``'s previous save before copying (``wait_for_pending``)."""
+    if not async_save:
+        error: Optional[BaseException] = None
+        try:
+            job.write()
+        except Exception as exc:  # every rank must reach the agreement in publish
+            error = exc
+        return job.publish(error)
+    pending = PendingSave(owner, job, what)
+    _PENDING[owner] = pending
+    return pending

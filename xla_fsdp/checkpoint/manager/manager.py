@@ -1,0 +1,224 @@
+"""``CheckpointManager``: checkpoints every so many steps, written beside training, kept to
+the last few, saved once more and stopped cleanly on a preemption, restored at any world
+size.
+
+A training loop calls ``maybe_save(step, model, optimizer)`` at every step boundary (every
+rank, at the same boundaries), and stops when ``stop_requested`` is true::
+
+    manager = CheckpointManager(directory, every=100, keep_last=3)
+    start = 0
+    if manager.latest() is not None:
+        manager.restore(model, optimizer)
+        start = manager.latest()
+    for step in range(start, steps):
+        train_step()
+        manager.maybe_save(step + 1, model, optimizer)
+        if manager.stop_requested:
+            break
+    manager.wait()
+
+then the process exits with ``PREEMPTED_EXIT_CODE`` if ``stop_requested``.
+
+At a boundary the manager (1) casts its rank's vote (``step_vote``), (2) acts on the vote
+cast two boundaries ago: publishes the pending save once every rank has written it (the
+save's error, if a rank's write failed, is raised here), and on a preemption saves at this
+step, waits for it, and sets ``stop_requested``; (3) saves if ``step`` is a multiple of
+``every``. A save is ``save_sharded`` or ``save_dcp`` into the step's directory
+(``directory``), asynchronous unless ``async_save=False``; it is marked complete, and older
+checkpoints beyond ``keep_last`` removed, only once it is published.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import threading
+from typing import Any, Optional
+
+import torch
+
+from ..._xla.private_api import activate_preemption_sync, preemption_sync_point_reached
+from ..async_save import PendingSave
+from ..dcp import load_dcp, save_dcp
+from ..dcp.coordination import exchange
+from ..dcp.save import METADATA_FILE
+from ..files import CheckpointError
+from ..sharded import load_sharded, save_sharded
+from ..unit_protocol import ShardedModel
+from . import preemption
+from .directory import CheckpointDirectory
+from .step_vote import StepVote
+
+FORMATS = ("sharded", "dcp")
+SHARDED_PREFIX = "checkpoint"   # the per-rank files: step000100/checkpoint_rank-...pth
+
+
+class CheckpointManager:
+    """Checkpoints in ``directory``, one directory per step (see [Note: complete means
+    marked]); every rank makes one, with the same arguments, at the same point.
+
+    ``every``: ``maybe_save`` saves at steps that are multiples of it (None: only on a
+    preemption). ``keep_last``: how many complete checkpoints to keep (None: all).
+    ``format``: ``"sharded"`` (per-rank files, ``save_sharded``) or ``"dcp"`` (``save_dcp``,
+    what PyTorch FSDP2 and torchtitan load). ``async_save``: write beside training; the
+    host then holds one copy of each rank's state until it is written (see [Note: one save
+    in flight]). ``on_preemption``: save and stop when the process receives SIGTERM (see
+    [Note: who installs the SIGTERM handler]), or at torch_xla's preemption sync point
+    where the runtime provides one."""
+
+    def __init__(self, directory: str, every: Optional[int] = None,
+                 keep_last: Optional[int] = None, format: str = "sharded",
+                 async_save: bool = True, on_preemption: bool = True) -> None:
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise ValueError(f"CheckpointManager: every must be a positive integer or None, "
+                             f"not {every!r}")
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"CheckpointManager: keep_last must be a positive integer or "
+                             f"None, not {keep_last!r}")
+        if format not in FORMATS:
+            raise ValueError(f"CheckpointManager: format must be one of {FORMATS}, not "
+                             f"{format!r}")
+        self.directory = CheckpointDirectory(directory)
+        self.every, self.keep_last, self.format = every, keep_last, format
+        self.async_save = async_save
+        self.stop_requested = False
+        self._vote = StepVote()
+        self._pending: Optional[PendingSave] = None
+        self._pending_step: Optional[int] = None
+        # why torch_xla's preemption sync point is not used (None: it is)
+        self.sync_point_unavailable: Optional[str] = "on_preemption=False"
+        self._closed = False
+        self.on_preemption = on_preemption
+        if on_preemption:
+            preemption.watch_for_preemption()
+            preemption.start_watching()
+            self.sync_point_unavailable = _runtime_sync_point()
+        self.removed_leftovers = self.directory.remove_leftovers()
+        exchange("xla_fsdp.manager.started", None)  # no rank saves while another cleans
+
+    # -- what is saved -----------------------------------------------------------------------
+    def latest(self) -> Optional[int]:
+        """The step of the newest complete checkpoint, or None."""
+        return self.directory.latest()
+
+    def save(self, step: int, model: ShardedModel,
+             optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
+        """Saves now, as ``step`` (every rank). The previous save is published first, and
+        its error, if any, raised. A step whose checkpoint is complete is not saved again."""
+        self._finish_pending()
+        if self.directory.is_complete(step):
+            return
+        path = exchange_first(f"xla_fsdp.manager.prepare.{step}",
+                              lambda: self.directory.prepare(step))
+        if self.format == "dcp":
+            result = save_dcp(path, model, optimizer, extra, async_save=self.async_save)
+        else:
+            result = save_sharded(os.path.join(path, SHARDED_PREFIX), model, optimizer, extra,
+                                  async_save=self.async_save)
+        if isinstance(result, PendingSave):
+            self._pending, self._pending_step = result, step
+        else:
+            self._published(step)
+
+    def maybe_save(self, step: int, model: ShardedModel,
+                   optimizer: Optional[torch.optim.Optimizer] = None,
+                   extra: Any = None) -> bool:
+        """The step boundary (every rank, at the same boundaries): see the module's
+        docstring. Returns whether it saved; sets ``stop_requested`` when a preemption was
+        agreed on (after saving)."""
+        pending = self._pending
+        written = pending is not None and pending.written()
+        counts = [int(self._preempted(step)), int(written and not pending.failed()),
+                  int(written and pending.failed()), 1]
+        result = self._vote.cast(counts, about=pending)
+        if result is not None:
+            (notices, ok, failed, ranks), about = result
+            if about is not None and about is self._pending and ok + failed == ranks:
+                self._finish_pending()
+            if notices > 0:
+                self.save(step, model, optimizer, extra)
+                self._finish_pending()
+                self.stop_requested = True
+                return True
+        if self.every is not None and step % self.every == 0:
+            self.save(step, model, optimizer, extra)
+            return True
+        return False
+
+    def wait(self) -> None:
+        """Publishes the save in flight, if any (every rank); raises its error."""
+        self._finish_pending()
+        self._vote.forget()
+
+    def restore(self, model: ShardedModel,
+                optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
+        """Loads the newest complete checkpoint into ``model`` (and ``optimizer``), whatever
+        world size and format wrote it; returns the ``extra`` saved with it."""
+        self.wait()
+        step = self.latest()
+        if step is None:
+            raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
+        path = self.directory.path(step)
+        if os.path.exists(os.path.join(path, METADATA_FILE)):
+            return load_dcp(path, model, optimizer)
+        prefix = os.path.join(path, SHARDED_PREFIX)
+        if not glob.glob(glob.escape(prefix) + "*_rank-*-of-*.pth"):
+            raise CheckpointError(f"{path} is marked complete but holds neither a DCP "
+                                  f"checkpoint nor per-rank files")
+        return load_sharded(prefix, model, optimizer)
+
+    def close(self) -> None:
+        """Publishes what is in flight and stops watching for preemption."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self.on_preemption:
+                preemption.stop_watching()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _preempted(self, step: int) -> bool:
+        if not self.on_preemption:
+            return False
+        if preemption.requested():
+            return True
+        return self.sync_point_unavailable is None and preemption_sync_point_reached(step)
+
+    def _finish_pending(self) -> None:
+        pending, step = self._pending, self._pending_step
+        if pending is None:
+            return
+        self._pending, self._pending_step = None, None
+        pending.wait()  # raises the save's error on every rank: nothing is marked
+        self._published(step)
+
+    def _published(self, step: int) -> None:
+        self.directory.mark_complete(step)
+        if self.keep_last is not None:
+            self.directory.keep_last(self.keep_last)
+
+
+def exchange_first(tag: str, fn: Any) -> Any:
+    """Runs ``fn`` on every rank, and waits for every rank to have run it."""
+    out = fn()
+    exchange(tag, None)
+    return out
+
+
+_SYNC_POINT_ACTIVE = threading.Event()
+_SYNC_POINT_LOCK = threading.Lock()
+
+
+def _runtime_sync_point() -> Optional[str]:
+    """None if torch_xla's preemption sync point is active in this process, else why not."""
+    import torch_xla.runtime as xr
+    with _SYNC_POINT_LOCK:
+        if _SYNC_POINT_ACTIVE.is_set():
+            return None
+        if xr.device_type() != "TPU":
+            return f"the runtime's preemption sync point is a TPU's; this is {xr.device_type()}"
+        why = activate_preemption_sync()
+        if why is None:
+            _SYNC_POINT_ACTIVE.set()
+        return why

@@ -1,0 +1,114 @@
+"""A preemption notice (SIGTERM) as a process-wide flag that training reads at its step
+boundaries, instead of the end of the process.
+
+[Note: who installs the SIGTERM handler]
+Python runs signal handlers only in a process's main thread, and only a main thread may
+install one. Training functions do not run there: the virtual launcher runs each rank on a
+thread of its own, and torch_xla's launcher runs a process's devices on a thread pool. So
+the handler is installed by whoever holds a main thread: the launchers, in every process
+they start (``xla_fsdp.launch``'s virtual worker, and its child processes on accelerators
+as they unpickle the function), ``CheckpointManager`` when it is made on a main thread, or
+the user through ``watch_for_preemption()`` before starting training any other way. The
+parent of the virtual worker forwards the signal to it.
+
+The handler only sets a flag while some ``CheckpointManager`` of the process watches for
+preemption. Otherwise it does what SIGTERM did before it was installed (by default, end the
+process), so a process that uses no manager behaves as if nothing were installed.
+
+The code a preempted process exits with, ``PREEMPTED_EXIT_CODE``, is 143: what a process
+killed by SIGTERM reports (128 + 15). A scheduler that restarts preempted work then treats
+a clean stop as it treats the preemption itself.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Optional
+
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+
+_lock = threading.Lock()
+_watchers = 0
+_requested = threading.Event()
+_previous: Any = None   # the handler before ours, run when no manager watches
+_installed = False
+
+
+def watch_for_preemption() -> bool:
+    """Installs the SIGTERM handler of [Note: who installs the SIGTERM handler] if this is
+    the main thread (once per process); returns whether it is installed."""
+    global _installed, _previous
+    if threading.current_thread() is not threading.main_thread():
+        return _installed
+    with _lock:
+        if not _installed:
+            _previous = signal.signal(signal.SIGTERM, _on_sigterm)
+            _installed = True
+    return True
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    if _watchers > 0:
+        _requested.set()
+        return
+    previous = _previous
+    if callable(previous):
+        previous(signum, frame)
+    elif previous != signal.SIG_IGN:  # the default: end the process as SIGTERM does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def installed() -> bool:
+    return _installed
+
+
+def start_watching() -> None:
+    """A manager watches: SIGTERM now sets the flag."""
+    global _watchers
+    with _lock:
+        _watchers += 1
+
+
+def stop_watching() -> None:
+    global _watchers
+    with _lock:
+        _watchers = max(0, _watchers - 1)
+
+
+def requested() -> bool:
+    """Whether this process received SIGTERM while watched."""
+    return _requested.is_set()
+
+
+def request() -> None:
+    """As if SIGTERM had arrived (for a process told by other means that it will stop)."""
+    _requested.set()
+
+
+def clear() -> None:
+    """Forgets a notice (after the process saved and stopped, for a process that goes on,
+    such as a test)."""
+    _requested.clear()
+
+
+def forward_to(pid: int) -> Optional[Any]:
+    """On the main thread: SIGTERM to this process is sent on to ``pid`` (the virtual
+    launcher's worker) and not acted on here. Returns the handler to put back
+    (``restore``), or None when not on the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    return signal.signal(signal.SIGTERM, forward)
+
+
+def restore(handler: Any) -> None:
+    if handler is not None:
+        signal.signal(signal.SIGTERM, handler)
