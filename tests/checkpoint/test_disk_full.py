@@ -115,8 +115,8 @@ def at_four(rank, own_disks, shared, plain_prefix):
     ``plain_prefix``: checkpoints on an ordinary disk, of two states, for the consolidation
     test."""
     import torch_xla.core.xla_model as xm
-    from xla_fsdp.checkpoint import (load_consolidated, load_dcp, load_sharded,
-                                     save_consolidated, save_dcp, save_sharded)
+    from xla_fsdp.checkpoint import (CheckpointManager, load_consolidated, load_dcp,
+                                     load_sharded, save_consolidated, save_dcp, save_sharded)
     model = wrapped_net()
     opt = optimizer_for(model)
     train(model, opt, range(0, 2), rank, WORLD)
@@ -173,6 +173,23 @@ def at_four(rank, own_disks, shared, plain_prefix):
                                          extra={"step": 3})
     out["consolidated_unchanged"] = state(own_disks[rank]) == before
 
+    # asynchronous: the save returns, training goes on, the error comes at wait() (and at
+    # a manager's next call), and nothing is published
+    if rank == FULL_RANK:
+        leave_free(own_disks[rank], size_of(own_disks[rank]) // 2)
+    xm.rendezvous("own disk filled for the asynchronous saves")
+    before = state(own_disks[rank])
+    pending = save_sharded(own, model, opt, extra={"step": 3}, async_save=True)
+    train(model, opt, range(5, 6), rank, WORLD)
+    out["async_error"] = _attempt(pending.wait)
+    out["async_unchanged"] = state(own_disks[rank]) == before
+    manager = CheckpointManager(os.path.join(own_disks[rank], "managed"), every=1)
+    manager.save(1, model, opt)
+    train(model, opt, range(6, 7), rank, WORLD)
+    out["manager_error"] = _attempt(manager.wait)
+    out["manager_latest"] = manager.latest()
+    xm.rendezvous("asynchronous saves checked")
+
     # every previous checkpoint loads, and holds what was saved
     out["own_extra"] = load_sharded(own, model, opt)
     out["own_loads"] = _same_full_state(model, saved)
@@ -227,6 +244,17 @@ def test_saves_on_a_full_disk(launched):
         assert result["consolidated_unchanged"], rank
         assert result["consolidated_extra"] == {"step": 2}
         assert result["consolidated_loads"], rank
+        # asynchronous: the error at wait(), naming the file; nothing published
+        for key in ("async_error", "manager_error"):
+            if rank == FULL_RANK:
+                assert ": not written: no space left on the device" in result[key], result[key]
+            else:
+                assert result[key].startswith(f"rank {FULL_RANK} failed, so this rank "), rank
+        path = os.path.join(own_disks[rank], f"net_rank-{rank:08d}-of-{WORLD:08d}.pth")
+        if rank == FULL_RANK:
+            assert result["async_error"].startswith(f"{path}: not written"), result["async_error"]
+        assert result["async_unchanged"], rank
+        assert result["manager_latest"] is None, rank
 
     for key, file_pattern in (("step3_error", "step3_rank-{rank:08d}-of-00000004.pth"),
                               ("dcp_error", None)):

@@ -1,0 +1,49 @@
+"""Asynchronous saves and CheckpointManager in one launch at N=2: a pending save holds the
+state of its call while training goes on; the next save publishes it; a manager keeps the
+last two of five checkpoints, and a model restored from it continues exactly."""
+import pytest
+
+from xla_fsdp import launch
+from xla_fsdp.checkpoint import CheckpointManager
+
+from ...support.manager_workloads import async_and_manager
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("manager"))
+    return launch(async_and_manager, (WORLD, directory), num_devices=WORLD), directory
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_call(launched):
+    out, directory = launched
+    for rank in range(WORLD):
+        got = out[rank]
+        assert got["pending_type"]
+        assert got["first_published_by_second"]  # one save in flight: the next waits
+        assert got["dcp_dir"].endswith("async_dcp")
+        assert got["sharded_extra"] == {"step": 2} and got["sharded_state"]
+        assert got["dcp_extra"] == {"step": 3} and got["dcp_state"]
+
+
+def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
+    out, _ = launched
+    for rank in range(WORLD):
+        got = out[rank]
+        assert got["kept"] == ["latest", "step000008", "step000010"]
+        assert got["latest"] == 10
+        assert got["restored_extra"] == {"step": 10} and got["restored_state"]
+        assert got["resumed_losses_equal"]
+        assert got["step8_extra"] == {"step": 8}
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"every": 0}, "every must be a positive integer"),
+    ({"keep_last": 0}, "keep_last must be a positive integer"),
+    ({"format": "zip"}, "format must be one of"),
+])
+def test_bad_settings_are_refused(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointManager(str(tmp_path), **kwargs)

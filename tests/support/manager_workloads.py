@@ -1,0 +1,71 @@
+"""What the asynchronous-save and CheckpointManager tests run in one launch."""
+import os
+
+import torch
+
+from .checkpoint_workloads import optimizer_for, train, wrapped_net
+
+
+def _full(model):
+    return {k: v.clone() for k, v in model.full_state_dict().items()}
+
+
+def _equal(a, b):
+    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def async_and_manager(rank, world, directory):
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import (CheckpointManager, PendingSave, load_dcp, load_sharded,
+                                     save_dcp, save_sharded)
+    out = {}
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    train(model, opt, range(0, 2), rank, world)
+
+    # an asynchronous save holds the state of its call, whatever training does meanwhile
+    saved = _full(model)
+    prefix = os.path.join(directory, "async", "net")
+    pending = save_sharded(prefix, model, opt, extra={"step": 2}, async_save=True)
+    out["pending_type"] = type(pending) is PendingSave
+    dcp_dir = os.path.join(directory, "async_dcp")
+    train(model, opt, range(2, 3), rank, world)  # the sharded save is still pending here
+    pending_dcp = save_dcp(dcp_dir, model, opt, extra={"step": 3}, async_save=True)
+    out["first_published_by_second"] = os.path.exists(
+        f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth")
+    saved3 = _full(model)
+    train(model, opt, range(3, 4), rank, world)
+    out["dcp_dir"] = pending_dcp.wait()
+    out["sharded_extra"] = load_sharded(prefix, model, opt)
+    out["sharded_state"] = _equal(_full(model), saved)
+    out["dcp_extra"] = load_dcp(dcp_dir, model, opt)
+    out["dcp_state"] = _equal(_full(model), saved3)
+
+    # a manager: DCP, asynchronous, every 2 steps, the last 2 kept; then a new model
+    # resumed from it continues exactly as the first one does
+    root = os.path.join(directory, "managed")
+    manager = CheckpointManager(root, every=2, keep_last=2, format="dcp")
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    first = []
+    for step in range(10):
+        first += train(model, opt, range(step, step + 1), rank, world)
+        manager.maybe_save(step + 1, model, opt, extra={"step": step + 1})
+    manager.wait()
+    out["kept"] = sorted(os.listdir(root))
+    out["latest"] = manager.latest()
+    at10 = _full(model)
+    later = train(model, opt, range(10, 13), rank, world)
+    manager.close()
+    xm.rendezvous("the first model is done")
+
+    resumed = CheckpointManager(root, every=2, keep_last=2, format="dcp")
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    out["restored_extra"] = resumed.restore(model, opt)
+    out["restored_state"] = _equal(_full(model), at10)
+    out["resumed_losses_equal"] = train(model, opt, range(10, 13), rank, world) == later
+    out["step8_extra"] = load_dcp(os.path.join(root, "step000008"), model, opt)
+    resumed.close()
+    out["first_losses"] = len(first)
+    return out
