@@ -40,7 +40,7 @@ from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLay
 from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
 from .._xla.private_api import is_persistent_buffer
-from .unit_protocol import ShardedUnit
+from .unit_protocol import ShardedModel, ShardedUnit
 
 # the keys of a per-rank file
 MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
@@ -53,6 +53,9 @@ MemberTable = Tuple[List[str], List[List[int]], List[int]]  # names, shapes, num
 def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
     """Where rank ``rank`` of ``world_size`` writes a checkpoint saved under ``prefix``."""
     return f"{prefix}_rank-{rank:08d}-of-{world_size:08d}.pth"
+
+
+RANK_FILES = "_rank-*-of-*.pth"  # the glob that completes a prefix to every rank's file
 
 
 # -- names ------------------------------------------------------------------------------------
@@ -214,6 +217,21 @@ class RankRecord:
         return RankRecord(raw.get("format", FORMAT_VERSION), raw["world_size"], raw["rank"],
                           raw["fingerprint"], raw.get("save_index"),
                           raw.get("optimizer_param_keys"))
+
+
+def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The model state dict key of the shard each optimizer index holds, in index order
+    (``RankRecord.optimizer_param_keys``)."""
+    names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
+    keys = []
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            if id(p) not in names:
+                raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} "
+                                 f"that is not a shard of this model; create the optimizer "
+                                 f"from model.parameters() after wrapping")
+            keys.append(names[id(p)])
+    return keys
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 
 from ..dcp.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_path
-from ..metadata import MODEL, sharded_checkpoint_path
+from ..metadata import MODEL, RANK_FILES, sharded_checkpoint_path
 from .formats import FORMATS, OutputOptions, output_paths, write_output
 from .hf_output import DEFAULT_MAX_SHARD_SIZE
 from .optimizer import why_not_consolidated
@@ -28,7 +28,7 @@ from .plan import ModelPlan, plan_model
 from .redistribute import redistribute
 from .shard_set import ShardSet, find_shard_set
 
-DEFAULT_SUFFIX = "_rank-*-of-*.pth"
+DEFAULT_SUFFIX = RANK_FILES
 
 
 def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFFIX
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         if args.reshard:
             with contextlib.ExitStack() as stack:
                 tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
-                redistribute(shards, plan, args.reshard, tmps, progress)
+                redistribute(shards, plan, args.reshard, tmps, with_optimizer, progress)
             progress.close()
             for path in outputs:
                 with CheckpointFile(path) as f:

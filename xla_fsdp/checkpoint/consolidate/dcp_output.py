@@ -16,11 +16,11 @@ from ..dcp.load import read_metadata
 from ..dcp.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
 from ..files import CheckpointError, TensorRef
+from ..files.reader import materialized
 from ..metadata import EXTRA, MODEL, OPTIMIZER
 from .optimizer import saved_param_groups, sharded_like
 from .output import ordered_params
 from .plan import ModelPlan, read_param
-from .redistribute import materialize
 from .shard_set import ShardSet
 
 
@@ -60,7 +60,7 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
     head = files[0].tree
     if EXTRA in head:
         key, paths[key] = extra_key()
-        objects[key] = materialize(head[EXTRA])
+        objects[key] = materialized(head[EXTRA])
     write_alone(directory, ChunkSavePlanner({}, wholes, objects, paths))
     return [directory]
 

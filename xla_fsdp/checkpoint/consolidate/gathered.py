@@ -30,9 +30,8 @@ from ..dcp.coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
-                        ShardMetadata, persistent_buffers, units_by_saved_path,
-                        wrapping_fingerprint)
-from ..sharded import optimizer_shard_keys
+                        ShardMetadata, optimizer_shard_keys, persistent_buffers,
+                        units_by_saved_path, wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 

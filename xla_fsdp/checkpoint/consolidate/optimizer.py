@@ -1,4 +1,4 @@
-"""Optimizer state: from per-rank shards to the unwrapped model's layout, and back.
+"""Optimizer state: from per-rank shards to the unwrapped model's layout.
 
 An optimizer state tensor is sharded exactly like its parameter when it has the shard's
 shape (Adam's moments, SGD's momentum); anything else (``step``) is the same on every rank
@@ -136,28 +136,4 @@ def _full_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
             out[name] = add(value.read())
         else:
             out[name] = value
-    return out
-
-
-def redistribute_optimizer_state(shards: ShardSet, spec: ShardGroupSpec, index: int,
-                                 new_shards: Callable[[List[TensorRef]], List[torch.Tensor]],
-                                 adds: List[Callable[[torch.Tensor], Any]]
-                                 ) -> List[Dict[str, Any]]:
-    """Optimizer state of sharded index ``index`` for every new rank. ``new_shards`` turns
-    old per-rank shards into new per-rank shards; ``adds[r]`` writes to new rank ``r``."""
-    old = shards.files[0].tree[OPTIMIZER]["state"][index]
-    shard0 = shards.files[0].tree[MODEL][spec.key]
-    out: List[Dict[str, Any]] = [{} for _ in adds]
-    for name, value in old.items():
-        if sharded_like(value, shard0):
-            per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
-            for r, piece in enumerate(new_shards(per_rank)):
-                out[r][name] = adds[r](piece)
-        elif isinstance(value, TensorRef):
-            tensor = value.read()
-            for r, add in enumerate(adds):
-                out[r][name] = add(tensor)
-        else:
-            for r in range(len(adds)):
-                out[r][name] = value
     return out

@@ -11,6 +11,10 @@ same place in every shard, and the pieces concatenate in rank order.
 A stacked group (scanned layers) holds L identical layers: every rank's shard is
 ``[L, *layer shard shape]`` and row ``i`` is that rank's shard of layer ``i``, laid out as
 an ordinary flat, interleaved or dim-0 group. The rules above then apply within one row.
+
+``read_elements`` reads any run of a full tensor's elements by these rules, from the rank
+files that hold it; consolidation reads whole tensors through it, and the per-rank files'
+source (``per_rank_source``) the runs a loading rank's shards hold.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import torch
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import LAYER_KINDS, ShardEntry, ShardMetadata
-from ..._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
+from ..._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
 from ..._sharding.names import clean_name, join_name
 
 
@@ -77,6 +81,13 @@ def layer_layout(spec: ShardGroupSpec, world_size: int) -> Layout:
     if spec.kind == "interleaved":
         return InterleavedLayout(shapes, world_size, spec.multiple)
     return FlatLayout(shapes, world_size, spec.multiple)
+
+
+def shard_group_layout(spec: ShardGroupSpec, world_size: int) -> Layout:
+    """How the whole of ``spec`` is sharded at ``world_size``: what ``save_sharded`` of the
+    same model at that world size writes (its parameters are numbered as ``spec.params``)."""
+    layer = layer_layout(spec, world_size)
+    return StackedLayout(layer, spec.layers) if spec.stacked else layer
 
 
 def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
@@ -195,48 +206,44 @@ def _row_numel(shards: List[TensorRef], rows: int) -> int:
     return total // rows
 
 
-def read_range(shards: List[TensorRef], start: int, numel: int, row: int = 0,
-               rows: int = 1) -> torch.Tensor:
-    """Elements ``[start, start + numel)`` of the rank-ordered concatenation of row ``row``
-    of ``shards`` (each seen as ``rows`` equal rows), read straight into one new tensor
-    (nothing else of that size is allocated)."""
-    per_rank = _row_numel(shards, rows)
-    base = row * per_rank
-    out = torch.empty(numel, dtype=shards[0].dtype)
-    if start + numel > per_rank * len(shards):
-        where = f"row {row} of the shards" if rows > 1 else "shards"
-        raise CheckpointError(f"{where} of {shards[0].key} hold {per_rank * len(shards)} "
-                              f"elements, fewer than the {start + numel} the metadata "
-                              f"describes")
+def read_elements(shards: List[TensorRef], param: ParamSpec, start: int,
+                  out: torch.Tensor) -> None:
+    """Elements ``start, start + 1, ...`` of ``param`` (row-major) into the 1-D contiguous
+    ``out``, read from the rank files that hold them (``shards``: every rank's shard of
+    its group, or an optimizer state tensor sharded like it) and from nothing else: the
+    one reading primitive of per-rank files (see the module docstring for where they are)."""
+    count, numel = out.numel(), math.prod(param.shape)
+    if start < 0 or start + count > numel:
+        raise IndexError(f"elements [{start}, {start + count}) of {param.name}, which has "
+                         f"{numel}")
+    per_rank = _row_numel(shards, param.rows)
+    base = param.row * per_rank
+    if param.piece is None:
+        # element e is element offset + e of the rank-ordered concatenation of the rows
+        if param.offset + numel > per_rank * len(shards):
+            where = f"row {param.row} of the shards" if param.rows > 1 else "shards"
+            raise CheckpointError(f"{where} of {shards[0].key} hold {per_rank * len(shards)} "
+                                  f"elements, fewer than the {param.offset + numel} the "
+                                  f"metadata describes")
+        first, step, at = param.offset + start, per_rank, 0
+    else:
+        # element e is element e % piece of rank e // piece's piece, at the same place in
+        # every rank's row
+        at, step = param.piece
+        if at + step > per_rank or step * len(shards) < numel:
+            where = "every row of shard" if param.rows > 1 else "shard"
+            raise CheckpointError(f"{shards[0].file.path}: {where} {shards[0].key} has "
+                                  f"{per_rank} elements; the metadata puts {param.name} at "
+                                  f"[{at}, {at + step}) of every rank's")
+        first = start
     for rank, shard in enumerate(shards):
-        lo, hi = max(start, rank * per_rank), min(start + numel, (rank + 1) * per_rank)
+        lo, hi = max(first, rank * step), min(first + count, (rank + 1) * step)
         if lo < hi:
-            shard.read_elements(base + lo - rank * per_rank, out[lo - start:hi - start])
-    return out
+            shard.read_elements(base + at + lo - rank * step, out[lo - first:hi - first])
 
 
 def read_param(shards: List[TensorRef], param: ParamSpec) -> torch.Tensor:
-    if param.piece is None:
-        return read_range(shards, param.offset, math.prod(param.shape), param.row,
-                          param.rows).view(param.shape)
-    start, count = param.piece
-    per_rank = _row_numel(shards, param.rows)
-    if start + count > per_rank:
-        where = "every row of shard" if param.rows > 1 else "shard"
-        raise CheckpointError(f"{shards[0].file.path}: {where} {shards[0].key} has {per_rank} "
-                              f"elements; the metadata puts {param.name} at "
-                              f"[{start}, {start + count}) of every rank's")
-    out = torch.empty(count * len(shards), dtype=shards[0].dtype)
-    for rank, shard in enumerate(shards):
-        shard.read_elements(param.row * per_rank + start, out[rank * count:(rank + 1) * count])
-    return out[:math.prod(param.shape)].view(param.shape)
-
-
-def read_shard_group(shards: List[TensorRef], spec: ShardGroupSpec, layer: int = 0) -> torch.Tensor:
-    """One layer's parameters (the whole group's unless stacked), flattened and
-    concatenated, without padding."""
-    params = spec.layer(layer)
-    if spec.kind != "interleaved":
-        return read_range(shards, 0, sum(math.prod(p.shape) for p in params), layer,
-                          spec.layers)
-    return torch.cat([read_param(shards, p).reshape(-1) for p in params])
+    """The whole of ``param``, as a new tensor."""
+    out = torch.empty(math.prod(param.shape), dtype=shards[0].dtype)
+    read_elements(shards, param, 0, out)
+    return out.view(param.shape)

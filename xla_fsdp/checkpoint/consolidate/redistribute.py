@@ -1,97 +1,125 @@
-"""Redistributes a sharded checkpoint over another number of ranks, one shard group at a time
-(the CLI's ``--reshard N``)."""
+"""A checkpoint rewritten for another number of ranks (the CLI's ``--reshard N``).
+
+No arithmetic of its own: the old rank files are read as the loader's source
+(``per_rank_source``), and each new rank's shard of a group is filled with the chunks the
+group's layout at the new world size says that rank holds (``Layout.owned``, as
+``dcp.layout.ParamSlot`` gives a live model's), read from the source as ``load_sharded``
+reads them into a live model at that world size. The new files are in ``save_sharded``'s
+format (the shard metadata and our record as a save at the new world size writes them), so
+``load_sharded`` there takes them as its own. Memory stays near one new shard: each is
+written (``TorchFileWriter``) as soon as it is read, every new rank's file open at once.
+"""
 from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from ..files import CheckpointError, TensorRef, TorchFileWriter
+from ..._sharding.chunks import range_chunks
+from ..._sharding.layout import Layout
+from ..dcp.layout import GET_STATE_DICT, extra_key
+from ..dcp.planners import TensorPieces
+from ..dcp.staging import Source
+from ..files import CheckpointError, TorchFileWriter
+from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
                         wrapping_fingerprint)
-from .optimizer import optimizer_param_keys, redistribute_optimizer_state
-from .plan import ShardGroupSpec, ModelPlan, layer_layout, read_shard_group
+from .optimizer import optimizer_param_keys, sharded_like
+from .per_rank_source import shard_set_source
+from .plan import ModelPlan, ShardGroupSpec, shard_group_layout
 from .shard_set import ShardSet
 
 
-def new_shards(per_rank: List[TensorRef], spec: ShardGroupSpec, world_size: int
-               ) -> List[torch.Tensor]:
-    """The group's shards (or a state tensor sharded like it) for ``world_size`` ranks, from
-    its old per-rank ones. A stacked group is resharded one layer at a time into the new
-    ranks' rows, so only one layer is ever held besides the new shards."""
-    layout = layer_layout(spec, world_size)
-    if not spec.stacked:
-        content = read_shard_group(per_rank, spec)
-        return [layout.shard([content], r) for r in range(world_size)]
-    out = [torch.empty((spec.layers,) + tuple(layout.shard_shape), dtype=per_rank[0].dtype)
-           for _ in range(world_size)]
-    for i in range(spec.layers):
-        content = read_shard_group(per_rank, spec, i)
-        for r in range(world_size):
-            out[r][i] = layout.shard([content], r)
-    return out
+def read_shard(source: Source, keys: Sequence[str], spec: ShardGroupSpec, layout: Layout,
+               rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``rank``'s shard of ``spec`` laid out as ``layout``: the chunks of each of the
+    group's tensors (stored under ``keys``, one per parameter of ``spec``) it holds, read
+    from ``source``; padding is zeros, as in a saved shard."""
+    shard = torch.zeros(tuple(layout.shard_shape), dtype=dtype)
+    flat = shard.view(-1)
+    wanted: Dict[str, TensorPieces] = {}
+    for owned in layout.owned(rank):
+        param = spec.params[owned.param]
+        chunks = [(c, owned.shard_offset + c.start - owned.start)
+                  for c in range_chunks(param.shape, owned.start, owned.end)]
+        wanted[keys[owned.param]] = TensorPieces(torch.Size(param.shape), dtype, chunks,
+                                                 lambda: flat)
+    source.read(wanted, {}, {})
+    return shard
 
 
 def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List[str],
-                 progress: Callable[[int], None]) -> None:
+                 with_optimizer: bool, progress: Callable[[int], None]) -> None:
     """Writes ``paths[r]`` for every new rank ``r``; each loads with ``load_sharded`` into the
-    same model wrapped at ``world_size`` ranks."""
+    same model wrapped at ``world_size`` ranks as its own rank's file."""
     record = RankRecord.of(shards.files[0].tree)
     if record is None or not shards.metadata.has_layouts:
         raise CheckpointError(
             f"{shards.files[0].path} was not written by xla_fsdp.checkpoint.save_sharded, so its "
-            f"shard layouts are unknown and it cannot be resharded; consolidate it and load the "
-            f"result with model.load_full_state_dict() instead")
-    head0 = shards.files[0].tree
+            f"shard layouts are unknown and it cannot be rewritten for another world size; "
+            f"consolidate it, or load it with load_sharded, which reads it at any world size")
+    head = shards.files[0].tree
+    source = shard_set_source(shards, plan, with_optimizer)
     writers = [TorchFileWriter(p) for p in paths]
-    adds = [w.add for w in writers]
     models: List[Dict[str, Any]] = [{} for _ in paths]
-    keys = optimizer_param_keys(shards, plan)[0]
-    with_optimizer = keys is not None
-    keys = keys or []
-    opt_states: List[Dict[int, Any]] = [{} for _ in paths]
-    indices: Dict[str, List[int]] = {}  # shard key -> optimizer indices holding state for it
-    for index, key in enumerate(keys):
-        if index in head0[OPTIMIZER]["state"]:
-            indices.setdefault(key, []).append(index)
-    for key in plan.buffers:
-        tensor = head0[MODEL][key].read()
-        for r in range(world_size):
-            models[r][key] = adds[r](tensor)
+    for key in plan.buffers:  # not sharded: every rank's file holds rank 0's, as saved
+        tensor = head[MODEL][key].read()
+        for r, writer in enumerate(writers):
+            models[r][key] = writer.add(tensor)
         progress(tensor.numel())
     for spec in plan.shard_groups:
-        split = functools.partial(new_shards, spec=spec, world_size=world_size)
-        per_rank = [f.tree[MODEL][spec.key] for f in shards.files]
-        for r, piece in enumerate(split(per_rank)):
-            models[r][spec.key] = adds[r](piece)
+        layout = shard_group_layout(spec, world_size)
+        keys = [GET_STATE_DICT.model(p.name)[0] for p in spec.params]
+        dtype = head[MODEL][spec.key].dtype
+        for r, writer in enumerate(writers):
+            models[r][spec.key] = writer.add(read_shard(source, keys, spec, layout, r, dtype))
         progress(spec.numel)
-        for index in indices.get(spec.key, []):
-            for r, state in enumerate(redistribute_optimizer_state(shards, spec, index, split,
-                                                                   adds)):
-                opt_states[r][index] = state
-    extra = materialize(head0[EXTRA]) if EXTRA in head0 else None
+    optimizers = _optimizer_states(shards, plan, source, writers) if with_optimizer else None
+    extra = _extra(source) if EXTRA in head else None
     for r, writer in enumerate(writers):
         metadata = shards.metadata.for_rank(world_size, r)
-        tree = {MODEL: models[r], SHARD_METADATA: metadata,
-                RECORD: dataclasses.replace(record, world_size=world_size, rank=r,
-                                            fingerprint=wrapping_fingerprint(metadata)).as_dict()}
-        if with_optimizer:
-            tree[OPTIMIZER] = {"state": opt_states[r],
-                               "param_groups": copy.deepcopy(head0[OPTIMIZER]["param_groups"])}
-        if EXTRA in head0:
+        ours = dataclasses.replace(
+            record, world_size=world_size, rank=r, fingerprint=wrapping_fingerprint(metadata),
+            optimizer_param_keys=record.optimizer_param_keys if with_optimizer else None)
+        tree = {MODEL: models[r], SHARD_METADATA: metadata, RECORD: ours.as_dict()}
+        if optimizers is not None:
+            tree[OPTIMIZER] = {"state": optimizers[r],
+                               "param_groups": copy.deepcopy(head[OPTIMIZER]["param_groups"])}
+        if EXTRA in head:
             tree[EXTRA] = extra
         writer.finish(tree)
 
 
-def materialize(tree: Any) -> Any:
-    """``tree`` with every tensor read from its file."""
-    if isinstance(tree, TensorRef):
-        return tree.read()
-    if isinstance(tree, dict):
-        return type(tree)((k, materialize(v)) for k, v in tree.items())
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(materialize(v) for v in tree)
-    return tree
+def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,
+                      writers: List[TorchFileWriter]) -> List[Dict[int, Any]]:
+    """Every new rank's optimizer state by index (the indices stay: they number the same
+    shards). State sharded like its shard is read as the shard is; the rest is rank 0's."""
+    keys = optimizer_param_keys(shards, plan)[0] or []
+    specs = plan.spec_of()
+    head = shards.files[0].tree
+    out: List[Dict[int, Any]] = [{} for _ in writers]
+    for index, saved in sorted(head[OPTIMIZER]["state"].items()):
+        spec = specs[keys[index]]
+        layout = shard_group_layout(spec, len(writers))
+        shard0 = head[MODEL][spec.key]
+        for name, value in saved.items():
+            if sharded_like(value, shard0):
+                state_keys = [GET_STATE_DICT.state(p.name, name)[0] for p in spec.params]
+                for r, writer in enumerate(writers):
+                    piece = read_shard(source, state_keys, spec, layout, r, value.dtype)
+                    out[r].setdefault(index, {})[name] = writer.add(piece)
+            else:
+                value = materialized(value)
+                for r, writer in enumerate(writers):
+                    out[r].setdefault(index, {})[name] = (
+                        writer.add(value) if isinstance(value, torch.Tensor) else value)
+    return out
+
+
+def _extra(source: Source) -> Any:
+    key = extra_key()[0]
+    into: Dict[str, Any] = {}
+    source.read({}, {key: None}, into)
+    return into[key]

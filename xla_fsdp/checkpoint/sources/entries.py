@@ -14,7 +14,8 @@ offset; so a rank reads the bytes of its own shards, and of the whole tensors it
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple,
+                    Union, runtime_checkable)
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
@@ -26,11 +27,25 @@ from ..dcp.staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
 
-Tensorish = Union[torch.Tensor, TensorRef]
+
+@runtime_checkable
+class StoredTensor(Protocol):
+    """A tensor not in memory, read by runs of its row-major elements: a ``TensorRef`` in
+    a file, or a parameter spread over per-rank files (``consolidate.per_rank_source``)."""
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        """Fills the 1-D contiguous ``out`` (of ``dtype``) with elements ``start, ...``."""
+
+
+Tensorish = Union[torch.Tensor, StoredTensor]
 
 
 def is_tensor(value: Any) -> bool:
-    return isinstance(value, (torch.Tensor, TensorRef))
+    return isinstance(value, (torch.Tensor, TensorRef, StoredTensor))
 
 
 class EntrySource:

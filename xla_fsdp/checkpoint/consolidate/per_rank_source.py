@@ -1,0 +1,157 @@
+"""One checkpoint's per-rank files as the loader's source (``dcp.staging.Source``): what
+``load_sharded`` reads at another world size or wrapping, and what ``--reshard N`` reads
+each new rank's shards from.
+
+The files hold the unwrapped model as a consolidated file would, under the DCP layout's
+``get_state_dict`` keys (``sources.entries``): every parameter (tied ones under each of their
+names), every persistent buffer in the dtype the model restores it to, the optimizer's state
+by parameter name and its param groups listing names, and ``extra``. No full parameter is
+ever assembled: each is a ``SpreadTensor``, whose runs of row-major elements are read from
+the rank files that hold them (``plan.read_elements``), so a rank reads the runs its own new
+shards hold and nothing else (see [Note: a rank reads the runs its shards hold]). Optimizer
+state sharded like its shard (Adam's moments, SGD's momentum) is spread the same way; a step
+count and anything else not sharded is the same on every rank and comes from rank 0.
+
+Each rank that opens the files opens all of them: the ranks of a load at another world size
+need a filesystem they all see, as consolidation does.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+from ..files import CheckpointError, TensorRef
+from ..metadata import EXTRA, MODEL, OPTIMIZER
+from ..sources.entries import EntrySource, model_entries, optimizer_entries
+from .optimizer import optimizer_param_keys, saved_param_groups, sharded_like
+from .plan import ModelPlan, ParamSpec, plan_model, read_elements
+from .shard_set import ShardSet, find_shard_set
+
+_GROUP_NAMES = ("params", "param_names")
+
+
+class SpreadTensor:
+    """A full tensor of the unwrapped model (a parameter, or optimizer state sharded like
+    it) whose elements are spread over every rank's shard of its group."""
+
+    def __init__(self, shards: List[TensorRef], param: ParamSpec) -> None:
+        self.shards, self.param = shards, param
+        self.dtype: torch.dtype = shards[0].dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.param.shape)
+
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        read_elements(self.shards, self.param, start, out)
+
+
+class _Restored:
+    """A buffer saved in the dtype it was placed in, read in the dtype the model restores it
+    to (``buffer_info``): what a consolidated checkpoint holds."""
+
+    def __init__(self, ref: TensorRef, dtype: torch.dtype) -> None:
+        self.ref, self.dtype = ref, dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.ref.shape)
+
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        saved = torch.empty(out.numel(), dtype=self.ref.dtype)
+        self.ref.read_elements(start, saved)
+        out.copy_(saved)
+
+
+def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
+                        share: Tuple[int, int] = (0, 1)
+                        ) -> Tuple[EntrySource, ShardSet, ModelPlan]:
+    """The checkpoint whose rank files are ``prefix + suffix`` (a glob) as a source that
+    closes them, with the files and their plan. ``share`` (i, n): this caller checks the
+    CRC-32s of every n-th file from the i-th, so that n loading ranks together read every
+    file once. ``CheckpointError`` naming the file at fault when the files do not form one
+    complete checkpoint, or, ``with_optimizer``, when its optimizer state cannot be mapped
+    to parameter names."""
+    try:
+        shards = find_shard_set(prefix, suffix, verify=False)
+    except CheckpointError as exc:
+        if "no files match" not in str(exc):
+            raise
+        raise CheckpointError(f"{prefix}: no such checkpoint ({exc})") from None
+    try:
+        for f in shards.files[share[0]::share[1]]:
+            f.verify()
+        try:
+            plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        except CheckpointError as exc:  # the shard metadata, as rank 0's file holds it
+            raise CheckpointError(f"{shards.files[0].path}: {exc}") from None
+        source = shard_set_source(shards, plan, with_optimizer, closes=True)
+    except BaseException:
+        shards.close()
+        raise
+    return source, shards, plan
+
+
+def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
+                     closes: bool = False) -> EntrySource:
+    """``shards`` (opened and checked, planned as ``plan``) as a source; with ``closes``
+    closing the source closes the files."""
+    head = shards.files[0].tree
+    model: Dict[str, Any] = {}
+    for spec in plan.shard_groups:
+        per_rank = [f.tree[MODEL][spec.key] for f in shards.files]
+        for param in spec.params:
+            model[param.name] = SpreadTensor(per_rank, param)
+    for alias, source in plan.aliases:  # tied: under every name, as state_dict() has it
+        model[alias] = model[source]
+    for key, name in plan.buffers.items():
+        ref = head[MODEL][key]
+        model[name] = _Restored(ref, plan.buffer_dtypes[key]) if key in plan.buffer_dtypes \
+            else ref
+    tensors, objects = model_entries(model)
+    if with_optimizer:
+        keys, reason = optimizer_param_keys(shards, plan)
+        if keys is None:
+            raise CheckpointError(f"{shards.pattern}: its optimizer state cannot be read: "
+                                  f"{reason}")
+        more_tensors, more_objects = optimizer_entries(named_optimizer_state(shards, plan),
+                                                       shards.pattern)
+        tensors.update(more_tensors)
+        objects.update(more_objects)
+    if EXTRA in head:
+        objects[EXTRA] = head[EXTRA]
+    return EntrySource(shards.pattern, tensors, objects, [shards.close] if closes else [])
+
+
+def named_optimizer_state(shards: ShardSet, plan: ModelPlan) -> Dict[str, Any]:
+    """The optimizer state an optimizer over the unwrapped model would have, in
+    ``get_state_dict``'s form (state and ``params`` by parameter name), its tensors sharded
+    like their parameter spread over the rank files, the others rank 0's."""
+    opt0 = shards.files[0].tree[OPTIMIZER]
+    state: Dict[str, Dict[str, Any]] = {}
+    param_groups = []
+    for param_group, members in saved_param_groups(shards, plan):
+        for param, spec, index in members:
+            saved = opt0["state"].get(index)
+            if not saved:
+                continue
+            shard0 = shards.files[0].tree[MODEL][spec.key]
+            state[param.name] = {
+                name: SpreadTensor(_state_of_every_rank(shards, index, name), param)
+                if sharded_like(value, shard0) else value
+                for name, value in saved.items()}
+        settings = {k: v for k, v in param_group.items() if k not in _GROUP_NAMES}
+        param_groups.append(dict(settings, params=[p.name for p, _, _ in members]))
+    return {"state": state, "param_groups": param_groups}
+
+
+def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:
+    out = []
+    for f in shards.files:
+        value = f.tree[OPTIMIZER].get("state", {}).get(index, {}).get(name)
+        if not isinstance(value, TensorRef):
+            raise CheckpointError(f"{f.path}: optimizer index {index} has no {name!r} state, "
+                                  f"which rank 0's file holds")
+        out.append(value)
+    return out
