@@ -5,7 +5,11 @@
 
 The text is the Python standard library's own source, read as bytes (a 256-token vocabulary),
 so nothing is downloaded. Every transformer block is its own FSDP unit; the embedding is tied
-to the output head. Per-rank checkpoints go to OUT/ckpt every --checkpoint-every steps. At the
+to the output head. A ``CheckpointManager`` writes per-rank checkpoints to OUT/ckpt/stepNNNNNN
+every --checkpoint-every steps (on a background thread with --async-save, the last
+--keep-last kept); a run continues from the latest one whenever there is one, at any device
+count. SIGTERM (a preemption notice) saves the current step and ends the run with exit code
+143; running the same command again continues from there. At the
 end the last checkpoint is consolidated with the project's own tool, the result is loaded into
 the plain, unwrapped model on the CPU, and the evaluation loss is computed again there: the two
 numbers must agree. The loss curve is written to OUT/loss.csv (and OUT/loss.png when
@@ -139,7 +143,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
-    from xla_fsdp.checkpoint import load_sharded, save_sharded
+    from xla_fsdp.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager
 
     device, world = torch_xla.device(), xr.world_size()
     if args.batch % world:
@@ -149,12 +153,16 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     train_data, eval_data = data[:split], data[split:]
     model = wrap(build_model(args), args)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    manager = CheckpointManager(os.path.join(args.out, "ckpt"), every=args.checkpoint_every,
+                                keep_last=args.keep_last, async_save=args.async_save)
     start, history = 0, []
-    if args.resume:
-        prefix = checkpoint_for(args, world, reshard=(rank == 0))
-        xm.rendezvous("checkpoint ready")  # the others wait while rank 0 reshards
-        extra = load_sharded(prefix, model, opt)
-        start, history = extra["step"], extra["history"]
+    if manager.latest() is not None:  # written at any device count, resharded as it loads
+        start = manager.latest()
+        history = manager.restore(model, opt)["history"]
+        if rank == 0:
+            print(f"resumed from step {start} ({len(history)} logged losses)", file=sys.stderr)
+    elif args.resume:
+        raise SystemExit(f"--resume: no checkpoint in {manager.directory.root}")
     local = args.batch // world
     shown = rank == 0
     began, tokens = time.monotonic(), 0
@@ -179,52 +187,28 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                 sys.stderr.write(f"\rstep {step + 1:>5}/{args.steps} [{bar:<24}] loss {value:.3f} "
                                  f"{rate:,.0f} tokens/s")
                 sys.stderr.flush()
-        last = step == args.steps - 1
-        if (step + 1) % args.checkpoint_every == 0 or last:
-            prefix = os.path.join(args.out, "ckpt", f"step{step + 1:06d}")
-            save_sharded(prefix, model, opt, extra={"step": step + 1, "history": history})
-            xm.rendezvous("checkpoint saved")  # 'latest' names only complete checkpoints
-            if rank == 0:
-                _write_latest(args.out, prefix)
+        manager.maybe_save(step + 1, model, opt, extra={"history": history})
+        if manager.stop_requested:  # SIGTERM: every rank saved this step; stop cleanly
+            if shown:
+                print(f"\npreempted: saved step {step + 1}; run the same command to continue",
+                      file=sys.stderr)
+            sys.exit(PREEMPTED_EXIT_CODE)
+    manager.save(args.steps, model, opt, extra={"history": history})  # unless just saved
+    manager.close()
     if shown:
         sys.stderr.write("\n")
     return {"eval_loss": evaluate(model, eval_data, args, rank, world, device),
             "history": history}
 
 
-def _write_latest(out: str, prefix: str) -> None:
-    from xla_fsdp.checkpoint.files import atomic_path
-    with atomic_path(os.path.join(out, "ckpt", "latest")) as tmp:
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(prefix) + "\n")
-
-
 # -- the parent process -------------------------------------------------------------------
-def checkpoint_for(args: argparse.Namespace, world: int, reshard: bool) -> str:
-    """The latest checkpoint's prefix for ``world`` devices; if it was written at another
-    device count and ``reshard``, reshards it with the project's tool first."""
-    from xla_fsdp.checkpoint.consolidate import run
-    from xla_fsdp.checkpoint.consolidate.cli import parse_args as consolidate_args
-    latest = os.path.join(args.out, "ckpt", "latest")
-    if not os.path.exists(latest):
-        raise SystemExit(f"--resume: no checkpoint in {os.path.dirname(latest)}")
-    prefix = os.path.join(args.out, "ckpt", open(latest).read().strip())
-    if os.path.exists(f"{prefix}_rank-00000000-of-{world:08d}.pth"):
-        return prefix
-    target = f"{prefix}_as{world}"
-    if reshard and not os.path.exists(f"{target}_rank-00000000-of-{world:08d}.pth"):
-        print(f"resharding {prefix} for {world} devices", file=sys.stderr)
-        run(consolidate_args(["--ckpt_prefix", prefix, "--reshard", str(world),
-                              "--save_path", target]))
-    return target
-
-
 def consolidate_and_check(args: argparse.Namespace, sharded_eval: float) -> None:
     """Consolidates the last checkpoint and recomputes the eval loss in plain PyTorch."""
     from xla_fsdp.checkpoint.consolidate import run
     from xla_fsdp.checkpoint.consolidate.cli import parse_args as consolidate_args
+    from xla_fsdp.checkpoint.manager.manager import SHARDED_PREFIX
     latest = open(os.path.join(args.out, "ckpt", "latest")).read().strip()
-    prefix = os.path.join(args.out, "ckpt", latest)
+    prefix = os.path.join(args.out, "ckpt", latest, SHARDED_PREFIX)
     final = os.path.join(args.out, "model_consolidated.pth")
     if os.path.exists(final):
         os.remove(final)  # from an earlier run
@@ -276,8 +260,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--out", default="runs/train_lm")
     p.add_argument("--resume", action="store_true",
-                   help="continue from OUT/ckpt/latest (resharded if the device count changed)")
+                   help="fail unless there is a checkpoint to continue from (a run continues "
+                        "from OUT/ckpt's latest checkpoint whenever there is one, at any "
+                        "device count)")
     p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--keep-last", type=int, default=None,
+                   help="keep only the last K checkpoints (default: all)")
+    p.add_argument("--async-save", action="store_true",
+                   help="write checkpoints on a background thread while training goes on")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=128)
@@ -309,7 +299,7 @@ def main(argv=None) -> None:
         # a save that failed (a full disk) left the earlier checkpoints as they were
         raise SystemExit(f"\ntrain_lm.py: {exc.__cause__}\nTo continue from the last complete "
                          f"checkpoint (named in {os.path.join(args.out, 'ckpt', 'latest')}), "
-                         f"free some space and run again with --resume.") from None
+                         f"free some space and run the same command again.") from None
     first = results[0]
     history = first["history"]
     print(f"trained to step {args.steps} on {len(results)} device(s) in "

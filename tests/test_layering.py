@@ -305,8 +305,15 @@ def _defined_names(module: Module) -> Set[str]:
     return {n for n in out if isinstance(n, str) and _is_private(n)}
 
 
+def _torch_xla_bindings() -> Set[str]:
+    """torch_xla's C bindings: ours only to patch (the launcher, the traced process), never
+    our fields; ``_xla/private_api.py`` calls them."""
+    import torch_xla
+    return {n for n in dir(torch_xla._XLAC) if _is_private(n)}
+
+
 OURS: Dict[str, Set[str]] = {n: _defined_names(m) for n, m in MODULES.items()}
-OUR_PRIVATE = set().union(*OURS.values())
+OUR_PRIVATE = set().union(*OURS.values()) - _torch_xla_bindings()
 
 
 def _private_api_uses(module: Module) -> List[str]:

@@ -1,22 +1,28 @@
-"""The README's first command, shrunk: train, checkpoint, consolidate, re-evaluate in plain
-PyTorch, then resume on another device count (which reshards the checkpoint)."""
+"""The README's first command, shrunk: train with asynchronous checkpoints, be preempted
+(SIGTERM), run the same command on another device count (which continues from the
+checkpoint the preemption saved), consolidate, re-evaluate in plain PyTorch."""
 import csv
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--layers", "1", "--dim", "32", "--heads", "2", "--seq", "16", "--batch", "8",
-         "--log-every", "2", "--checkpoint-every", "4", "--eval-batches", "2"]
+         "--log-every", "2", "--checkpoint-every", "2", "--eval-batches", "2"]
+
+
+def _command(out, *args):
+    return [sys.executable, os.path.join(ROOT, "examples", "train_lm.py"), "--out", str(out),
+            *SMALL, *args]
 
 
 def _run(out, *args):
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_lm.py"),
-                           "--out", str(out), *SMALL, *args],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(_command(out, *args), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     return done.stdout
 
@@ -28,23 +34,45 @@ def _eval_losses(stdout):
     return float(match.group(1)), float(match.group(2))
 
 
+def _complete(ckpt):
+    return sorted(int(n[4:]) for n in os.listdir(ckpt)
+                  if os.path.exists(os.path.join(ckpt, n, "COMPLETE")))
+
+
 @pytest.mark.slow
-def test_train_consolidate_resume_elsewhere(tmp_path):
-    out = _run(tmp_path, "--steps", "8", "--devices", "4")
+def test_train_preempt_resume_elsewhere_consolidate(tmp_path):
+    from xla_fsdp.checkpoint import PREEMPTED_EXIT_CODE
+    ckpt = tmp_path / "ckpt"
+    # a long run on 4 devices, preempted once its second checkpoint is complete
+    run = subprocess.Popen(_command(tmp_path, "--steps", "400", "--devices", "4",
+                                    "--async-save", "--keep-last", "2"),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (ckpt / "step000008" / "COMPLETE").exists():
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint at step 8 in 300 s"
+        time.sleep(0.1)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
+    before = _complete(ckpt)
+    stopped = before[-1]
+    assert f"preempted: saved step {stopped}" in err
+    assert 8 < stopped < 400 and len(_complete(ckpt)) == 2  # --keep-last 2
+    assert os.path.exists(ckpt / f"step{stopped:06d}" / "checkpoint_rank-00000003-of-00000004.pth")
+
+    # the same command on 2 devices continues from there, to the end
+    out = _run(tmp_path, "--steps", str(stopped + 4), "--devices", "2", "--async-save",
+               "--keep-last", "2")
     sharded, plain = _eval_losses(out)
     assert abs(sharded - plain) <= 1e-4
-    assert os.path.exists(tmp_path / "ckpt" / "step000008_rank-00000003-of-00000004.pth")
+    saved = {s for s in range(stopped + 1, stopped + 5) if s % 2 == 0} | {stopped + 4}
+    assert _complete(ckpt) == sorted(saved | set(before))[-2:]
     with open(tmp_path / "loss.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [int(r["step"]) for r in rows] == [0, 2, 4, 6, 7]
-    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])  # it learns, even in 8 steps
+    steps = [int(r["step"]) for r in rows]
+    last = stopped + 3  # the history went on from the checkpoint
+    assert steps == [s for s in range(last + 1) if s % 2 == 0 or s == last]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])  # it learns
     with open(tmp_path / "loss.png", "rb") as f:  # what the README's first command shows
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
-
-    out = _run(tmp_path, "--steps", "12", "--devices", "2", "--resume")
-    sharded, plain = _eval_losses(out)
-    assert abs(sharded - plain) <= 1e-4
-    assert os.path.exists(tmp_path / "ckpt" / "step000008_as2_rank-00000001-of-00000002.pth")
-    with open(tmp_path / "loss.csv") as f:
-        steps = [int(r["step"]) for r in csv.DictReader(f)]
-    assert steps == [0, 2, 4, 6, 7, 8, 10, 11]  # the history continued from the checkpoint

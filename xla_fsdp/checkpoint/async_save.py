@@ -11,8 +11,8 @@ with its writing on a background thread (``async_save=True``).
    names and flushed to disk. This is the part that takes as long as the disk does.
 3. *Publish* (on the training thread, every rank, a collective): the ranks agree whether
    every rank's write succeeded; then either every file is put in place, or every rank
-   removes what it wrote and raises. See [Note: a save is all ranks' or none] in
-   ``sharded`` and [Note: a DCP directory is complete or not a checkpoint] in ``dcp.save``.
+   removes what it wrote and raises: see the Notes on a save being all ranks' or none
+   (``sharded``) and on a DCP directory being complete or not a checkpoint (``dcp.save``).
 
 A synchronous save runs the three in a row. An asynchronous one returns a ``PendingSave``
 after the copy; its ``wait()`` publishes. Only the write may run beside training: the

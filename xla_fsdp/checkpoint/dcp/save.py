@@ -149,15 +149,15 @@ class _DcpRankSave:
     def publish(self, error: Optional[BaseException]) -> Optional[str]:
         self.planner = None
         prefix = None if self.plan is None else self.plan.storage_data.prefix
-        directory, group = self.directory, self.sharding_group
+        directory, ours = self.directory, self.sharding_group
         agree_or_undo("xla_fsdp.dcp.save.written", error,
                       None if prefix is None else lambda: _remove_files(directory, prefix))
-        all_results = exchange("xla_fsdp.dcp.save.results", (group, self.results))
+        all_results = exchange("xla_fsdp.dcp.save.results", (ours, self.results))
         error = None
         if self.plan is not None and self.rank == 0:
             try:
                 _commit(directory, self.central[1],
-                        [r for g, r in all_results if g == group and r], self.writer)
+                        [r for g, r in all_results if g == ours and r], self.writer)
             except Exception as exc:
                 error = exc
         agree("xla_fsdp.dcp.save.committed", error)

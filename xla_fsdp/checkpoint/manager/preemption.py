@@ -36,8 +36,8 @@ _installed = False
 
 
 def watch_for_preemption() -> bool:
-    """Installs the SIGTERM handler of [Note: who installs the SIGTERM handler] if this is
-    the main thread (once per process); returns whether it is installed."""
+    """Installs the SIGTERM handler (see the Note above) if this is the main thread (once
+    per process); returns whether it is installed."""
     global _installed, _previous
     if threading.current_thread() is not threading.main_thread():
         return _installed
