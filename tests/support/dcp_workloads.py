@@ -4,6 +4,7 @@ the same model wrapped another way at another world size and saved again (``load
 ``tests/checkpoint/dcp/test_roundtrip.py``; the bad-input checks run in the loading launch.
 """
 import os
+import pickle
 import shutil
 
 import torch
@@ -146,12 +147,23 @@ def _same(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+class _Opens:
+    """Unpickling this creates ``path``: a hostile ``.metadata``, observably."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 def _refusals(rank, good, bad):
     """Each bad checkpoint raises CheckpointError (its message returned) and leaves the
-    model and optimizer as they were."""
+    model and optimizer as they were; a hostile ``.metadata`` runs nothing, through
+    ``load_dcp`` or ``load_consolidated``."""
     import torch_xla
     import torch_xla.core.xla_model as xm
-    from xla_fsdp.checkpoint import CheckpointError, load_dcp
+    from xla_fsdp.checkpoint import CheckpointError, load_consolidated, load_dcp
     model = wrap(build("net", 1), "nested", rank)
     opt = optimizer("adamw", model)
     load_dcp(good, model, opt)
@@ -165,6 +177,9 @@ def _refusals(rank, good, bad):
         with open(os.path.join(bad + "_truncated", data[1]), "r+b") as f:
             f.truncate(os.path.getsize(os.path.join(good, data[1])) // 2)
         os.remove(os.path.join(bad + "_missing", data[2]))
+        shutil.copytree(good, bad + "_hostile")
+        with open(os.path.join(bad + "_hostile", ".metadata"), "wb") as f:
+            f.write(pickle.dumps(_Opens(bad + "_code_ran")))
     xm.rendezvous("damaged")  # every rank sees the damaged copies
     wider = Net()
     wider.added = torch.nn.Linear(2, 2)
@@ -174,6 +189,7 @@ def _refusals(rank, good, bad):
              "no_metadata": (bad + "_empty", model, opt),
              "truncated": (bad + "_truncated", model, opt),
              "missing_file": (bad + "_missing", model, opt),
+             "hostile_metadata": (bad + "_hostile", model, opt),
              "other_class": (good, model, torch.optim.SGD(model.parameters(), lr=0.1,
                                                           momentum=0.9))}
     out = {}
@@ -190,6 +206,12 @@ def _refusals(rank, good, bad):
             out[label] = "no error"
         except CheckpointError as exc:
             out[label] = str(exc)
+    try:  # the same directory through the other public reader
+        load_consolidated(bad + "_hostile", model, opt)
+        out["hostile_consolidated"] = "no error"
+    except CheckpointError as exc:
+        out["hostile_consolidated"] = str(exc)
+    out["code_ran"] = os.path.exists(bad + "_code_ran")
     out["unchanged"] = [_same(a, b) for a, b in zip(before, _snapshot(model, opt))]
     torch_xla.sync()
     return out

@@ -3,7 +3,8 @@
 way (flattened, dim-0, scanned and per-layer units, tied parameters in a module group, frozen
 parameters, bf16 compute, hybrid and independent sharding groups), the model equals the one
 saved and a second save holds the same values, optimizer state included. Bad checkpoints are
-refused, naming what is wrong, and change nothing (workloads in ``support/dcp_workloads.py``).
+refused, naming what is wrong, and change nothing; a hostile ``.metadata`` runs nothing
+(workloads in ``support/dcp_workloads.py``).
 """
 import os
 
@@ -85,4 +86,7 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
     assert "missing ['added.bias', 'added.weight'], unexpected []" in out["missing_keys"]
     assert "parameter 'head.weight' has shape [5, 32] in the checkpoint and [7, 32]" \
         in out["shape"]
+    for label in ("hostile_metadata", "hostile_consolidated"):
+        assert "damaged_hostile/.metadata: refuses to load io.open" in out[label], out[label]
+    assert out["code_ran"] is False
     assert out["unchanged"] == [True, True]

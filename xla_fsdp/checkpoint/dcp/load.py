@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..files import CheckpointError
 from ..unit_protocol import ShardedModel, require_root
+from .metadata_file import read_metadata_file
 from .planners import ChunkLoadPlanner, TensorPieces
 from .save import METADATA_FILE, checkpoint_dir_for
 from .staging import Source, StagedLoad
@@ -54,20 +55,20 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
 
 
 def read_metadata(directory: str) -> Metadata:
+    """The ``.metadata`` of the DCP checkpoint ``directory``, read admitting only DCP's
+    metadata classes (``metadata_file``), never with DCP's reader's ``pickle.load``."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: no such directory")
     if not os.path.exists(os.path.join(directory, METADATA_FILE)):
         raise CheckpointError(f"{directory} has no {METADATA_FILE}: it is not a DCP checkpoint, "
                               f"or its save did not complete")
-    try:
-        return FileSystemReader(directory).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{os.path.join(directory, METADATA_FILE)} cannot be read: "
-                              f"{type(exc).__name__}: {exc}") from None
+    return read_metadata_file(os.path.join(directory, METADATA_FILE))
 
 
 class DcpSource:
-    """A DCP directory, read through DCP's own reader."""
+    """A DCP directory: its ``.metadata`` read by ``read_metadata``, its data through DCP's
+    own reader (tensors as ``torch.load(weights_only=True)``, objects by our planner, the
+    same way)."""
 
     def __init__(self, directory: str) -> None:
         self.where = directory
@@ -94,6 +95,8 @@ def _run(directory: str, metadata: Metadata, planner: ChunkLoadPlanner) -> None:
     _check_files(directory, metadata, plan.items)
     try:
         reader.read_data(plan, planner).wait()
+    except CheckpointError as exc:  # the planner's refusal of an object, naming its file
+        raise CheckpointError(f"{directory}/{exc}") from None
     except Exception as exc:
         raise CheckpointError(f"{directory}: reading the data failed ({type(exc).__name__}: "
                               f"{exc}); a data file is corrupted") from None

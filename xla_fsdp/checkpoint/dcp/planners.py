@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import io
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -31,6 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..._sharding.chunks import Chunk
+from ..files import CheckpointError
 from .layout import Path
 
 COLLECT_BYTES = 64 << 20
@@ -164,7 +166,17 @@ class ChunkLoadPlanner(LoadPlanner):
         return central_plan
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+        """An object saved beside the tensors (``extra``, param group settings), read as
+        ``torch.load(weights_only=True)`` reads: tensors, plain containers, numbers, strings;
+        DCP's own planner would unpickle anything, running what it names."""
+        fqn = read_item.dest_index.fqn
+        try:
+            self.objects[fqn] = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            assert self.metadata is not None
+            where = self.metadata.storage_data[read_item.storage_index].relative_path
+            raise CheckpointError(f"{where}: entry {fqn!r} is refused by torch.load("
+                                  f"weights_only=True): {_reason(exc)}") from None
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         view = self.tensors[read_item.dest_index.fqn].view(read_item.dest_index.index)
@@ -174,3 +186,12 @@ class ChunkLoadPlanner(LoadPlanner):
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         pass  # read into the view itself
+
+
+def _reason(exc: Exception) -> str:
+    """The sentence of torch's weights-only refusal that names the global, not its advice."""
+    text = str(exc)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        return text.split(marker, 1)[1].split(". ", 1)[0]
+    return text.splitlines()[0] if text else type(exc).__name__

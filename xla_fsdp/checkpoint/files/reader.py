@@ -135,8 +135,13 @@ class CheckpointFile:
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self.tree = _LazyUnpickler(self, self._zip.read(pkl[0])).load()
-        except zipfile.BadZipFile as exc:
-            raise CheckpointError(f"{path}: data.pkl is corrupted ({exc})") from None
+        except CheckpointError:
+            self.close()
+            raise
+        except Exception as exc:  # zipfile's, pickle's, or a malformed record's
+            self.close()
+            raise CheckpointError(f"{path}: data.pkl is corrupted ({type(exc).__name__}: "
+                                  f"{exc})") from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -204,13 +209,9 @@ class CheckpointFile:
                                       f"(the file is corrupted)")
 
 
+# A storage type as torch.save names it (``torch.FloatStorage``) -> the dtype of its elements.
 _STORAGE_DTYPES = {name: dtype for dtype, name in storage_type_names().items()}
-
-
-def _storage_dtype(storage_type: Any) -> torch.dtype:
-    if storage_type is torch.UntypedStorage:
-        return torch.uint8
-    return _STORAGE_DTYPES[storage_type.__name__]
+_STORAGE_DTYPES["UntypedStorage"] = torch.uint8
 
 
 def _rebuild_tensor(storage: Tuple[str, torch.dtype, "CheckpointFile"], storage_offset: int,
@@ -237,7 +238,14 @@ _SAFE_GLOBALS = {
 
 class _LazyUnpickler(pickle.Unpickler):
     """Rebuilds the checkpoint's object with ``TensorRef``s; like ``weights_only=True``,
-    refuses any global outside plain containers, tensors, dtypes and storage types."""
+    refuses any global outside plain containers, tensors, dtypes and storage types.
+
+    Nothing it hands out is a class pickle's BUILD could change for the whole process (see
+    [Note: building only instances]): besides our rebuild functions, the classes are
+    ``OrderedDict``, ``torch.Size`` and builtins, which refuse new attributes, and a storage
+    type, a Python class of torch's that would take them, comes back as its dtype, since all
+    a pickle does with one is name it in a persistent id. So the C unpickler is enough here,
+    unlike for DCP's ``.metadata``."""
 
     def __init__(self, file: CheckpointFile, data: bytes) -> None:
         import io
@@ -248,17 +256,20 @@ class _LazyUnpickler(pickle.Unpickler):
         if (module, name) in _SAFE_GLOBALS:
             return _SAFE_GLOBALS[(module, name)]
         if module == "torch":
-            value = getattr(torch, name, None)
-            if isinstance(value, torch.dtype) or (
-                    isinstance(value, type) and name.endswith("Storage")):
+            value = vars(torch).get(name)  # not getattr: torch's __getattr__ imports modules
+            if isinstance(value, torch.dtype):
                 return value
+            if name in _STORAGE_DTYPES:
+                return _STORAGE_DTYPES[name]
         raise CheckpointError(f"{self._file.path}: holds {module}.{name}, which a "
                               f"weights-only checkpoint may not contain")
 
     def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) != 5:
+            raise CheckpointError(f"{self._file.path}: malformed persistent record {pid!r:.80}")
         kind, storage_type, key, _location, _numel = pid
         if isinstance(kind, bytes):
             kind = kind.decode("ascii")
-        if kind != "storage":
+        if kind != "storage" or not isinstance(storage_type, torch.dtype):
             raise CheckpointError(f"{self._file.path}: unknown persistent record {kind!r}")
-        return (str(key), _storage_dtype(storage_type), self._file)
+        return (str(key), storage_type, self._file)
