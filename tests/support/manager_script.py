@@ -7,7 +7,8 @@ It resumes from DIR's latest checkpoint if there is one, trains ``wrapped_net`` 
 ``--steps``, and appends each step's global loss to DIR/losses.txt as ``step loss.hex()``
 (exact) once the step is done. With ``--stall-at S`` the background write of step S's save
 writes its file and then sleeps, after creating DIR/stalled: a write in flight, for a test
-to kill. It exits with ``PREEMPTED_EXIT_CODE`` when stopped by a preemption.
+to kill. It exits with ``PREEMPTED_EXIT_CODE`` when stopped by a preemption. With ``--no-manager``
+its ranks only wait, watched by no manager.
 """
 import argparse
 import os
@@ -89,12 +90,18 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--stall-at", type=int, default=None)
     p.add_argument("--pause", type=float, default=0.0, help="seconds after each step")
+    p.add_argument("--no-manager", action="store_true",
+                   help="only wait (DIR/waiting once the ranks run), with no manager")
     args = p.parse_args(argv)
     from xla_fsdp import launch
     launch(_run, (args,), num_devices=args.devices)
 
 
 def _run(rank, args):
+    if args.no_manager:
+        open(os.path.join(args.dir, "waiting"), "w").close()
+        time.sleep(300)
+        return None
     if args.stall_at is not None and rank == 0:  # torch.save is the process's, every rank's
         _stall_writes_at(args.stall_at, args.dir)
     return train(rank, args)

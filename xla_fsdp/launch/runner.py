@@ -149,16 +149,16 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     tail = _LogTail(log_path)
     # a preemption notice to this process is the devices' (see [Note: who installs the
     # SIGTERM handler])
-    handler = preemption.forward_to(process.pid)
+    forwarding = preemption.Forwarding(process.pid)
     try:
         return _collect(process, receiver, tail)
     finally:
-        preemption.restore(handler)
         tail.stop()
         if process.is_alive():
             process.kill()
         process.join()
         os.unlink(log_path)
+        forwarding.end(process.exitcode)
 
 
 def _collect(process, receiver, tail) -> Dict[int, Any]:

@@ -94,3 +94,15 @@ def test_killed_mid_write_then_preempted_then_resumed_exactly(tmp_path):
     for step, loss in _losses(directory):
         assert loss == reference[step], (step, loss, reference[step])
     assert _complete(directory)[-1] == STEPS
+
+
+def test_without_a_manager_sigterm_ends_the_launch_as_before(tmp_path):
+    """The launchers install a handler, but only a manager makes SIGTERM a request: without
+    one the launching process ends of the signal, as it did before."""
+    directory = str(tmp_path)
+    process = _start(directory, "--no-manager")
+    _wait_for(lambda: os.path.exists(os.path.join(directory, "waiting")), process,
+              "the ranks to run")
+    process.send_signal(signal.SIGTERM)
+    code, out = _finish(process, timeout=60)
+    assert code == -signal.SIGTERM, out[-3000:]

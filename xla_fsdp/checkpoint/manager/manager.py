@@ -107,7 +107,7 @@ class CheckpointManager:
         self._finish_pending()
         if self.directory.is_complete(step):
             return
-        path = exchange_first(f"xla_fsdp.manager.prepare.{step}",
+        path = _on_every_rank(f"xla_fsdp.manager.prepare.{step}",
                               lambda: self.directory.prepare(step))
         if self.format == "dcp":
             result = save_dcp(path, model, optimizer, extra, async_save=self.async_save)
@@ -199,7 +199,7 @@ class CheckpointManager:
             self.directory.keep_last(self.keep_last)
 
 
-def exchange_first(tag: str, fn: Any) -> Any:
+def _on_every_rank(tag: str, fn: Any) -> Any:
     """Runs ``fn`` on every rank, and waits for every rank to have run it."""
     out = fn()
     exchange(tag, None)

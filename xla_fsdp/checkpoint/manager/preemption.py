@@ -60,10 +60,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def installed() -> bool:
-    return _installed
-
-
 def start_watching() -> None:
     """A manager watches: SIGTERM now sets the flag."""
     global _watchers
@@ -82,33 +78,31 @@ def requested() -> bool:
     return _requested.is_set()
 
 
-def request() -> None:
-    """As if SIGTERM had arrived (for a process told by other means that it will stop)."""
-    _requested.set()
+class Forwarding:
+    """While it lasts (made on the main thread), SIGTERM to this process is sent on to
+    ``pid`` (the virtual launcher's worker) instead of acting here. ``end(exitcode)`` puts
+    the previous handler back; if the signal came and ``pid`` then died of it (nothing there
+    watched), this process ends of it too, as it would have without the forwarding."""
 
+    def __init__(self, pid: int) -> None:
+        self.received = False
+        self._previous: Any = None
+        self._active = threading.current_thread() is threading.main_thread()
+        if self._active:
+            self._previous = signal.signal(signal.SIGTERM, self._forward)
+        self._pid = pid
 
-def clear() -> None:
-    """Forgets a notice (after the process saved and stopped, for a process that goes on,
-    such as a test)."""
-    _requested.clear()
-
-
-def forward_to(pid: int) -> Optional[Any]:
-    """On the main thread: SIGTERM to this process is sent on to ``pid`` (the virtual
-    launcher's worker) and not acted on here. Returns the handler to put back
-    (``restore``), or None when not on the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-
-    def forward(signum: int, frame: Any) -> None:
+    def _forward(self, signum: int, frame: Any) -> None:
+        self.received = True
         try:
-            os.kill(pid, signal.SIGTERM)
+            os.kill(self._pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
 
-    return signal.signal(signal.SIGTERM, forward)
-
-
-def restore(handler: Any) -> None:
-    if handler is not None:
-        signal.signal(signal.SIGTERM, handler)
+    def end(self, exitcode: Optional[int]) -> None:
+        if not self._active:
+            return
+        self._active = False
+        signal.signal(signal.SIGTERM, self._previous)
+        if self.received and exitcode == -signal.SIGTERM:
+            os.kill(os.getpid(), signal.SIGTERM)
