@@ -1,8 +1,11 @@
-"""Save at N=4, consolidate, reshard to 2 and 8, resume; and consolidate torch_xla's own
-checkpoints. One launch per world size; every check of that size runs inside it.
+"""Save at N=4, consolidate, reshard to 2 and 8, resume; load the N=4 files at 2 and 8
+directly, every layout, per-rank and DCP, and train on as unsharded training does; and
+consolidate torch_xla's own checkpoints. One launch per world size; every check of that size
+runs inside it.
 
 Bounds: SGD with momentum in fp32, as in the parity suite: parameters and momentum within
-1e-5 of unsharded training, resumed losses within 1e-5 relative of continuing at N=4.
+1e-5 of unsharded training, resumed losses within 1e-5 relative of continuing at N=4. The
+layouts' bounds (AdamW) are in ``support/any_world_workloads.py``.
 """
 
 import pytest
@@ -11,13 +14,14 @@ import torch
 from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
+from ..support import any_world_workloads as layouts
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
 from ..support.models import Net
 
 FIRST, THEN = range(0, 5), range(5, 10)
 
 
-def at_four(rank, prefix, upstream_prefix):
+def at_four(rank, prefix, upstream_prefix, layouts_dir):
     import torch_xla.runtime as xr
     from xla_fsdp.checkpoint import save_sharded
     world = xr.world_size()
@@ -28,7 +32,8 @@ def at_four(rank, prefix, upstream_prefix):
     full = model.full_state_dict()
     continued = train(model, opt, THEN, rank, world)
     _save_upstream(rank, upstream_prefix)
-    return {"path": path, "full": full, "continued": continued}
+    return {"path": path, "full": full, "continued": continued,
+            "layouts": layouts.save_layouts(rank, layouts_dir)}
 
 
 def _save_upstream(rank, prefix):
@@ -55,26 +60,31 @@ def unsharded(rank):
     opt = optimizer_for(model)
     train(model, opt, FIRST, 0, 1)
     return {"params": {k: v.detach().cpu() for k, v in model.named_parameters()},
-            "momentum": [opt.state[p]["momentum_buffer"].cpu() for p in model.parameters()]}
+            "momentum": [opt.state[p]["momentum_buffer"].cpu() for p in model.parameters()],
+            "layouts": layouts.unsharded_layouts()}
 
 
-def resumed(rank, prefix, consolidated_path):
+def resumed(rank, prefix, consolidated_path, layouts_dir, upstream_prefix):
     import torch_xla.runtime as xr
+    from xla_fsdp import FSDP
     from xla_fsdp.checkpoint import load_sharded
     world = xr.world_size()
+    # the N=4 files themselves, at this world size
+    direct = wrapped_net()
+    direct_opt = optimizer_for(direct)
+    direct_extra = load_sharded(prefix.rsplit("_to", 1)[0], direct, direct_opt)
+    direct_losses = train(direct, direct_opt, THEN, rank, world)
+    # the resharded files (this rank's own), and into a model wrapped differently
     model = wrapped_net()
     opt = optimizer_for(model)
-    errors = {}
-    try:  # the N=4 files, at this world size
-        load_sharded(prefix.rsplit("_to", 1)[0], model, opt)
-    except Exception as exc:  # noqa: BLE001 - the message is what is tested
-        errors["world"] = str(exc)
-    from xla_fsdp import FSDP
-    try:  # the right world size, but a model wrapped differently
-        load_sharded(prefix, FSDP(Net()), None)
-    except Exception as exc:  # noqa: BLE001
-        errors["wrapping"] = str(exc)
     extra = load_sharded(prefix, model, opt)
+    other = FSDP(Net())
+    load_sharded(prefix, other, None)
+    other_wrapping = other.full_state_dict(rank0_only=False)
+    # torch_xla's own per-rank files (its recipe, model only), at this world size
+    upstream = wrapped_net()
+    load_sharded(upstream_prefix, upstream, None)
+    upstream_state = upstream.full_state_dict(rank0_only=False)
     losses = train(model, opt, THEN, rank, world)
     # a consolidated checkpoint seeds a model at any world size, and reads back unchanged
     seeded = wrapped_net()
@@ -82,23 +92,33 @@ def resumed(rank, prefix, consolidated_path):
     seeded.load_full_state_dict(consolidated)
     back = seeded.full_state_dict()
     same = rank != 0 or all(torch.equal(back[k], v) for k, v in consolidated.items())
-    return {"extra": extra, "errors": errors, "losses": losses, "seeded_round_trip": same,
-            "keys": sorted(back) == sorted(consolidated) if rank == 0 else True}
+    return {"extra": extra, "losses": losses, "seeded_round_trip": same,
+            "keys": sorted(back) == sorted(consolidated) if rank == 0 else True,
+            "direct_extra": direct_extra, "direct_losses": direct_losses,
+            "other_wrapping": all(torch.equal(other_wrapping[k], v)
+                                  for k, v in consolidated.items()),
+            "upstream": upstream_state, "layouts": layouts.resume_layouts(rank, layouts_dir)}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     prefix, upstream = str(root / "net"), str(root / "upstream")
-    out = launch(at_four, (prefix, upstream), num_devices=4)
+    layouts_dir = str(root / "layouts")
+    out = launch(at_four, (prefix, upstream, layouts_dir), num_devices=4)
     consolidated = str(root / "net_consolidated.pth")
     assert consolidate_main(["--ckpt_prefix", prefix]) == 0
     return {"prefix": prefix, "upstream": upstream, "at_four": out,
-            "consolidated": consolidated, "root": root}
+            "consolidated": consolidated, "root": root, "layouts_dir": layouts_dir}
 
 
-def test_consolidated_matches_unsharded_training(saved):
-    ref = launch(unsharded, num_devices=1)[0]
+@pytest.fixture(scope="module")
+def reference():
+    return launch(unsharded, num_devices=1)[0]
+
+
+def test_consolidated_matches_unsharded_training(saved, reference):
+    ref = reference
     ckpt = torch.load(saved["consolidated"], weights_only=True)
     plain = Net()
     plain.load_state_dict(ckpt["model"], strict=True)
@@ -129,24 +149,75 @@ def test_safetensors_equals_pt(saved):
     assert opt["optimizer_param_names"] == pt["optimizer_param_names"]
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(8, marks=pytest.mark.slow)])
-def test_reshard_and_resume(saved, world):
-    target = f"{saved['prefix']}_to{world}"
-    assert consolidate_main(["--ckpt_prefix", saved["prefix"], "--reshard", str(world),
-                             "--save_path", target]) == 0
-    out = launch(resumed, (target, saved["consolidated"]), num_devices=world)
+@pytest.fixture(scope="module")
+def resumes(saved):
+    """The launch at each world size, once: the reshard test and the layouts' share it."""
+    done = {}
+
+    def at(world):
+        if world not in done:
+            target = f"{saved['prefix']}_to{world}"
+            assert consolidate_main(["--ckpt_prefix", saved["prefix"], "--reshard", str(world),
+                                     "--save_path", target]) == 0
+            done[world] = launch(resumed, (target, saved["consolidated"], saved["layouts_dir"],
+                                           saved["upstream"]), num_devices=world)
+        return done[world]
+    return at
+
+
+WORLDS = [2, pytest.param(8, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_reshard_and_resume(resumes, saved, world):
+    out = resumes(world)
     expected = saved["at_four"][0]["continued"]
     for rank, result in out.items():
-        assert result["extra"] == {"step": 5}
-        assert "reshard them with consolidate_sharded_ckpts" in result["errors"]["world"]
-        assert f"--reshard {world}" in result["errors"]["world"]
-        assert "sharded differently" in result["errors"]["wrapping"]
-        assert result["seeded_round_trip"] and result["keys"]
-        for step, (got, want) in enumerate(zip(result["losses"], expected)):
-            assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
+        assert result["extra"] == {"step": 5} and result["direct_extra"] == {"step": 5}
+        assert result["seeded_round_trip"] and result["keys"] and result["other_wrapping"]
+        for losses in (result["losses"], result["direct_losses"]):
+            for step, (got, want) in enumerate(zip(losses, expected)):
+                assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
 
 
-def test_consolidates_torch_xla_checkpoints(saved):
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_layout_resumes_at_another_world_size(resumes, saved, reference, world):
+    """N=4 per-rank and DCP checkpoints of every layout, loaded at ``world`` straight from
+    their files: the state saved exactly, then training as unsharded training goes on."""
+    problems = layouts.check_resumed(saved["at_four"][0]["layouts"], reference["layouts"],
+                                     resumes(world), world)
+    assert not problems, "\n".join(problems)
+
+
+def test_a_checkpoint_loads_into_another_wrapping(saved):
+    at_four = saved["at_four"]
+    for rank, result in at_four.items():
+        got = result["layouts"]["flattened_into_dim0"]
+        assert got["extra"] == {"layout": "flattened"}
+        want = at_four[0]["layouts"]["flattened"]
+        assert got["state"].keys() == want.keys()
+        for key, value in want.items():
+            assert got["state"][key].dtype == value.dtype, key
+            assert torch.equal(got["state"][key], value), (rank, key)
+
+
+def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
+    for rank, result in resumes(2).items():
+        out = result["layouts"]["refusals"]
+        for label, message in out.items():
+            print(f"rank {rank} {label}: {message}")
+        assert "does not hold this model" in out["other_model"]
+        assert "flattened_rank-*-of-*.pth" in out["other_model"]
+        assert "unexpected ['b2.seen', 'head.bias', 'inp.bias', 'inp.weight']" \
+            in out["other_model"]
+        assert "ranks [3] are missing" in out["missing_rank"]
+        assert "corrupt_rank-00000001-of-00000004.pth" in out["corrupt"]
+        assert "CRC-32" in out["corrupt"]
+        assert "nope: no such checkpoint" in out["no_checkpoint"]
+        assert out["unchanged"] == [True, True]
+
+
+def test_consolidates_torch_xla_checkpoints(saved, resumes):
     from torch_xla.distributed.fsdp import consolidate_sharded_model_checkpoints
     theirs, _ = consolidate_sharded_model_checkpoints(
         saved["upstream"], "_rank-*-of-*.pth", save_model=False)
@@ -156,3 +227,7 @@ def test_consolidates_torch_xla_checkpoints(saved):
     assert sorted(ours) == sorted(theirs)
     assert all(torch.equal(ours[k], v) for k, v in theirs.items())
     Net().load_state_dict(ours, strict=True)
+    # load_sharded reads them too, at another world size and into our wrapping
+    for rank, result in resumes(2).items():
+        assert sorted(result["upstream"]) == sorted(theirs)
+        assert all(torch.equal(result["upstream"][k], v) for k, v in theirs.items()), rank

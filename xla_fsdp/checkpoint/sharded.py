@@ -29,19 +29,21 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
-import glob
 import os
 import weakref
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from .._sharding.tensor_tree import collect_tensors
 from .._xla.private_api import to_cpu
-from .dcp.coordination import agree, agree_or_undo
+from .consolidate.per_rank_source import open_per_rank_files
+from .dcp.coordination import agree, agree_or_undo, exchange
+from .dcp.load import load_staged
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
-                       RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
+                       RANK_FILES, RankRecord, optimizer_shard_keys,
+                       sharded_checkpoint_path, wrapping_fingerprint)
 from .unit_protocol import ShardedModel, require_root, sharding_group_index
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
@@ -55,20 +57,6 @@ def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
     if model.options.replicate_across_groups:
         return prefix if index == 0 else None
     return f"{prefix}_group-{index:03d}"
-
-
-def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
-    """The model state dict key of the shard each optimizer index holds, in index order."""
-    names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
-    keys = []
-    for param_group in optimizer.param_groups:
-        for p in param_group["params"]:
-            if id(p) not in names:
-                raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} "
-                                 f"that is not a shard of this model; create the optimizer "
-                                 f"from model.parameters() after wrapping")
-            keys.append(names[id(p)])
-    return keys
 
 
 def save_sharded(path_prefix: str, model: ShardedModel,
@@ -133,42 +121,74 @@ def _tensor_bytes(tree: Any) -> int:
 
 def load_sharded(path_prefix: str, model: ShardedModel,
                  optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-    """Loads this rank's file into ``model`` (and ``optimizer``); returns the saved ``extra``.
+    """Loads a checkpoint ``save_sharded`` wrote into ``model`` (and ``optimizer``), at any
+    world size and in any wrapping; returns the saved ``extra``. Every rank calls it.
 
-    The file must come from a model wrapped the same way at the same world size; for another
-    world size, reshard it first (``consolidate_sharded_ckpts --reshard N``)."""
-    import torch_xla
+    When every rank finds its own file of this world size, saved from this wrapping and
+    this optimizer's shards by the same save (the usual resume), each rank loads that file
+    alone. Otherwise (another world size, another wrapping, torch_xla's recipe files) the
+    checkpoint is read as the loader reads a consolidated one: every rank opens all of its
+    files (so every rank must see them, as on a shared filesystem) and reads only the runs
+    its own shards hold (``consolidate.per_rank_source``); the ranks share the CRC-32
+    checks. Everything is checked against the model first, and the model and optimizer
+    change only once every rank has read all it needs: a checkpoint that does not fit raises
+    ``CheckpointError`` on every rank, naming the file or key at fault, and changes nothing
+    (see [Note: nothing changes unless everything was read])."""
     require_root(model, "load_sharded")
     path_prefix = _sharding_group_prefix(path_prefix, model) or path_prefix
-    metadata = model.get_shard_metadata()
-    path = sharded_checkpoint_path(path_prefix, model.rank, model.world_size)
+    own = _own_file(path_prefix, model, optimizer)
+    # one way for every rank (the other is collective), and the own files of one save only
+    everyone = exchange("xla_fsdp.load_sharded.own", None if own is None else own[1].save_index)
+    if None not in everyone and len(set(everyone)) == 1:
+        return _load_own_file(own[0], own[1], model, optimizer)
+    return _load_through_source(path_prefix, model, optimizer)
+
+
+def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.Optimizer]
+              ) -> Optional[Tuple[str, RankRecord]]:
+    """This rank's file and its record if the file is this model's own (this world size and
+    rank, this wrapping, this optimizer's shards in order, every record's CRC-32 intact);
+    None otherwise, and the source then says what, if anything, is wrong."""
+    path = sharded_checkpoint_path(prefix, model.rank, model.world_size)
     if not os.path.exists(path):
-        others = sorted(glob.glob(f"{glob.escape(path_prefix)}_rank-*-of-*.pth"))
-        hint = (f"; found {others[0]} and others of another world size: reshard them with "
-                f"consolidate_sharded_ckpts --ckpt_prefix {path_prefix} --reshard "
-                f"{model.world_size}" if others else "")
-        raise CheckpointError(f"{path}: no such checkpoint file{hint}")
-    with CheckpointFile(path) as f:
-        f.verify()
-        ours = RankRecord.of(f.tree)
-    if ours is None:
-        raise CheckpointError(f"{path} was not written by save_sharded")
-    expected = wrapping_fingerprint(metadata)
-    if ours.fingerprint != expected:
-        raise CheckpointError(
-            f"{path} was saved from a model sharded differently (fingerprint {ours.fingerprint}, "
-            f"this model's is {expected}): the wrapping, parameter shapes or options such as "
-            f"flatten_parameters/shard_param_on_dim_0 differ. Consolidate it with "
-            f"consolidate_sharded_ckpts and load the result with model.load_full_state_dict()")
+        return None
+    try:
+        with CheckpointFile(path) as f:
+            f.verify()
+            ours = RankRecord.of(f.tree)
+            has_optimizer = isinstance(f.tree, dict) and OPTIMIZER in f.tree
+    except CheckpointError:
+        return None
+    if ours is None or ours.fingerprint != wrapping_fingerprint(model.get_shard_metadata()):
+        return None
+    if optimizer is not None and (not has_optimizer or ours.optimizer_param_keys
+                                  != optimizer_shard_keys(model, optimizer)):
+        return None
+    return path, ours
+
+
+def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
+                   optimizer: Optional[torch.optim.Optimizer]) -> Any:
+    import torch_xla
     checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     model.load_state_dict(checkpoint[MODEL])
     if optimizer is not None:
-        if OPTIMIZER not in checkpoint:
-            raise CheckpointError(f"{path} holds no optimizer state")
-        if ours.optimizer_param_keys != optimizer_shard_keys(model, optimizer):
-            raise CheckpointError(f"{path}: the optimizer's parameters are not the ones it was "
-                                  f"saved with (or not in the same order)")
         optimizer.load_state_dict(checkpoint[OPTIMIZER])
     _SAVE_COUNT[model] = ours.save_index
     torch_xla.sync()
     return checkpoint.get(EXTRA)
+
+
+def _load_through_source(prefix: str, model: ShardedModel,
+                         optimizer: Optional[torch.optim.Optimizer]) -> Any:
+    records: List[Optional[RankRecord]] = []
+
+    def open_source() -> Any:
+        source, shards, _ = open_per_rank_files(prefix, RANK_FILES, optimizer is not None,
+                                                share=(model.rank, model.world_size))
+        records.append(RankRecord.of(shards.files[0].tree))
+        return source
+    extra = load_staged(open_source, model, optimizer, "xla_fsdp.load_sharded")
+    if records and records[0] is not None:
+        _SAVE_COUNT[model] = records[0].save_index
+    return extra

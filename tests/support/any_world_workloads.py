@@ -1,0 +1,350 @@
+"""Checkpoints of every layout saved at N = 4 after a few AdamW steps, per-rank
+(``save_sharded``) and DCP (``save_dcp``), loaded at N = 2 and 8 straight from those files
+(``load_sharded``, ``load_dcp``) and trained on; the same models trained unsharded on one
+device; bad per-rank checkpoints refused. Run inside ``tests/checkpoint/test_roundtrip.py``'s
+launches (``save_layouts`` at N = 4, ``unsharded_layouts`` at N = 1, ``resume_layouts`` at
+N = 2 and 8), so that they add no launch of their own.
+
+Bounds (AdamW in fp32, as the parity suite holds it): every loss after the load within 1e-5
+relative of unsharded training's; every parameter within 2 * lr * steps, and at most 1% of
+a parameter's elements beyond 1e-5. The state loaded equals the state saved exactly, and a
+per-rank load and a DCP load train on identically.
+"""
+import os
+import shutil
+import threading
+import zipfile
+
+import torch
+
+from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
+
+LR = 1e-3
+BEFORE, AFTER = range(0, 2), range(2, 4)
+SAVE_WORLD = 4
+# name: (model kind, wrapping); each is loaded at N = 2 and 8 into the same wrapping
+LAYOUTS = {
+    "nested_tied": ("tied", "nested"),
+    "flattened": ("net", "flattened"),
+    "dim0_buffer": ("net", "dim0"),        # with a persistent buffer placed in bf16
+    "scanned": ("stack", "scanned"),       # ScannedLayers, flattened: interleaved rows
+    "groups": ("net", "groups"),           # independent sharding groups, files per group
+    "hybrid": ("net", "hybrid"),           # replicate_across_groups: the first group writes
+}
+BUFFER = "b2.seen"   # the dim-0 layout's buffer, set before the save to values bf16 holds
+
+
+def build(kind, seed):
+    torch.manual_seed(seed)
+    if kind == "tied":
+        return TiedLM()
+    if kind == "stack":
+        return Stack()
+    model = Net()
+    model.b2.register_buffer("seen", torch.zeros(6))
+    return model
+
+
+def _sharding_group_size(how, world):
+    return world // 2 if how in ("groups", "hybrid") else world
+
+
+def wrap(model, how, world, rank):
+    from xla_fsdp import FSDP, ScannedLayers
+    kw = {"flatten_parameters": how == "flattened", "shard_param_on_dim_0": how == "dim0"}
+    if how == "dim0":
+        kw["buffer_dtype"] = torch.bfloat16
+    if how in ("groups", "hybrid"):
+        size = _sharding_group_size(how, world)
+        kw.update(sharding_groups=[list(range(i, i + size)) for i in range(0, world, size)],
+                  sharding_rank=rank % size, sharding_world_size=size,
+                  replicate_across_groups=how == "hybrid")
+    if how == "scanned":
+        model.layers = ScannedLayers(model.layers, flatten_parameters=True)
+        return FSDP(model)
+    model.b1, model.b2 = FSDP(model.b1, **kw), FSDP(model.b2, **kw)
+    return FSDP(model, **kw)
+
+
+def optimizer(model):
+    return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+
+
+def train(model, opt, kind, steps, rank, world, split):
+    """AdamW steps, each rank on its part of the batch (``split`` parts); returns the
+    losses averaged over every rank (the global batch's: every group sees all of it)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    device = torch_xla.device()
+    data = "tied" if kind == "tied" else "net"
+    local, part = GLOBAL_BATCH // split, rank % split
+    losses = []
+    for step in steps:
+        x, y = batch(data, step)
+        x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
+        opt.zero_grad()
+        loss = loss_fn(data, model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        if world > 1:
+            loss = xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / world)
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
+
+def _split(how, world):
+    return _sharding_group_size(how, world) if how == "groups" else world
+
+
+def save_layouts(rank, root):
+    """At N = 4: every layout trained ``BEFORE`` and saved both ways; its full state dict
+    (group 0's for independent groups). Also a per-rank checkpoint loaded at N = 4 into
+    another wrapping (flattened into dim-0), whose state must be the one saved."""
+    import torch_xla
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import load_sharded, save_dcp, save_sharded
+    world = xr.world_size()
+    out = {}
+    for name, (kind, how) in LAYOUTS.items():
+        model = wrap(build(kind, 0), how, world, rank)
+        opt = optimizer(model)
+        train(model, opt, kind, BEFORE, rank, world, _split(how, world))
+        if kind == "net":
+            with torch.no_grad():
+                dict(model.named_buffers())[_wrapped_name(model, BUFFER)].copy_(
+                    torch.arange(6.0) * 1.5)
+        save_sharded(os.path.join(root, name), model, opt, extra={"layout": name})
+        save_dcp(os.path.join(root, name + "_dcp"), model, opt, extra={"layout": name})
+        out[name] = model.full_state_dict(rank0_only=False)
+        torch_xla.sync()
+    other = wrap(build("net", 1), "dim0", world, rank)
+    extra = load_sharded(os.path.join(root, "flattened"), other, optimizer(other))
+    out["flattened_into_dim0"] = {"extra": extra,
+                                  "state": other.full_state_dict(rank0_only=False)}
+    torch_xla.sync()
+    return out
+
+
+def _wrapped_name(model, name):
+    from xla_fsdp._sharding.names import clean_name
+    return next(k for k, _ in model.named_buffers() if clean_name(k) == name)
+
+
+def unsharded_layouts():
+    """At N = 1: each model kind trained ``BEFORE`` and ``AFTER`` unsharded; the losses of
+    ``AFTER`` and the parameters at the end."""
+    import torch_xla
+    device = torch_xla.device()
+    out = {}
+    for kind in sorted({kind for kind, _ in LAYOUTS.values()}):
+        model = build(kind, 0).to(device)
+        if kind == "tied":
+            model.head.weight = model.emb.weight  # moving to XLA unties
+        opt = optimizer(model)
+        train(model, opt, kind, BEFORE, 0, 1, 1)
+        losses = train(model, opt, kind, AFTER, 0, 1, 1)
+        params = {k: v.detach().cpu() for k, v in model.named_parameters()}
+        if kind == "tied":
+            params["head.weight"] = params["emb.weight"]
+        out[kind] = {"losses": losses, "params": params}
+    return out
+
+
+class ReadCounter:
+    """Bytes each rank (device thread) reads through ``CheckpointFile.pread_into``: the
+    tensor reads of a load through the source (CRC checks read otherwise)."""
+
+    def __init__(self):
+        self.by_rank = {}
+        self._lock = threading.Lock()
+        self._installed = False
+
+    def install(self):
+        from xla_fsdp.checkpoint.files import CheckpointFile
+        with self._lock:
+            if self._installed:
+                return
+            self._installed = True
+        original = CheckpointFile.pread_into
+
+        def counted(file, key, offset, out):
+            import torch_xla.runtime as xr
+            original(file, key, offset, out)
+            with self._lock:
+                rank = xr.global_ordinal()
+                self.by_rank[rank] = self.by_rank.get(rank, 0) + memoryview(out).nbytes
+        CheckpointFile.pread_into = counted
+
+    def of_this_rank(self):
+        import torch_xla.runtime as xr
+        return self.by_rank.get(xr.global_ordinal(), 0)
+
+
+COUNTER = ReadCounter()
+
+
+def resume_layouts(rank, root):
+    """At N = 2 or 8: every layout loaded both ways into a model initialised otherwise, its
+    state right after a per-rank load, the bytes that load read here, and the losses and
+    parameters of training ``AFTER``; at N = 2 also the refusals."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import load_dcp, load_sharded
+    from xla_fsdp._sharding.names import clean_name
+    world = xr.world_size()
+    COUNTER.install()
+    xm.rendezvous("xla_fsdp.test.any_world.counter")  # installed before any rank reads
+    out = {}
+    for name, (kind, how) in LAYOUTS.items():
+        out[name] = {}
+        for fmt in ("per_rank", "dcp"):
+            model = wrap(build(kind, 1), how, world, rank)
+            opt = optimizer(model)
+            path = os.path.join(root, name)
+            before = COUNTER.of_this_rank()
+            if fmt == "per_rank":
+                extra = load_sharded(path, model, opt)
+                loaded = model.full_state_dict(rank0_only=False)
+            else:
+                extra = load_dcp(path + "_dcp", model, opt)
+                loaded = None
+            read = COUNTER.of_this_rank() - before
+            losses = train(model, opt, kind, AFTER, rank, world, _split(how, world))
+            buffers = {clean_name(k) for k, _ in model.named_buffers()}
+            params = {k: v for k, v in model.full_state_dict(rank0_only=False).items()
+                      if k not in buffers}
+            out[name][fmt] = {"extra": extra, "loaded": loaded, "bytes": read,
+                              "losses": losses, "params": params}
+            torch_xla.sync()
+    if world == 2:
+        out["refusals"] = _refusals(rank, root)
+    return out
+
+
+def _snapshot(model, opt):
+    state = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
+    opt_state = {(i, k): v.cpu().clone() for i, s in enumerate(opt.state.values())
+                 for k, v in s.items() if torch.is_tensor(v)}
+    return state, opt_state
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _flip_a_tensor_byte(path):
+    """Corrupts one byte inside the largest tensor record of a per-rank file."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename),
+                   key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _refusals(rank, root):
+    """Each bad per-rank checkpoint raises CheckpointError on every rank (its message
+    returned) and leaves the model and optimizer as they were."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import CheckpointError, load_sharded, sharded_checkpoint_path
+    world = xr.world_size()
+    source = os.path.join(root, "nested_tied")
+    bad = os.path.join(root, "bad")
+    if rank == 0:
+        os.makedirs(bad, exist_ok=True)
+        for r in range(SAVE_WORLD):
+            for label in ("missing", "corrupt"):
+                if label == "missing" and r == 3:
+                    continue
+                shutil.copy(sharded_checkpoint_path(source, r, SAVE_WORLD),
+                            sharded_checkpoint_path(os.path.join(bad, label), r, SAVE_WORLD))
+        _flip_a_tensor_byte(sharded_checkpoint_path(os.path.join(bad, "corrupt"), 1,
+                                                    SAVE_WORLD))
+    xm.rendezvous("xla_fsdp.test.any_world.damaged")  # every rank sees the damaged copies
+    model = wrap(build("tied", 1), "nested", world, rank)
+    opt = optimizer(model)
+    load_sharded(source, model, opt)
+    before = _snapshot(model, opt)
+    cases = {"other_model": os.path.join(root, "flattened"),
+             "missing_rank": os.path.join(bad, "missing"),
+             "corrupt": os.path.join(bad, "corrupt"),
+             "no_checkpoint": os.path.join(root, "nope")}
+    out = {}
+    for label, path in cases.items():
+        try:
+            load_sharded(path, model, opt)
+            out[label] = "no error"
+        except CheckpointError as exc:
+            out[label] = str(exc)
+    out["unchanged"] = [_same(a, b) for a, b in zip(before, _snapshot(model, opt))]
+    torch_xla.sync()
+    return out
+
+
+def check_resumed(saved, reference, resumed, world):
+    """Problems of ``resume_layouts``' results at ``world`` against the state saved at
+    N = 4 (``save_layouts``, rank 0's) and unsharded training (``unsharded_layouts``)."""
+    problems = []
+    for name, (kind, how) in LAYOUTS.items():
+        ref = reference[kind]
+        size = _sharding_group_size(how, world)
+        # what a rank may read: its share of every parameter and both AdamW moments (up to
+        # a row more: a dim-0 shard holds whole rows), a step count per parameter, and the
+        # buffers whole
+        held = {k: v for k, v in ref["params"].items() if not _alias(kind, k)}
+        numels = [v.numel() for v in held.values()]
+        rows = sum(v.numel() // v.shape[0] if v.dim() else 1 for v in held.values())
+        buffers = sum(v.numel() * 2 for k, v in saved[name].items() if k == BUFFER)
+        most = 3 * 4 * (sum(numels) / size + rows) + 4 * len(numels) + buffers
+        for rank, result in resumed.items():
+            runs = result["layouts"][name]
+            for fmt, run in runs.items():
+                where = f"{name} ({fmt}) at N={world}, rank {rank}"
+                if run["extra"] != {"layout": name}:
+                    problems.append(f"{where}: extra {run['extra']}")
+                if run["loaded"] is not None:
+                    problems += _differences(run["loaded"], saved[name], where)
+                for step, (a, b) in enumerate(zip(run["losses"], ref["losses"])):
+                    if abs(a - b) > 1e-5 * abs(b):
+                        problems.append(f"{where}: step {step} loss {a:.7g}, unsharded {b:.7g}")
+                if run["params"].keys() != ref["params"].keys():
+                    problems.append(f"{where}: parameters "
+                                    f"{sorted(set(run['params']) ^ set(ref['params']))}")
+                    continue
+                for key, want in ref["params"].items():
+                    diff = (run["params"][key] - want).abs()
+                    if diff.max() > 2 * LR * (len(BEFORE) + len(AFTER)) \
+                            or (diff > 1e-5).float().mean() > 0.01:
+                        problems.append(f"{where}: {key} max diff {diff.max():.3g}, "
+                                        f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
+            if runs["per_rank"]["losses"] != runs["dcp"]["losses"]:
+                problems.append(f"{name} at N={world}, rank {rank}: per-rank "
+                                f"{runs['per_rank']['losses']}, DCP {runs['dcp']['losses']}")
+            if runs["per_rank"]["bytes"] > most:
+                problems.append(f"{name} at N={world}, rank {rank}: read "
+                                f"{runs['per_rank']['bytes']} bytes, more than its {most:.0f}")
+        read = sum(r["layouts"][name]["per_rank"]["bytes"] for r in resumed.values())
+        if read < 3 * 4 * sum(numels):
+            problems.append(f"{name} at N={world}: the ranks read {read} bytes together, "
+                            f"less than the {3 * 4 * sum(numels)} of the state")
+    return problems
+
+
+def _alias(kind, name):
+    return kind == "tied" and name == "head.weight"
+
+
+def _differences(got, want, where):
+    if got.keys() != want.keys():
+        return [f"{where}: loaded {sorted(set(got) ^ set(want))}"]
+    return [f"{where}: {key} loaded is not the {key} saved" for key, value in want.items()
+            if got[key].dtype != value.dtype or not torch.equal(got[key], value)]
