@@ -29,6 +29,7 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
+import copy
 import os
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,6 +38,7 @@ import torch
 
 from .._sharding.tensor_tree import collect_tensors
 from .._xla.private_api import to_cpu
+from .async_save import host_copy, run_save, wait_for_pending
 from .consolidate.per_rank_source import open_per_rank_files
 from .dcp.coordination import agree, agree_or_undo, exchange
 from .dcp.load import load_staged
@@ -61,38 +63,65 @@ def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
 
 def save_sharded(path_prefix: str, model: ShardedModel,
                  optimizer: Optional[torch.optim.Optimizer] = None,
-                 extra: Any = None) -> Optional[str]:
+                 extra: Any = None, async_save: bool = False) -> Any:
     """Writes this rank's checkpoint file; returns its path (None on a replica that does not
     write). Every rank must call it: it synchronises the device first, and the save is put
     in place on every rank or on none (a ``CheckpointError`` on every rank, naming the file
-    and the space it needed when a disk is full); see [Note: a save is all ranks' or none]."""
+    and the space it needed when a disk is full); see [Note: a save is all ranks' or none].
+
+    With ``async_save=True`` it returns a ``PendingSave`` as soon as this rank's state is
+    copied to host memory; the file is written on a background thread, and the pending
+    save's ``wait()`` (or the model's next save) puts it in place and returns the path; see
+    [Note: the three phases of a save]."""
     import torch_xla
     require_root(model, "save_sharded")
+    wait_for_pending(model)
     torch_xla.sync()
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     path_prefix = _sharding_group_prefix(path_prefix, model)
-    staged: Optional[StagedFile] = None
-    error: Optional[BaseException] = None
+    job = _RankFileSave(None if path_prefix is None else
+                        sharded_checkpoint_path(path_prefix, model.rank, model.world_size))
     if path_prefix is not None:
-        path = sharded_checkpoint_path(path_prefix, model.rank, model.world_size)
         try:
-            checkpoint = _checkpoint(model, metadata, optimizer, extra)
-            staged = StagedFile(path, needed=_tensor_bytes(checkpoint))
-            with staged.writing() as tmp:
-                with open(tmp, "wb") as f:  # through Python, so a full disk says ENOSPC
-                    torch.save(checkpoint, f)
-        except Exception as exc:  # every rank must reach the agreement below
-            error = exc
-    agree_or_undo("xla_fsdp.save_sharded.written", error,
-                  None if staged is None else staged.discard)
-    if staged is not None:
-        try:
-            staged.put_in_place()
-        except Exception as exc:
-            error = exc
-    agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
-    return None if staged is None else path
+            job.checkpoint = _checkpoint(model, metadata, optimizer, extra)
+        except Exception as exc:  # every rank must reach the agreement in publish
+            job.error = exc
+    return run_save(model, job, async_save, f"save_sharded {path_prefix}")
+
+
+class _RankFileSave:
+    """This rank's file of one ``save_sharded`` after the copy (``async_save.SaveJob``)."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path                  # None on a replica that does not write
+        self.checkpoint: Optional[Dict[str, Any]] = None   # on the host
+        self.error: Optional[BaseException] = None         # from the copy
+        self.staged: Optional[StagedFile] = None
+
+    def write(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.path is None:
+            return
+        checkpoint, self.checkpoint = self.checkpoint, None  # dropped once written
+        self.staged = StagedFile(self.path, needed=_tensor_bytes(checkpoint))
+        with self.staged.writing() as tmp:
+            with open(tmp, "wb") as f:  # through Python, so a full disk says ENOSPC
+                torch.save(checkpoint, f)
+
+    def publish(self, error: Optional[BaseException]) -> Optional[str]:
+        self.checkpoint = None
+        staged = self.staged
+        agree_or_undo("xla_fsdp.save_sharded.written", error,
+                      None if staged is None else staged.discard)
+        if staged is not None:
+            try:
+                staged.put_in_place()
+            except Exception as exc:
+                error = exc
+        agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
+        return None if staged is None else self.path
 
 
 def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
@@ -101,12 +130,12 @@ def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
                         wrapping_fingerprint(metadata), _SAVE_COUNT[model],
                         optimizer_shard_keys(model, optimizer) if optimizer is not None
                         else None)
-    checkpoint: Dict[str, Any] = {MODEL: to_cpu(model.state_dict()), SHARD_METADATA: metadata,
+    checkpoint: Dict[str, Any] = {MODEL: host_copy(model.state_dict()), SHARD_METADATA: metadata,
                                   RECORD: record.as_dict()}
     if optimizer is not None:
-        checkpoint[OPTIMIZER] = to_cpu(optimizer.state_dict())
-    if extra is not None:
-        checkpoint[EXTRA] = extra
+        checkpoint[OPTIMIZER] = host_copy(optimizer.state_dict())
+    if extra is not None:  # a copy: the caller may change it while the file is written
+        checkpoint[EXTRA] = copy.deepcopy(to_cpu(extra))
     return checkpoint
 
 
@@ -135,6 +164,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     ``CheckpointError`` on every rank, naming the file or key at fault, and changes nothing
     (see [Note: nothing changes unless everything was read])."""
     require_root(model, "load_sharded")
+    wait_for_pending(model)  # a save of this model in flight is published first
     path_prefix = _sharding_group_prefix(path_prefix, model) or path_prefix
     own = _own_file(path_prefix, model, optimizer)
     # one way for every rank (the other is collective), and the own files of one save only

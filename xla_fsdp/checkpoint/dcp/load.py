@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..async_save import wait_for_pending
 from ..files import CheckpointError
 from ..unit_protocol import ShardedModel, require_root
 from .metadata_file import read_metadata_file
@@ -38,6 +39,7 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     was read]); returns the ``extra`` saved, if any."""
     import torch_xla
     from .coordination import agree
+    wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
     staged, error, source = None, None, None
     try:
