@@ -359,8 +359,8 @@ def test_consolidation_on_a_full_disk(launched, small_disk, tmp_path, capsys):
 @pytest.mark.slow
 def test_example_on_a_full_disk(small_disk):
     """The report this test comes from: ``examples/train_lm.py --checkpoint-every`` on a
-    disk that holds one save and a half. The second save fails with the file named, leaves
-    none of its files, and the first still resumes."""
+    disk that holds the first run's saves and half of another. The next run's first save
+    fails with the file named, leaves none of its files, and the first run's still resumes."""
     from ..examples.test_train_lm import ROOT, SMALL
     out = small_disk("example", 8 << 20)
 
@@ -371,12 +371,12 @@ def test_example_on_a_full_disk(small_disk):
 
     assert run("--steps", "4").returncode == 0
     ckpt = os.path.join(out, "ckpt")
-    leave_free(out, size_of(ckpt, "step000004") // 2)
+    leave_free(out, size_of(os.path.join(ckpt, "step000004")) // 2)
     before = state(out)
     done = run("--steps", "8", "--resume")
     assert done.returncode == 1, done.stderr[-3000:]
     assert "train_lm.py: rank " in done.stderr or "train_lm.py: /" in done.stderr, done.stderr
-    assert "step000008_rank-0000000" in done.stderr and "no space left" in done.stderr
+    assert "step000006/checkpoint_rank-0000000" in done.stderr and "no space left" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr[-3000:]
     assert state(out) == before  # nothing of the failed save; the first one and 'latest' kept
     assert re.search(r"step +5/8", done.stderr)  # it resumed from the first save
