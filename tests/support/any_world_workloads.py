@@ -17,7 +17,8 @@ import zipfile
 
 import torch
 
-from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
+from .checkpoint_workloads import same_state, snapshot, train as train_steps
+from .models import Net, Stack, TiedLM
 
 LR = 1e-3
 BEFORE, AFTER = range(0, 2), range(2, 4)
@@ -73,24 +74,8 @@ def optimizer(model):
 def train(model, opt, kind, steps, rank, world, split):
     """AdamW steps, each rank on its part of the batch (``split`` parts); returns the
     losses averaged over every rank (the global batch's: every group sees all of it)."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    device = torch_xla.device()
-    data = "tied" if kind == "tied" else "net"
-    local, part = GLOBAL_BATCH // split, rank % split
-    losses = []
-    for step in steps:
-        x, y = batch(data, step)
-        x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
-        opt.zero_grad()
-        loss = loss_fn(data, model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        if world > 1:
-            loss = xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / world)
-        torch_xla.sync()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, opt, steps, rank, world, "tied" if kind == "tied" else "net",
+                       split)
 
 
 def _split(how, world):
@@ -223,17 +208,6 @@ def resume_layouts(rank, root):
     return out
 
 
-def _snapshot(model, opt):
-    state = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
-    opt_state = {(i, k): v.cpu().clone() for i, s in enumerate(opt.state.values())
-                 for k, v in s.items() if torch.is_tensor(v)}
-    return state, opt_state
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 def _flip_a_tensor_byte(path):
     """Corrupts one byte inside the largest tensor record of a per-rank file."""
     with zipfile.ZipFile(path) as z:
@@ -273,7 +247,7 @@ def _refusals(rank, root):
     model = wrap(build("tied", 1), "nested", world, rank)
     opt = optimizer(model)
     load_sharded(source, model, opt)
-    before = _snapshot(model, opt)
+    before = snapshot(model, opt)
     cases = {"other_model": os.path.join(root, "flattened"),
              "missing_rank": os.path.join(bad, "missing"),
              "corrupt": os.path.join(bad, "corrupt"),
@@ -285,7 +259,7 @@ def _refusals(rank, root):
             out[label] = "no error"
         except CheckpointError as exc:
             out[label] = str(exc)
-    out["unchanged"] = [_same(a, b) for a, b in zip(before, _snapshot(model, opt))]
+    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
     torch_xla.sync()
     return out
 

@@ -20,18 +20,20 @@ def optimizer_for(model):
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
 
-def train(model, opt, steps, rank, world):
-    """SGD steps on the rank's slice of each global batch; returns the global losses."""
+def train(model, opt, steps, rank, world, data="net", split=None):
+    """Optimizer steps, each rank on its part of each global batch of ``data`` (``split``
+    parts, ``world`` unless given); returns the losses averaged over every rank."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     device = torch_xla.device()
     losses = []
-    local = GLOBAL_BATCH // world
+    split = split or world
+    local, part = GLOBAL_BATCH // split, rank % split
     for step in steps:
-        x, y = batch("net", step)
-        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        x, y = batch(data, step)
+        x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
         opt.zero_grad()
-        loss = loss_fn("net", model(x.to(device)), y.to(device))
+        loss = loss_fn(data, model(x.to(device)), y.to(device))
         loss.backward()
         opt.step()
         if world > 1:
@@ -39,3 +41,15 @@ def train(model, opt, steps, rank, world):
         torch_xla.sync()
         losses.append(loss.item())
     return losses
+
+
+def snapshot(model, opt):
+    """Copies of the full state dict (every rank) and of the optimizer's tensors."""
+    state = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
+    opt_state = {(i, k): v.cpu().clone() for i, s in enumerate(opt.state.values())
+                 for k, v in s.items() if torch.is_tensor(v)}
+    return state, opt_state
+
+
+def same_state(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -9,6 +9,7 @@ import shutil
 
 import torch
 
+from .checkpoint_workloads import same_state, snapshot
 from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
 
 SAVE_WORLD, LOAD_WORLD, STEPS = 4, 2, 2
@@ -136,17 +137,6 @@ def load_all(rank, directory, again):
     return out
 
 
-def _snapshot(model, opt):
-    state = {k: v.clone() for k, v in model.full_state_dict(rank0_only=False).items()}
-    opt_state = {(i, k): v.cpu().clone() for i, s in enumerate(opt.state.values())
-                 for k, v in s.items() if torch.is_tensor(v)}
-    return state, opt_state
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 class _Opens:
     """Unpickling this creates ``path``: a hostile ``.metadata``, observably."""
 
@@ -167,7 +157,7 @@ def _refusals(rank, good, bad):
     model = wrap(build("net", 1), "nested", rank)
     opt = optimizer("adamw", model)
     load_dcp(good, model, opt)
-    before = _snapshot(model, opt)
+    before = snapshot(model, opt)
     if rank == 0:
         shutil.rmtree(bad, ignore_errors=True)
         os.makedirs(bad + "_empty", exist_ok=True)
@@ -212,6 +202,6 @@ def _refusals(rank, good, bad):
     except CheckpointError as exc:
         out["hostile_consolidated"] = str(exc)
     out["code_ran"] = os.path.exists(bad + "_code_ran")
-    out["unchanged"] = [_same(a, b) for a, b in zip(before, _snapshot(model, opt))]
+    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
     torch_xla.sync()
     return out

@@ -17,13 +17,10 @@ import threading
 import time
 
 
-def train(rank, args):
-    import torch_xla
-    import torch_xla.core.xla_model as xm
+def run(rank, args):
     from xla_fsdp.checkpoint import CheckpointManager
 
-    from .checkpoint_workloads import optimizer_for, wrapped_net
-    from .models import GLOBAL_BATCH, batch, loss_fn
+    from .checkpoint_workloads import optimizer_for, train, wrapped_net
 
     world = args.devices
     model = wrapped_net()
@@ -34,18 +31,8 @@ def train(rank, args):
     if manager.latest() is not None:
         manager.restore(model, opt)
         start = manager.latest()
-    device = torch_xla.device()
-    local = GLOBAL_BATCH // world
     for step in range(start, args.steps):
-        x, y = batch("net", step)
-        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-        opt.zero_grad()
-        loss = loss_fn("net", model(x.to(device)), y.to(device))
-        loss.backward()
-        opt.step()
-        loss = xm.all_reduce(xm.REDUCE_SUM, loss.detach(), scale=1.0 / world)
-        torch_xla.sync()
-        value = loss.item()
+        (value,) = train(model, opt, range(step, step + 1), rank, world)
         if rank == 0:
             with open(os.path.join(args.dir, "losses.txt"), "a") as f:
                 f.write(f"{step} {value.hex()}\n")
@@ -104,7 +91,7 @@ def _run(rank, args):
         return None
     if args.stall_at is not None and rank == 0:  # torch.save is the process's, every rank's
         _stall_writes_at(args.stall_at, args.dir)
-    return train(rank, args)
+    return run(rank, args)
 
 
 if __name__ == "__main__":

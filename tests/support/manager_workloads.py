@@ -1,17 +1,12 @@
 """What the asynchronous-save and CheckpointManager tests run in one launch."""
 import os
 
-import torch
-
-from .checkpoint_workloads import optimizer_for, train, wrapped_net
-
-
-def _full(model):
-    return {k: v.clone() for k, v in model.full_state_dict().items()}
+from .checkpoint_workloads import optimizer_for, same_state, snapshot, train, wrapped_net
 
 
 def _equal(a, b):
-    return sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    """Whether two ``snapshot``s (model and optimizer) are equal."""
+    return all(same_state(x, y) for x, y in zip(a, b))
 
 
 def async_and_manager(rank, world, directory):
@@ -24,7 +19,7 @@ def async_and_manager(rank, world, directory):
     train(model, opt, range(0, 2), rank, world)
 
     # an asynchronous save holds the state of its call, whatever training does meanwhile
-    saved = _full(model)
+    saved = snapshot(model, opt)
     prefix = os.path.join(directory, "async", "net")
     pending = save_sharded(prefix, model, opt, extra={"step": 2}, async_save=True)
     out["pending_type"] = type(pending) is PendingSave
@@ -33,13 +28,13 @@ def async_and_manager(rank, world, directory):
     pending_dcp = save_dcp(dcp_dir, model, opt, extra={"step": 3}, async_save=True)
     out["first_published_by_second"] = os.path.exists(
         f"{prefix}_rank-{rank:08d}-of-{world:08d}.pth")
-    saved3 = _full(model)
+    saved3 = snapshot(model, opt)
     train(model, opt, range(3, 4), rank, world)
     out["dcp_dir"] = pending_dcp.wait()
     out["sharded_extra"] = load_sharded(prefix, model, opt)
-    out["sharded_state"] = _equal(_full(model), saved)
+    out["sharded_state"] = _equal(snapshot(model, opt), saved)
     out["dcp_extra"] = load_dcp(dcp_dir, model, opt)
-    out["dcp_state"] = _equal(_full(model), saved3)
+    out["dcp_state"] = _equal(snapshot(model, opt), saved3)
 
     # a manager: DCP, asynchronous, every 2 steps, the last 2 kept; then a new model
     # resumed from it continues exactly as the first one does
@@ -54,7 +49,7 @@ def async_and_manager(rank, world, directory):
     manager.wait()
     out["kept"] = sorted(os.listdir(root))
     out["latest"] = manager.latest()
-    at10 = _full(model)
+    at10 = snapshot(model, opt)
     later = train(model, opt, range(10, 13), rank, world)
     manager.close()
     xm.rendezvous("the first model is done")
@@ -63,7 +58,7 @@ def async_and_manager(rank, world, directory):
     model = wrapped_net()
     opt = optimizer_for(model)
     out["restored_extra"] = resumed.restore(model, opt)
-    out["restored_state"] = _equal(_full(model), at10)
+    out["restored_state"] = _equal(snapshot(model, opt), at10)
     out["resumed_losses_equal"] = train(model, opt, range(10, 13), rank, world) == later
     out["step8_extra"] = load_dcp(os.path.join(root, "step000008"), model, opt)
     resumed.close()
