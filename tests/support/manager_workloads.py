@@ -40,6 +40,7 @@ def async_and_manager(rank, world, directory):
     # resumed from it continues exactly as the first one does
     root = os.path.join(directory, "managed")
     manager = CheckpointManager(root, every=2, keep_last=2, format="dcp")
+    out["sync_point"] = manager.sync_point_unavailable
     model = wrapped_net()
     opt = optimizer_for(model)
     first = []

@@ -37,6 +37,8 @@ def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
         assert got["restored_extra"] == {"step": 10} and got["restored_state"]
         assert got["resumed_losses_equal"]
         assert got["step8_extra"] == {"step": 8}
+        # torch_xla's preemption sync point is a TPU runtime's; here, SIGTERM alone
+        assert "preemption sync point is a TPU's; this is CPU" in got["sync_point"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -36,6 +36,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..._xla import trace_only
 from ..._xla.private_api import activate_preemption_sync, preemption_sync_point_reached
 from ..async_save import PendingSave
 from ..dcp import load_dcp, save_dcp
@@ -92,7 +93,9 @@ class CheckpointManager:
             preemption.watch_for_preemption()
             preemption.start_watching()
             self.sync_point_unavailable = _runtime_sync_point()
-        self.removed_leftovers = self.directory.remove_leftovers()
+        # a process that only traces (xla_fsdp.aot) leaves the directory alone: what looks
+        # left over may be a save of the run it plans, in flight
+        self.removed_leftovers = [] if trace_only.active() else self.directory.remove_leftovers()
         exchange("xla_fsdp.manager.started", None)  # no rank saves while another cleans
 
     # -- what is saved -----------------------------------------------------------------------
