@@ -32,6 +32,7 @@ from __future__ import annotations
 import glob
 import os
 import threading
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -135,13 +136,11 @@ class CheckpointManager:
         result = self._vote.cast(counts, about=pending)
         if result is not None:
             (notices, ok, failed, ranks), about = result
+            if notices > 0:
+                self._save_and_stop(step, model, optimizer, extra)
+                return True
             if about is not None and about is self._pending and ok + failed == ranks:
                 self._finish_pending()
-            if notices > 0:
-                self.save(step, model, optimizer, extra)
-                self._finish_pending()
-                self.stop_requested = True
-                return True
         if self.every is not None and step % self.every == 0:
             self.save(step, model, optimizer, extra)
             return True
@@ -181,6 +180,20 @@ class CheckpointManager:
                 preemption.stop_watching()
 
     # -- internals ---------------------------------------------------------------------------
+    def _save_and_stop(self, step: int, model: ShardedModel,
+                       optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
+        """A preemption: this step saved and published, then ``stop_requested``. A save
+        still pending that failed is reported as a warning, not raised: the checkpoint of
+        this step supersedes it, and raising would stop the loop before it saved."""
+        try:
+            self._finish_pending()
+        except Exception as exc:  # the same on every rank: its publication agreed on it
+            warnings.warn(f"CheckpointManager: the save before the preemption failed, so step "
+                          f"{step} is saved instead: {exc}")
+        self.save(step, model, optimizer, extra)
+        self._finish_pending()
+        self.stop_requested = True
+
     def _preempted(self, step: int) -> bool:
         if not self.on_preemption:
             return False
