@@ -14,6 +14,15 @@ with its writing on a background thread (``async_save=True``).
    removes what it wrote and raises: see the Notes on a save being all ranks' or none
    (``sharded``) and on a DCP directory being complete or not a checkpoint (``dcp.save``).
 
+[Note: a write beside training]
+The write competes with training for the host's CPUs: pickling, the CRC-32 of every record
+and copying into the page cache. On a TPU or Trainium host the step runs on the
+accelerator and the host's CPUs are mostly idle, but the input pipeline and the step's
+dispatch still run there, and on virtual devices the step itself does. So the writing
+thread lowers its own priority (``_yield_the_cpu``): it gets the CPU time training does
+not use, and a write that finds none takes longer instead of slowing the steps; the next
+save waits for it if it has not finished (see [Note: one save in flight]).
+
 A synchronous save runs the three in a row. An asynchronous one returns a ``PendingSave``
 after the copy; its ``wait()`` publishes. Only the write may run beside training: the
 collectives of the copy and the publication go through ``xm.rendezvous``, which is
@@ -29,6 +38,8 @@ one copy per rank it serves.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import weakref
 from typing import Any, Optional, Protocol
@@ -76,6 +87,7 @@ class PendingSave:
         self._thread.start()
 
     def _write(self) -> None:
+        _yield_the_cpu()
         try:
             self._job.write()
         except BaseException as exc:  # raised on the training thread, by publish
@@ -104,6 +116,18 @@ class PendingSave:
             del _PENDING[owner]
         self._result = job.publish(error)
         return self._result
+
+
+def _yield_the_cpu() -> None:
+    """Lowers this thread's scheduling priority as far as it goes (Linux, where a thread's
+    niceness is its own): the write then takes the CPU that training leaves, and the
+    training step beside it keeps its pace. See [Note: a write beside training]."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except OSError:
+        pass
 
 
 def pending_save(owner: Any) -> Optional[PendingSave]:

@@ -123,6 +123,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
         central = ({r: dataclasses.replace(p, storage_data=_FilePrefix(f"__{r}_{token}_"))
                     for (r, _), p in zip(mine, global_plans)}, metadata)
     centrals = exchange("xla_fsdp.dcp.save.central", (sharding_group, central))
+    host.copy_all()  # last, after the collectives: a rank's copy keeps no other rank waiting
     job = _DcpRankSave(directory, sharding_group, rank, writer, planner, central)
     if writes:
         job.plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
@@ -331,7 +332,6 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     if first and extra is not None:
         key, paths[key] = extra_key()
         objects[key] = extra
-    host.copy_all()
     return ChunkSavePlanner(tensors, wholes, objects, paths)
 
 
