@@ -138,7 +138,8 @@ def main():
         f"GiB of parameters), one FSDP unit each, AdamW; N = {args.world} virtual devices on "
         f"{os.cpu_count()} cores. What one rank holds (shards and optimizer state): "
         f"{own / 2**20:,.0f} MiB. Medians of {args.repeats} saves each, in rotating order. "
-        f"Blocked: the save call plus `wait()`. Steps beside the write: the steps an "
+        f"Blocked: from the save call until every rank is back from it, plus `wait()`; "
+        f"rank 0's own call beside it. Steps beside the write: the steps an "
         f"asynchronous save's write overlapped, against the steps just before it.",
         "",
         "| save | blocked per save (every rank back) | / save_sharded's | rank 0's own call | "
