@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "tests", "support", "tpu_plan_script.py")
 
@@ -27,6 +29,7 @@ def test_a_script_is_planned_for_the_slice_and_ends_at_its_launch(tmp_path):
     assert any("read" in n and "zeros" in n for n in report["notes"])   # loss.item()
 
 
+@pytest.mark.slow
 def test_what_cannot_be_planned_is_said():
     done = _cli("--topology", "v5e-8", SCRIPT, "--no-launch")
     assert done.returncode == 2 and "ended without calling launch()" in done.stderr

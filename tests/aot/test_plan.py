@@ -78,6 +78,7 @@ def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
     assert "TPU plan for v5e-4" in str(report) and "MFU" in str(report)
 
 
+@pytest.mark.slow
 def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
     report = compile_for_tpu(tpu_plans.syncs_twice, "v6e-4")
     assert report.programs == 2 and "2 programs" in report.notes[0]
@@ -93,6 +94,7 @@ def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
         compile_for_tpu(tpu_plans.does_nothing, "v5e-1")
 
 
+@pytest.mark.slow
 def test_256_chips_are_planned_by_one_traced_rank_and_spmd_stops_at_64():
     pod = compile_for_tpu(tpu_plans.ours, "v6e-256")
     assert pod.fits and pod.topology.chips == 256 and pod.flops > 0

@@ -83,7 +83,8 @@ def _problems(results, name):
     return problems
 
 
-@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
 def test_compiled_trains_as_eager(world, name):
     runs = net_runs(world)
