@@ -23,28 +23,15 @@ a thread of this process).
 Writes benchmarks/results/async_save.md (``--out`` for another file).
 """
 import os
-import shutil
 import statistics
 import time
 
-from common import (launch_with_directory, peak_added, reset_peak, size_args, stack_layers,
-                    trained_stack, write_result, WIDTH)
-
-
-def _empty(directory):
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+from common import (WIDTH, empty_directory, launch_with_directory, peak_added, reset_peak,
+                    size_args, stack_layers, torch_xla_recipe, trained_stack, write_result)
 
 
 def _savers(directory):
-    import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import save_dcp, save_sharded
-
-    def recipe(rank, model, opt, i):
-        xm.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
-                 "optimizer": opt.state_dict()},
-                os.path.join(directory, f"recipe{i}_rank-{rank}"), master_only=False)
 
     def sharded(asynchronous):
         return lambda rank, model, opt, i: save_sharded(
@@ -54,7 +41,7 @@ def _savers(directory):
         return lambda rank, model, opt, i: save_dcp(
             os.path.join(directory, f"dcp{i}"), model, opt, async_save=asynchronous)
 
-    return {"torch_xla recipe (xm.save per rank)": recipe,
+    return {"torch_xla recipe (xm.save per rank)": torch_xla_recipe(directory),
             "save_sharded": sharded(False), "save_sharded, async_save=True": sharded(True),
             "save_dcp": dcp(False), "save_dcp, async_save=True": dcp(True)}
 
@@ -114,7 +101,7 @@ def _run(rank, layers, repeats, directory):
             got = _measure(rank, model, opt, save, i)
             xm.rendezvous("measured")
             if rank == 0:
-                _empty(directory)
+                empty_directory(directory)
                 if i > 0:
                     results.setdefault(name, []).append(got)
             xm.rendezvous("cleaned")

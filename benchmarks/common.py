@@ -122,3 +122,22 @@ def launch_with_directory(fn, args: tuple, world: int):
         return launch(fn, tuple(args) + (directory,), num_devices=world)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def empty_directory(directory: str) -> None:
+    """Removes everything in ``directory`` (what the last save wrote)."""
+    import shutil
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def torch_xla_recipe(directory: str):
+    """torch_xla's checkpoint recipe as a saver ``(rank, model, opt, i)``: ``xm.save`` of the
+    model's state dict, its shard metadata and the optimizer's state dict on every rank."""
+    def save(rank, model, opt, i):
+        import torch_xla.core.xla_model as xm
+        xm.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
+                 "optimizer": opt.state_dict()},
+                os.path.join(directory, f"recipe{i}_rank-{rank}"), master_only=False)
+    return save

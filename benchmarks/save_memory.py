@@ -20,27 +20,15 @@ Needs the installed package (``pip install -e .``). Writes
 benchmarks/results/save_memory.md (``--out`` for another file).
 """
 import os
-import shutil
 import statistics
 
-from common import (WIDTH, launch_with_directory, measured_turns, size_args, stack_layers,
-                    trained_stack, write_result)
-
-
-def _empty(directory):
-    for name in os.listdir(directory):
-        path = os.path.join(directory, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+from common import (WIDTH, empty_directory, launch_with_directory, measured_turns, size_args,
+                    stack_layers, torch_xla_recipe, trained_stack, write_result)
 
 
 def _savers(directory):
-    import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import save_dcp, save_sharded
 
-    def torch_xla_recipe(rank, model, opt, i):
-        path = os.path.join(directory, f"recipe{i}_rank-{rank}")
-        xm.save({"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
-                 "optimizer": opt.state_dict()}, path, master_only=False)
     return {
         "save_dcp (get_state_dict keys)":
             lambda rank, model, opt, i: save_dcp(os.path.join(directory, f"dcp{i}"), model, opt),
@@ -50,7 +38,7 @@ def _savers(directory):
         "save_sharded":
             lambda rank, model, opt, i: save_sharded(os.path.join(directory, f"files{i}"),
                                                      model, opt),
-        "torch_xla recipe (xm.save per rank)": torch_xla_recipe,
+        "torch_xla recipe (xm.save per rank)": torch_xla_recipe(directory),
     }
 
 
@@ -58,7 +46,7 @@ def _run(rank, layers, repeats, directory):
     model, opt, own = trained_stack(layers)
     results = measured_turns(rank, _savers(directory), repeats,
                              lambda save, turn: save(rank, model, opt, turn),
-                             after=lambda: _empty(directory))
+                             after=lambda: empty_directory(directory))
     return {"own": own, "results": results}
 
 
