@@ -15,10 +15,10 @@ Blocked time = the save call until every rank has returned from it (the next ste
 collective waits for the last), plus ``wait()``; rank 0's own call is given too. The ranks
 of one process take turns at their host work between collectives (the virtual launcher's
 turn ring), so on virtual devices the ranks' copies to the host follow one another; on a
-TPU or Trainium host each rank's process copies its own at the same time. The memory a save adds is the peak resident
-set over the save (and the steps beside it, less what the three steps before it added on
-their own) less the resident set before it, over all N ranks, divided by N (every rank is
-a thread of this process).
+TPU or Trainium host each rank's process copies its own at the same time. The memory a
+save adds is the peak resident set over the save (and the steps beside it, less what the
+three steps before it added on their own) less the resident set before it, over all N
+ranks, divided by N (every rank is a thread of this process).
 
 Writes benchmarks/results/async_save.md (``--out`` for another file).
 """

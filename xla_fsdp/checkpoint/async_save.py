@@ -38,13 +38,12 @@ one copy per rank it serves.
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import threading
 import weakref
 from typing import Any, Optional, Protocol
-
-import torch
 
 from .._sharding.tensor_tree import map_tensors
 from .._xla.private_api import to_cpu
@@ -58,6 +57,12 @@ def host_copy(tree: Any) -> Any:
     written (an optimizer's ``step`` count is a host tensor it increments)."""
     return to_cpu(map_tensors(
         lambda t: t if t.device.type == "xla" else t.detach().clone(), tree))
+
+
+def copy_of_extra(extra: Any) -> Any:
+    """The caller's ``extra`` as it is now, on the host: the caller may change it, or the
+    tensors in it, while the file is written."""
+    return copy.deepcopy(to_cpu(extra))
 
 
 class SaveJob(Protocol):
@@ -76,7 +81,6 @@ class PendingSave:
     calls it, or the next save of the same model does) publishes it."""
 
     def __init__(self, owner: Any, job: SaveJob, what: str) -> None:
-        self.what = what
         self._job: Optional[SaveJob] = job
         self._error: Optional[BaseException] = None
         self._result: Any = None
@@ -128,11 +132,6 @@ def _yield_the_cpu() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except OSError:
         pass
-
-
-def pending_save(owner: Any) -> Optional[PendingSave]:
-    """The save of ``owner`` (a root model) still to be published, if any."""
-    return _PENDING.get(owner)
 
 
 def wait_for_pending(owner: Any) -> None:

@@ -29,7 +29,6 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
-import copy
 import os
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -37,8 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .._sharding.tensor_tree import collect_tensors
-from .._xla.private_api import to_cpu
-from .async_save import host_copy, run_save, wait_for_pending
+from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from .consolidate.per_rank_source import open_per_rank_files
 from .dcp.coordination import agree, agree_or_undo, exchange
 from .dcp.load import load_staged
@@ -134,8 +132,8 @@ def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
                                   RECORD: record.as_dict()}
     if optimizer is not None:
         checkpoint[OPTIMIZER] = host_copy(optimizer.state_dict())
-    if extra is not None:  # a copy: the caller may change it while the file is written
-        checkpoint[EXTRA] = copy.deepcopy(to_cpu(extra))
+    if extra is not None:
+        checkpoint[EXTRA] = copy_of_extra(extra)
     return checkpoint
 
 

@@ -36,7 +36,6 @@ larger), each a file of its own: what is held at once is one such file's worth.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import os
@@ -55,7 +54,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
-from ..async_save import host_copy, run_save, wait_for_pending
+from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import persistent_buffers
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
@@ -105,7 +104,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     sharding_group = sharding_group_index(model)
     rank = model.rank
     host = HostCopies(all_at_once=async_save)
-    planner = (_planner(model, optimizer, copy.deepcopy(extra), scheme, rank == 0, host)
+    planner = (_planner(model, optimizer, copy_of_extra(extra), scheme, rank == 0, host)
                if writes else None)
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
                               thread_count=1) if writes else None

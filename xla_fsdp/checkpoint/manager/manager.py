@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import glob
 import os
-import threading
 import warnings
 from typing import Any, Optional
 
 import torch
 
 from ..._xla import trace_only
-from ..._xla.private_api import activate_preemption_sync, preemption_sync_point_reached
 from ..async_save import PendingSave
 from ..dcp import load_dcp, save_dcp
 from ..dcp.coordination import exchange
@@ -93,7 +91,7 @@ class CheckpointManager:
         if on_preemption:
             preemption.watch_for_preemption()
             preemption.start_watching()
-            self.sync_point_unavailable = _runtime_sync_point()
+            self.sync_point_unavailable = preemption.activate_runtime_sync_point()
         # a process that only traces (xla_fsdp.aot) leaves the directory alone: what looks
         # left over may be a save of the run it plans, in flight
         self.removed_leftovers = [] if trace_only.active() else self.directory.remove_leftovers()
@@ -111,8 +109,8 @@ class CheckpointManager:
         self._finish_pending()
         if self.directory.is_complete(step):
             return
-        path = _on_every_rank(f"xla_fsdp.manager.prepare.{step}",
-                              lambda: self.directory.prepare(step))
+        path = self.directory.prepare(step)
+        exchange(f"xla_fsdp.manager.prepare.{step}", None)  # every rank's before any writes
         if self.format == "dcp":
             result = save_dcp(path, model, optimizer, extra, async_save=self.async_save)
         else:
@@ -199,7 +197,7 @@ class CheckpointManager:
             return False
         if preemption.requested():
             return True
-        return self.sync_point_unavailable is None and preemption_sync_point_reached(step)
+        return self.sync_point_unavailable is None and preemption.runtime_sync_point_reached(step)
 
     def _finish_pending(self) -> None:
         pending, step = self._pending, self._pending_step
@@ -213,28 +211,3 @@ class CheckpointManager:
         self.directory.mark_complete(step)
         if self.keep_last is not None:
             self.directory.keep_last(self.keep_last)
-
-
-def _on_every_rank(tag: str, fn: Any) -> Any:
-    """Runs ``fn`` on every rank, and waits for every rank to have run it."""
-    out = fn()
-    exchange(tag, None)
-    return out
-
-
-_SYNC_POINT_ACTIVE = threading.Event()
-_SYNC_POINT_LOCK = threading.Lock()
-
-
-def _runtime_sync_point() -> Optional[str]:
-    """None if torch_xla's preemption sync point is active in this process, else why not."""
-    import torch_xla.runtime as xr
-    with _SYNC_POINT_LOCK:
-        if _SYNC_POINT_ACTIVE.is_set():
-            return None
-        if xr.device_type() != "TPU":
-            return f"the runtime's preemption sync point is a TPU's; this is {xr.device_type()}"
-        why = activate_preemption_sync()
-        if why is None:
-            _SYNC_POINT_ACTIVE.set()
-        return why

@@ -26,6 +26,8 @@ import signal
 import threading
 from typing import Any, Optional
 
+from ..._xla.private_api import activate_preemption_sync, preemption_sync_point_reached
+
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 _lock = threading.Lock()
@@ -33,6 +35,7 @@ _watchers = 0
 _requested = threading.Event()
 _previous: Any = None   # the handler before ours, run when no manager watches
 _installed = False
+_sync_point_active = False  # torch_xla's preemption sync point, started once per process
 
 
 def watch_for_preemption() -> bool:
@@ -76,6 +79,27 @@ def stop_watching() -> None:
 def requested() -> bool:
     """Whether this process received SIGTERM while watched."""
     return _requested.is_set()
+
+
+def activate_runtime_sync_point() -> Optional[str]:
+    """Starts torch_xla's preemption sync point (a TPU runtime's, the one its
+    ``CheckpointManager`` uses) once per process; returns None if it is active, else why
+    not."""
+    global _sync_point_active
+    import torch_xla.runtime as xr
+    with _lock:
+        if _sync_point_active:
+            return None
+        if xr.device_type() != "TPU":
+            return f"the runtime's preemption sync point is a TPU's; this is {xr.device_type()}"
+        why = activate_preemption_sync()
+        _sync_point_active = why is None
+        return why
+
+
+def runtime_sync_point_reached(step: int) -> bool:
+    """Whether the active sync point says every process stops at ``step``."""
+    return preemption_sync_point_reached(step)
 
 
 class Forwarding:
