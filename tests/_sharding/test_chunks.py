@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from xla_fsdp._sharding.chunks import range_chunks
-from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout
+from xla_fsdp._sharding.chunks import range_chunks, run_chunks
+from xla_fsdp._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout,
+                                      runs_by_param)
 
 SHAPES = [(7,), (5, 3), (2, 3, 4), (), (6, 1, 5), (1,), (3, 0)]
 
@@ -48,11 +49,25 @@ def test_owned_pieces_as_chunks_rebuild_every_parameter(world):
         for rank, shard in enumerate(shards):
             for owned in layout.owned(rank):
                 shape = layout.shapes[owned.param]
-                for c in range_chunks(shape, owned.start, owned.end):
-                    at = owned.shard_offset + c.start - owned.start
+                for c, at in run_chunks(shape, owned.start, owned.end, owned.shard_offset):
                     box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
                     rebuilt[owned.param][box] = shard[at:at + c.numel].view(c.sizes)
                     covered[owned.param][box] += 1
         for got, want, count in zip(rebuilt, tensors, covered):
             assert torch.equal(got, want), layout
             assert bool((count == 1).all()), layout  # each element exactly once
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_runs_by_param_read_every_parameter_back(world):
+    """The inverse of ``owned``: each parameter's runs, over all ranks, are its elements."""
+    for layout in _layouts(world):
+        tensors = [torch.randn(s) for s in layout.shapes]
+        shards = [layout.shard(tensors, r).reshape(-1) for r in range(world)]
+        for want, runs in zip(tensors, runs_by_param(layout)):
+            got = torch.full((want.numel(),), float("nan"))
+            assert [r for r, _ in runs] == sorted(r for r, _ in runs)
+            for rank, run in runs:
+                n = run.end - run.start
+                got[run.start:run.end] = shards[rank][run.shard_offset:run.shard_offset + n]
+            assert torch.equal(got.view(want.shape), want), layout

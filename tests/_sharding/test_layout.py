@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout
+from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -85,3 +85,22 @@ def test_shards_are_copies():
         shard = layout.shard([t], 0)
         shard.add_(100)
         assert t[0] == 0
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("layer", [
+    lambda w: FlatLayout((torch.Size([5, 3]), torch.Size([7])), w),
+    lambda w: InterleavedLayout((torch.Size([5, 3]), torch.Size([7])), w, 2),
+    lambda w: Dim0Layout(torch.Size([5, 3]), w)])
+def test_stacked_layout_is_a_layout_like_the_others(world, layer):
+    """pad's blocks are the ranks' shards, and pieces gathered come back as the tensors."""
+    layout = StackedLayout(layer(world), 3)
+    tensors = [torch.randn(s) for s in layout.shapes]
+    shards = [layout.shard(tensors, r) for r in range(world)]
+    assert all(s.shape == layout.shard_shape for s in shards)
+    blocks = layout.pad(tensors).chunk(world)
+    assert all(torch.equal(b.view(layout.shard_shape), s) for b, s in zip(blocks, shards))
+    gathered = [torch.cat([layout.pieces(s)[i] for s in shards])
+                for i in range(len(layout.pieces(shards[0])))]
+    for got, want in zip(layout.unshard_pieces(gathered), tensors):
+        assert torch.equal(got, want)

@@ -7,7 +7,7 @@ chunks were written. Our shards hold contiguous runs of a parameter's row-major 
 whole rows. A contiguous run of row-major elements is a union of at most ``2 * ndim - 1``
 boxes: the rest of a partly covered row (recursively, in the next dimension), whole rows,
 and the start of a last partly covered row. Each box is itself a contiguous run, so its
-values are a slice of the shard, viewed in the box's shape.
+values are a slice of the shard, viewed in the box's shape (``run_chunks``).
 """
 from __future__ import annotations
 
@@ -59,3 +59,11 @@ def range_chunks(shape: Sequence[int], start: int, end: int) -> List[Chunk]:
         out += [Chunk((last_row,) + c.offsets, (1,) + c.sizes, last_row * inner + c.start)
                 for c in range_chunks(shape[1:], 0, last_col)]
     return out
+
+
+def run_chunks(shape: Sequence[int], start: int, end: int, at: int = 0
+               ) -> List[Tuple[Chunk, int]]:
+    """Elements ``[start, end)`` of a tensor of ``shape`` held contiguously from ``at`` of a
+    flat buffer (a rank's ``Owned`` run in its shard, or a run read alone): each box with
+    where it starts in that buffer."""
+    return [(c, at + c.start - start) for c in range_chunks(shape, start, end)]

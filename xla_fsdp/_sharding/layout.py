@@ -27,16 +27,19 @@ reading off the step's host time.
 Only the padding a collective needs is added: a multiple of ``world_size`` elements (or
 rows), not of ``128 * world_size`` as torch_xla does.
 
-Every layout answers ``owned(rank)``: which row-major elements of which parameter a rank's
-shard holds, and where in the shard (flattened) they sit. Checkpoints written piece by piece
-(``chunks.range_chunks``) and read back at another world size rest on it.
+Every layout is a ``Layout`` (the protocol below), and answers ``owned(rank)``: which
+row-major elements of which parameter a rank's shard holds, and where in the shard
+(flattened) they sit. It is the one answer to where a parameter's elements live: training
+cuts and gathers by the same layouts, checkpoints are written piece by piece from it
+(``chunks.run_chunks``), read back at any world size through its inverse (``runs_by_param``),
+and the first rank's stream of a checkpoint is cut into buckets by a ``FlatLayout``.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Sequence, Tuple, Union
+from typing import List, Protocol, Sequence, Tuple, Union
 
 import torch
 
@@ -318,6 +321,20 @@ class StackedLayout:
     def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         return torch.stack([self.layer.shard(ts, rank) for ts in self._per_layer(tensors)])
 
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``[N * L, *layer shard]``, rank-major: its ``world_size`` equal blocks along dim 0
+        are the ranks' shards (what ``unshard`` reads back)."""
+        tail = tuple(self.layer.shard_shape)
+        layers = [self.layer.pad(ts).reshape((self.world_size,) + tail)
+                  for ts in self._per_layer(tensors)]
+        return torch.stack(layers, dim=1).reshape((self.world_size * self.layers,) + tail)
+
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        return [shard]
+
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return self.unshard(gathered[0])
+
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         """The full tensors, from an all-gather along dim 0 of every rank's ``[L, ...]``
         shard (rank-major: ``[N * L, ...]``)."""
@@ -334,7 +351,51 @@ class StackedLayout:
                 for i in range(self.layers) for o in self.layer.owned(rank)]
 
 
-Layout = Union[FlatLayout, InterleavedLayout, Dim0Layout, StackedLayout]
+class Layout(Protocol):
+    """What every layout answers (the four above satisfy it): the group's tensors, how a
+    rank's shard is cut from them and how they come back from gathered shards, and which
+    elements each rank holds."""
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def shapes(self) -> Tuple[torch.Size, ...]: ...
+
+    @property
+    def numel(self) -> int: ...
+
+    @property
+    def shard_shape(self) -> torch.Size: ...
+
+    def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor: ...
+
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The group as one tensor whose ``world_size`` equal blocks along dim 0 are the
+        ranks' shards (what reduce-scatter consumes)."""
+
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        """What to all-gather of a rank's shard."""
+
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """The full tensors, from the all-gathers of ``pieces``."""
+
+    def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
+        """The full tensors, from an all-gather of whole shards."""
+
+    def owned(self, rank: int) -> List[Owned]:
+        """``rank``'s runs of each parameter's elements, in shard order."""
+
+
+def runs_by_param(layout: Layout) -> List[List[Tuple[int, Owned]]]:
+    """``owned`` inverted: for each parameter, every (rank, run) holding its elements, in
+    rank order; together the runs are its elements, each once. Reading a parameter back
+    from all ranks' shards (at any world size) reads these runs and nothing else."""
+    out: List[List[Tuple[int, Owned]]] = [[] for _ in layout.shapes]
+    for rank in range(layout.world_size):
+        for run in layout.owned(rank):
+            out[run.param].append((rank, run))
+    return out
 
 
 def _slice_padded(t: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -31,15 +31,17 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
 from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
 from .._xla.private_api import is_persistent_buffer
+from .files import TensorRef
 from .unit_protocol import ShardedModel, ShardedUnit
 
 # the keys of a per-rank file
@@ -217,6 +219,22 @@ class RankRecord:
         return RankRecord(raw.get("format", FORMAT_VERSION), raw["world_size"], raw["rank"],
                           raw["fingerprint"], raw.get("save_index"),
                           raw.get("optimizer_param_keys"))
+
+
+def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
+    """Whether optimizer state ``name`` = ``value`` is laid out like the tensor of ``shape``
+    it belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
+    (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
+    and read as the tensor is; anything else (a step count) is the same on every rank.
+    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
+    tensor's shape that tells, but for a 0-d parameter's step count, which has it too."""
+    if isinstance(value, TensorStorageMetadata):
+        value_shape: Any = value.size
+    elif isinstance(value, (torch.Tensor, TensorRef)):
+        value_shape = value.shape
+    else:
+        return False
+    return tuple(value_shape) == tuple(shape) and not (name == "step" and len(shape) == 0)
 
 
 def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:

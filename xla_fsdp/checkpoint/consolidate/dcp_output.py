@@ -18,9 +18,9 @@ from ..dcp.save import write_alone
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA, MODEL, OPTIMIZER
-from .optimizer import saved_param_groups, sharded_like
+from .optimizer import saved_param_groups, saved_state
 from .output import ordered_params
-from .plan import ModelPlan, read_param
+from .plan import ModelPlan, SpreadTensor
 from .shard_set import ShardSet
 
 
@@ -44,9 +44,8 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
 
     sources = {}
     for name, spec, param in ordered_params(plan):
-        per_rank = [f.tree[MODEL][spec.key] for f in files]
-        sources[name] = (param.shape, per_rank[0].dtype,
-                         lambda per_rank=per_rank, param=param: read_param(per_rank, param))
+        spread = SpreadTensor([f.tree[MODEL][spec.key] for f in files], spec, param)
+        sources[name] = (param.shape, spread.dtype, spread.read)
         add(scheme.model(name), *sources[name], counted=True)
     for alias, source in plan.aliases:  # tied: stored under both names, as state_dict has it
         add(scheme.model(alias), *sources[source])
@@ -68,17 +67,11 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
 def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
     """The optimizer state by parameter name, and param groups listing names."""
-    opt0 = shards.files[0].tree[OPTIMIZER]
     for i, (param_group, members) in enumerate(saved_param_groups(shards, plan)):
         for param, spec, index in members:
-            shard0 = shards.files[0].tree[MODEL][spec.key]
-            for name, value in opt0["state"].get(index, {}).items():
+            for name, value in saved_state(shards, spec, param, index).items():
                 key_path = scheme.state(param.name, name)
-                if sharded_like(value, shard0):
-                    per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
-                    add(key_path, param.shape, value.dtype,
-                        lambda per_rank=per_rank, param=param: read_param(per_rank, param))
-                elif isinstance(value, TensorRef):
+                if isinstance(value, (SpreadTensor, TensorRef)):
                     add(key_path, value.shape, value.dtype, value.read)
                 else:
                     key, paths[key] = key_path

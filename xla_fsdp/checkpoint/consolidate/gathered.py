@@ -31,7 +31,7 @@ from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
                         ShardMetadata, optimizer_shard_keys, persistent_buffers,
-                        units_by_saved_path, wrapping_fingerprint)
+                        sharded_like, units_by_saved_path, wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -158,7 +158,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
             shard_keys.append(key)
             if optimizer is not None:
                 for name, value in optimizer.state.get(g.shard, {}).items():
-                    if torch.is_tensor(value) and value.shape == g.shard.shape:
+                    if sharded_like(name, value, g.shard.shape):
                         tid = f"{key}#{name}"
                         tensors[tid] = (value, unit.collectives)
                         state_ids.setdefault(key, {})[name] = tid

@@ -1,9 +1,10 @@
 """Optimizer state: from per-rank shards to the unwrapped model's layout.
 
-An optimizer state tensor is sharded exactly like its parameter when it has the shard's
-shape (Adam's moments, SGD's momentum); anything else (``step``) is the same on every rank
-and is taken from rank 0. The sharded optimizer's parameter indices are resolved by
-``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is ``keys[i]``.
+State sharded like its shard (``metadata.sharded_like``) is spread over the rank files as
+the parameter is (``plan.SpreadTensor``); anything else (``step``) is the same on every rank
+and is taken from rank 0 (``saved_state``). The sharded optimizer's parameter indices are
+resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is
+``keys[i]``.
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord
-from .plan import ShardGroupSpec, ModelPlan, ParamSpec, read_param, saved_keys
+from ..metadata import MODEL, OPTIMIZER, RankRecord, sharded_like
+from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
 
@@ -70,9 +71,26 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
     return None
 
 
-def sharded_like(value: Any, shard: TensorRef) -> bool:
-    """Whether an optimizer state value is sharded like its parameter (has its shape)."""
-    return isinstance(value, TensorRef) and len(value.shape) >= 1 and value.shape == shard.shape
+def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index: int
+                ) -> Dict[str, Any]:
+    """``param``'s optimizer state as saved under optimizer index ``index``: state sharded
+    like the shard as a ``SpreadTensor`` over every rank's, the rest as rank 0 holds it (a
+    ``TensorRef`` for a tensor)."""
+    saved = shards.files[0].tree[OPTIMIZER]["state"].get(index, {})
+    shape = shards.files[0].tree[MODEL][spec.key].shape
+    return {name: SpreadTensor(_state_of_every_rank(shards, index, name), spec, param)
+            if sharded_like(name, value, shape) else value for name, value in saved.items()}
+
+
+def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:
+    out = []
+    for f in shards.files:
+        value = f.tree[OPTIMIZER].get("state", {}).get(index, {}).get(name)
+        if not isinstance(value, TensorRef):
+            raise CheckpointError(f"{f.path}: optimizer index {index} has no {name!r} state, "
+                                  f"which rank 0's file holds")
+        out.append(value)
+    return out
 
 
 Member = Tuple[ParamSpec, ShardGroupSpec, int]  # a parameter, its shard group, the optimizer
@@ -114,26 +132,12 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
         for param, spec, index in members:
             new_indices.append(len(names))
             names.append(param.name)
-            old = opt0["state"].get(index)
-            if old is not None:
-                state[new_indices[-1]] = _full_state(shards, spec, param, index, old, add)
+            if index in opt0["state"]:
+                state[new_indices[-1]] = {
+                    name: add(value.read()) if isinstance(value, (SpreadTensor, TensorRef))
+                    else value for name, value in saved_state(shards, spec, param, index).items()}
         new_param_group = dict(param_group, params=new_indices)
         if "param_names" in param_group:
             new_param_group["param_names"] = [names[i] for i in new_indices]
         param_groups.append(new_param_group)
     return {"state": state, "param_groups": param_groups}, names
-
-
-def _full_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index: int,
-                old: Dict[str, Any], add: Callable[[torch.Tensor], Any]) -> Dict[str, Any]:
-    shard0 = shards.files[0].tree[MODEL][spec.key]
-    out = {}
-    for name, value in old.items():
-        if sharded_like(value, shard0):
-            per_rank = [f.tree[OPTIMIZER]["state"][index][name] for f in shards.files]
-            out[name] = add(read_param(per_rank, param))
-        elif isinstance(value, TensorRef):
-            out[name] = add(value.read())
-        else:
-            out[name] = value
-    return out

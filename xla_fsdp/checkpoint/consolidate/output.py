@@ -15,7 +15,7 @@ from ..files.reader import materialized
 from ..files.writer import SAFETENSORS_DTYPES
 from ..metadata import MODEL
 from .optimizer import consolidate_optimizer
-from .plan import ModelPlan, read_param
+from .plan import ModelPlan, SpreadTensor
 from .shard_set import ShardSet
 
 
@@ -31,7 +31,7 @@ def model_entries(plan: ModelPlan, shards: ShardSet) -> Iterator[Tuple[str, torc
     """(name, tensor) of the consolidated model state dict, read one at a time."""
     files = shards.files
     for name, spec, param in ordered_params(plan):
-        yield name, read_param([f.tree[MODEL][spec.key] for f in files], param)
+        yield name, SpreadTensor([f.tree[MODEL][spec.key] for f in files], spec, param).read()
     for key, name in plan.buffers.items():
         tensor = files[0].tree[MODEL][key].read()
         if key in plan.buffer_dtypes:

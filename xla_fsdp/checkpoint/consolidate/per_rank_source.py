@@ -6,8 +6,8 @@ The files hold the unwrapped model as a consolidated file would, under the DCP l
 ``get_state_dict`` keys (``sources.entries``): every parameter (tied ones under each of their
 names), every persistent buffer in the dtype the model restores it to, the optimizer's state
 by parameter name and its param groups listing names, and ``extra``. No full parameter is
-ever assembled: each is a ``SpreadTensor``, whose runs of row-major elements are read from
-the rank files that hold them (``plan.read_elements``), so a rank reads the runs its own new
+ever assembled: each is a ``plan.SpreadTensor``, whose runs of row-major elements are read
+from the rank files that hold them, so a rank reads the runs its own new
 shards hold and nothing else (see [Note: a rank reads the runs its shards hold]). Optimizer
 state sharded like its shard (Adam's moments, SGD's momentum) is spread the same way; a step
 count and anything else not sharded is the same on every rank and comes from rank 0.
@@ -17,34 +17,18 @@ need a filesystem they all see, as consolidation does.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import EXTRA, MODEL, OPTIMIZER
 from ..sources.entries import EntrySource, model_entries, optimizer_entries
-from .optimizer import optimizer_param_keys, saved_param_groups, sharded_like
-from .plan import ModelPlan, ParamSpec, plan_model, read_elements
+from .optimizer import optimizer_param_keys, saved_param_groups, saved_state
+from .plan import ModelPlan, SpreadTensor, plan_model
 from .shard_set import ShardSet, find_shard_set
 
 _GROUP_NAMES = ("params", "param_names")
-
-
-class SpreadTensor:
-    """A full tensor of the unwrapped model (a parameter, or optimizer state sharded like
-    it) whose elements are spread over every rank's shard of its group."""
-
-    def __init__(self, shards: List[TensorRef], param: ParamSpec) -> None:
-        self.shards, self.param = shards, param
-        self.dtype: torch.dtype = shards[0].dtype
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        return tuple(self.param.shape)
-
-    def read_elements(self, start: int, out: torch.Tensor) -> None:
-        read_elements(self.shards, self.param, start, out)
 
 
 class _Restored:
@@ -102,7 +86,7 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
     for spec in plan.shard_groups:
         per_rank = [f.tree[MODEL][spec.key] for f in shards.files]
         for param in spec.params:
-            model[param.name] = SpreadTensor(per_rank, param)
+            model[param.name] = SpreadTensor(per_rank, spec, param)
     for alias, source in plan.aliases:  # tied: under every name, as state_dict() has it
         model[alias] = model[source]
     for key, name in plan.buffers.items():
@@ -133,25 +117,8 @@ def named_optimizer_state(shards: ShardSet, plan: ModelPlan) -> Dict[str, Any]:
     param_groups = []
     for param_group, members in saved_param_groups(shards, plan):
         for param, spec, index in members:
-            saved = opt0["state"].get(index)
-            if not saved:
-                continue
-            shard0 = shards.files[0].tree[MODEL][spec.key]
-            state[param.name] = {
-                name: SpreadTensor(_state_of_every_rank(shards, index, name), param)
-                if sharded_like(value, shard0) else value
-                for name, value in saved.items()}
+            if opt0["state"].get(index):
+                state[param.name] = saved_state(shards, spec, param, index)
         settings = {k: v for k, v in param_group.items() if k not in _GROUP_NAMES}
         param_groups.append(dict(settings, params=[p.name for p, _, _ in members]))
     return {"state": state, "param_groups": param_groups}
-
-
-def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:
-    out = []
-    for f in shards.files:
-        value = f.tree[OPTIMIZER].get("state", {}).get(index, {}).get(name)
-        if not isinstance(value, TensorRef):
-            raise CheckpointError(f"{f.path}: optimizer index {index} has no {name!r} state, "
-                                  f"which rank 0's file holds")
-        out.append(value)
-    return out

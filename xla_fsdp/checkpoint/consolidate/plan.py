@@ -1,32 +1,32 @@
-"""Where each full tensor of the unwrapped model lives inside the per-rank shards.
+"""Where each full tensor of the unwrapped model lives inside the per-rank shards, and any
+run of its elements read from them.
 
-Most shard groups (one sharded tensor per rank) are the rank-ordered concatenation of a
-padded flat buffer, and their parameters occupy consecutive element ranges from the start
-of that buffer. That holds for single parameters, dim-0 shards (whose row blocks
-concatenate in row-major order) and torch_xla's flattened groups, so one rule reads such a
-parameter: elements ``[offset, offset + numel)`` of the concatenation. Our flattened groups
-are interleaved (``InterleavedLayout``): every rank holds a piece of each parameter, at the
-same place in every shard, and the pieces concatenate in rank order.
+Each shard group's metadata gives its layout at the checkpoint's world size (``Layout``, the
+one the training wrote it by): flat, interleaved, dim-0, or stacked layers of one of them.
+Which elements of which parameter each rank's shard holds is that layout's answer
+(``Layout.owned``, inverted by ``runs_by_param``), as for a live model's shards; nothing
+here computes offsets of its own. A shard group torch_xla wrote (no layout recorded) is
+read as a flat group whose shards have the size rank 0's has: torch_xla pads as it pleases,
+always at the end, and its flattened groups and dim-0 shards concatenate in rank order as a
+flat group does.
 
-A stacked group (scanned layers) holds L identical layers: every rank's shard is
-``[L, *layer shard shape]`` and row ``i`` is that rank's shard of layer ``i``, laid out as
-an ordinary flat, interleaved or dim-0 group. The rules above then apply within one row.
-
-``read_elements`` reads any run of a full tensor's elements by these rules, from the rank
-files that hold it; consolidation reads whole tensors through it, and the per-rank files'
-source (``per_rank_source``) the runs a loading rank's shards hold.
+``SpreadTensor`` reads any run of a full tensor's elements from the rank files that hold it
+and from nothing else; consolidation reads whole tensors through it, and the per-rank
+files' source (``per_rank_source``) the runs a loading rank's shards hold.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import LAYER_KINDS, ShardEntry, ShardMetadata
-from ..._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
+from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
+                                 StackedLayout, runs_by_param)
 from ..._sharding.names import clean_name, join_name
 
 
@@ -34,10 +34,7 @@ from ..._sharding.names import clean_name, join_name
 class ParamSpec:
     name: str                       # in the unwrapped model
     shape: Tuple[int, ...]
-    offset: int                     # first element in its layer's concatenated shards
-    piece: Optional[Tuple[int, int]] = None  # interleaved: (offset, elements) in every shard
-    row: int = 0                    # stacked: its layer, the row of every shard it is in
-    rows: int = 1                   # stacked: the layers (rows of every shard)
+    index: int                      # its number in the group's layout (``Layout.shapes``)
 
 
 @dataclass(frozen=True)
@@ -45,9 +42,10 @@ class ShardGroupSpec:
     key: str                        # the shard's key in each rank's model state dict
     params: Tuple[ParamSpec, ...]   # stacked: layer 0's, then layer 1's, ...
     # how one layer (the whole group unless stacked) is laid out: "flat" | "interleaved" |
-    # "dim0"; None if the writer did not record it
+    # "dim0"; None if the writer did not record it (torch_xla: read as flat)
     kind: Optional[str]
-    multiple: int
+    multiple: int                   # kind None: the elements of rank 0's shard
+    world_size: int                 # the checkpoint's
     stacked: bool = False
     layers: int = 1
 
@@ -55,9 +53,27 @@ class ShardGroupSpec:
     def numel(self) -> int:
         return sum(math.prod(p.shape) for p in self.params)
 
-    def layer(self, index: int) -> Tuple[ParamSpec, ...]:
-        per_layer = len(self.params) // self.layers
-        return self.params[index * per_layer:(index + 1) * per_layer]
+    def layout(self, world_size: int) -> Layout:
+        """How the group is sharded at ``world_size``: what ``save_sharded`` of the same model
+        at that world size writes (its parameters are numbered as ``params``)."""
+        shapes = tuple(torch.Size(p.shape) for p in self.params[:len(self.params) // self.layers])
+        if self.kind == "dim0":
+            layer: Any = Dim0Layout(shapes[0], world_size)
+        elif self.kind == "interleaved":
+            layer = InterleavedLayout(shapes, world_size, self.multiple)
+        else:
+            layer = FlatLayout(shapes, world_size, self.multiple)
+        return StackedLayout(layer, self.layers) if self.stacked else layer
+
+    @cached_property
+    def saved(self) -> Layout:
+        """The layout of the checkpoint's shards."""
+        return self.layout(self.world_size)
+
+    @cached_property
+    def runs(self) -> List[List[Tuple[int, Owned]]]:
+        """Each parameter's (rank, run) in the checkpoint's shards."""
+        return runs_by_param(self.saved)
 
 
 @dataclass
@@ -71,23 +87,6 @@ class ModelPlan:
     def spec_of(self) -> Dict[str, ShardGroupSpec]:
         """{shard key: its spec}."""
         return {g.key: g for g in self.shard_groups}
-
-
-def layer_layout(spec: ShardGroupSpec, world_size: int) -> Layout:
-    """How one layer of ``spec`` (all of it unless stacked) is sharded at ``world_size``."""
-    shapes = tuple(torch.Size(p.shape) for p in spec.layer(0))
-    if spec.kind == "dim0":
-        return Dim0Layout(shapes[0], world_size)
-    if spec.kind == "interleaved":
-        return InterleavedLayout(shapes, world_size, spec.multiple)
-    return FlatLayout(shapes, world_size, spec.multiple)
-
-
-def shard_group_layout(spec: ShardGroupSpec, world_size: int) -> Layout:
-    """How the whole of ``spec`` is sharded at ``world_size``: what ``save_sharded`` of the
-    same model at that world size writes (its parameters are numbered as ``spec.params``)."""
-    layer = layer_layout(spec, world_size)
-    return StackedLayout(layer, spec.layers) if spec.stacked else layer
 
 
 def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
@@ -113,13 +112,14 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
                                   f"{entry.kind!r}, not 'stacked': the shard metadata is "
                                   f"inconsistent")
         if entry.members is not None:
-            params = _consecutive(clean_name(entry.unit_path), *entry.members)
+            params = _numbered(clean_name(entry.unit_path), *entry.members)
         else:
             params = [ParamSpec(clean_name(join_name(entry.unit_path, entry.orig_name)),
                                 entry.orig_size, 0)]
-        if entry.kind == "interleaved":
-            params = _with_pieces(params, world, entry.multiple)
-        specs.append(ShardGroupSpec(key, tuple(params), entry.kind, entry.multiple))
+        shard = model_tree[key]
+        multiple = entry.multiple if entry.kind else max(shard.numel, 1)
+        specs.append(_checked(ShardGroupSpec(key, tuple(params), entry.kind, multiple, world),
+                              shard))
     shard_keys = {g.key for g in specs}
     buffers = {k: clean_name(k) for k, v in model_tree.items()
                if k not in shard_keys and isinstance(v, TensorRef)}
@@ -146,19 +146,22 @@ def saved_keys(model_tree: Dict[str, Any]) -> Any:
     return resolve
 
 
-def _consecutive(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]],
-                 numels: Sequence[int]) -> List[ParamSpec]:
-    params, at = [], 0
-    for n, s, k in zip(names, shapes, numels):
-        params.append(ParamSpec(clean_name(join_name(prefix, n)), tuple(s), at))
-        at += k
-    return params
+def _numbered(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]],
+             numels: Sequence[int], first: int = 0) -> List[ParamSpec]:
+    return [ParamSpec(clean_name(join_name(prefix, n)), tuple(s), first + i)
+            for i, (n, s) in enumerate(zip(names, shapes))]
 
 
-def _with_pieces(params: List[ParamSpec], world: int, multiple: int) -> List[ParamSpec]:
-    pieces = InterleavedLayout(tuple(torch.Size(p.shape) for p in params), world, multiple)
-    return [ParamSpec(p.name, p.shape, p.offset, (o, n), p.row, p.rows) for p, o, n in
-            zip(params, pieces.piece_offsets, pieces.piece_numels)]
+def _checked(spec: ShardGroupSpec, shard: TensorRef) -> ShardGroupSpec:
+    """``spec``, once rank 0's shard has the shape its layout gives (a mismatch would
+    otherwise read the wrong elements without any error)."""
+    expected = tuple(spec.saved.shard_shape)
+    if spec.kind is not None and tuple(shard.shape) != expected:
+        what = f"{spec.layers} {spec.kind} layers" if spec.stacked else spec.kind
+        raise CheckpointError(f"{shard.file.path}: {'stacked ' if spec.stacked else ''}shard "
+                              f"{spec.key} has shape {list(shard.shape)}; its metadata ({what} "
+                              f"at world size {spec.world_size}) says {list(expected)}")
+    return spec
 
 
 def _stacked_shard_group(entry: ShardEntry, key: str, shard: TensorRef, world: int
@@ -184,66 +187,44 @@ def _stacked_shard_group(entry: ShardEntry, key: str, shard: TensorRef, world: i
     prefix = clean_name(entry.unit_path)
     params: List[ParamSpec] = []
     for i in range(layers):
-        one = [ParamSpec(p.name, p.shape, p.offset, None, i, layers)
-               for p in _consecutive(join_name(prefix, str(i)), names, shapes, numels)]
-        params += _with_pieces(one, world, multiple) if kind == "interleaved" else one
-    spec = ShardGroupSpec(key, tuple(params), kind, multiple, stacked=True, layers=layers)
-    expected = (layers,) + tuple(layer_layout(spec, world).shard_shape)
-    if tuple(shard.shape) != expected:
-        raise CheckpointError(f"{shard.file.path}: stacked shard {key} has shape "
-                              f"{list(shard.shape)}; its metadata ({layers} {kind} layers at "
-                              f"world size {world}) says {list(expected)}")
-    return spec
+        params += _numbered(join_name(prefix, str(i)), names, shapes, numels, i * len(names))
+    return _checked(ShardGroupSpec(key, tuple(params), kind, multiple, world, stacked=True,
+                                   layers=layers), shard)
 
 
-def _row_numel(shards: List[TensorRef], rows: int) -> int:
-    """Elements of one row of every rank's shard (the whole shard unless stacked)."""
-    total = shards[0].numel
-    for shard in shards:
-        if shard.numel != total:
-            raise CheckpointError(f"{shard.file.path}: shard {shard.key} has {shard.numel} "
-                                  f"elements, rank 0's has {total}")
-    return total // rows
+class SpreadTensor:
+    """A full tensor of the unwrapped model whose elements are spread over every rank's
+    shard of its group (``shards``, in rank order): a parameter, or optimizer state
+    sharded like it. Read by runs (``read_elements``) or whole (``read``)."""
 
+    def __init__(self, shards: List[TensorRef], spec: ShardGroupSpec, param: ParamSpec) -> None:
+        self.shards, self.spec, self.param = shards, spec, param
+        self.dtype: torch.dtype = shards[0].dtype
 
-def read_elements(shards: List[TensorRef], param: ParamSpec, start: int,
-                  out: torch.Tensor) -> None:
-    """Elements ``start, start + 1, ...`` of ``param`` (row-major) into the 1-D contiguous
-    ``out``, read from the rank files that hold them (``shards``: every rank's shard of
-    its group, or an optimizer state tensor sharded like it) and from nothing else: the
-    one reading primitive of per-rank files (see the module docstring for where they are)."""
-    count, numel = out.numel(), math.prod(param.shape)
-    if start < 0 or start + count > numel:
-        raise IndexError(f"elements [{start}, {start + count}) of {param.name}, which has "
-                         f"{numel}")
-    per_rank = _row_numel(shards, param.rows)
-    base = param.row * per_rank
-    if param.piece is None:
-        # element e is element offset + e of the rank-ordered concatenation of the rows
-        if param.offset + numel > per_rank * len(shards):
-            where = f"row {param.row} of the shards" if param.rows > 1 else "shards"
-            raise CheckpointError(f"{where} of {shards[0].key} hold {per_rank * len(shards)} "
-                                  f"elements, fewer than the {param.offset + numel} the "
-                                  f"metadata describes")
-        first, step, at = param.offset + start, per_rank, 0
-    else:
-        # element e is element e % piece of rank e // piece's piece, at the same place in
-        # every rank's row
-        at, step = param.piece
-        if at + step > per_rank or step * len(shards) < numel:
-            where = "every row of shard" if param.rows > 1 else "shard"
-            raise CheckpointError(f"{shards[0].file.path}: {where} {shards[0].key} has "
-                                  f"{per_rank} elements; the metadata puts {param.name} at "
-                                  f"[{at}, {at + step}) of every rank's")
-        first = start
-    for rank, shard in enumerate(shards):
-        lo, hi = max(first, rank * step), min(first + count, (rank + 1) * step)
-        if lo < hi:
-            shard.read_elements(base + at + lo - rank * step, out[lo - first:hi - first])
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.param.shape)
 
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        """Elements ``start, start + 1, ...`` (row-major) into the 1-D contiguous ``out``,
+        read from the runs of the rank files that hold them and from nothing else."""
+        count, numel = out.numel(), math.prod(self.param.shape)
+        if start < 0 or start + count > numel:
+            raise IndexError(f"elements [{start}, {start + count}) of {self.param.name}, "
+                             f"which has {numel}")
+        size = math.prod(self.spec.saved.shard_shape)
+        for shard in self.shards:
+            if shard.numel != size:
+                raise CheckpointError(f"{shard.file.path}: shard {shard.key} has {shard.numel} "
+                                      f"elements, where its group's layout has {size}")
+        for rank, run in self.spec.runs[self.param.index]:
+            lo, hi = max(start, run.start), min(start + count, run.end)
+            if lo < hi:
+                self.shards[rank].read_elements(run.shard_offset + lo - run.start,
+                                                out[lo - start:hi - start])
 
-def read_param(shards: List[TensorRef], param: ParamSpec) -> torch.Tensor:
-    """The whole of ``param``, as a new tensor."""
-    out = torch.empty(math.prod(param.shape), dtype=shards[0].dtype)
-    read_elements(shards, param, 0, out)
-    return out.view(param.shape)
+    def read(self) -> torch.Tensor:
+        """The whole tensor, as a new one."""
+        out = torch.empty(math.prod(self.param.shape), dtype=self.dtype)
+        self.read_elements(0, out)
+        return out.view(self.param.shape)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from ..._sharding.chunks import range_chunks
+from ..._sharding.chunks import run_chunks
 from ..._sharding.layout import Layout
 from ..dcp.layout import GET_STATE_DICT, extra_key
 from ..dcp.planners import TensorPieces
@@ -25,10 +25,10 @@ from ..dcp.staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
-                        wrapping_fingerprint)
-from .optimizer import optimizer_param_keys, sharded_like
+                        sharded_like, wrapping_fingerprint)
+from .optimizer import optimizer_param_keys
 from .per_rank_source import shard_set_source
-from .plan import ModelPlan, ShardGroupSpec, shard_group_layout
+from .plan import ModelPlan, ShardGroupSpec
 from .shard_set import ShardSet
 
 
@@ -41,11 +41,9 @@ def read_shard(source: Source, keys: Sequence[str], spec: ShardGroupSpec, layout
     flat = shard.view(-1)
     wanted: Dict[str, TensorPieces] = {}
     for owned in layout.owned(rank):
-        param = spec.params[owned.param]
-        chunks = [(c, owned.shard_offset + c.start - owned.start)
-                  for c in range_chunks(param.shape, owned.start, owned.end)]
-        wanted[keys[owned.param]] = TensorPieces(torch.Size(param.shape), dtype, chunks,
-                                                 lambda: flat)
+        shape = spec.params[owned.param].shape
+        chunks = run_chunks(shape, owned.start, owned.end, owned.shard_offset)
+        wanted[keys[owned.param]] = TensorPieces(torch.Size(shape), dtype, chunks, lambda: flat)
     source.read(wanted, {}, {})
     return shard
 
@@ -70,7 +68,7 @@ def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List
             models[r][key] = writer.add(tensor)
         progress(tensor.numel())
     for spec in plan.shard_groups:
-        layout = shard_group_layout(spec, world_size)
+        layout = spec.layout(world_size)
         keys = [GET_STATE_DICT.model(p.name)[0] for p in spec.params]
         dtype = head[MODEL][spec.key].dtype
         for r, writer in enumerate(writers):
@@ -102,10 +100,10 @@ def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,
     out: List[Dict[int, Any]] = [{} for _ in writers]
     for index, saved in sorted(head[OPTIMIZER]["state"].items()):
         spec = specs[keys[index]]
-        layout = shard_group_layout(spec, len(writers))
+        layout = spec.layout(len(writers))
         shard0 = head[MODEL][spec.key]
         for name, value in saved.items():
-            if sharded_like(value, shard0):
+            if sharded_like(name, value, shard0.shape):
                 state_keys = [GET_STATE_DICT.state(p.name, name)[0] for p in spec.params]
                 for r, writer in enumerate(writers):
                     piece = read_shard(source, state_keys, spec, layout, r, value.dtype)

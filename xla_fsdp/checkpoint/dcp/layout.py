@@ -22,7 +22,7 @@ what the caller adds       ``extra``                              ``extra``
 =========================  =====================================  ==========================
 
 A parameter's tensors (and the optimizer state sharded like it) are written by every rank as
-the chunks its shard holds (``Layout.owned`` and ``chunks.range_chunks``); buffers, scalar
+the chunks its shard holds (``Layout.owned`` and ``chunks.run_chunks``); buffers, scalar
 optimizer state and every non-tensor value by the first rank only.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from ..._sharding.chunks import Chunk, range_chunks
+from ..._sharding.chunks import Chunk, run_chunks
 from ..metadata import unwrapped_name
 from ..._unit.shard_group import ShardGroup
 from ..unit_protocol import ShardedModel
@@ -105,11 +105,8 @@ def param_slots(root: ShardedModel) -> List[ParamSlot]:
         for g in unit.shard_groups:
             owned = {o.param: o for o in g.layout.owned(unit.rank)}
             for i, (record, shape) in enumerate(zip(g.records, g.layout.shapes)):
-                pieces: Tuple[Tuple[Chunk, int], ...] = ()
                 o = owned.get(i)
-                if o is not None:
-                    pieces = tuple((c, o.shard_offset + c.start - o.start)
-                                   for c in range_chunks(shape, o.start, o.end))
+                pieces = tuple(run_chunks(shape, o.start, o.end, o.shard_offset)) if o else ()
                 out.append(ParamSlot(tuple(unwrapped_name(path, n) for n in record.names),
                                      torch.Size(shape), g, pieces))
     return out

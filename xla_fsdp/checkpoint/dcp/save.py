@@ -56,7 +56,7 @@ from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
-from ..metadata import persistent_buffers
+from ..metadata import persistent_buffers, sharded_like
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from .coordination import agree, agree_or_undo, exchange
@@ -316,7 +316,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 for k, v in state[id(p)].items():
                     for slot in by_shard[id(p)]:
                         key, path = scheme.state(slot.name, k)
-                        if torch.is_tensor(v) and v.shape == p.shape:
+                        if sharded_like(k, v, p.shape):
                             add_pieces((key, path), slot, v)
                         elif first and torch.is_tensor(v):
                             add_whole((key, path), v, v.dtype)

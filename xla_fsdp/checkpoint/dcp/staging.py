@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 
 from ..._sharding.chunks import Chunk
 from ..files import CheckpointError
-from ..metadata import persistent_buffers
+from ..metadata import persistent_buffers, sharded_like
 from ..unit_protocol import ShardedModel
 from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
                      extra_key, param_slots, slots_by_shard)
@@ -219,9 +219,7 @@ class StagedLoad:
             if isinstance(stored, BytesStorageMetadata):
                 self.objects[keys[0]] = None
                 out[name] = lambda key=keys[0]: self.objects[key]
-            elif all(tuple(self.stored[k].size) == tuple(s.shape) for k, s in zip(keys, slots)) \
-                    and not (name == "step" and len(slots[0].shape) == 0):
-                # sharded like the parameter (a 0-d parameter's 0-d step count is not)
+            elif all(sharded_like(name, self.stored[k], s.shape) for k, s in zip(keys, slots)):
                 stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
                 for key, slot in zip(keys, slots):
                     self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),
