@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 
-from xla_fsdp.checkpoint.consolidate.dcp_output import verify_dcp
+from xla_fsdp.checkpoint.consolidate.formats import verify_written
 from xla_fsdp.checkpoint.dcp.layout import key_scheme
 from xla_fsdp.checkpoint.dcp.load import DcpSource, read_metadata
 from xla_fsdp.checkpoint.dcp.metadata_file import read_metadata_file
@@ -80,8 +80,8 @@ READERS = {
     "read_metadata": lambda d: read_metadata(str(d)),
     "DcpSource (load_dcp)": lambda d: DcpSource(str(d)),
     "open_consolidated (load_consolidated)": lambda d: open_consolidated(str(d)),
-    "verify_dcp (the CLI's --format dcp)": lambda d: verify_dcp(
-        str(d), {}, False, key_scheme("get_state_dict")),
+    "verify_written (the CLI's --format dcp)": lambda d: verify_written(
+        [str(d)], {}, False, key_scheme("get_state_dict")),
 }
 
 

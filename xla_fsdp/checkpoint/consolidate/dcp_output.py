@@ -12,12 +12,11 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 
 from ..dcp.layout import KeyScheme, Path, extra_key
-from ..dcp.load import read_metadata
 from ..dcp.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
-from ..files import CheckpointError, TensorRef
+from ..files import TensorRef
 from ..files.reader import materialized
-from ..metadata import EXTRA, MODEL, OPTIMIZER
+from ..metadata import EXTRA, MODEL
 from .optimizer import saved_param_groups, saved_state
 from .output import ordered_params
 from .plan import ModelPlan, SpreadTensor
@@ -80,23 +79,3 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callab
         names = [param.name for param, _, _ in members]
         for key, path, value in scheme.param_group(i, names, settings):
             paths[key], objects[key] = path, value
-
-
-def verify_dcp(directory: str, expected: Dict[str, Tuple[torch.dtype, Tuple[int, ...]]],
-               with_optimizer: bool, scheme: KeyScheme) -> str:
-    """Re-reads ``.metadata``: every expected model entry with its dtype and shape, and the
-    optimizer's when it was written."""
-    stored = read_metadata(directory).state_dict_metadata
-    problems = []
-    for name, (dtype, shape) in expected.items():
-        entry = stored.get(scheme.model(name)[0])
-        if entry is None:
-            problems.append(f"{name} missing")
-        elif (entry.properties.dtype, tuple(entry.size)) != (dtype, tuple(shape)):
-            problems.append(f"{name} is {entry.properties.dtype} {list(entry.size)}, not "
-                            f"{dtype} {list(shape)}")
-    if with_optimizer and not any(k.startswith(f"{OPTIMIZER}.param_groups.") for k in stored):
-        problems.append("no optimizer param groups")
-    if problems:
-        raise CheckpointError(f"{directory} does not hold what was written: {problems[:10]}")
-    return f"{len(expected)} model entries under {scheme.name}'s keys" + (", optimizer included" if with_optimizer else "")

@@ -1,22 +1,35 @@
 """One consolidated output of each format from a ``ShardSet`` (per-rank files, or a live
-model's shards over the collectives), written and then verified: what the command line tool
-and ``save_consolidated`` share."""
+model's shards over the collectives), written and then verified: what the command line tool,
+``save_consolidated`` and torch_xla's ``consolidate_sharded_model_checkpoints`` share.
+
+What was written is verified in one way for every format (``verify_written``): it is opened
+as ``load_consolidated`` opens it (``sources.consolidated_files``, which reads each format's
+headers, index or ``.metadata``), and what that finds under the model's keys must be what the
+writer meant to store, names, dtypes and shapes, nothing more; the optimizer's param groups
+must be there when it was written, and a ``torch.save`` file's records must match their
+CRC-32s.
+"""
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dcp.layout import key_scheme
-from .dcp_output import verify_dcp, write_dcp
+from ..dcp.layout import EXTRA, GET_STATE_DICT, OPTIMIZER, KeyScheme, key_scheme
+from ..files import CheckpointError, CheckpointFile
+from ..sources.consolidated_files import open_consolidated
+from .dcp_output import write_dcp
 from .hf_output import DEFAULT_MAX_SHARD_SIZE, hf_directory
-from .output import entry_specs, model_entries, verify_output, write_consolidated
+from .output import entry_specs, model_entries, write_consolidated
 from .plan import ModelPlan
 from .shard_set import ShardSet
 
 FORMATS = ("pt", "safetensors", "hf", "dcp")
+Expected = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]  # model entry -> dtype, shape
 
 
 @dataclass(frozen=True)
@@ -42,17 +55,54 @@ def write_output(shards: ShardSet, plan: ModelPlan, fmt: str, path: str, with_op
                  options: OutputOptions, progress: Callable[[int], None]
                  ) -> Tuple[List[str], str]:
     """Writes and verifies; returns the paths written and what was verified."""
-    specs = {n: (d, s) for n, d, s in entry_specs(plan, shards)}
+    specs = {n: (d, tuple(s)) for n, d, s in entry_specs(plan, shards)}
+    scheme, layout = GET_STATE_DICT, ""
     if fmt == "hf":
-        written, summary = hf_directory(path, entry_specs(plan, shards),
-                                        model_entries(plan, shards), plan.aliases,
-                                        options.hf_config, options.model,
-                                        options.max_shard_size, progress)
-        return written, summary + " in the Hugging Face layout (model weights only)"
-    if fmt == "dcp":
+        written, specs = hf_directory(path, entry_specs(plan, shards),
+                                      model_entries(plan, shards), plan.aliases,
+                                      options.hf_config, options.model,
+                                      options.max_shard_size, progress)
+        layout = " in the Hugging Face layout (model weights only)"
+        with_optimizer = False
+    elif fmt == "dcp":
         scheme = key_scheme(options.dcp_keys)
         written = write_dcp(shards, plan, path, with_optimizer, scheme, progress)
-        return written, verify_dcp(written[0], specs, with_optimizer, scheme)
-    written = write_consolidated(shards, plan, path, fmt, with_optimizer, progress)
-    return written, (verify_output(written[0], specs, fmt)
-                     + (", optimizer included" if with_optimizer else ""))
+        layout = f" under {scheme.name}'s keys"
+    else:
+        written = write_consolidated(shards, plan, path, fmt, with_optimizer, progress)
+    summary = verify_written(written, specs, with_optimizer, scheme) + layout
+    return written, summary + (", optimizer included" if with_optimizer else "")
+
+
+def verify_written(written: Sequence[str], expected: Expected, with_optimizer: bool,
+                   scheme: KeyScheme = GET_STATE_DICT) -> str:
+    """Re-reads what was written (``written[0]`` the checkpoint, any file after it beside
+    it) as the loader opens it: every ``expected`` model entry with its dtype and shape under
+    ``scheme``'s keys, and no other; the optimizer's param groups when ``with_optimizer``;
+    the CRC-32s of every ``torch.save`` file. Returns what was verified."""
+    for path in written:
+        if os.path.isfile(path) and not path.endswith(".safetensors"):
+            with CheckpointFile(path) as f:
+                f.verify()
+    source = open_consolidated(written[0])
+    try:
+        stored = dict(source.stored)
+    finally:
+        source.close()
+    got = {k: (v.properties.dtype, tuple(v.size)) if isinstance(v, TensorStorageMetadata)
+           else "an object" for k, v in stored.items()
+           if not k.startswith(OPTIMIZER + ".") and k != EXTRA}
+    want = {scheme.model(n)[0]: (d, tuple(s)) for n, (d, s) in expected.items()}
+    problems = []
+    if got != want:
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        wrong = sorted(f"{k}: {got[k]}, not {want[k]}"
+                       for k in set(got) & set(want) if got[k] != want[k])
+        problems.append(f"missing {missing}, unexpected {extra}, wrong shape or dtype {wrong}")
+    if with_optimizer and not any(k.startswith(f"{OPTIMIZER}.param_groups.") for k in stored):
+        problems.append("no optimizer param groups")
+    if problems:
+        raise CheckpointError(f"{written[0]} does not hold what was written: "
+                              f"{'; '.join(problems)}")
+    numel = sum(math.prod(s) for _, s in expected.values())
+    return f"{len(expected)} tensors, {numel:,} elements"

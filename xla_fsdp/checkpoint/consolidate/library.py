@@ -16,8 +16,9 @@ import torch
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
 from ..metadata import MODEL, SHARD_METADATA, ShardMetadata
+from .formats import OutputOptions, write_output
 from .optimizer import why_not_consolidated
-from .output import entry_specs, model_entries, verify_output, write_consolidated
+from .output import model_entries
 from .plan import ModelPlan, plan_model
 from .shard_set import ShardSet, check_shard_set, wait_for_shard_set
 
@@ -42,8 +43,7 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
         if out is None:
             return _state_dict(plan, shards), None
         with_optimizer = why_not_consolidated(shards, plan) is None
-        write_consolidated(shards, plan, out, "pt", with_optimizer, lambda _: None)
-        verify_output(out, {n: (d, s) for n, d, s in entry_specs(plan, shards)})
+        write_output(shards, plan, "pt", out, with_optimizer, OutputOptions(), lambda _: None)
     finally:
         shards.close()
     saved = torch.load(out, map_location="cpu", mmap=True, weights_only=True)

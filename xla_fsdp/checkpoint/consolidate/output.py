@@ -1,18 +1,15 @@
 """Writing a consolidated checkpoint: the unwrapped model's state dict (and optimizer state)
-read one tensor at a time from the shards, streamed to a ``.pth`` or ``.safetensors`` file,
-then re-read and verified."""
+read one tensor at a time from the shards, streamed to a ``.pth`` or ``.safetensors`` file, and
+verified by ``formats.verify_written``."""
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
-from ..files import (CheckpointError, CheckpointFile, SafetensorsWriter, StagedFile,
-                     TorchFileWriter, atomic_path)
+from ..files import SafetensorsWriter, StagedFile, TorchFileWriter, atomic_path
 from ..files.reader import materialized
-from ..files.writer import SAFETENSORS_DTYPES
 from ..metadata import MODEL
 from .optimizer import consolidate_optimizer
 from .plan import ModelPlan, SpreadTensor
@@ -107,28 +104,3 @@ def _extra(shards: ShardSet) -> Dict[str, Any]:
     optimizer for a resume."""
     tree = shards.files[0].tree
     return {"extra": materialized(tree["extra"])} if "extra" in tree else {}
-
-
-def verify_output(path: str, expected: Dict[str, tuple], fmt: str = "pt") -> str:
-    """Re-reads a written file: CRCs, and every expected name with its shape and dtype."""
-    if fmt == "safetensors":
-        from safetensors import safe_open
-        with safe_open(path, framework="pt") as f:
-            got = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape()))
-                   for k in f.keys()}
-        expected = {k: (SAFETENSORS_DTYPES[v[0]], tuple(v[1])) for k, v in expected.items()}
-    else:
-        with CheckpointFile(path) as f:
-            f.verify()
-            model = f.tree[MODEL]
-            got = {k: (v.dtype, tuple(v.shape)) for k, v in model.items()}
-        expected = {k: (v[0], tuple(v[1])) for k, v in expected.items()}
-    if got != expected:
-        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-        wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
-        raise CheckpointError(f"{path} does not hold what was written: missing {missing}, "
-                              f"unexpected {extra}, wrong shape or dtype {wrong}")
-    numel = sum(math.prod(s) for _, s in expected.values())
-    return f"{len(expected)} tensors, {numel:,} elements"
-
-

@@ -7,8 +7,10 @@ The first rank opens the checkpoint and tells the others what it holds (``stored
 the files. To read, the ranks agree on the tensors any of them wants and lay them end to
 end, in key order, as one byte stream (each tensor starting at a multiple of 8 bytes, so
 that no element straddles a bucket). The stream goes out in buckets of at most
-``BUCKET_BYTES``, all of one size so that XLA compiles one broadcast: the first rank reads
-a bucket's runs from the checkpoint (by runs, as any rank reads its own), every rank gets
+``BUCKET_BYTES``, all of one size so that XLA compiles one broadcast. The stream is cut into
+buckets as a flat shard group is cut into shards: a ``FlatLayout`` of the tensors' bytes
+with a bucket for a rank, whose ``owned`` says which bytes of which tensor a bucket holds.
+The first rank reads a bucket's runs from the checkpoint (by runs, as any rank reads its own), every rank gets
 it (``collectives.broadcast_bytes``), and each keeps the runs its shards hold. So the first
 rank holds one bucket at a time beyond what it loads itself, the others their own runs
 and one bucket, and no rank but the first opens a file. Every rank receives every byte,
@@ -25,8 +27,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..._sharding.chunks import range_chunks
+from ..._sharding.chunks import run_chunks
 from ..._sharding.collectives import broadcast_bytes
+from ..._sharding.layout import FlatLayout
 from ..dcp.coordination import agree, exchange
 from ..dcp.planners import TensorPieces
 from ..dcp.staging import Source, Stored
@@ -73,96 +76,82 @@ class FirstRankSource:
 
     def _stream(self, keys: List[str], tensors: Dict[str, TensorPieces]) -> None:
         import torch_xla
-        layout = _StreamLayout(keys, self.stored)
-        size = min(BUCKET_BYTES, layout.total)
-        receiver = _Receiver(layout, tensors, self.stored)
-        for n, begin in enumerate(range(0, layout.total, size)):
-            bucket, error = torch.zeros(size, dtype=torch.uint8), None
+        layout = _stream_layout(keys, self.stored)
+        receiver = _Receiver(keys, tensors, self.stored)
+        for n in range(layout.world_size):
+            bucket, error = torch.zeros(layout.shard_shape, dtype=torch.uint8), None
             if self._inner is not None:
                 try:
-                    self._fill(layout, begin, bucket)
+                    self._fill(keys, layout, n, bucket)
                 except Exception as exc:
                     error = exc
             agree(f"{self._tag}.bucket.{n}", error)
             got = broadcast_bytes(bucket.view(torch.int32).to(torch_xla.device()),
                                   self._pin_layout)
-            received = got.cpu().view(torch.uint8)
-            receiver.take(begin, received)
+            receiver.take(layout, n, got.cpu().view(torch.uint8))
         receiver.finish()
 
-    def _fill(self, layout: "_StreamLayout", begin: int, bucket: torch.Tensor) -> None:
-        """The first rank: the stream's bytes from ``begin`` into ``bucket``, read by runs."""
+    def _fill(self, keys: List[str], layout: FlatLayout, n: int, bucket: torch.Tensor) -> None:
+        """The first rank: bucket ``n``'s bytes, read by runs."""
         assert self._inner is not None
-        for key, first, count, at in layout.runs(begin, bucket.numel()):
-            stored = self.stored[key]
+        for run in layout.owned(n):
+            stored = self.stored[keys[run.param]]
             dtype = stored.properties.dtype
+            end = min(run.end, math.prod(stored.size) * dtype.itemsize)  # not the alignment
+            first, count = run.start // dtype.itemsize, (end - run.start) // dtype.itemsize
+            if count <= 0:
+                continue
             values = torch.empty(count, dtype=dtype)
-            chunks = [(c, c.start - first) for c in range_chunks(stored.size, first, first + count)]
-            self._inner.read({key: TensorPieces(stored.size, dtype, chunks, lambda: values)},
-                             {}, {})
+            chunks = run_chunks(stored.size, first, first + count)
+            self._inner.read({keys[run.param]: TensorPieces(stored.size, dtype, chunks,
+                                                             lambda: values)}, {}, {})
             raw = values.view(torch.uint8)
-            bucket[at:at + raw.numel()].copy_(raw)
+            bucket[run.shard_offset:run.shard_offset + raw.numel()].copy_(raw)
 
     def close(self) -> None:
         if self._inner is not None:
             self._inner.close()
 
 
-class _StreamLayout:
-    """Where each tensor's bytes are in the stream."""
-
-    def __init__(self, keys: List[str], stored: Dict[str, Stored]) -> None:
-        self.entries: List[Tuple[str, int, int, int]] = []  # key, offset, item size, numel
-        at = 0
-        for key in keys:
-            meta = stored[key]
-            item = meta.properties.dtype.itemsize
-            numel = math.prod(meta.size)
-            self.entries.append((key, at, item, numel))
-            at += -(-numel * item // _ALIGN) * _ALIGN
-        self.total = max(at, _ALIGN)
-
-    def runs(self, begin: int, length: int) -> List[Tuple[str, int, int, int]]:
-        """(key, first element, count, where in the bucket) of every tensor's elements
-        within stream bytes ``[begin, begin + length)``."""
-        out = []
-        end = begin + length
-        for key, offset, item, numel in self.entries:
-            lo, hi = max(begin, offset), min(end, offset + numel * item)
-            if lo < hi:
-                out.append((key, (lo - offset) // item, (hi - lo) // item, lo - begin))
-        return out
+def _stream_layout(keys: List[str], stored: Dict[str, Stored]) -> FlatLayout:
+    """The stream: each tensor's bytes padded to a multiple of ``_ALIGN``, end to end, cut
+    into the fewest buckets of at most ``BUCKET_BYTES`` (multiples of ``_ALIGN`` too)."""
+    sizes = [-(-math.prod(stored[k].size) * stored[k].properties.dtype.itemsize // _ALIGN)
+             * _ALIGN for k in keys]
+    buckets = max(1, -(-sum(sizes) // BUCKET_BYTES))
+    return FlatLayout(tuple(torch.Size([n]) for n in sizes), buckets, _ALIGN)
 
 
 class _Receiver:
     """Every rank: copies the runs its pieces want out of each bucket, converted from the
-    stored dtype (elements never straddle buckets: see ``_StreamLayout``)."""
+    stored dtype (elements never straddle buckets: see ``_stream_layout``)."""
 
-    def __init__(self, layout: _StreamLayout, tensors: Dict[str, TensorPieces],
+    def __init__(self, keys: List[str], tensors: Dict[str, TensorPieces],
                  stored: Dict[str, Stored]) -> None:
-        self._runs: List[Tuple[int, int, torch.dtype, torch.Tensor]] = []  # begin, end, ...
+        # for each tensor of the stream: (first byte, end, dtype, where it goes) of each run
+        self._runs: List[List[Tuple[int, int, torch.dtype, torch.Tensor]]] = []
         self._left = 0
-        for key, offset, item, _ in layout.entries:
-            pieces = tensors.get(key)
+        for key in keys:
+            pieces, dtype = tensors.get(key), stored[key].properties.dtype
+            self._runs.append([])
             if pieces is None:
                 continue
-            flat, dtype = pieces.flat(), stored[key].properties.dtype
+            flat, item = pieces.flat(), dtype.itemsize
             for chunk, at in pieces.chunks:
-                begin = offset + chunk.start * item
-                self._runs.append((begin, begin + chunk.numel * item, dtype,
-                                   flat[at:at + chunk.numel]))
+                self._runs[-1].append((chunk.start * item, (chunk.start + chunk.numel) * item,
+                                       dtype, flat[at:at + chunk.numel]))
                 self._left += chunk.numel * item
 
-    def take(self, begin: int, bucket: torch.Tensor) -> None:
-        end = begin + bucket.numel()
-        for run_begin, run_end, dtype, out in self._runs:
-            lo, hi = max(begin, run_begin), min(end, run_end)
-            if lo < hi:
-                item = dtype.itemsize
-                values = bucket[lo - begin:hi - begin].clone().view(dtype)
-                first = (lo - run_begin) // item
-                out[first:first + values.numel()].copy_(values)
-                self._left -= hi - lo
+    def take(self, layout: FlatLayout, n: int, bucket: torch.Tensor) -> None:
+        for run in layout.owned(n):
+            for begin, end, dtype, out in self._runs[run.param]:
+                lo, hi = max(begin, run.start), min(end, run.end)
+                if lo < hi:
+                    at = run.shard_offset + lo - run.start
+                    values = bucket[at:at + hi - lo].clone().view(dtype)
+                    first = (lo - begin) // dtype.itemsize
+                    out[first:first + values.numel()].copy_(values)
+                    self._left -= hi - lo
 
     def finish(self) -> None:
         if self._left:

@@ -1,0 +1,53 @@
+"""One verifier of what a consolidation wrote, for every format: what the writer meant to
+store must be what the loader's reader finds (names, dtypes, shapes, nothing more), the
+optimizer's param groups when it was written, a torch file's CRC-32s. No XLA."""
+import pytest
+import torch
+
+from xla_fsdp.checkpoint.consolidate import main
+from xla_fsdp.checkpoint.consolidate.formats import output_paths, verify_written
+from xla_fsdp.checkpoint.dcp.layout import key_scheme
+from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile
+
+from ...support.synthetic_checkpoints import full_model, write_set
+
+CASES = [("pt", "get_state_dict"), ("safetensors", "get_state_dict"), ("hf", "get_state_dict"),
+         ("dcp", "get_state_dict"), ("dcp", "torchtitan")]
+
+
+def _written(tmp_path, fmt, keys):
+    prefix = str(tmp_path / "ck")
+    write_set(prefix, 3)
+    assert main(["--ckpt_prefix", prefix, "--format", fmt, "--dcp_keys", keys]) == 0
+    written = output_paths(fmt, "", prefix)
+    expected = {n: (t.dtype, tuple(t.shape)) for n, t in full_model().items()}
+    return written, expected, fmt != "hf"
+
+
+@pytest.mark.parametrize("fmt, keys", CASES)
+def test_what_was_written_verifies_and_anything_else_is_refused(tmp_path, fmt, keys):
+    written, expected, with_optimizer = _written(tmp_path, fmt, keys)
+    scheme = key_scheme(keys)
+    assert verify_written(written, expected, with_optimizer, scheme).startswith("2 tensors")
+    name = next(iter(expected))
+    wrong = [dict(expected, **{"lin.extra": (torch.float32, (1,))}),
+             {k: v for k, v in expected.items() if k != name},
+             dict(expected, **{name: (torch.float64, expected[name][1])})]
+    for bad in wrong:
+        with pytest.raises(CheckpointError, match="does not hold what was written"):
+            verify_written(written, bad, with_optimizer, scheme)
+    if not with_optimizer:
+        with pytest.raises(CheckpointError, match="no optimizer param groups"):
+            verify_written(written, expected, True, scheme)
+
+
+def test_a_torch_file_is_checked_by_its_crcs(tmp_path):
+    written, expected, _ = _written(tmp_path, "pt", "get_state_dict")
+    with CheckpointFile(written[0]) as f:
+        offset = f._data_offset(f.tree["model"]["lin.weight"].key)
+    data = bytearray(open(written[0], "rb").read())
+    data[offset + 3] ^= 0x40
+    with open(written[0], "wb") as f:
+        f.write(bytes(data))
+    with pytest.raises(CheckpointError, match="CRC-32"):
+        verify_written(written, expected, True)
