@@ -81,7 +81,7 @@ READERS = {
     "DcpSource (load_dcp)": lambda d: DcpSource(str(d)),
     "open_consolidated (load_consolidated)": lambda d: open_consolidated(str(d)),
     "verify_written (the CLI's --format dcp)": lambda d: verify_written(
-        [str(d)], {}, False, key_scheme("get_state_dict")),
+        "dcp", [str(d)], {}, False, key_scheme("get_state_dict")),
 }
 
 

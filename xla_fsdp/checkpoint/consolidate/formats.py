@@ -70,21 +70,20 @@ def write_output(shards: ShardSet, plan: ModelPlan, fmt: str, path: str, with_op
         layout = f" under {scheme.name}'s keys"
     else:
         written = write_consolidated(shards, plan, path, fmt, with_optimizer, progress)
-    summary = verify_written(written, specs, with_optimizer, scheme) + layout
+    summary = verify_written(fmt, written, specs, with_optimizer, scheme) + layout
     return written, summary + (", optimizer included" if with_optimizer else "")
 
 
-def verify_written(written: Sequence[str], expected: Expected, with_optimizer: bool,
+def verify_written(fmt: str, written: Sequence[str], expected: Expected, with_optimizer: bool,
                    scheme: KeyScheme = GET_STATE_DICT) -> str:
-    """Re-reads what was written (``written[0]`` the checkpoint, any file after it beside
-    it) as the loader opens it: every ``expected`` model entry with its dtype and shape under
-    ``scheme``'s keys, and no other; the optimizer's param groups when ``with_optimizer``;
-    the CRC-32s of every ``torch.save`` file. Returns what was verified."""
-    for path in written:
-        if os.path.isfile(path) and not path.endswith(".safetensors"):
-            with CheckpointFile(path) as f:
-                f.verify()
-    source = open_consolidated(written[0])
+    """Re-reads what was written in ``fmt`` (``written[0]`` the checkpoint, a file after it
+    beside it) as the loader opens it: every ``expected`` model entry with its dtype and
+    shape under ``scheme``'s keys, and no other; the optimizer's param groups when
+    ``with_optimizer``; the CRC-32s of every ``torch.save`` file. Returns what was verified."""
+    for path in {"pt": written, "safetensors": written[1:]}.get(fmt, []):
+        with CheckpointFile(path) as f:
+            f.verify()
+    source = open_consolidated(written[0], safetensors=fmt == "safetensors")
     try:
         stored = dict(source.stored)
     finally:

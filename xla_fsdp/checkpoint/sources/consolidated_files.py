@@ -21,9 +21,10 @@ HF_INDEX = "model.safetensors.index.json"
 HF_SINGLE = "model.safetensors"
 
 
-def open_consolidated(path: str) -> Source:
+def open_consolidated(path: str, safetensors: bool = False) -> Source:
     """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
-    when it is none of the formats above, or incomplete."""
+    when it is none of the formats above, or incomplete. ``safetensors``: a file is one
+    whatever its name ends with (its writer says so)."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, METADATA_FILE)):
             return DcpSource(path)
@@ -35,7 +36,7 @@ def open_consolidated(path: str) -> Source:
                               f"Hugging Face directory ({HF_INDEX} or {HF_SINGLE})")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
-    if path.endswith(".safetensors"):
+    if safetensors or path.endswith(".safetensors"):
         return _safetensors(path, optimizer_file=True)
     return _torch_file(path)
 
