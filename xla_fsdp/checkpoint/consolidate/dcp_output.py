@@ -16,10 +16,9 @@ from ..dcp.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
-from ..metadata import EXTRA, MODEL
+from ..metadata import EXTRA
 from .optimizer import saved_param_groups, saved_state
-from .output import ordered_params
-from .plan import ModelPlan, SpreadTensor
+from .plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from .shard_set import ShardSet
 
 
@@ -41,18 +40,11 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
             return tensor
         wholes[key] = OnDemand(torch.Size(size), dtype, read_counted if counted else read)
 
-    sources = {}
-    for name, spec, param in ordered_params(plan):
-        spread = SpreadTensor([f.tree[MODEL][spec.key] for f in files], spec, param)
-        sources[name] = (param.shape, spread.dtype, spread.read)
-        add(scheme.model(name), *sources[name], counted=True)
+    model = unwrapped_tensors(plan, files)
+    for name, tensor in model.items():
+        add(scheme.model(name), tensor.shape, tensor.dtype, tensor.read, counted=True)
     for alias, source in plan.aliases:  # tied: stored under both names, as state_dict has it
-        add(scheme.model(alias), *sources[source])
-    for key, name in plan.buffers.items():
-        ref = files[0].tree[MODEL][key]
-        dtype = plan.buffer_dtypes.get(key, ref.dtype)
-        add(scheme.model(name), ref.shape, dtype, lambda ref=ref, dtype=dtype: ref.read().to(dtype),
-            counted=True)
+        add(scheme.model(alias), model[source].shape, model[source].dtype, model[source].read)
     if with_optimizer:
         _optimizer(shards, plan, scheme, add, objects, paths)
     head = files[0].tree

@@ -10,38 +10,21 @@ import torch
 
 from ..files import SafetensorsWriter, StagedFile, TorchFileWriter, atomic_path
 from ..files.reader import materialized
-from ..metadata import MODEL
 from .optimizer import consolidate_optimizer
-from .plan import ModelPlan, SpreadTensor
+from .plan import ModelPlan, unwrapped_tensors
 from .shard_set import ShardSet
-
-
-def ordered_params(plan: ModelPlan) -> List[tuple]:
-    """(name, shard group spec, param) of every parameter in the unwrapped model's order."""
-    by_name = {p.name: (g, p) for g in plan.shard_groups for p in g.params}
-    known = set(plan.param_order)
-    order = plan.param_order + [n for n in by_name if n not in known]
-    return [(n, *by_name[n]) for n in order]
 
 
 def model_entries(plan: ModelPlan, shards: ShardSet) -> Iterator[Tuple[str, torch.Tensor]]:
     """(name, tensor) of the consolidated model state dict, read one at a time."""
-    files = shards.files
-    for name, spec, param in ordered_params(plan):
-        yield name, SpreadTensor([f.tree[MODEL][spec.key] for f in files], spec, param).read()
-    for key, name in plan.buffers.items():
-        tensor = files[0].tree[MODEL][key].read()
-        if key in plan.buffer_dtypes:
-            tensor = tensor.to(plan.buffer_dtypes[key])
-        yield name, tensor
+    for name, tensor in unwrapped_tensors(plan, shards.files).items():
+        yield name, tensor.read()
 
 
 def entry_specs(plan: ModelPlan, shards: ShardSet) -> List[tuple]:
-    """(name, dtype, shape) of every entry ``_model_entries`` yields, then the aliases."""
-    model = shards.files[0].tree[MODEL]
-    specs = [(n, model[g.key].dtype, p.shape) for n, g, p in ordered_params(plan)]
-    specs += [(n, plan.buffer_dtypes.get(k, model[k].dtype), model[k].shape)
-              for k, n in plan.buffers.items()]
+    """(name, dtype, shape) of every entry ``model_entries`` yields, then the aliases."""
+    specs = [(n, t.dtype, tuple(t.shape))
+             for n, t in unwrapped_tensors(plan, shards.files).items()]
     source = {n: (d, s) for n, d, s in specs}
     specs += [(alias, *source[src]) for alias, src in plan.aliases]
     return specs

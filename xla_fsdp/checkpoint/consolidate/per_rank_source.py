@@ -19,33 +19,14 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-import torch
-
-from ..files import CheckpointError, TensorRef
+from ..files import CheckpointError
 from ..metadata import EXTRA, MODEL, OPTIMIZER
 from ..sources.entries import EntrySource, model_entries, optimizer_entries
 from .optimizer import optimizer_param_keys, saved_param_groups, saved_state
-from .plan import ModelPlan, SpreadTensor, plan_model
+from .plan import ModelPlan, plan_model, unwrapped_tensors
 from .shard_set import ShardSet, find_shard_set
 
 _GROUP_NAMES = ("params", "param_names")
-
-
-class _Restored:
-    """A buffer saved in the dtype it was placed in, read in the dtype the model restores it
-    to (``buffer_info``): what a consolidated checkpoint holds."""
-
-    def __init__(self, ref: TensorRef, dtype: torch.dtype) -> None:
-        self.ref, self.dtype = ref, dtype
-
-    @property
-    def shape(self) -> Tuple[int, ...]:
-        return tuple(self.ref.shape)
-
-    def read_elements(self, start: int, out: torch.Tensor) -> None:
-        saved = torch.empty(out.numel(), dtype=self.ref.dtype)
-        self.ref.read_elements(start, saved)
-        out.copy_(saved)
 
 
 def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
@@ -82,17 +63,9 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
     """``shards`` (opened and checked, planned as ``plan``) as a source; with ``closes``
     closing the source closes the files."""
     head = shards.files[0].tree
-    model: Dict[str, Any] = {}
-    for spec in plan.shard_groups:
-        per_rank = [f.tree[MODEL][spec.key] for f in shards.files]
-        for param in spec.params:
-            model[param.name] = SpreadTensor(per_rank, spec, param)
+    model = unwrapped_tensors(plan, shards.files)
     for alias, source in plan.aliases:  # tied: under every name, as state_dict() has it
         model[alias] = model[source]
-    for key, name in plan.buffers.items():
-        ref = head[MODEL][key]
-        model[name] = _Restored(ref, plan.buffer_dtypes[key]) if key in plan.buffer_dtypes \
-            else ref
     tensors, objects = model_entries(model)
     if with_optimizer:
         keys, reason = optimizer_param_keys(shards, plan)

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import LAYER_KINDS, ShardEntry, ShardMetadata
+from ..metadata import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
 from ..._sharding.names import clean_name, join_name
@@ -228,3 +228,39 @@ class SpreadTensor:
         out = torch.empty(math.prod(self.param.shape), dtype=self.dtype)
         self.read_elements(0, out)
         return out.view(self.param.shape)
+
+
+class _Restored:
+    """A buffer saved in the dtype it was placed in, read in the dtype the model restores it
+    to (``buffer_info``): what a consolidated checkpoint holds."""
+
+    def __init__(self, ref: TensorRef, dtype: torch.dtype) -> None:
+        self.ref, self.dtype = ref, dtype
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        return tuple(self.ref.shape)
+
+    def read_elements(self, start: int, out: torch.Tensor) -> None:
+        saved = torch.empty(out.numel(), dtype=self.ref.dtype)
+        self.ref.read_elements(start, saved)
+        out.copy_(saved)
+
+    def read(self) -> torch.Tensor:
+        return self.ref.read().to(self.dtype)
+
+
+def unwrapped_tensors(plan: ModelPlan, files: Sequence[Any]) -> Dict[str, Any]:
+    """The unwrapped model's state dict as the rank files hold it, aliases aside: each
+    parameter, in its order, as a ``SpreadTensor``, then each buffer as rank 0's file holds
+    it, read in the dtype the model restores it to. Each is read by runs or whole."""
+    by_name = {p.name: (g, p) for g in plan.shard_groups for p in g.params}
+    known = set(plan.param_order)
+    out: Dict[str, Any] = {}
+    for name in plan.param_order + [n for n in by_name if n not in known]:
+        spec, param = by_name[name]
+        out[name] = SpreadTensor([f.tree[MODEL][spec.key] for f in files], spec, param)
+    for key, name in plan.buffers.items():
+        ref = files[0].tree[MODEL][key]
+        out[name] = _Restored(ref, plan.buffer_dtypes[key]) if key in plan.buffer_dtypes else ref
+    return out
