@@ -558,9 +558,13 @@ class XlaFullyShardedDataParallel(nn.Module):
         # the work is in the hooks on the wrapped module (or, for a group, on each module,
         # and calling the group itself raises)
         compiled = self.__dict__["_compiled_module"]
-        if compiled is not None:
-            return compiled(*args, **kwargs)
-        return self._fsdp_wrapped_module(*args, **kwargs)
+        try:
+            if compiled is not None:
+                return compiled(*args, **kwargs)
+            return self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            self._state.forward_raised()
+            raise
 
 
 def _after_load(unit: XlaFullyShardedDataParallel, _incompatible: Any) -> None:

@@ -229,14 +229,16 @@ def compare(name, got, ref):
     bf16 = kwargs.get("compute_dtype") == torch.bfloat16
     loss_bound, param_bound = (3e-2, 5e-2) if bf16 else (1e-5, 1e-5)
     problems = []
+    for what in ("losses", "norms"):
+        if len(got[what]) != len(ref[what]):
+            problems.append(f"{name}: {len(got[what])} steps' {what}, reference "
+                            f"{len(ref[what])}")
     for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
         if abs(a - b) > loss_bound * abs(b):
             problems.append(f"{name}: step {step} loss {a:.7g} vs {b:.7g}")
     for step, (a, b) in enumerate(zip(got["norms"], ref["norms"])):
         if abs(a - b) > loss_bound * abs(b):
             problems.append(f"{name}: step {step} total grad norm {a:.7g} vs {b:.7g}")
-    if len(got["norms"]) != len(ref["norms"]):
-        problems.append(f"{name}: {len(got['norms'])} norms, reference {len(ref['norms'])}")
     if set(got["params"]) != set(ref["params"]):
         problems.append(f"{name}: parameter names differ: "
                         f"{sorted(set(got['params']) ^ set(ref['params']))}")

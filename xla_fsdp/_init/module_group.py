@@ -18,14 +18,14 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.names import GROUP_PREFIX, clean_name
+from .._unit.registry import WeakRegistry
 from .._xla.private_api import children
 from .compiled_module import split_compiled
 from .validate import validate_module
 
-_GROUPED: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # grouped module -> its unit
+_GROUPED: "WeakRegistry[Any]" = WeakRegistry()  # grouped module -> its unit
 
 
 class ModuleGroup(nn.Module):

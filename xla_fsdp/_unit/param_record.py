@@ -28,11 +28,12 @@ from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .._xla.private_api import preserve_version_counter
+from .registry import WeakRegistry
 
 Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the parameter
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
-_BY_PLACEHOLDER: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # original parameter -> its name
 
 

@@ -14,7 +14,7 @@ from typing import Callable, List, Protocol, Sequence
 import torch
 
 from .._sharding.collectives import optimization_barrier
-from .._xla.private_api import queue_backward_callback
+from .._xla.private_api import in_backward, queue_backward_callback
 
 
 class Participant(Protocol):
@@ -27,6 +27,8 @@ class Participant(Protocol):
     def shard_gradients(self) -> List[torch.Tensor]: ...
 
     def run_reductions(self) -> None: ...
+
+    def abandon_pass(self) -> None: ...
 
 
 class RootContext:
@@ -59,6 +61,28 @@ class RootContext:
         full parameters, since no backward will."""
         for state in self.states:
             state.end_of_model_forward(grad_enabled)
+
+    # [Note: a pass that raised]
+    # An exception from user code inside a forward or a backward (a shape error at some
+    # step) leaves the units mid-pass: full parameters gathered, gathers in flight, a
+    # reduction queue, gradients on placeholders, the end of backward scheduled with a
+    # graph task that autograd has dropped. A forward that raised is settled as the
+    # exception leaves the root unit's forward. A backward gives no such point, so it is
+    # settled at the model's next use: its next root forward, or a call that needs the model
+    # idle. Either way every unit then frees its full parameters and drops what the pass left
+    # unreduced; gradients already reduced into the shards stay there, as an unsharded
+    # model keeps the gradients a failed backward produced. After ``optimizer.zero_grad()``
+    # the next step is the one a model that never saw the error would take.
+    def settle(self) -> None:
+        """Settles a backward that raised (see [Note: a pass that raised])."""
+        if self._callback_queued and not in_backward():
+            self.abandon_pass()
+
+    def abandon_pass(self) -> None:
+        self._callback_queued = False
+        self.backward_barrier.clear()
+        for state in self.states:
+            state.abandon_pass()
 
     def queue_final_callback(self) -> None:
         """Schedules ``finish_backward`` at the end of the current backward, once."""

@@ -13,15 +13,15 @@ from typing import List, Optional, Set, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
 from .._xla.private_api import version
 from .._xla.trace_only import to_device
 from .param_record import Member, ParamRecord, mark_taken
+from .registry import WeakRegistry
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
-_BY_SHARD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+_BY_SHARD: "WeakRegistry[ShardGroup]" = WeakRegistry()
 
 
 @dataclass(eq=False)
@@ -78,6 +78,14 @@ class ShardGroup:
     def end_backward(self) -> None:
         self.arrived.clear()
         self.reduced = False
+
+    def drop_unreduced(self) -> None:
+        """After a backward that raised: drops the full gradients it left on the placeholders,
+        unless they hold a ``no_sync`` accumulation, which they may then include."""
+        if self.sentinel is None:
+            for r in self.records:
+                r.placeholder.grad = None
+        self.end_backward()
 
     # -- no_sync accumulation -----------------------------------------------------------------
     def mark_accumulation(self) -> None:

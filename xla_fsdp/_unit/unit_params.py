@@ -146,6 +146,13 @@ class UnitParams:
             self._gathered = None
             self.state = FullParams.SHARDED
 
+    def abandon(self) -> None:
+        """After a pass that raised: frees the full parameters and drops the gather in flight
+        and the reductions not issued yet (see [Note: a pass that raised])."""
+        self._queue, self._queue_bytes = [], 0
+        self.drop_prefetch()
+        self.reshard(self.shard_groups, [], barrier=False)
+
     def _dummy(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._dummies:
             self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.device)

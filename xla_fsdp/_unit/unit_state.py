@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import functools
 import warnings
+import weakref
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .._sharding.collectives import optimization_barrier
 from .._sharding.names import clean_name
@@ -33,12 +33,13 @@ from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
+from .registry import WeakRegistry
 from .root_context import RootContext
 from .shard_group import ShardGroup, shard_group_of
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
-_STATES: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # unit module -> its UnitState
+_STATES: "WeakRegistry[UnitState]" = WeakRegistry()  # unit module -> its UnitState
 
 
 def state_of(module: nn.Module) -> Optional["UnitState"]:
@@ -61,6 +62,9 @@ class UnitState:
                  params: UnitParams, options: FsdpOptions, detached: bool,
                  compile_refusal: Optional[str] = None) -> None:
         self.name = name                   # the wrapped module's class, for messages
+        # the members' hooks hold this state, and so, through it, a grouping unit that
+        # nothing else holds until the unit built around its modules attaches it
+        self.unit = unit
         self.members = list(members)
         self.params = params
         self.options = options
@@ -114,8 +118,12 @@ class UnitState:
             self._hook_gradients(g)
 
     def _hook_gradients(self, shard_group: ShardGroup) -> None:
+        # a tensor's hooks are invisible to Python's cycle collector: a hook that held this
+        # state (or the shard group, which holds the placeholder) would keep the whole
+        # model alive after the user dropped it
+        state, held = weakref.ref(self), weakref.ref(shard_group)
         for i, r in enumerate(shard_group.records):
-            r.hook_gradient(functools.partial(self._post_accumulate, shard_group, i))
+            r.hook_gradient(functools.partial(_gradient_arrived, state, held, i))
 
     def shard_gradients(self) -> List[torch.Tensor]:
         return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
@@ -181,6 +189,8 @@ class UnitState:
         return self.options.reshard_after_forward
 
     def assert_state(self, states: Sequence[TrainingState]) -> None:
+        if TrainingState.IDLE in states:
+            self.context.settle()
         if self.training_state not in states:
             raise TrainingStateError(
                 f"FSDP unit around {self.name} is in state {self.training_state.name}, "
@@ -221,6 +231,7 @@ class UnitState:
             raise ValueError(detached_message(self.members))
         context = self.context
         if self is context.root and not recompute:
+            context.settle()
             if compiled:
                 self._refuse_compiled_units()
             context.begin_forward(self._first_root_forward)
@@ -457,11 +468,39 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self._took_part = False
 
+    def forward_raised(self) -> None:
+        """The unit's forward raised: settles the model's pass, unless it is a recompute
+        inside backward (settled with that backward) or a nested unit's forward inside the
+        root's (settled as the exception leaves the root's). See [Note: a pass that raised]."""
+        root = self.context.root
+        if not in_backward() and (self is root
+                                  or root.training_state is not TrainingState.FORWARD):
+            self.context.abandon_pass()
+
+    def abandon_pass(self) -> None:
+        """Returns to ``IDLE`` after a pass that raised (see [Note: a pass that raised])."""
+        for handle in self._leaf_hooks:
+            handle.remove()
+        self._leaf_hooks.clear()
+        self.params.abandon()
+        for g in self.shard_groups:
+            g.drop_unreduced()
+        self.training_state = TrainingState.IDLE
+        self._took_part = False
+        self._members_run.clear()
+
     def reshard_after_backward_now(self) -> bool:
         # under no_sync, a unit that keeps its parameters between forward and backward keeps
         # them between accumulation steps too (torch_xla's behaviour)
         keep_for_no_sync = not self.require_grad_sync and not self.reshard_after_forward
         return self.reshard_after_backward and not keep_for_no_sync
+
+
+def _gradient_arrived(state: "weakref.ref[UnitState]", shard_group: "weakref.ref[ShardGroup]",
+                      index: int) -> None:
+    s, g = state(), shard_group()
+    if s is not None and g is not None:
+        s._post_accumulate(g, index)
 
 
 def _in_checkpoint_recompute() -> bool:

@@ -9,9 +9,9 @@ import torch
 from xla_fsdp.launch.virtual.turn_ring import CollectiveMismatch, RankAborted, TurnRing
 
 
-def run_ranks(world, body, process_globals=None):
+def run_ranks(world, body, process_globals=None, at_meeting=None):
     """Runs body(ring, rank) on `world` threads the way the launcher does."""
-    ring = TurnRing(world, process_globals)
+    ring = TurnRing(world, process_globals, at_meeting)
     outcome = {}
 
     def thread(rank):
@@ -43,11 +43,12 @@ def test_segments_and_dispatches_run_in_rank_order():
             ring.collective(rank, "sync", "", lambda: events.append(("dispatch", step, rank)))
         return rank
 
-    outcome = run_ranks(4, body)
+    outcome = run_ranks(4, body, at_meeting=lambda: events.append("meeting"))
     assert outcome == {r: r for r in range(4)}
     expected = []
     for step in range(3):
         expected += [("trace", step, r) for r in range(4)]
+        expected += ["meeting"]  # once every rank arrived, before any dispatches
         expected += [("dispatch", step, r) for r in range(4)]
     assert events == expected
 

@@ -56,7 +56,8 @@ class TurnRing:
     it holds the token."""
 
     def __init__(self, world_size: int,
-                 process_globals: Optional[Sequence[ProcessGlobal]] = None) -> None:
+                 process_globals: Optional[Sequence[ProcessGlobal]] = None,
+                 at_meeting: Optional[Callable[[], None]] = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -70,6 +71,7 @@ class TurnRing:
         self._globals = (tuple(process_globals) if process_globals is not None
                          else (RngStreams(),))
         self._saved = [[g.fresh() for g in self._globals] for _ in range(world_size)]
+        self._at_meeting = at_meeting  # run once per collective point, all ranks there
 
     # -- the token ---------------------------------------------------------------------
     def enter(self, rank: int) -> None:
@@ -133,6 +135,8 @@ class TurnRing:
             self._wait_turn(rank)
         self._check_arrivals(rank)
         self.first_to_dispatch = self._dispatched == 0
+        if self.first_to_dispatch and self._at_meeting is not None:
+            self._at_meeting()
         try:
             result = dispatch()
         finally:

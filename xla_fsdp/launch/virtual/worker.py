@@ -74,6 +74,7 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
     import torch_xla.core.xla_model as xm
 
     from . import process_globals
+    from .garbage import CollectorAtMeetings
     from .sync_points import SyncPoints
     from .turn_ring import RankAborted, TurnRing
 
@@ -82,7 +83,9 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
         raise RuntimeError(f"asked for {num_devices} virtual CPU devices, XLA created "
                            f"{len(devices)}; was the runtime started before launch?")
     xm.set_replication(devices[0], devices)
-    ring = TurnRing(num_devices, process_globals.install())
+    collector = CollectorAtMeetings()  # see [Note: collection at collective points]
+    collector.install()
+    ring = TurnRing(num_devices, process_globals.install(), collector.collect_if_due)
     points = SyncPoints(ring, devices)
     points.install()
     results: Dict[int, bytes] = {}
