@@ -112,7 +112,7 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
                                   f"{entry.kind!r}, not 'stacked': the shard metadata is "
                                   f"inconsistent")
         if entry.members is not None:
-            params = _numbered(clean_name(entry.unit_path), *entry.members)
+            params = _numbered(clean_name(entry.unit_path), *entry.members[:2])
         else:
             params = [ParamSpec(clean_name(join_name(entry.unit_path, entry.orig_name)),
                                 entry.orig_size, 0)]
@@ -147,7 +147,8 @@ def saved_keys(model_tree: Dict[str, Any]) -> Any:
 
 
 def _numbered(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]],
-             numels: Sequence[int], first: int = 0) -> List[ParamSpec]:
+             first: int = 0) -> List[ParamSpec]:
+    """The parameters ``names`` under ``prefix``, numbered in the layout from ``first``."""
     return [ParamSpec(clean_name(join_name(prefix, n)), tuple(s), first + i)
             for i, (n, s) in enumerate(zip(names, shapes))]
 
@@ -187,7 +188,7 @@ def _stacked_shard_group(entry: ShardEntry, key: str, shard: TensorRef, world: i
     prefix = clean_name(entry.unit_path)
     params: List[ParamSpec] = []
     for i in range(layers):
-        params += _numbered(join_name(prefix, str(i)), names, shapes, numels, i * len(names))
+        params += _numbered(join_name(prefix, str(i)), names, shapes, i * len(names))
     return _checked(ShardGroupSpec(key, tuple(params), kind, multiple, world, stacked=True,
                                    layers=layers), shard)
 
