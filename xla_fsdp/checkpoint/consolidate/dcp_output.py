@@ -17,7 +17,7 @@ from ..dcp.save import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA
-from .optimizer import saved_param_groups, saved_state
+from .per_rank_source import named_optimizer_state
 from .plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from .shard_set import ShardSet
 
@@ -57,17 +57,18 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
 
 def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
-    """The optimizer state by parameter name, and param groups listing names."""
-    for i, (param_group, members) in enumerate(saved_param_groups(shards, plan)):
-        for param, spec, index in members:
-            for name, value in saved_state(shards, spec, param, index).items():
-                key_path = scheme.state(param.name, name)
-                if isinstance(value, (SpreadTensor, TensorRef)):
-                    add(key_path, value.shape, value.dtype, value.read)
-                else:
-                    key, paths[key] = key_path
-                    objects[key] = value
-        settings = {k: v for k, v in param_group.items() if k not in ("params", "param_names")}
-        names = [param.name for param, _, _ in members]
-        for key, path, value in scheme.param_group(i, names, settings):
+    """The optimizer state by parameter name, and param groups listing names, as the
+    per-rank files' source names them (``named_optimizer_state``)."""
+    named = named_optimizer_state(shards, plan)
+    for param_name, state in named["state"].items():
+        for name, value in state.items():
+            key_path = scheme.state(param_name, name)
+            if isinstance(value, (SpreadTensor, TensorRef)):
+                add(key_path, value.shape, value.dtype, value.read)
+            else:
+                key, paths[key] = key_path
+                objects[key] = value
+    for i, param_group in enumerate(named["param_groups"]):
+        settings = {k: v for k, v in param_group.items() if k != "params"}
+        for key, path, value in scheme.param_group(i, param_group["params"], settings):
             paths[key], objects[key] = path, value
