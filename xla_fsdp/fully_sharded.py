@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -28,12 +27,12 @@ from ._init.find_parameters import find_parameters, shard_group_members
 from ._init.meta_init import materialize_meta
 from ._init.mixed_precision import float32_modules, run_in_float32
 from ._init.module_group import ModuleGroup, attach_module_groups, check_members, mark_grouped
-from ._init.validate import validate_module
+from ._init.validate import validate_group_arguments, validate_module
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
-from ._unit.module_view import ModuleView
+from ._unit.module_view import FallThrough, ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
 from ._unit.shard_group import ShardGroup, build_shard_group
@@ -48,6 +47,11 @@ from .checkpoint.metadata import original_names_and_shards, shard_metadata
 from .wrap import recursive_wrap
 
 
+# the constructor's arguments that are not options (what to wrap, and how to wrap inside it),
+# and the names Python adds to its locals()
+_NOT_OPTIONS = ("self", "__class__", "module", "auto_wrap_policy", "auto_wrapper_callable")
+
+
 @dataclass
 class ShardedParameters:
     """What sharding a unit's modules produced (``_shard_members``)."""
@@ -56,7 +60,7 @@ class ShardedParameters:
     param_order: List[str]                 # names in the unwrapped modules' order
 
 
-class XlaFullyShardedDataParallel(nn.Module):
+class XlaFullyShardedDataParallel(FallThrough):
     """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
@@ -138,48 +142,23 @@ class XlaFullyShardedDataParallel(nn.Module):
         replicate_across_groups: bool = False,
         zero_missing_gradients: bool = False,
     ) -> None:
+        # every other argument is an option, by torch_xla's name (FsdpOptions.from_arguments)
+        arguments = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
         grouping = isinstance(module, (list, tuple))
         compiled = None  # the torch.compile'd module to call, when given one
         if grouping:
             members = check_members(module)
-            if auto_wrap_policy is not None:
-                raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
-                                 "combined with a list of modules to group")
+            validate_group_arguments(auto_wrap_policy)
         else:
             module, compiled = split_compiled(module)
             validate_module(module, self._calls_wrapped_module)
             members = [module]
-        options = FsdpOptions.build(
-            reshard_after_forward=reshard_after_forward, flatten_parameters=flatten_parameters,
-            execute_sharding_on_init=execute_sharding_on_init,
-            optimization_barrier_in_forward=(optimization_barrier_in_forward and
-                                             not _debug_dummy_optimization_barrier_op),
-            optimization_barrier_in_backward=(optimization_barrier_in_backward and
-                                              not _debug_dummy_optimization_barrier_op),
-            sync_on_finalization=(sync_on_finalization if mark_step_on_finalization is None
-                                  else mark_step_on_finalization),
-            disable_reshard_on_root=disable_reshard_on_root, compute_dtype=compute_dtype,
-            buffer_dtype=buffer_dtype, fp32_reduce_scatter=fp32_reduce_scatter,
-            sharding_groups=sharding_groups, sharding_rank=sharding_rank,
-            sharding_world_size=sharding_world_size,
-            replicate_across_groups=replicate_across_groups,
-            zero_missing_gradients=zero_missing_gradients,
-            shard_param_on_dim_0=shard_param_on_dim_0 or on_neuron,
-            pin_layout_in_collective_ops=pin_layout_in_collective_ops,
-            reduce_scatter_bucket_size_mb=reduce_scatter_bucket_size_mb or 0,
-            coalesce_all_gather_ops=coalesce_all_gather_ops, param_init_fn=param_init_fn,
-            shard_size_multiple=_shard_size_multiple,
-            use_xla_patched_linear=_use_xla_patched_linear,
-            debug_dummy_forward_pass=_debug_dummy_forward_pass, debug_msg=_debug_msg,
-            debug_print=_debug_print, debug_dummy_all_gather_op=_debug_dummy_all_gather_op,
-            debug_dummy_all_reduce_op=_debug_dummy_all_reduce_op,
-            debug_dummy_reduce_scatter_op=_debug_dummy_reduce_scatter_op,
-            debug_dummy_optimization_barrier_op=_debug_dummy_optimization_barrier_op)
+        options = FsdpOptions.from_arguments(arguments)
         super().__init__()
         if auto_wrap_policy is not None:
             recursive_wrap(module, auto_wrap_policy,
                            wrapper_cls=auto_wrapper_callable or XlaFullyShardedDataParallel,
-                           only_wrap_children=True, **options.as_kwargs())
+                           only_wrap_children=True, **options.as_arguments())
         self._options = options
         self.rank, self.world_size = options.rank, options.world_size
         self.sharding_groups = options.sharding_groups
@@ -189,9 +168,6 @@ class XlaFullyShardedDataParallel(nn.Module):
                                         options.pin_layout_in_collective_ops,
                                         pinned_all_gathers, self.rank,
                                         options.dummy_collectives)
-        if options.debug_dummy_forward_pass:
-            warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
-                          "torch_xla and has no effect in xla_fsdp: the real forward runs")
         for m in members:
             materialize_meta(m, param_init_fn)
             if options.use_xla_patched_linear:
@@ -304,11 +280,8 @@ class XlaFullyShardedDataParallel(nn.Module):
     def gradient_postdivide_factor(self) -> float:
         return self._state.divide[1]
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._fsdp_wrapped_module, name)
+    def _fall_through_to(self) -> Sequence[Any]:
+        return (self._fsdp_wrapped_module,)  # code written for the module reads it off the unit
 
     def __getitem__(self, key: int) -> nn.Module:
         return self._fsdp_wrapped_module.__getitem__(key)

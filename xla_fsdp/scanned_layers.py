@@ -100,13 +100,10 @@ class ScannedLayers(XlaFullyShardedDataParallel):
             return self
         return self.wrapped_module[key]
 
-    def __getattr__(self, name: str) -> Any:
+    def _fall_through_to(self) -> Sequence[Any]:
         # the model's loop may read a setting off the layer it calls (Qwen2 picks its mask by
         # ``layer.attention_type``): the layers agree on every setting (``check_identical``)
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.wrapped_module[0], name)
+        return (*super()._fall_through_to(), self.wrapped_module[0])
 
     def _refuse_direct_call(self, index: int) -> Callable:
         def hook(_module: nn.Module, _args: Any) -> None:

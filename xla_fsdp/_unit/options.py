@@ -1,9 +1,20 @@
-"""The constructor options of an FSDP unit, validated once and handed whole to auto-wrapped
-children (torch_xla forgets some of them there)."""
+"""The constructor options of an FSDP unit: read from the constructor's arguments, validated
+once, and handed whole to auto-wrapped children (torch_xla forgets some of them there).
+
+The constructor keeps torch_xla's signature, whose names are not all the options' names:
+some are spelled with a leading underscore (torch_xla's private ones), some set another
+option (``mark_step_on_finalization`` is ``sync_on_finalization``, ``on_neuron`` turns on
+``shard_param_on_dim_0``, ``_debug_dummy_optimization_barrier_op`` turns the barriers off)
+and some default to what the option spells otherwise (``reduce_scatter_bucket_size_mb=None``
+is 0, ``compute_dtype=None`` float32). ``FsdpOptions.from_arguments`` is the one mapping
+from those arguments to options and ``as_arguments`` its inverse, so an option is added
+here and in the constructor's signature, nowhere else.
+"""
 from __future__ import annotations
 
+import warnings
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
@@ -45,12 +56,29 @@ class FsdpOptions:
     world_size: int
 
     @staticmethod
-    def build(**kw: Any) -> "FsdpOptions":
-        compute = kw.pop("compute_dtype") or torch.float32
+    def from_arguments(arguments: Mapping[str, Any]) -> "FsdpOptions":
+        """The options ``XlaFullyShardedDataParallel``'s constructor arguments ask for:
+        ``arguments`` holds each of its keyword arguments but ``module`` and the auto-wrap
+        pair, by torch_xla's name (see the module docstring)."""
+        kw = dict(arguments)
+        for name in _UNDERSCORED:
+            kw[name] = kw.pop("_" + name)
+        mark_step = kw.pop("mark_step_on_finalization")  # torch_xla's older name
+        if mark_step is not None:
+            kw["sync_on_finalization"] = mark_step
+        on_neuron = kw.pop("on_neuron")  # AWS Neuron mishandles flattened parameters
+        kw["shard_param_on_dim_0"] = kw["shard_param_on_dim_0"] or on_neuron
+        no_barriers = kw["debug_dummy_optimization_barrier_op"]
+        kw["optimization_barrier_in_forward"] = kw["optimization_barrier_in_forward"] and \
+            not no_barriers
+        kw["optimization_barrier_in_backward"] = kw["optimization_barrier_in_backward"] and \
+            not no_barriers
+        kw["reduce_scatter_bucket_size_mb"] = kw["reduce_scatter_bucket_size_mb"] or 0
+        kw["compute_dtype"] = kw["compute_dtype"] or torch.float32
         # torch_xla casts buffers to the compute dtype by default, which turns BatchNorm's
         # running statistics (and rotary frequencies) into bf16 accumulators
-        buffer = kw.pop("buffer_dtype")
-        for label, dtype in (("compute_dtype", compute), ("buffer_dtype", buffer or compute)):
+        for label, dtype in (("compute_dtype", kw["compute_dtype"]),
+                             ("buffer_dtype", kw["buffer_dtype"] or kw["compute_dtype"])):
             if dtype not in COMPUTE_DTYPES:
                 raise ValueError(f"{label} must be one of {list(COMPUTE_DTYPES)}, got {dtype}")
         rank, world = _resolve_ranks(kw["sharding_groups"], kw["sharding_rank"],
@@ -59,16 +87,20 @@ class FsdpOptions:
             raise ValueError("replicate_across_groups=True needs sharding_groups")
         if kw["shard_size_multiple"] < 1:
             raise ValueError("_shard_size_multiple must be >= 1")
-        return FsdpOptions(compute_dtype=compute, buffer_dtype=buffer, rank=rank,
-                           world_size=world, **kw)
+        if kw["debug_dummy_forward_pass"]:
+            warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
+                          "torch_xla and has no effect in xla_fsdp: the real forward runs")
+        return FsdpOptions(rank=rank, world_size=world, **kw)
 
-    def as_kwargs(self) -> Dict[str, Any]:
-        """Constructor arguments that rebuild these options on an auto-wrapped child."""
+    def as_arguments(self) -> Dict[str, Any]:
+        """Constructor arguments that rebuild these options (on an auto-wrapped child):
+        ``from_arguments``' inverse."""
         kw = asdict(self)
-        for derived in ("rank", "world_size"):
-            kw.pop(derived)
+        del kw["rank"], kw["world_size"]  # derived from the sharding arguments
         for name in _UNDERSCORED:
             kw["_" + name] = kw.pop(name)
+        # the aliases' defaults, which leave the options they alias as they are
+        kw.update(mark_step_on_finalization=None, on_neuron=False)
         return kw
 
     @property
