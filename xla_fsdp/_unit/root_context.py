@@ -9,16 +9,28 @@ pass through the root's outputs.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Protocol, Sequence
+from typing import Callable, List, Optional, Protocol, Sequence
 
 import torch
+import torch.nn as nn
 
 from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
+from .shard_group import ShardGroup
+from .training_state import TrainingState
 
 
 class Participant(Protocol):
-    """What the context asks of each unit's state (``UnitState``)."""
+    """A unit's state (``UnitState``) as the units of one model see each other through
+    their context: this module cannot import that class, which imports it."""
+
+    detached: bool                     # a grouping unit not attached yet
+    compile_refusal: Optional[str]     # why the unit cannot run compiled, if it cannot
+    members: List[nn.Module]
+    training_state: TrainingState
+
+    @property
+    def shard_groups(self) -> List[ShardGroup]: ...
 
     def end_of_model_forward(self, grad_enabled: bool) -> None: ...
 

@@ -67,6 +67,12 @@ class UnitParams:
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
         self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
         self._queue_bytes = 0
+        # the reduction's settings, changed only through the unit's setters
+        self.reshard_after_forward = options.reshard_after_forward
+        self.reshard_after_backward = True
+        self.sync_gradients = True                 # False under no_sync
+        self.divide = (1.0, 1.0)                   # gradient pre- and post-division factors
+        self._backward_barrier: List[torch.Tensor] = []
 
     def add(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.shard_groups.extend(shard_groups)
@@ -158,23 +164,93 @@ class UnitParams:
             self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.device)
         return self._dummies[dtype]
 
+    # -- the unit's reduction settings (its public setters) -------------------------------------
+    def set_reshard_after_forward(self, value: bool) -> None:
+        self.reshard_after_forward = value
+
+    def set_reshard_after_backward(self, value: bool) -> None:
+        self.reshard_after_backward = value
+
+    def set_sync_gradients(self, value: bool) -> None:
+        self.sync_gradients = value
+
+    def set_divide(self, pre: float, post: float) -> None:
+        self.divide = (pre, post)
+
+    def join(self, backward_barrier: List[torch.Tensor]) -> None:
+        """Orders this unit's reduced gradients in the model's backward barrier."""
+        self._backward_barrier = backward_barrier
+
+    def reshard_after_backward_now(self) -> bool:
+        # under no_sync, a unit that keeps its parameters between forward and backward keeps
+        # them between accumulation steps too (torch_xla's behaviour)
+        keep_for_no_sync = not self.sync_gradients and not self.reshard_after_forward
+        return self.reshard_after_backward and not keep_for_no_sync
+
     # -- gradients ----------------------------------------------------------------------------
+    def post_backward(self, shard_group: ShardGroup, index: int, hold: bool) -> bool:
+        """Record ``index`` of ``shard_group`` has its gradient: a shard group whose trainable
+        records all have theirs is reduced now (unless missing gradients are zero-filled at
+        the end of backward: see [Note: parameters without a gradient]). ``hold`` keeps
+        its reduce-scatter for ``run_reductions``. Returns whether every trainable shard
+        group of the unit is reduced."""
+        if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
+            self._reduce(shard_group, hold)
+            return all(g.reduced for g in self.shard_groups if g.shard.requires_grad)
+        return False
+
     @torch.no_grad()
-    def reduce(self, shard_group: ShardGroup, sync: bool, reshard: bool, barrier: bool,
-               divide: Tuple[float, float], barrier_out: List[torch.Tensor],
-               hold: bool = False) -> None:
+    def finalize_backward(self, took_part: bool) -> None:
+        """The end of a backward (``took_part``: whether it reached this unit)."""
+        if took_part:
+            # [Note: parameters without a gradient]
+            # A shard group none of whose parameters got a gradient on this rank keeps a None
+            # gradient, as unsharded training does when no rank used them (a skipped module:
+            # the optimizer then leaves it alone, momentum and weight decay included). When
+            # ranks' data skip different modules (data-dependent expert routing), they would
+            # then issue different reduce-scatters, which hangs on hardware; with
+            # zero_missing_gradients every trainable shard group of a unit that took part is
+            # reduced here, at the end of backward and in shard group order (so also in the
+            # same order on every rank), zeros standing for what did not arrive. The price is
+            # holding the unit's full gradients until the end of backward.
+            zero_fill = self.options.zero_missing_gradients
+            for g in self.shard_groups:
+                if g.needs_reduction(zero_fill):
+                    self._reduce(g, hold=False)
+            self._flush(self.options.optimization_barrier_in_backward)
+            if not self.sync_gradients:
+                self._mark_accumulating()
+        for g in self.shard_groups:
+            g.end_backward()
+        self.drop_prefetch()  # prefetched for a backward that did not reach the unit
+        if self.reshard_after_backward_now():
+            self.reshard(self.shard_groups, [], self.options.optimization_barrier_in_backward)
+
+    def run_reductions(self) -> None:
+        """Under torch.compile: issues the reductions held back and executes them now (see
+        [Note: FSDP's hooks under torch.compile])."""
+        self._flush(barrier=False)
+        run_pending(self.shard_gradients())
+
+    def shard_gradients(self) -> List[torch.Tensor]:
+        return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
+
+    @torch.no_grad()
+    def _reduce(self, shard_group: ShardGroup, hold: bool) -> None:
         """The shard group's gradients are complete for this backward (or as complete as
         they will be: a parameter without a gradient contributes zeros, so that every rank
-        issues the same collectives whatever its data). Frees the shard group if
-        ``reshard``; with ``sync`` queues its reduce-scatter (issued when the bucket is
-        full, unless ``hold``: then at the next ``flush``), otherwise leaves the full
-        gradients on the placeholders."""
+        issues the same collectives whatever its data). Frees the shard group if resharding
+        after backward; when gradients are synced queues its reduce-scatter (issued when
+        the bucket is full, unless ``hold``: then at the next flush), otherwise leaves the
+        full gradients on the placeholders."""
         shard_group.start_reduction()
         grads = [r.placeholder.grad for r in shard_group.records]
         if any(g is not None and g.requires_grad for g in grads):
             raise RuntimeError("FSDP does not support gradients that require grad "
                                "(create_graph=True)")
-        if not sync:
+        barrier = self.options.optimization_barrier_in_backward
+        reshard = self.reshard_after_backward_now()
+        if not self.sync_gradients:
             if reshard:
                 self.reshard([shard_group], [g for g in grads if g is not None], barrier)
             return
@@ -182,34 +258,33 @@ class UnitParams:
         for r in shard_group.records:
             r.placeholder.grad = None
         flat = padded_gradient(shard_group.layout, grads, shard_group.compute_dtype,
-                               self.device, self.options.fp32_reduce_scatter, divide)
+                               self.device, self.options.fp32_reduce_scatter, self.divide)
         self.reshard([shard_group] if reshard else [], [flat], barrier)
         self._queue.append((shard_group, flat))
         self._queue_bytes += flat.numel() * flat.element_size()
         if not hold and \
                 self._queue_bytes > self.options.reduce_scatter_bucket_size_mb * 1024 * 1024:
-            self.flush(barrier, divide, barrier_out)
+            self._flush(barrier)
 
     @torch.no_grad()
-    def flush(self, barrier: bool, divide: Tuple[float, float],
-              barrier_out: List[torch.Tensor]) -> None:
+    def _flush(self, barrier: bool) -> None:
         if not self._queue:
             return
         queue, self._queue, self._queue_bytes = self._queue, [], 0
         inputs = [flat for _, flat in queue]
-        if barrier and len(inputs) > 1:  # one input already passed reduce()'s barrier
+        if barrier and len(inputs) > 1:  # one input already passed _reduce()'s barrier
             optimization_barrier(inputs)
-        outputs = scatter_gradients(self.collectives, divide, inputs,
+        outputs = scatter_gradients(self.collectives, self.divide, inputs,
                                     self.options.replica_groups)
         for (shard_group, _), reduced in zip(queue, outputs):
             if barrier:
                 optimization_barrier([reduced])
-                barrier_out.append(reduced)
+                self._backward_barrier.append(reduced)
             shard = shard_group.shard
             shard.grad = reduced if shard.grad is None else shard.grad + reduced
 
     # -- abandoned accumulation ----------------------------------------------------------------
-    def mark_accumulating(self) -> None:
+    def _mark_accumulating(self) -> None:
         """After a ``no_sync`` backward: marks each shard group whose placeholders hold
         unreduced gradients (see ``ShardGroup.mark_accumulation``)."""
         for g in self.shard_groups:

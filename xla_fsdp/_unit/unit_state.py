@@ -73,11 +73,8 @@ class UnitState:
                                    options.optimization_barrier_in_backward)
         self.training_state = TrainingState.IDLE
         self.explicit_reshard_after_forward: Optional[bool] = None
-        self.reshard_after_backward = True
-        self.require_grad_sync = True
         self.forward_prefetch: List["UnitState"] = []
         self.backward_prefetch: List["UnitState"] = []
-        self.divide = (1.0, 1.0)           # gradient pre- and post-division factors
         self.detached = detached           # a grouping unit no unit was built around yet
         self._forward_id = -1              # the root forward this unit's members ran in
         self._compiled = False             # its last forward ran inside torch.compile
@@ -86,6 +83,8 @@ class UnitState:
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
         self._warned_hidden = False
+        params.join(self.context.backward_barrier)
+        self._update_reshard_after_forward()
         _STATES[unit] = self
 
     def hook_members(self, compiled: Sequence[Optional[nn.Module]] = ()) -> None:
@@ -97,16 +96,16 @@ class UnitState:
             f"compiled regions, so torch.compile(fullgraph=True) cannot span the unit. Compile "
             f"the module the unit wraps instead, and wrap the compiled module: "
             f"FSDP(torch.compile(module, fullgraph=True))"))
-        self._pre_eager = disable(self._pre_forward_eager)
-        self._post_eager = disable(self._post_forward_eager)
+        self._pre_eager = disable(self.pre_forward)
+        self._post_eager = disable(self.post_forward)
         for m, outer in zip(self.members, list(compiled) or [None] * len(self.members)):
-            if outer is None:
-                target, pre, post = m, self._pre_forward_hook, self._post_forward_hook
-            else:
-                target, pre, post = outer, self._pre_compiled_hook, self._post_compiled_hook
-            target.register_forward_pre_hook(functools.partial(pre, m), with_kwargs=True,
-                                             prepend=True)
-            target.register_forward_hook(functools.partial(post, m))
+            target = m if outer is None else outer
+            on_compiled = outer is not None
+            target.register_forward_pre_hook(
+                functools.partial(self._pre_forward_hook, m, on_compiled), with_kwargs=True,
+                prepend=True)
+            target.register_forward_hook(
+                functools.partial(self._post_forward_hook, m, on_compiled))
 
     @property
     def shard_groups(self) -> List[ShardGroup]:
@@ -126,20 +125,35 @@ class UnitState:
             r.hook_gradient(functools.partial(_gradient_arrived, state, held, i))
 
     def shard_gradients(self) -> List[torch.Tensor]:
-        return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
+        return self.params.shard_gradients()
 
     # -- settings (the public API's setters) -------------------------------------------------
+    # The reduction's settings are the unit's parameters' (``UnitParams``), which decide
+    # with them; these read and set them.
     def set_reshard_after_forward(self, value: bool) -> None:
         self.explicit_reshard_after_forward = bool(value)
+        self._update_reshard_after_forward()
 
     def set_reshard_after_backward(self, value: bool) -> None:
-        self.reshard_after_backward = bool(value)
+        self.params.set_reshard_after_backward(bool(value))
 
     def set_require_grad_sync(self, value: bool) -> None:
-        self.require_grad_sync = bool(value)
+        self.params.set_sync_gradients(bool(value))
 
     def set_divide(self, pre: float, post: float) -> None:
-        self.divide = (float(pre), float(post))
+        self.params.set_divide(float(pre), float(post))
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self.params.reshard_after_backward
+
+    @property
+    def require_grad_sync(self) -> bool:
+        return self.params.sync_gradients
+
+    @property
+    def divide(self) -> Tuple[float, float]:
+        return self.params.divide
 
     def set_prefetch(self, forward: Optional[List["UnitState"]] = None,
                      backward: Optional[List["UnitState"]] = None) -> None:
@@ -176,17 +190,24 @@ class UnitState:
         for s in states:
             if s is not self and s.parent is None:
                 s.parent = self
+                s._update_reshard_after_forward()
         self.context.set_participants([s for s in states if s is not self])
         for s in states:
             s.context = self.context
+            s.params.join(self.context.backward_barrier)
 
     @property
     def reshard_after_forward(self) -> bool:
+        return self.params.reshard_after_forward
+
+    def _update_reshard_after_forward(self) -> None:
         if self.explicit_reshard_after_forward is not None:
-            return self.explicit_reshard_after_forward
-        if self.is_root and self.options.disable_reshard_on_root:
-            return False  # the root's parameters are needed first in backward
-        return self.options.reshard_after_forward
+            value = self.explicit_reshard_after_forward
+        elif self.is_root and self.options.disable_reshard_on_root:
+            value = False  # the root's parameters are needed first in backward
+        else:
+            value = self.options.reshard_after_forward
+        self.params.set_reshard_after_forward(value)
 
     def assert_state(self, states: Sequence[TrainingState]) -> None:
         if TrainingState.IDLE in states:
@@ -199,34 +220,21 @@ class UnitState:
                 f"same forward without retain_graph.")
 
     # -- forward ---------------------------------------------------------------------------
-    # These two may run in Dynamo (which then reads that it is tracing) and hand over to
-    # the eager code at a graph break (see [Note: FSDP's hooks under torch.compile])
-    def _pre_forward_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
-                          kwargs: dict) -> Tuple[tuple, dict]:
-        return self._pre_eager(member, args, kwargs, torch.compiler.is_compiling())
+    # These two may run in Dynamo, which then reads that it is tracing, and hand over to
+    # the eager code at a graph break (see [Note: FSDP's hooks under torch.compile]). On a
+    # member's torch.compile module the compiled region comes right after them.
+    def _pre_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
+                          args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        return self._pre_eager(member, args, kwargs,
+                               on_compiled or torch.compiler.is_compiling())
 
-    def _post_forward_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
-                           outputs: Any) -> Any:
-        return self._post_eager(member, outputs, torch.compiler.is_compiling())
-
-    # on a member's torch.compile module: the compiled region comes right after
-    def _pre_compiled_hook(self, member: nn.Module, _module: nn.Module, args: tuple,
-                           kwargs: dict) -> Tuple[tuple, dict]:
-        return self._pre_eager(member, args, kwargs, True)
-
-    def _post_compiled_hook(self, member: nn.Module, _module: nn.Module, _args: tuple,
-                            outputs: Any) -> Any:
-        return self._post_eager(member, outputs, True)
-
-    def _pre_forward_eager(self, member: nn.Module, args: tuple, kwargs: dict,
-                           compiled: bool) -> Tuple[tuple, dict]:
-        return self.pre_forward(member, args, kwargs, _in_checkpoint_recompute(), compiled)
-
-    def _post_forward_eager(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
-        return self.post_forward(member, outputs, _in_checkpoint_recompute(), compiled)
+    def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
+                           _args: tuple, outputs: Any) -> Any:
+        return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
-                    recompute: bool, compiled: bool = False) -> Tuple[tuple, dict]:
+                    compiled: bool) -> Tuple[tuple, dict]:
+        recompute = _in_checkpoint_recompute()
         if self.detached:
             raise ValueError(detached_message(self.members))
         context = self.context
@@ -260,9 +268,8 @@ class UnitState:
                     self._hook(t, self._input_grad_barrier)
         return args, kwargs
 
-    def post_forward(self, member: nn.Module, outputs: Any, recompute: bool,
-                     compiled: bool = False) -> Any:
-        if recompute:
+    def post_forward(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
+        if _in_checkpoint_recompute():
             # the recomputed activations' backward comes next and reads the full
             # parameters; it frees them as any backward does
             return self._hook_outputs(outputs)[0]
@@ -292,18 +299,17 @@ class UnitState:
 
     def _first_root_forward(self) -> None:
         for state in self.context.states:
-            if isinstance(state, UnitState) and state.detached:
+            if state.detached:
                 raise ValueError(detached_message(state.members))
         self._refuse_unsharded_parameters()
         if self.options.debug_print and self.options.rank == 0:
-            count = sum(len(s.shard_groups) for s in self.context.states
-                        if isinstance(s, UnitState))
+            count = sum(len(s.shard_groups) for s in self.context.states)
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
 
     def _refuse_compiled_units(self) -> None:
         for state in self.context.states:
-            if isinstance(state, UnitState) and state.compile_refusal:
+            if state.compile_refusal:
                 raise RuntimeError(state.compile_refusal)
 
     def _refuse_unsharded_parameters(self) -> None:
@@ -417,54 +423,19 @@ class UnitState:
         with torch.no_grad():
             self.training_state = TrainingState.BACKWARD_POST
             self._took_part = True
-            if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
-                self._reduce(shard_group)
-                if self._compiled and all(g.reduced for g in self.shard_groups
-                                          if g.shard.requires_grad):
-                    self.run_reductions()  # the unit's last: all of them, as one execution
+            if self.params.post_backward(shard_group, index, hold=self._compiled) \
+                    and self._compiled:
+                self.run_reductions()  # the unit's last: all of them, as one execution
 
     def run_reductions(self) -> None:
-        """Under torch.compile: issues the reductions held back and executes them now (see
-        [Note: FSDP's hooks under torch.compile])."""
-        self.params.flush(False, self.divide, self.context.backward_barrier)
-        run_pending(self.shard_gradients())
-
-    def _reduce(self, shard_group: ShardGroup) -> None:
-        self.params.reduce(shard_group, self.require_grad_sync,
-                           self.reshard_after_backward_now(),
-                           self.options.optimization_barrier_in_backward, self.divide,
-                           self.context.backward_barrier, hold=self._compiled)
+        self.params.run_reductions()
 
     def finish_backward(self) -> None:
         """The end of a backward, for every unit of the model (from the root context)."""
         for handle in self._leaf_hooks:
             handle.remove()
         self._leaf_hooks.clear()
-        if self._took_part:
-            # [Note: parameters without a gradient]
-            # A shard group none of whose parameters got a gradient on this rank keeps a None
-            # gradient, as unsharded training does when no rank used them (a skipped module:
-            # the optimizer then leaves it alone, momentum and weight decay included). When
-            # ranks' data skip different modules (data-dependent expert routing), they would
-            # then issue different reduce-scatters, which hangs on hardware; with
-            # zero_missing_gradients every trainable shard group of a unit that took part is
-            # reduced here, at the end of backward and in shard group order (so also in the
-            # same order on every rank), zeros standing for what did not arrive. The price is
-            # holding the unit's full gradients until the end of backward.
-            zero_fill = self.options.zero_missing_gradients
-            for g in self.shard_groups:
-                if g.needs_reduction(zero_fill):
-                    self._reduce(g)
-            self.params.flush(self.options.optimization_barrier_in_backward, self.divide,
-                              self.context.backward_barrier)
-            if not self.require_grad_sync:
-                self.params.mark_accumulating()
-        for g in self.shard_groups:
-            g.end_backward()
-        self.params.drop_prefetch()  # prefetched for a backward that did not reach the unit
-        if self.reshard_after_backward_now():
-            self.params.reshard(self.shard_groups, [],
-                                self.options.optimization_barrier_in_backward)
+        self.params.finalize_backward(self._took_part)
         self.training_state = TrainingState.IDLE
         self._took_part = False
 
@@ -488,12 +459,6 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self._took_part = False
         self._members_run.clear()
-
-    def reshard_after_backward_now(self) -> bool:
-        # under no_sync, a unit that keeps its parameters between forward and backward keeps
-        # them between accumulation steps too (torch_xla's behaviour)
-        keep_for_no_sync = not self.require_grad_sync and not self.reshard_after_forward
-        return self.reshard_after_backward and not keep_for_no_sync
 
 
 def _gradient_arrived(state: "weakref.ref[UnitState]", shard_group: "weakref.ref[ShardGroup]",
