@@ -98,9 +98,19 @@ def _torch_xla_arguments(out, device):
     import torch_xla
     from xla_fsdp import FSDP
     from xla_fsdp._sharding.layout import Dim0Layout
+    from xla_fsdp._unit.options import FsdpOptions
     from xla_fsdp._unit.training_state import TrainingState
     out["on_neuron_dim0"] = all(isinstance(g.layout, Dim0Layout)
                                 for g in FSDP(Net(), on_neuron=True).shard_groups)
+    # the aliases set their options, and the arguments an auto-wrapped child gets rebuild them
+    aliased = FSDP(Net(), mark_step_on_finalization=True, on_neuron=True,
+                   reduce_scatter_bucket_size_mb=None,
+                   _debug_dummy_optimization_barrier_op=True).options
+    out["aliases"] = (aliased.sync_on_finalization, aliased.shard_param_on_dim_0,
+                      aliased.reduce_scatter_bucket_size_mb,
+                      aliased.optimization_barrier_in_forward,
+                      aliased.optimization_barrier_in_backward,
+                      FsdpOptions.from_arguments(aliased.as_arguments()) == aliased)
     model = FSDP(Net(), _debug_dummy_all_gather_op=True, _debug_dummy_reduce_scatter_op=True,
                  _debug_dummy_all_reduce_op=True, _debug_dummy_optimization_barrier_op=True)
     model(torch.randn(4, 32).to(device)).sum().backward()
@@ -129,6 +139,28 @@ def _torch_xla_arguments(out, device):
     torch_xla.sync()
 
 
+def _attribute_fall_through(out):
+    """What a unit, unit.module and a scanned stack answer for: the wrapped module's
+    attributes; for a stack, the ModuleList's, then its first layer's."""
+    from xla_fsdp import FSDP, ScannedLayers
+    net = Net()
+    net.setting = "s"
+    unit = FSDP(net)
+    stack = nn.ModuleList([Block(), Block()])
+    for layer in stack:
+        layer.attention_type = "full"
+    stack = ScannedLayers(stack)
+    missing = []
+    for owner in (unit, unit.module, stack):
+        try:
+            owner.absent
+        except AttributeError as exc:
+            missing.append(str(exc))
+    out["fall_through"] = (unit.setting, unit.module.setting, unit.module.module is net,
+                           unit.head is net.head, stack.attention_type,
+                           stack.append.__self__ is stack.wrapped_module, missing)
+
+
 def checks(rank):
     import torch_xla
     device = torch_xla.device()
@@ -138,6 +170,7 @@ def checks(rank):
     _meta_init(out)
     _divide_factors(out, device)
     _torch_xla_arguments(out, device)
+    _attribute_fall_through(out)
     torch_xla.sync()
     return out
 
@@ -163,8 +196,12 @@ def test_wrapper_api():
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
     assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
     assert out["on_neuron_dim0"]
+    assert out["aliases"] == (True, True, 0, False, False, True)
     assert out["dummy_step_collectives"] == []
     assert out["params_with_grad"]
     assert out["assert_state"] == "TrainingStateError"
     assert out["has_full_param"] == ([[True, True]], [False, False])
     assert out["has_full_param_kept"] == [True, True]
+    assert out["fall_through"] == ("s", "s", True, True, "full", True, [
+        "'Net' object has no attribute 'absent'", "'Net' object has no attribute 'absent'",
+        "'Block' object has no attribute 'absent'"])
