@@ -93,6 +93,12 @@ def _divide_factors(out, device):
     out["grad_scale"] = float(grads["default"].abs().max())
 
 
+class _Initializer:
+    def fill(self, module):
+        for p in module.parameters(recurse=False):
+            torch.nn.init.constant_(p, 0.5)
+
+
 def _torch_xla_arguments(out, device):
     """torch_xla's constructor switches and attributes beyond the parity settings."""
     import torch_xla
@@ -111,6 +117,10 @@ def _torch_xla_arguments(out, device):
                       aliased.optimization_barrier_in_forward,
                       aliased.optimization_barrier_in_backward,
                       FsdpOptions.from_arguments(aliased.as_arguments()) == aliased)
+    # auto-wrapped children get the same param_init_fn, not a copy of what it is bound to
+    initializer = _Initializer()
+    given = FSDP(Net(), param_init_fn=initializer.fill).options.as_arguments()["param_init_fn"]
+    out["param_init_fn_bound_to_the_same"] = given.__self__ is initializer
     model = FSDP(Net(), _debug_dummy_all_gather_op=True, _debug_dummy_reduce_scatter_op=True,
                  _debug_dummy_all_reduce_op=True, _debug_dummy_optimization_barrier_op=True)
     model(torch.randn(4, 32).to(device)).sum().backward()
@@ -197,6 +207,7 @@ def test_wrapper_api():
     assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
     assert out["on_neuron_dim0"]
     assert out["aliases"] == (True, True, 0, False, False, True)
+    assert out["param_init_fn_bound_to_the_same"]
     assert out["dummy_step_collectives"] == []
     assert out["params_with_grad"]
     assert out["assert_state"] == "TrainingStateError"

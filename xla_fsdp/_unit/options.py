@@ -13,7 +13,7 @@ here and in the constructor's signature, nowhere else.
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
@@ -95,7 +95,9 @@ class FsdpOptions:
     def as_arguments(self) -> Dict[str, Any]:
         """Constructor arguments that rebuild these options (on an auto-wrapped child):
         ``from_arguments``' inverse."""
-        kw = asdict(self)
+        # the values themselves: asdict would deep-copy them, and a param_init_fn bound to
+        # an object would reach each auto-wrapped child bound to a copy of it
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
         del kw["rank"], kw["world_size"]  # derived from the sharding arguments
         for name in _UNDERSCORED:
             kw["_" + name] = kw.pop(name)

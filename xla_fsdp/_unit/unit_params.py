@@ -73,6 +73,7 @@ class UnitParams:
         self.sync_gradients = True                 # False under no_sync
         self.divide = (1.0, 1.0)                   # gradient pre- and post-division factors
         self._backward_barrier: List[torch.Tensor] = []
+        self._replica_groups = options.replica_groups
 
     def add(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.shard_groups.extend(shard_groups)
@@ -275,7 +276,7 @@ class UnitParams:
         if barrier and len(inputs) > 1:  # one input already passed _reduce()'s barrier
             optimization_barrier(inputs)
         outputs = scatter_gradients(self.collectives, self.divide, inputs,
-                                    self.options.replica_groups)
+                                    self._replica_groups)
         for (shard_group, _), reduced in zip(queue, outputs):
             if barrier:
                 optimization_barrier([reduced])
