@@ -88,8 +88,18 @@ class _Tensors:
         return sum(self.numels)
 
 
+class _WholeShard:
+    """A layout whose shard is all-gathered whole: one piece."""
+
+    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
+        return [shard]
+
+    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        return self.unshard(gathered[0])
+
+
 @dataclass(frozen=True)
-class FlatLayout(_Tensors):
+class FlatLayout(_Tensors, _WholeShard):
     """Elements per shard are a multiple of ``multiple``."""
 
     @cached_property
@@ -109,10 +119,14 @@ class FlatLayout(_Tensors):
         size = self.shard_shape[0]
         return rank * size, (rank + 1) * size
 
+    @staticmethod
+    def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
+            else tensors[0].reshape(-1)
+
     def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The group as one padded 1-D tensor (what reduce-scatter consumes)."""
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
-            else tensors[0].reshape(-1)
+        flat = self._flat(tensors)
         extra = self.padded_numel - self.numel
         if extra:
             flat = torch.cat([flat, flat.new_zeros(extra)])
@@ -122,10 +136,8 @@ class FlatLayout(_Tensors):
         """``rank``'s shard, a new tensor. ``tensors`` may also be the group's whole content
         as one tensor of ``numel`` elements. Only the shard is allocated, never the padded
         group."""
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 \
-            else tensors[0].reshape(-1)
         start, end = self.shard_range(rank)
-        return _slice_padded(flat, start, end)
+        return _slice_padded(self._flat(tensors), start, end)
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         """Views of the full tensors inside an all-gathered padded flat tensor."""
@@ -133,12 +145,6 @@ class FlatLayout(_Tensors):
             return [gathered.view(self.shapes[0])]  # no slice: one op fewer a parameter
         return [gathered[o:o + n].view(s)
                 for o, n, s in zip(self.offsets, self.numels, self.shapes)]
-
-    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
-        return [shard]
-
-    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return self.unshard(gathered[0])
 
     def owned(self, rank: int) -> List[Owned]:
         first, stop = self.shard_range(rank)
@@ -219,7 +225,7 @@ class InterleavedLayout(_Tensors):
 
 
 @dataclass(frozen=True)
-class Dim0Layout:
+class Dim0Layout(_WholeShard):
     shape: torch.Size
     world_size: int
 
@@ -256,9 +262,12 @@ class Dim0Layout:
         size = self.shard_shape[0]
         return rank * size, (rank + 1) * size
 
-    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         (t,) = tensors
-        t = t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
+        return t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
+
+    def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        t = self._rows(tensors)
         if self.pad_rows:
             t = torch.cat([t, t.new_zeros((self.pad_rows,) + tuple(t.shape[1:]))])
         return t
@@ -266,19 +275,11 @@ class Dim0Layout:
     def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         """``rank``'s block of rows, a new tensor (``tensors`` is the one tensor, in any
         shape with ``numel`` elements)."""
-        (t,) = tensors
-        rows = t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
         start, end = self.shard_range(rank)
-        return _slice_padded(rows, start, end)
+        return _slice_padded(self._rows(tensors), start, end)
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         return [gathered[:self.rows].view(self.shape)]
-
-    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
-        return [shard]
-
-    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return self.unshard(gathered[0])
 
     def owned(self, rank: int) -> List[Owned]:
         per_rank = self.shard_shape[0]
@@ -290,7 +291,7 @@ class Dim0Layout:
 
 
 @dataclass(frozen=True)
-class StackedLayout:
+class StackedLayout(_WholeShard):
     """``layers`` copies of ``layer``; tensors are listed layer by layer."""
     layer: Union[FlatLayout, InterleavedLayout, Dim0Layout]
     layers: int
@@ -328,12 +329,6 @@ class StackedLayout:
         layers = [self.layer.pad(ts).reshape((self.world_size,) + tail)
                   for ts in self._per_layer(tensors)]
         return torch.stack(layers, dim=1).reshape((self.world_size * self.layers,) + tail)
-
-    def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
-        return [shard]
-
-    def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        return self.unshard(gathered[0])
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         """The full tensors, from an all-gather along dim 0 of every rank's ``[L, ...]``
