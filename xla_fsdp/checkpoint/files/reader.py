@@ -110,7 +110,37 @@ def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-class CheckpointFile:
+class PreadFile:
+    """A file whose records are byte ranges read by ``pread`` (``_fd``) into buffers the
+    caller owns. Subclasses say where a record is (``record_size(key)``,
+    ``_data_offset(key)``) and what errors call it (``_record_name(key)``)."""
+    path: str
+    _fd: int
+    bytes_read: int  # by pread_into: what a caller's reads cost
+
+    def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
+        """Reads ``len(out)`` bytes of record ``key`` from ``byte_offset`` into ``out``."""
+        view = memoryview(out).cast("B")
+        what = self._record_name(key)
+        if byte_offset + len(view) > self.record_size(key):
+            raise CheckpointError(f"{self.path}: read past the end of {what}")
+        pread_fully(self._fd, view, self._data_offset(key) + byte_offset,
+                    f"{self.path}: file ends inside {what} (truncated)")
+        self.bytes_read += len(view)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> "PreadFile":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class CheckpointFile(PreadFile):
     """One checkpoint file: ``tree`` is its object with every tensor a ``TensorRef``."""
 
     def __init__(self, path: str) -> None:
@@ -131,7 +161,7 @@ class CheckpointFile:
         self._records: Dict[str, zipfile.ZipInfo] = {n[len(self._prefix):]: self._zip.getinfo(n)
                                                      for n in names}
         self._offsets: Dict[str, int] = {}
-        self.bytes_read = 0  # by pread_into: what a caller's reads cost
+        self.bytes_read = 0
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self.tree = _LazyUnpickler(self, self._zip.read(pkl[0])).load()
@@ -144,16 +174,8 @@ class CheckpointFile:
                                   f"{exc})") from None
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        super().close()
         self._zip.close()
-
-    def __enter__(self) -> "CheckpointFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def _info(self, key: str) -> zipfile.ZipInfo:
         info = self._records.get("data/" + key)
@@ -180,14 +202,8 @@ class CheckpointFile:
             self._offsets[name] = info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         return self._offsets[name]
 
-    def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
-        """Reads ``len(out)`` bytes of storage ``key`` from ``byte_offset`` into ``out``."""
-        view = memoryview(out).cast("B")
-        if byte_offset + len(view) > self.record_size(key):
-            raise CheckpointError(f"{self.path}: read past the end of storage data/{key}")
-        pread_fully(self._fd, view, self._data_offset(key) + byte_offset,
-                    f"{self.path}: file ends inside storage data/{key} (truncated)")
-        self.bytes_read += len(view)
+    def _record_name(self, key: str) -> str:
+        return f"storage data/{key}"
 
     def verify(self) -> None:
         """Checks the CRC-32 of every record; raises ``CheckpointError`` naming the first bad one."""

@@ -14,14 +14,14 @@ import os
 import struct
 from typing import Any, Dict, Tuple
 
-from .reader import CheckpointError, TensorRef, contiguous_strides, pread_fully
+from .reader import CheckpointError, PreadFile, TensorRef, contiguous_strides
 from .writer import SAFETENSORS_DTYPES
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 << 20
 
 
-class SafetensorsFile:
+class SafetensorsFile(PreadFile):
     """One ``.safetensors`` file: ``tensors`` by name, ``metadata`` (its ``__metadata__``)."""
 
     def __init__(self, path: str) -> None:
@@ -75,23 +75,8 @@ class SafetensorsFile:
     def record_size(self, key: str) -> int:
         return self._ranges[key][1]
 
-    def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
-        """Reads ``len(out)`` bytes of tensor ``key`` from ``byte_offset`` into ``out``."""
-        view = memoryview(out).cast("B")
-        at, size = self._ranges[key]
-        if byte_offset + len(view) > size:
-            raise CheckpointError(f"{self.path}: read past the end of tensor {key!r}")
-        pread_fully(self._fd, view, at + byte_offset,
-                    f"{self.path}: file ends inside tensor {key!r} (truncated)")
-        self.bytes_read += len(view)
+    def _data_offset(self, key: str) -> int:
+        return self._ranges[key][0]
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-    def __enter__(self) -> "SafetensorsFile":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def _record_name(self, key: str) -> str:
+        return f"tensor {key!r}"
