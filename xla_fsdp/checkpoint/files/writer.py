@@ -65,7 +65,8 @@ class _StubPickler(pickle.Pickler):
 
 
 class _Sink:
-    """The file a ``PyTorchFileWriter`` writes through, until it is cut off; see
+    """The file a writer (torch's ``PyTorchFileWriter``, ``SafetensorsWriter``) writes
+    through, until it is cut off; see
     [Note: a failed zip writer must not finish]."""
 
     def __init__(self, path: str) -> None:
@@ -175,19 +176,13 @@ class SafetensorsWriter:
         blob += b" " * (-len(blob) % 8)
         self._path = path
         self._size = 8 + len(blob) + at  # the whole file, exactly
-        self._file: Optional[BinaryIO] = open(path, "wb")
+        self._sink = _Sink(path)
         with self._guard(8 + len(blob)):
-            self._file.write(struct.pack("<Q", len(blob)) + blob)
+            self._sink.write(struct.pack("<Q", len(blob)) + blob)
         self._next = 0
 
     def _guard(self, writing: Optional[int]) -> ContextManager[None]:
-        return _guarded(self._path, self._close_quietly, writing, self._size)
-
-    def _close_quietly(self) -> None:
-        file, self._file = self._file, None
-        if file is not None:
-            with contextlib.suppress(OSError):  # the flush fails again on a full disk
-                file.close()
+        return _guarded(self._path, self._sink.cut_off, writing, self._size)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         expected = self._order[self._next]
@@ -197,10 +192,10 @@ class SafetensorsWriter:
         self._next += 1
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         with self._guard(data.nbytes):
-            self._file.write(memoryview(data))
+            self._sink.write(memoryview(data))
 
     def finish(self) -> None:
         if self._next != len(self._order):
             raise ValueError(f"safetensors writer got {self._next} of {len(self._order)} tensors")
         with self._guard(None):
-            self._file.close()
+            self._sink.close()
