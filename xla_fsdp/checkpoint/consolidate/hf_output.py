@@ -37,7 +37,6 @@ from ..files.writer import SAFETENSORS_DTYPES
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-CONFIG_NAMES = ("config.json", "generation_config.json")
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -181,14 +180,11 @@ def stored_order(specs: Sequence[Spec], aliases: Sequence[Tuple[str, str]],
     return out
 
 
-def write_hf_directory(directory: str, specs: Sequence[Spec],
-                       entries: Iterator[Tuple[str, torch.Tensor]],
-                       aliases: Sequence[Tuple[str, str]], configs: Dict[str, bytes],
-                       max_shard_size: Any, tied_patterns: Optional[Sequence[str]],
-                       progress: Callable[[int], None]) -> List[str]:
-    """Writes the directory from ``entries`` (name, tensor) in ``specs``' order, aliases
-    left out (they are their source's tensor). Returns the paths written, index last."""
-    order = stored_order(specs, aliases, tied_names_to_drop(aliases, tied_patterns))
+def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
+                       entries: Iterator[Tuple[str, torch.Tensor]], configs: Dict[str, bytes],
+                       max_shard_size: Any, progress: Callable[[int], None]) -> List[str]:
+    """Writes the directory from ``entries`` (name, tensor), each stored as ``order``
+    (``stored_order``) says. Returns the paths written, index last."""
     for (name, dtype, _), _source in order:
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name} has dtype {dtype}, which safetensors cannot hold")
@@ -267,11 +263,11 @@ def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[
         print(f"{where}: names no architecture transformers knows, so the weights were not "
               f"checked against it")
     patterns = tied_patterns_of(reference) if reference is not None else None
+    dropped = tied_names_to_drop(aliases, patterns)
     if reference is not None:
-        check_against_config(specs, tied_names_to_drop(aliases, patterns), reference, where)
-    write_hf_directory(directory, specs, entries, aliases, configs, max_shard_size, patterns,
-                       progress)
-    order = stored_order(specs, aliases, tied_names_to_drop(aliases, patterns))
+        check_against_config(specs, dropped, reference, where)
+    order = stored_order(specs, aliases, dropped)
+    write_hf_directory(directory, order, entries, configs, max_shard_size, progress)
     return [directory], {n: (d, s) for (n, d, s), _ in order}
 
 
