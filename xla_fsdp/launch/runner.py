@@ -7,6 +7,7 @@ exact and to never hang (see ``launch.virtual``). User code is the same in both 
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -199,12 +200,9 @@ def _raise_rank_error(message):
     who = "the device process" if rank is None else f"rank {rank}"
     original = None
     if exc_blob is not None:
-        try:
+        with contextlib.suppress(Exception):
             original = pickle.loads(exc_blob)
-        except Exception:
-            original = None
-    error = LaunchError(f"{who} raised:\n{formatted.rstrip()}", rank)
-    raise error from original
+    raise LaunchError(f"{who} raised:\n{formatted.rstrip()}", rank) from original
 
 
 def _death_message(exitcode, log_text: str) -> str:
