@@ -31,7 +31,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Container, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -41,7 +41,7 @@ from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLay
 from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
 from .._xla.private_api import is_persistent_buffer
-from .files import TensorRef
+from .files import CheckpointError, TensorRef
 from .unit_protocol import ShardedModel, ShardedUnit
 
 # the keys of a per-rank file
@@ -241,15 +241,21 @@ def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) 
     """The model state dict key of the shard each optimizer index holds, in index order
     (``RankRecord.optimizer_param_keys``)."""
     names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
-    keys = []
+    refuse_foreign_params(optimizer, names)
+    return [names[id(p)] for param_group in optimizer.param_groups
+            for p in param_group["params"]]
+
+
+def refuse_foreign_params(optimizer: torch.optim.Optimizer, shards: Container[int]) -> None:
+    """Refuses (``CheckpointError``, a ``ValueError``) an optimizer holding a tensor whose
+    id is not in ``shards``."""
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
-            if id(p) not in names:
-                raise ValueError(f"the optimizer holds a parameter of shape {tuple(p.shape)} "
-                                 f"that is not a shard of this model; create the optimizer "
-                                 f"from model.parameters() after wrapping")
-            keys.append(names[id(p)])
-    return keys
+            if id(p) not in shards:
+                raise CheckpointError(f"the optimizer holds a parameter of shape "
+                                      f"{tuple(p.shape)} that is not a shard of this model; "
+                                      f"create the optimizer from model.parameters() after "
+                                      f"wrapping")
 
 
 # -- reading ----------------------------------------------------------------------------------

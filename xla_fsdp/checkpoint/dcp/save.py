@@ -56,7 +56,7 @@ from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
-from ..metadata import persistent_buffers, sharded_like
+from ..metadata import persistent_buffers, refuse_foreign_params, sharded_like
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from .coordination import agree, agree_or_undo, exchange
@@ -276,16 +276,8 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     through ``host``."""
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
-    state: Dict[int, Dict[str, Any]] = {}
     if optimizer is not None:
-        for param_group in optimizer.param_groups:
-            for p in param_group["params"]:
-                if id(p) not in by_shard:
-                    raise ValueError(f"save_dcp: the optimizer holds a tensor of shape "
-                                     f"{tuple(p.shape)} that is not a shard of this model; "
-                                     f"create the optimizer from model.parameters() after "
-                                     f"wrapping")
-                state[id(p)] = dict(optimizer.state.get(p, {}))
+        refuse_foreign_params(optimizer, by_shard)
     tensors: Dict[str, TensorPieces] = {}
     wholes: Dict[str, OnDemand] = {}
     objects: Dict[str, Any] = {}
@@ -313,7 +305,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
             names: List[str] = []
             for p in param_group["params"]:
                 names += [s.name for s in by_shard[id(p)]]
-                for k, v in state[id(p)].items():
+                for k, v in optimizer.state.get(p, {}).items():
                     for slot in by_shard[id(p)]:
                         key, path = scheme.state(slot.name, k)
                         if sharded_like(k, v, p.shape):

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 
 from ..._sharding.chunks import Chunk
 from ..files import CheckpointError
-from ..metadata import persistent_buffers, sharded_like
+from ..metadata import persistent_buffers, refuse_foreign_params, sharded_like
 from ..unit_protocol import ShardedModel
 from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
                      extra_key, param_slots, slots_by_shard)
@@ -146,15 +146,11 @@ class StagedLoad:
                     f"{self.where}: its optimizer's settings for '{name}' are "
                     f"{sorted(settings)}, but {kind} has {sorted(ours)}: the checkpoint was "
                     f"saved from another optimizer class")
+        refuse_foreign_params(optimizer, by_shard)
         new_groups, state, held = [], {}, set()
         index = 0
         for j, param_group in enumerate(optimizer.param_groups):
-            names = []
-            for p in param_group["params"]:
-                if id(p) not in by_shard:
-                    raise CheckpointError(f"load_dcp: the optimizer holds a tensor of shape "
-                                          f"{tuple(p.shape)} that is not a shard of this model")
-                names += [s.name for s in by_shard[id(p)]]
+            names = [s.name for p in param_group["params"] for s in by_shard[id(p)]]
             unknown = [n for n in names if n not in settings_of]
             if unknown:
                 raise CheckpointError(
