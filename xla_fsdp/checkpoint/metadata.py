@@ -189,11 +189,7 @@ def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, (tuple, list)):
-        return list(value)
-    if hasattr(value, "__iter__"):  # torch.Size
-        return list(value)
-    return str(value)
+    return list(value) if hasattr(value, "__iter__") else str(value)  # torch.Size
 
 
 @dataclass(frozen=True)
