@@ -106,13 +106,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     host = HostCopies(all_at_once=async_save)
     planner = (_planner(model, optimizer, copy_of_extra(extra), scheme, rank == 0, host)
                if writes else None)
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=1) if writes else None
-    local = None
-    if writes:
-        writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-        planner.set_up_planner({}, writer.storage_meta(), rank == 0)
-        local = writer.prepare_local_plan(planner.create_local_plan())
+    writer, local = _local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
     central = None
     if writes and rank == 0:
@@ -127,6 +121,16 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     if writes:
         job.plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
     return run_save(model, job, async_save, f"save_dcp {directory}")
+
+
+def _local_plan(directory: str, planner: ChunkSavePlanner, rank: int
+                ) -> Tuple[FileSystemWriter, SavePlan]:
+    """DCP's writer of ``directory`` and ``rank``'s local plan, set up as DCP's save does."""
+    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
+                              thread_count=1)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    planner.set_up_planner({}, writer.storage_meta(), rank == 0)
+    return writer, writer.prepare_local_plan(planner.create_local_plan())
 
 
 class _DcpRankSave:
@@ -205,11 +209,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
 
 def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
     """DCP's save protocol in one process, which is every rank (the offline conversion)."""
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=1)
-    writer.set_up_storage_writer(True, rank=0, use_collectives=True)
-    planner.set_up_planner({}, writer.storage_meta(), True)
-    local = writer.prepare_local_plan(planner.create_local_plan())
+    writer, local = _local_plan(directory, planner, 0)
     (plan,), metadata = planner.create_global_plan([local])
     prefix = f"__0_{secrets.token_hex(4)}_"
     plan = dataclasses.replace(plan, storage_data=_FilePrefix(prefix))
