@@ -27,7 +27,7 @@ from ._init.find_parameters import find_parameters, shard_group_members
 from ._init.meta_init import materialize_meta
 from ._init.mixed_precision import float32_modules, run_in_float32
 from ._init.module_group import ModuleGroup, attach_module_groups, check_members, mark_grouped
-from ._init.validate import validate_group_arguments, validate_module
+from ._init.validate import validate_first_forward, validate_group_arguments, validate_module
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
@@ -184,6 +184,7 @@ class XlaFullyShardedDataParallel(FallThrough):
                                 "+".join(type(m).__name__ for m in members), members,
                                 UnitParams(self._collectives, options, self.xla_device),
                                 options, detached=grouping,
+                                first_forward_check=validate_first_forward,
                                 compile_refusal=self.compile_refusal())
         self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
                                          self.world_size

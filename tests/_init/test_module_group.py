@@ -6,9 +6,13 @@ from xla_fsdp._init.find_parameters import find_parameters
 from xla_fsdp._init.module_group import check_disjoint, mark_grouped
 
 
+class _Unit:
+    """Stands for a unit: the registry finds it, and holds it weakly."""
+
+
 def test_grouped_modules_are_left_to_their_unit():
     model = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
-    grouping_unit, other_unit = object(), object()
+    grouping_unit, other_unit = _Unit(), _Unit()
     mark_grouped([model[1]], grouping_unit)
     outer = [names[0] for _, _, names in find_parameters([("", model)], other_unit)]
     assert outer == ["0.weight", "0.bias"]

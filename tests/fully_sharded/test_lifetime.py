@@ -6,6 +6,8 @@
   no backward), and rank 0 alone collects garbage, as the automatic collector would inside
   one rank's turn: the launcher's collection at collective points keeps the ranks' graphs
   equal (see [Note: collection at collective points]).
+* The same holds for a model with a torch.compile'd unit, whose graph's inputs torch_xla
+  keeps with FSDP's gradient hooks on them.
 * An exception from user code inside a nested unit's forward, and another inside its
   backward, each caught by the loop (which then calls ``zero_grad``), leave the model
   usable: every later step's loss and the final parameters equal those of the unsharded
@@ -153,10 +155,29 @@ def _train_through_failures(rank):
     return out
 
 
+def _compiled_round():
+    """A model whose blocks are torch.compile'd units, trained a step and dropped: torch_xla's
+    compile bridge keeps the compiled graph's inputs, which carry FSDP's gradient hooks."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = Model()
+    # b1's output, hooked by its unit, is an input of b2's compiled graph
+    model.b1 = FSDP(torch.compile(model.b1, backend="openxla"))
+    model.b2 = FSDP(torch.compile(model.b2, backend="openxla"))
+    model = FSDP(model)
+    model(torch.randn(4, DIM, device=torch_xla.device())).sum().backward()
+    torch_xla.sync()
+
+
 def _lifetime(rank):
+    import torch_xla
     from xla_fsdp import FSDP
     plain = _rounds(rank, wrap=False)
     wrapped = _rounds(rank, wrap=True)
+    _compiled_round()
+    torch_xla.sync()  # every rank has returned from it
+    gc.collect()
     units = sum(isinstance(o, FSDP) for o in gc.get_objects())
     return {"plain": plain, "wrapped": wrapped, "units": units,
             "failures": _train_through_failures(rank)}

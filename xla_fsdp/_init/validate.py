@@ -1,12 +1,14 @@
-"""What a module must be to become an FSDP unit, and what the constructor's arguments must
-be beside it."""
+"""What a module must be to become an FSDP unit, what the constructor's arguments must be
+beside it, and what the model must be when its root first runs."""
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
 
-from .._unit.unit_state import is_unit
+from .._sharding.names import clean_name
+from .._unit.shard_group import shard_group_of
+from .._unit.unit_state import UnitState, detached_message, is_unit
 
 
 def validate_module(module: Any, needs_forward: bool = True) -> None:
@@ -30,3 +32,23 @@ def validate_group_arguments(auto_wrap_policy: Optional[Callable]) -> None:
     if auto_wrap_policy is not None:
         raise ValueError("auto_wrap_policy wraps the inside of one module; it cannot be "
                          "combined with a list of modules to group")
+
+
+def validate_first_forward(root: UnitState) -> None:
+    """Before the root's first forward: every grouping unit is attached, and every parameter
+    the model registers is a shard. One registered after the units were built (adapters that
+    peft's ``get_peft_model`` adds to a wrapped model) would be neither sharded nor reduced,
+    each rank training its own copy."""
+    for state in root.context.states:
+        if state.detached:
+            raise ValueError(detached_message(state.members))
+    added = sorted({clean_name(n) for m in root.members for n, p in m.named_parameters()
+                    if shard_group_of(p) is None})
+    if added:
+        shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4
+                                         else "")
+        raise ValueError(
+            f"FSDP unit around {root.name}: parameters were added to the model after it "
+            f"was wrapped, so no unit shards them or reduces their gradients: {shown}. "
+            f"Add them before wrapping (with peft: call get_peft_model on the unwrapped "
+            f"model, then wrap the PeftModel)")

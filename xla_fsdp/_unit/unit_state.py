@@ -21,21 +21,20 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .._sharding.collectives import optimization_barrier
-from .._sharding.names import clean_name
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
 from .registry import WeakRegistry
 from .root_context import RootContext
-from .shard_group import ShardGroup, shard_group_of
+from .shard_group import ShardGroup
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
@@ -60,6 +59,7 @@ def detached_message(members: Sequence[nn.Module]) -> str:
 class UnitState:
     def __init__(self, unit: nn.Module, name: str, members: Sequence[nn.Module],
                  params: UnitParams, options: FsdpOptions, detached: bool,
+                 first_forward_check: Callable[["UnitState"], None],
                  compile_refusal: Optional[str] = None) -> None:
         self.name = name                   # the wrapped module's class, for messages
         # the members' hooks hold this state, and so, through it, a grouping unit that
@@ -79,6 +79,7 @@ class UnitState:
         self._forward_id = -1              # the root forward this unit's members ran in
         self._compiled = False             # its last forward ran inside torch.compile
         self.compile_refusal = compile_refusal  # why the unit cannot run compiled, if it cannot
+        self._first_forward_check = first_forward_check  # as a root, before its first forward
         self._members_run: set = set()
         self._took_part = False            # in the current backward
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
@@ -298,10 +299,7 @@ class UnitState:
             self.params.reshard(self.shard_groups, [], barrier=False)
 
     def _first_root_forward(self) -> None:
-        for state in self.context.states:
-            if state.detached:
-                raise ValueError(detached_message(state.members))
-        self._refuse_unsharded_parameters()
+        self._first_forward_check(self)
         if self.options.debug_print and self.options.rank == 0:
             count = sum(len(s.shard_groups) for s in self.context.states)
             print(f"root FSDP unit got {count} sharded parameters "
@@ -311,21 +309,6 @@ class UnitState:
         for state in self.context.states:
             if state.compile_refusal:
                 raise RuntimeError(state.compile_refusal)
-
-    def _refuse_unsharded_parameters(self) -> None:
-        """Every parameter the model registers must be a shard: one registered after the
-        units were built (adapters that peft's ``get_peft_model`` adds to a wrapped model)
-        would be neither sharded nor reduced, each rank training its own copy."""
-        added = sorted({clean_name(n) for m in self.members for n, p in m.named_parameters()
-                        if shard_group_of(p) is None})
-        if added:
-            shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4
-                                             else "")
-            raise ValueError(
-                f"FSDP unit around {self.name}: parameters were added to the model after it "
-                f"was wrapped, so no unit shards them or reduces their gradients: {shown}. "
-                f"Add them before wrapping (with peft: call get_peft_model on the unwrapped "
-                f"model, then wrap the PeftModel)")
 
     def _sync_trainable(self) -> None:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
@@ -352,7 +335,9 @@ class UnitState:
 
     # -- backward --------------------------------------------------------------------------
     def _hook(self, t: torch.Tensor, fn: Any) -> None:
-        handle = t.register_hook(fn)
+        # weakly, as the placeholders' hooks: a tensor may outlive the model (torch_xla's
+        # torch.compile bridge keeps a compiled graph's example inputs for good)
+        handle = t.register_hook(functools.partial(_call_if_alive, weakref.WeakMethod(fn)))
         if t.grad_fn is None:  # a leaf outlives the step: its hook must not pile up
             self._leaf_hooks.append(handle)
 
@@ -459,6 +444,11 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self._took_part = False
         self._members_run.clear()
+
+
+def _call_if_alive(method: "weakref.WeakMethod", grad: torch.Tensor) -> Optional[torch.Tensor]:
+    fn = method()
+    return None if fn is None else fn(grad)
 
 
 def _gradient_arrived(state: "weakref.ref[UnitState]", shard_group: "weakref.ref[ShardGroup]",
