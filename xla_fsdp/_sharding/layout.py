@@ -91,6 +91,11 @@ class _Tensors:
 class _WholeShard:
     """A layout whose shard is all-gathered whole: one piece."""
 
+    def shard_range(self, rank: int) -> Tuple[int, int]:
+        """[start, end) of ``rank``'s shard along dim 0 of the padded group (``pad``)."""
+        size = self.shard_shape[0]
+        return rank * size, (rank + 1) * size
+
     def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
         return [shard]
 
@@ -113,11 +118,6 @@ class FlatLayout(_Tensors, _WholeShard):
     @cached_property
     def offsets(self) -> Tuple[int, ...]:
         return _starts(self.numels)
-
-    def shard_range(self, rank: int) -> Tuple[int, int]:
-        """[start, end) of ``rank``'s shard in the padded flat tensor."""
-        size = self.shard_shape[0]
-        return rank * size, (rank + 1) * size
 
     @staticmethod
     def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -258,10 +258,6 @@ class Dim0Layout(_WholeShard):
         tail = tuple(self.shape[1:]) if len(self.shape) else ()
         return torch.Size((self.padded_rows // self.world_size,) + tail)
 
-    def shard_range(self, rank: int) -> Tuple[int, int]:
-        size = self.shard_shape[0]
-        return rank * size, (rank + 1) * size
-
     def _rows(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         (t,) = tensors
         return t.reshape(self.rows, *self.shape[1:]) if len(self.shape) else t.reshape(1)
@@ -282,8 +278,8 @@ class Dim0Layout(_WholeShard):
         return [gathered[:self.rows].view(self.shape)]
 
     def owned(self, rank: int) -> List[Owned]:
-        per_rank = self.shard_shape[0]
-        first, stop = rank * per_rank, min((rank + 1) * per_rank, self.rows)
+        first, stop = self.shard_range(rank)
+        stop = min(stop, self.rows)
         if first >= stop:
             return []
         inner = self.numel // self.rows
