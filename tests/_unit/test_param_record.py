@@ -1,0 +1,155 @@
+"""ParamRecord on its own: the one swap of a placeholder's ``.data`` (install, free), its
+trainability, its gradient hook, and finding names and placeholders. No XLA."""
+import torch
+import torch.nn as nn
+from torch.testing import assert_close
+
+from tests.support.fake_collectives import FakeWorld
+from xla_fsdp._unit.param_record import ParamRecord, placeholders_in, taken_name
+
+
+class Tied(nn.Module):
+    """An embedding whose weight the head shares (and the forward reads once more), and a
+    layer of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.head(self.layer(x)) + self.embed.weight.sum()
+
+
+def records_of(world, rank=0):
+    return [r for g in world.shard_groups[rank] for r in g.records]
+
+
+def full_values(world):
+    return [p.detach().clone() for p in world.reference.parameters()]
+
+
+def test_install_puts_full_values_in_and_free_puts_dummies_back():
+    world = FakeWorld(Tied(), world_size=1)
+    records = records_of(world)
+    placeholders = [r.placeholder for r in records]
+    versions = [p._version for p in placeholders]
+    values = full_values(world)
+    ParamRecord.install(records, values)
+    for r, p, v in zip(records, placeholders, values):
+        assert r.placeholder is p and torch.equal(p, v) and p.data_ptr() == v.data_ptr()
+        assert r.gathered and p._has_full_param
+    assert [p._version for p in placeholders] == versions
+
+    dummy = torch.zeros(1)
+    assert ParamRecord.free(records, [dummy] * len(records))
+    for r, p in zip(records, placeholders):
+        assert r.placeholder is p and p.data_ptr() == dummy.data_ptr()
+        assert not r.gathered and not p._has_full_param
+    assert [p._version for p in placeholders] == versions
+    assert not ParamRecord.free(records, [torch.ones(1)] * len(records))  # nothing held
+    assert all(p.data_ptr() == dummy.data_ptr() for p in placeholders)
+
+
+def test_free_swaps_only_the_placeholders_that_hold_full_values():
+    world = FakeWorld(Tied(), world_size=1)
+    held, *others = records_of(world)
+    before = [r.placeholder.data_ptr() for r in others]
+    ParamRecord.install([held], full_values(world)[:1])
+    assert ParamRecord.free([held, *others], [torch.full((1,), 7.0)] * 3)
+    assert held.placeholder.tolist() == [7.0]
+    assert [r.placeholder.data_ptr() for r in others] == before
+
+
+def test_a_forward_survives_free_and_install_before_its_backward():
+    # resharding after forward and gathering again for backward: autograd saved the
+    # placeholders, and reads the values installed again
+    world = FakeWorld(Tied(), world_size=1)
+    records, module = records_of(world), world.modules[0]
+    ParamRecord.install(records, full_values(world))
+    x = torch.randn(4, 3, requires_grad=True)
+    out = module(x)
+    ParamRecord.free(records, [torch.zeros(1)] * len(records))
+    ParamRecord.install(records, full_values(world))  # new tensors, the same values
+    out.pow(2).sum().backward()
+
+    ref_x = x.detach().clone().requires_grad_(True)
+    world.reference(ref_x).pow(2).sum().backward()
+    assert_close(x.grad, ref_x.grad)
+    for r, p in zip(records, world.reference.parameters()):
+        assert_close(r.placeholder.grad, p.grad)
+
+
+def test_agree_requires_grad_freezes_and_unfreezes_the_placeholder():
+    world = FakeWorld(Tied(), world_size=1)
+    record = records_of(world)[0]
+    ParamRecord.install([record], full_values(world)[:1])
+    record.placeholder.grad = torch.ones_like(record.placeholder)
+    record.agree_requires_grad(False)
+    assert not record.placeholder.requires_grad and not record.requires_grad
+    assert record.placeholder.grad is None     # a frozen placeholder keeps no gradient
+    record.agree_requires_grad(True)
+    assert record.placeholder.requires_grad and record.requires_grad
+    assert record.placeholder.grad is None
+
+
+def test_the_gradient_hook_is_registered_once_and_runs_after_every_accumulation():
+    world = FakeWorld(Tied(), world_size=1)
+    records, module = records_of(world), world.modules[0]
+    embed, weight, bias = records
+    calls = {id(r): 0 for r in records}
+
+    def count(record):
+        calls[id(record)] += 1
+
+    weight.agree_requires_grad(False)
+    for r in records:
+        r.hook_gradient(lambda r=r: count(r))
+    assert weight.grad_hook is None           # frozen: nothing to hook
+    embed.hook_gradient(lambda: count(embed))  # a second registration adds nothing
+    hook = embed.grad_hook
+
+    ParamRecord.install(records, full_values(world))
+    for _ in range(2):
+        module(torch.randn(4, 3)).sum().backward()
+    # the tied weight is used twice per forward: autograd accumulates it once
+    assert calls == {id(embed): 2, id(weight): 0, id(bias): 2}
+
+    weight.agree_requires_grad(True)
+    weight.hook_gradient(lambda: count(weight))
+    embed.hook_gradient(lambda: count(embed))
+    assert weight.grad_hook is not None and embed.grad_hook is hook
+    module(torch.randn(4, 3)).sum().backward()
+    assert calls == {id(embed): 3, id(weight): 1, id(bias): 3}
+
+
+def test_taken_name_is_the_canonical_name_of_a_parameter_or_its_placeholder():
+    world = FakeWorld(Tied(), world_size=1)
+    (embed, embed_owners, embed_names), (layer_w, _, _), (layer_b, _, _) = world.found[0]
+    assert embed_names == ["embed.weight", "head.weight"] and len(embed_owners) == 2
+    records = records_of(world)
+    assert [r.names for r in records] == [["embed.weight", "head.weight"], ["layer.weight"],
+                                          ["layer.bias"]]
+    assert taken_name(embed) == taken_name(records[0].placeholder) == "embed.weight"
+    assert taken_name(layer_w) == "layer.weight" and taken_name(layer_b) == "layer.bias"
+    assert taken_name(records[2].placeholder) == "layer.bias"
+    # never taken: an unwrapped model's parameter, a shard, any tensor
+    assert taken_name(world.reference.embed.weight) is None
+    assert taken_name(world.shard_groups[0][0].shard) is None
+    assert taken_name(torch.zeros(1)) is None
+
+
+def test_placeholders_in_lists_each_placeholder_a_module_holds_once():
+    world = FakeWorld(Tied(), world_size=1)
+    module = world.modules[0]
+    embed, weight, bias = [r.placeholder for r in records_of(world)]
+    assert module.embed.weight is module.head.weight is embed
+    assert [id(t) for t in placeholders_in(module)] == [id(embed), id(weight), id(bias)]
+    assert [id(t) for t in placeholders_in(module.head)] == [id(embed)]
+    assert [id(t) for t in placeholders_in(module.layer)] == [id(weight), id(bias)]
+    assert placeholders_in(world.reference) == []  # parameters, not placeholders
+    module.layer.extra = torch.zeros(2)              # a plain tensor attribute
+    assert len(placeholders_in(module)) == 3
