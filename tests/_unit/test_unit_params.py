@@ -377,6 +377,29 @@ def test_no_sync_keeps_full_parameters_a_unit_keeps_after_forward():
     assert params.state is FullParams.SHARDED and dummies(params)
 
 
+@pytest.mark.parametrize("took_part", [True, False])
+def test_an_accumulation_is_reduced_when_the_synced_backward_skips_it(took_part):
+    world = FakeWorld(model())
+    params = world.params[1]
+    wire(params)
+    x1, x2 = data(1), data(2)
+    params.set_sync_gradients(False)
+    run_pass(world, 1, x1)                                  # uses `second`
+    params.set_sync_gradients(True)
+    if took_part:
+        run_pass(world, 1, x2, use_second=False)            # skips `second`
+    else:
+        params.finalize_backward(took_part=False)           # never reaches the unit
+    ref = copy.deepcopy(world.reference)
+    loss(ref(x1)).backward()
+    if took_part:
+        loss(ref(x2, False)).backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    for g in params.shard_groups:
+        assert g.sentinel is None and all(r.placeholder.grad is None for r in g.records)
+        assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
+
+
 @pytest.mark.parametrize("zero_grad", ["set_to_none", "zero_"])
 def test_an_accumulation_whose_shard_gradient_was_dropped_is_dropped(zero_grad):
     world = FakeWorld(model())

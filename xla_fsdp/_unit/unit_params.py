@@ -203,24 +203,26 @@ class UnitParams:
     @torch.no_grad()
     def finalize_backward(self, took_part: bool) -> None:
         """The end of a backward (``took_part``: whether it reached this unit)."""
-        if took_part:
-            # [Note: parameters without a gradient]
-            # A shard group none of whose parameters got a gradient on this rank keeps a None
-            # gradient, as unsharded training does when no rank used them (a skipped module:
-            # the optimizer then leaves it alone, momentum and weight decay included). When
-            # ranks' data skip different modules (data-dependent expert routing), they would
-            # then issue different reduce-scatters, which hangs on hardware; with
-            # zero_missing_gradients every trainable shard group of a unit that took part is
-            # reduced here, at the end of backward and in shard group order (so also in the
-            # same order on every rank), zeros standing for what did not arrive. The price is
-            # holding the unit's full gradients until the end of backward.
-            zero_fill = self.options.zero_missing_gradients
-            for g in self.shard_groups:
-                if g.needs_reduction(zero_fill):
-                    self._reduce(g, hold=False)
-            self._flush(self.options.optimization_barrier_in_backward)
-            if not self.sync_gradients:
-                self._mark_accumulating()
+        # [Note: parameters without a gradient]
+        # A shard group none of whose parameters got a gradient on this rank keeps a None
+        # gradient, as unsharded training does when no rank used them (a skipped module: the
+        # optimizer then leaves it alone, momentum and weight decay included). When ranks'
+        # data skip different modules (data-dependent expert routing), they would then issue
+        # different reduce-scatters, which hangs on hardware; with zero_missing_gradients
+        # every trainable shard group of a unit that took part is reduced here, at the end of
+        # backward and in shard group order (so also in the same order on every rank), zeros
+        # standing for what did not arrive. The price is holding the unit's full gradients
+        # until the end of backward. A no_sync accumulation a synced backward did not reach
+        # (a head used only in earlier micro-batches) is reduced here too, in the same order:
+        # unsharded training steps with the gradients accumulated so far.
+        zero_fill = self.options.zero_missing_gradients
+        for g in self.shard_groups:
+            carried = self.sync_gradients and g.shard.requires_grad and g.accumulating()
+            if carried or took_part and g.needs_reduction(zero_fill):
+                self._reduce(g, hold=False)
+        if took_part and not self.sync_gradients:
+            self._mark_accumulating()
+        self._flush(self.options.optimization_barrier_in_backward)
         for g in self.shard_groups:
             g.end_backward()
         self.drop_prefetch()  # prefetched for a backward that did not reach the unit
