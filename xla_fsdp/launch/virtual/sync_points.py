@@ -29,6 +29,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
+from ..._sharding.tensor_tree import collect_tensors
 from ..._xla.host_reads import reads_host_value
 from .turn_ring import TurnRing
 
@@ -77,23 +78,23 @@ class SyncPoints:
     # -- install ---------------------------------------------------------------------------
     def install(self) -> None:
         xlac, xm = self._xlac, self._xm
-        self._orig["step_marker"] = xlac._xla_step_marker
-        self._orig["sync_multi"] = xlac._xla_sync_multi
-        self._orig["wait_device_ops"] = xlac._xla_wait_device_ops
-        self._orig["xla_rendezvous"] = xm.xla_rendezvous
-        xlac._xla_step_marker = self._step_marker
-        xlac._xla_sync_multi = self._sync_multi
-        xlac._xla_wait_device_ops = self._wait_device_ops
-        xm.xla_rendezvous = self._rendezvous
+        for owner, name, patched in ((xlac, "_xla_step_marker", self._step_marker),
+                                     (xlac, "_xla_sync_multi", self._sync_multi),
+                                     (xlac, "_xla_wait_device_ops", self._wait_device_ops),
+                                     (xm, "xla_rendezvous", self._rendezvous)):
+            self._patch(owner, name, patched)
         for module, names in ((xlac, _COLLECTIVE_BINDINGS), (xm, _COLLECTIVE_XM_FUNCTIONS)):
             for name in names:
                 if hasattr(module, name):
                     setattr(module, name, self._noting_collective(getattr(module, name)))
-        self._orig["all_gather"] = xm.all_gather
-        xm.all_gather = self._all_gather
-        self._orig["sleep"] = time.sleep
-        time.sleep = self._sleep
+        self._patch(xm, "all_gather", self._all_gather)  # the original notes collectives
+        self._patch(time, "sleep", self._sleep)
         self._install_bridge()
+
+    def _patch(self, owner: Any, name: str, patched: Callable) -> None:
+        """``owner.name`` becomes ``patched``; the original is ``self._orig[name]``."""
+        self._orig[name] = getattr(owner, name)
+        setattr(owner, name, patched)
 
     def _install_bridge(self) -> None:
         # [Note: the compiling rank syncs alone] Dynamo's cache is shared by the device
@@ -109,8 +110,7 @@ class SyncPoints:
         except ImportError:
             return
         for name in ("extract_compiled_graph", "extract_graph_helper"):
-            self._orig[name] = getattr(dynamo_bridge, name)
-            setattr(dynamo_bridge, name, self._compiling(name, self._orig[name]))
+            self._patch(dynamo_bridge, name, self._compiling(name, getattr(dynamo_bridge, name)))
         # Work pending before a compiled module or function is called (eager FSDP units
         # around it, the user's own collectives) runs on every rank as it enters, so that a
         # compile there finds no collective pending.
@@ -122,8 +122,7 @@ class SyncPoints:
             context_init(context, *args, **kwargs)
             context.enter_exit_hooks.append(points._entering_compiled_code)
 
-        self._orig["dynamo_context_init"] = context_init
-        OptimizeContext.__init__ = init_with_entry_sync
+        self._patch(OptimizeContext, "__init__", init_with_entry_sync)
 
     def _entering_compiled_code(self) -> Callable[[], None]:
         if self._rank is None or self._local.compiling:
@@ -143,8 +142,8 @@ class SyncPoints:
         def compile_alone(model: Any, args: Any, *rest: Any) -> Any:
             if self._rank is None:
                 return compile_fn(model, args, *rest)
-            inputs = list(_xla_tensors(list(args) if name == "extract_compiled_graph"
-                                       else list(getattr(model, "xla_args", []))))
+            inputs = _xla_tensors(list(args) if name == "extract_compiled_graph"
+                                  else list(getattr(model, "xla_args", [])))
             if has_pending_collective(inputs):
                 raise DivergentGraphs(
                     f"rank {self._rank}: a torch.compile region (openxla) is being "
@@ -181,7 +180,7 @@ class SyncPoints:
     def _sync_own_device(self) -> None:
         """What ``torch_xla.sync()`` does for the calling rank's device, past the ring."""
         device = self._devices[self._rank]
-        self._orig["step_marker"](device, [], wait=False)
+        self._orig["_xla_step_marker"](device, [], wait=False)
         self._xlac._set_all_reduce_token(device, None)
 
     def bind_rank(self, rank: int) -> "MaterializeGuard":
@@ -276,16 +275,17 @@ class SyncPoints:
     # -- patched entry points --------------------------------------------------------------
     def _step_marker(self, device: str, devices: List[str], wait: bool = False,
                      reset_scope: bool = True) -> None:
+        orig = self._orig["_xla_step_marker"]
         if self._rank is None or self._local.compiling:  # see [Note: the compiling rank syncs alone]
-            return self._orig["step_marker"](device, devices, wait=wait, reset_scope=reset_scope)
-        self._collective("torch_xla.sync()", lambda: self._orig["step_marker"](
+            return orig(device, devices, wait=wait, reset_scope=reset_scope)
+        self._collective("torch_xla.sync()", lambda: orig(
             device, devices, wait=False, reset_scope=reset_scope))
         if wait:
             self._wait_own_device()
 
     def _sync_multi(self, tensors: List[torch.Tensor], devices: List[str], wait: bool = True,
                     sync_xla_data: bool = True) -> None:
-        orig = self._orig["sync_multi"]
+        orig = self._orig["_xla_sync_multi"]
         if (self._rank is None or self._local.compiling
                 or not has_pending_collective(tensors)):
             return orig(tensors, devices, wait=wait, sync_xla_data=sync_xla_data)
@@ -296,14 +296,14 @@ class SyncPoints:
 
     def _wait_device_ops(self, devices: Iterable[str] = ()) -> None:
         if self._rank is None:
-            return self._orig["wait_device_ops"](devices=list(devices))
+            return self._orig["_xla_wait_device_ops"](devices=list(devices))
         # Every peer's work was dispatched at a completed collective point, so this rank
         # can wait for its own device without starving anybody.
         self._wait_own_device()
 
     def _wait_own_device(self) -> None:
         own = self._xlac._xla_real_devices([self._devices[self._rank]])
-        self._orig["wait_device_ops"](devices=own)
+        self._orig["_xla_wait_device_ops"](devices=own)
 
     def _rendezvous(self, payload: bytes = b"", ordinals: Optional[List[int]] = None,
                     tag: Optional[str] = None) -> List[bytes]:
@@ -354,10 +354,10 @@ class SyncPoints:
         if self._rank is None or not reads_host_value(func, args, kwargs):
             return
         name = getattr(func, "__name__", "")
-        pending = list(_xla_tensors((args, kwargs)))
+        pending = _xla_tensors((args, kwargs))
         if not has_pending_collective(pending):
             return
-        orig = self._orig["sync_multi"]
+        orig = self._orig["_xla_sync_multi"]
         # sync_xla_data=False: with True, torch_xla 2.9 donates the input buffer of a
         # tensor updated in place by a collective (xm.all_reduce on a list) and then reads
         # it ("buffer ... is deleted"). The values are materialized either way.
@@ -386,17 +386,10 @@ def has_pending_collective(tensors: List[torch.Tensor]) -> bool:
     return bool(_COLLECTIVE_IR.search(torch_xla._XLAC._get_xla_tensors_text(xla)))
 
 
-def _xla_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        # FakeTensors (AOTAutograd tracing a scanned layer) have a device and no value
-        if obj.device.type == "xla" and not isinstance(obj, FakeTensor):
-            yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _xla_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _xla_tensors(item)
+def _xla_tensors(obj: Any) -> List[torch.Tensor]:
+    # FakeTensors (AOTAutograd tracing a scanned layer) have a device and no value
+    return [t for t in collect_tensors(obj)
+            if t.device.type == "xla" and not isinstance(t, FakeTensor)]
 
 
 def _user_site() -> str:
