@@ -186,9 +186,8 @@ class XlaFullyShardedDataParallel(FallThrough):
                                 options, detached=grouping,
                                 first_forward_check=validate_first_forward,
                                 compile_refusal=self.compile_refusal())
-        self.set_gradient_divide_factors(_default_predivide_factor(self.world_size),
-                                         self.world_size
-                                         / _default_predivide_factor(self.world_size), False)
+        pre = _default_predivide_factor(self.world_size)
+        self.set_gradient_divide_factors(pre, self.world_size / pre, False)
         self._state.hook_members([compiled] if compiled is not None else [])
         self.register_load_state_dict_post_hook(_after_load)
         if grouping:
@@ -300,9 +299,7 @@ class XlaFullyShardedDataParallel(FallThrough):
 
     def units(self) -> Iterator["XlaFullyShardedDataParallel"]:
         """This unit and every unit nested in it."""
-        for m in self.modules():
-            if isinstance(m, XlaFullyShardedDataParallel):
-                yield m
+        return (unit for _, unit in self.named_units())
 
     def named_units(self) -> Iterator[Tuple[str, "XlaFullyShardedDataParallel"]]:
         """(path in the wrapped model, unit) for this unit and every unit nested in it."""
@@ -383,7 +380,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         accumulation step. An accumulation abandoned with ``optimizer.zero_grad()`` (or
         ``model.zero_grad()``) before a synchronised backward is dropped, as the unsharded
         gradients would be."""
-        self._check_root_call("no_sync")
+        self.check_root_call("no_sync")
         saved = [(u._state, u._state.require_grad_sync) for u in self.units()]
         for state, _ in saved:
             state.set_require_grad_sync(False)
@@ -403,7 +400,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         part of the model), or with ``replicate_across_groups`` the sharding groups, each of
         which holds the whole model once. Every rank takes part in the reduction, also one
         whose parameters got no gradient."""
-        self._check_root_call("clip_grad_norm_")
+        self.check_root_call("clip_grad_norm_")
         if groups is None:
             groups = self._options.sharding_groups if self._options.replicate_across_groups \
                 else None
@@ -434,14 +431,14 @@ class XlaFullyShardedDataParallel(FallThrough):
 
     def full_state_dict(self, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
         """The unwrapped model's state dict on the CPU (see ``full_state_dict.py``)."""
-        self._check_root_call("full_state_dict")
+        self.check_root_call("full_state_dict")
         return full_state_dict(self, rank0_only)
 
     def load_full_state_dict(self, state_dict: Dict[str, torch.Tensor],
                              strict: bool = True) -> Tuple[List[str], List[str]]:
         """Loads an unwrapped model's state dict, e.g. a consolidated checkpoint, at any
         world size: each rank keeps only its shard."""
-        self._check_root_call("load_full_state_dict")
+        self.check_root_call("load_full_state_dict")
         return load_full_state_dict(self, state_dict, strict)
 
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
@@ -449,7 +446,7 @@ class XlaFullyShardedDataParallel(FallThrough):
                                    param_names: Optional[List[str]] = None) -> None:
         """Loads the state of an optimizer over the unwrapped model into ``optimizer`` at any
         world size (see ``full_state_dict.py``)."""
-        self._check_root_call("load_full_optim_state_dict")
+        self.check_root_call("load_full_optim_state_dict")
         load_full_optim_state_dict(self, optimizer, optim_state_dict, param_names)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
@@ -465,7 +462,11 @@ class XlaFullyShardedDataParallel(FallThrough):
     def check_root_call(self, what: str) -> None:
         """Raises unless this is the root unit and it is idle: ``what`` concerns the whole
         model (saving, loading, clipping)."""
-        self._check_root_call(what)
+        if not self._state.is_root:
+            raise RuntimeError(
+                f"{what}() must be called on the root FSDP unit, not on a nested unit "
+                f"({self._state.name}); call it on the outermost wrapper")
+        self.assert_state(TrainingState.IDLE)
 
     # -- sharding at construction ------------------------------------------------------------
     @property
@@ -515,14 +516,7 @@ class XlaFullyShardedDataParallel(FallThrough):
             place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
         return ShardedParameters(shard_groups, shared, [names[0] for _, _, names in found])
 
-    # -- root ---------------------------------------------------------------------------------
-    def _check_root_call(self, what: str) -> None:
-        if not self._state.is_root:
-            raise RuntimeError(
-                f"{what}() must be called on the root FSDP unit, not on a nested unit "
-                f"({self._state.name}); call it on the outermost wrapper")
-        self.assert_state(TrainingState.IDLE)
-
+    # -- state ---------------------------------------------------------------------------------
     def assert_state(self, state: Union[TrainingState, Sequence[TrainingState]]) -> None:
         """Raises ``TrainingStateError`` unless the unit is in ``state`` (or one of them)."""
         self._state.assert_state([state] if isinstance(state, TrainingState) else list(state))
