@@ -265,9 +265,6 @@ class HostCopies:
             self._held = (key, to_cpu(self._sources[key].detach()))
         return self._held[1]
 
-    def flat(self, key: int) -> torch.Tensor:
-        return self.whole(key).reshape(-1)
-
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
              scheme: KeyScheme, first: bool, host: HostCopies) -> ChunkSavePlanner:
@@ -286,7 +283,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     def add_pieces(key_path: Tuple[str, Path], slot: ParamSlot, source: torch.Tensor) -> None:
         key, paths[key] = key_path
         tensors[key] = TensorPieces(slot.shape, source.dtype, list(slot.pieces),
-                                    lambda at=host.add(source): host.flat(at))
+                                    lambda at=host.add(source): host.whole(at).reshape(-1))
 
     def add_whole(key_path: Tuple[str, Path], tensor: torch.Tensor, dtype: torch.dtype) -> None:
         key, paths[key] = key_path
