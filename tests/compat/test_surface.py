@@ -88,10 +88,11 @@ def test_accelerate_is_told_when_a_unit_is_built():
             "xla_fsdp.FSDP(torch.nn.Linear(4, 4))\n"
             "print('after a unit:', os.environ.get('ACCELERATE_USE_FSDP'))\n")
     clean = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_FSDP"}
-    run = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
-                         text=True, timeout=300)
-    assert "after patch: None\nafter a unit: true" in run.stdout, run.stdout + run.stderr[-3000:]
-    run = subprocess.run([sys.executable, "-c", code],
-                         env=dict(clean, ACCELERATE_USE_FSDP="false"), capture_output=True,
-                         text=True, timeout=300)
-    assert "after a unit: false" in run.stdout and "ACCELERATE_USE_FSDP=false" in run.stderr
+    # unset and set to false, in two interpreters side by side
+    unset, false = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                    for env in (clean, dict(clean, ACCELERATE_USE_FSDP="false"))]
+    out, err = unset.communicate(timeout=300)
+    assert "after patch: None\nafter a unit: true" in out, out + err[-3000:]
+    out, err = false.communicate(timeout=300)
+    assert "after a unit: false" in out and "ACCELERATE_USE_FSDP=false" in err
