@@ -17,6 +17,7 @@ from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 from ..support import any_world_workloads as layouts
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
 from ..support.models import Net
+from ..support.parity import paired
 
 FIRST, THEN = range(0, 5), range(5, 10)
 
@@ -176,7 +177,7 @@ def test_reshard_and_resume(resumes, saved, world):
         assert result["extra"] == {"step": 5} and result["direct_extra"] == {"step": 5}
         assert result["seeded_round_trip"] and result["keys"] and result["other_wrapping"]
         for losses in (result["losses"], result["direct_losses"]):
-            for step, (got, want) in enumerate(zip(losses, expected)):
+            for step, (got, want) in paired(losses, expected):
                 assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
 
 

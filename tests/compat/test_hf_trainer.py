@@ -24,6 +24,8 @@ import transformers.trainer  # noqa: F401
 
 from xla_fsdp import launch
 
+from ..support.parity import paired
+
 WORLD, STEPS, LR = 4, 6, 0.1
 LOSS_BOUND, PARAM_BOUND = 1e-5, 1e-5
 
@@ -89,7 +91,7 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
 def _compare(plain, plain_dir, sharded, fsdp_dir):
     """``sharded`` (the run in ``fsdp_dir``) equals ``plain`` (in ``plain_dir``)."""
     assert len(plain["losses"]) == len(sharded["losses"]) == STEPS
-    for step, (a, b) in enumerate(zip(sharded["losses"], plain["losses"])):
+    for step, (a, b) in paired(sharded["losses"], plain["losses"]):
         assert abs(a - b) <= LOSS_BOUND * abs(b), (step, a, b)
     # Trainer's consolidated save loads into the plain model class, tied weights included
     ours = GPT2LMHeadModel.from_pretrained(fsdp_dir).state_dict()

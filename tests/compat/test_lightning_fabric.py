@@ -22,6 +22,7 @@ import torch_xla.distributed.parallel_loader  # noqa: F401
 from xla_fsdp import launch
 
 from ..support.models import GLOBAL_BATCH, Block, Net, batch, loss_fn
+from ..support.parity import paired
 
 WORLD, STEPS, LR = 2, 4, 0.1
 
@@ -93,7 +94,7 @@ def test_fabric_xla_fsdp_strategy(tmp_path):
     ours = launch(fabric_run, (str(tmp_path),), num_devices=WORLD)[0]
     reference = launch(unsharded, num_devices=1)[0]
     assert ours["wrappers"] == {"xla_fsdp.fully_sharded"} and ours["units"] == 3
-    for step, (a, b) in enumerate(zip(ours["losses"], reference["losses"])):
+    for step, (a, b) in paired(ours["losses"], reference["losses"]):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)
     saved = torch.load(ours["full_path"], weights_only=True)  # Fabric's consolidated file
     plain = Net()

@@ -27,6 +27,7 @@ from xla_fsdp import launch
 
 pytest.importorskip("peft")
 from ..support import peft_workloads as work  # noqa: E402 (imports peft)
+from ..support.parity import paired  # noqa: E402
 
 BOUND = 1e-5
 ADAPTER = "adapter_model.safetensors"
@@ -65,7 +66,7 @@ def test_trainer_adapter_matches_plain_trainer(trainer_runs):
     from peft import PeftModel
     run = trainer_runs
     assert run["fsdp"]["wrapped_by"] == "xla_fsdp.fully_sharded"
-    for step, (a, b) in enumerate(zip(run["fsdp"]["losses"], run["plain"]["losses"])):
+    for step, (a, b) in paired(run["fsdp"]["losses"], run["plain"]["losses"]):
         assert abs(a - b) <= BOUND * abs(b), (step, a, b)
     count, _ = _same_adapter(run["fsdp_dir"], run["plain_dir"])
     assert count == 8  # lora_A and lora_B of q_proj and v_proj in two layers
@@ -126,7 +127,7 @@ def test_wrapped_lora_saves_the_unsharded_adapter(tmp_path):
     for name in work.VARIANTS:
         result = results[name]
         assert "error" not in result, result.get("error")
-        for step, (a, b) in enumerate(zip(result["losses"], result["plain_losses"])):
+        for step, (a, b) in paired(result["losses"], result["plain_losses"]):
             assert abs(a - b) <= BOUND * abs(b), (name, step, a, b)
         counts[name], _ = _same_adapter(str(tmp_path / name / "fsdp"),
                                         str(tmp_path / name / "plain"))

@@ -15,6 +15,7 @@ from xla_fsdp import launch
 
 from ..support.checkpoint_workloads import LR, MOMENTUM, train
 from ..support.models import Net
+from ..support.parity import paired
 
 WORLD, BEFORE, AFTER = 4, range(3), range(3, 6)
 
@@ -61,5 +62,5 @@ def test_recipe_save_consolidate_resume(tmp_path, patched_here):
         "xla_fsdp.fully_sharded.XlaFullyShardedDataParallel"}
     assert results[0]["files_when_called"] < WORLD  # rank 0 really was early
     plain = launch(resumed, (results[0]["path"],), num_devices=1)[0]
-    for step, (a, b) in enumerate(zip(results[0]["losses"], plain)):
+    for step, (a, b) in paired(results[0]["losses"], plain):
         assert abs(a - b) <= 1e-5 * abs(b), (step, a, b)

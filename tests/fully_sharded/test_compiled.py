@@ -12,6 +12,7 @@ import pytest
 from xla_fsdp import launch
 
 from ..support.compiled_workloads import SETTINGS, WARM_UP, refusals, run_settings
+from ..support.parity import paired
 
 # fp32: the parity bounds; bf16: the parity settings' bf16 bounds (tests/support/parity.py)
 LOSS_RTOL = {False: 1e-5, True: 3e-2}
@@ -66,7 +67,7 @@ def _problems(results, name):
     problems = []
     if sorted(got["full"]) != sorted(ref["full"]):
         problems.append(f"parameter names differ: {sorted(got['full'])} vs {sorted(ref['full'])}")
-    for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+    for step, (a, b) in paired(got["losses"], ref["losses"]):
         if abs(a - b) > LOSS_RTOL[low] * abs(b):
             problems.append(f"step {step}: loss {a} vs eager {b}")
     for key, value in ref["full"].items():

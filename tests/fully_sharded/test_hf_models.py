@@ -26,6 +26,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 from ..support.hf_architectures import (ARCHITECTURES, EXPERTS, GLOBAL_BATCH, STEPS, build,
                                         moe_batch, rank_slice, tokens_per_expert,
                                         train_and_compare)
+from ..support.parity import paired
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def _training_problems(name, world, results):
         if "error" in got:
             problems.append(f"rank {rank} raised:\n{got['error']}")
             continue
-        for step, (a, b) in enumerate(zip(got["losses"], got["plain_losses"])):
+        for step, (a, b) in paired(got["losses"], got["plain_losses"]):
             loss_diff = max(loss_diff, abs(a - b) / abs(b))
             if abs(a - b) > LOSS_BOUND * abs(b):
                 problems.append(f"rank {rank} step {step}: loss {a:.7g}, unsharded {b:.7g}")

@@ -23,6 +23,7 @@ import torch.nn as nn
 from xla_fsdp import launch
 
 from ..support.models import CLASSES, DIM, Block
+from ..support.parity import paired
 
 WORLD, ROUNDS, STEPS = 2, 20, 7
 FAIL_FORWARD, FAIL_BACKWARD = 2, 4  # the steps whose forward, and backward, raise
@@ -200,7 +201,7 @@ def test_a_failed_forward_or_backward_leaves_the_model_usable(results):
     for rank, got in results.items():
         run, ref = got["failures"]["fsdp"], got["failures"]["plain"]
         assert len(run["losses"]) == len(ref["losses"]) == STEPS - 2
-        for step, (a, b) in enumerate(zip(run["losses"], ref["losses"])):
+        for step, (a, b) in paired(run["losses"], ref["losses"]):
             assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}, step {step}: {a} vs {b}"
         assert run["params"].keys() == ref["params"].keys()
         for key, want in ref["params"].items():

@@ -19,6 +19,7 @@ import torch
 
 from .checkpoint_workloads import same_state, snapshot, train as train_steps
 from .models import Net, Stack, TiedLM
+from .parity import paired
 
 LR = 1e-3
 BEFORE, AFTER = range(0, 2), range(2, 4)
@@ -287,7 +288,7 @@ def check_resumed(saved, reference, resumed, world):
                     problems.append(f"{where}: extra {run['extra']}")
                 if run["loaded"] is not None:
                     problems += _differences(run["loaded"], saved[name], where)
-                for step, (a, b) in enumerate(zip(run["losses"], ref["losses"])):
+                for step, (a, b) in paired(run["losses"], ref["losses"]):
                     if abs(a - b) > 1e-5 * abs(b):
                         problems.append(f"{where}: step {step} loss {a:.7g}, unsharded {b:.7g}")
                 if run["params"].keys() != ref["params"].keys():

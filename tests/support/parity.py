@@ -222,6 +222,13 @@ def train(rank, names, sharded):
     return results
 
 
+def paired(got, want, what="losses"):
+    """(step, got, want) for every step, once both sides are known to have run the same
+    number of steps: ``zip`` alone would compare the shorter run's steps and pass."""
+    assert len(got) == len(want), f"{len(got)} {what} against the reference's {len(want)}"
+    return enumerate(zip(got, want))
+
+
 def compare(name, got, ref):
     """Problems of setting ``name``'s sharded run ``got`` against the reference ``ref``,
     within the bounds in the module docstring."""
