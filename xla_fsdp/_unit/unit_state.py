@@ -8,10 +8,15 @@ forward: pre-hook (gather, and issue the prefetched units' gathers; hook the inp
 gradients) -> the module -> post-hook (free if resharding, once every member ran; hook the
 outputs' gradients).
 backward: an output's gradient hook gathers again (if freed) -> each parameter's
-post-accumulate hook counts its shard group's gradients; a complete shard group is freed and
-queued for reduce-scatter -> the root context's callback finishes every unit that took part:
-shard groups still incomplete are reduced with zeros for what did not arrive (see [Note:
-parameters without a gradient]); the queue is flushed; the unit returns to ``IDLE``.
+post-accumulate hook hands its gradient to ``UnitParams.post_backward``, which frees and
+queues a complete shard group for reduce-scatter -> the root context's callback finishes
+every unit (``UnitParams.finalize_backward``: what is still unreduced, see [Note: parameters
+without a gradient]; the queue flushed) and the unit returns to ``IDLE``. A pass that raised
+is settled by the root context (see [Note: a pass that raised]).
+
+Every hook on a tensor holds the state weakly: tensors may outlive the model (a placeholder
+held by a module the user kept, a graph input torch_xla's compile bridge keeps), and hooks
+are invisible to Python's cycle collector.
 
 Modules find their unit's state through ``state_of`` (a weak registry, as FSDP2 keeps its
 states), so code below the public API can tell a unit from a module without importing it.
