@@ -270,15 +270,15 @@ class XlaFullyShardedDataParallel(FallThrough):
 
     @property
     def reshard_after_backward(self) -> bool:
-        return self._state.reshard_after_backward
+        return self._state.params.reshard_after_backward
 
     @property
     def gradient_predivide_factor(self) -> float:
-        return self._state.divide[0]
+        return self._state.params.divide[0]
 
     @property
     def gradient_postdivide_factor(self) -> float:
-        return self._state.divide[1]
+        return self._state.params.divide[1]
 
     def _fall_through_to(self) -> Sequence[Any]:
         return (self._fsdp_wrapped_module,)  # code written for the module reads it off the unit
@@ -381,7 +381,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         ``model.zero_grad()``) before a synchronised backward is dropped, as the unsharded
         gradients would be."""
         self.check_root_call("no_sync")
-        saved = [(u._state, u._state.require_grad_sync) for u in self.units()]
+        saved = [(u._state, u._state.params.sync_gradients) for u in self.units()]
         for state, _ in saved:
             state.set_require_grad_sync(False)
         try:

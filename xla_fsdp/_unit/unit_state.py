@@ -149,18 +149,6 @@ class UnitState:
     def set_divide(self, pre: float, post: float) -> None:
         self.params.set_divide(float(pre), float(post))
 
-    @property
-    def reshard_after_backward(self) -> bool:
-        return self.params.reshard_after_backward
-
-    @property
-    def require_grad_sync(self) -> bool:
-        return self.params.sync_gradients
-
-    @property
-    def divide(self) -> Tuple[float, float]:
-        return self.params.divide
-
     def set_prefetch(self, forward: Optional[List["UnitState"]] = None,
                      backward: Optional[List["UnitState"]] = None) -> None:
         if forward is not None:
