@@ -32,6 +32,7 @@ from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
+from ._unit.host_offload import split_by_place
 from ._unit.module_view import FallThrough, ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
@@ -58,6 +59,14 @@ class ShardedParameters:
     shard_groups: List[ShardGroup]
     shared_params: List[Tuple[str, str]]   # (alias, source) names of tied parameters
     param_order: List[str]                 # names in the unwrapped modules' order
+
+
+def _local_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of ``grads`` (all on one device; zero for none), in float32."""
+    zero = [torch.zeros((), device=grads[0].device if grads else None)]
+    if norm_type == math.inf:
+        return torch.stack(zero + [g.abs().max().float() for g in grads]).max()
+    return torch.stack(zero + [g.norm(norm_type).float() for g in grads]).norm(norm_type)
 
 
 class XlaFullyShardedDataParallel(FallThrough):
@@ -97,7 +106,11 @@ class XlaFullyShardedDataParallel(FallThrough):
       pair donated buffers with outputs by size and order, which copies every shard and
       optimizer state tensor in and out of each step (see ``donation_order``);
     * an optimizer built before wrapping, or ``xm.optimizer_step`` on sharded gradients, is
-      an error at the optimizer step instead of silently wrong training.
+      an error at the optimizer step instead of silently wrong training;
+    * ``offload_optimizer=True`` (not in torch_xla) keeps each rank's shards, their
+      gradients and so the optimizer's state on the host, where the optimizer steps; the
+      device holds a compute-dtype copy of each shard (see [Note: the optimizer on the
+      host] in ``_unit/host_offload.py``). Clip with this model's ``clip_grad_norm_``.
 
     Parameters must be float32 (they are the master copy); ``compute_dtype`` sets the dtype
     of the gathered full parameters.
@@ -141,6 +154,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         on_neuron: bool = False,
         replicate_across_groups: bool = False,
         zero_missing_gradients: bool = False,
+        offload_optimizer: bool = False,
     ) -> None:
         # every other argument is an option, by torch_xla's name (FsdpOptions.from_arguments)
         arguments = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
@@ -404,19 +418,24 @@ class XlaFullyShardedDataParallel(FallThrough):
         if groups is None:
             groups = self._options.sharding_groups if self._options.replicate_across_groups \
                 else None
-        grads = [p.grad for p in self.params_with_grad]
         norm_type = float(norm_type)
-        zero = torch.zeros((), device=self.xla_device)
+        # offloaded shards' gradients are on the host: their part of the norm is taken there
+        # and only that scalar goes through the device's all-reduce (one small execution)
+        places = split_by_place([p.grad for p in self.params_with_grad])
+        parts = [_local_norm(grads, norm_type).to(self.xla_device) for grads in places if grads]
+        local = parts[0] if len(parts) == 1 else \
+            _local_norm(parts, norm_type).to(self.xla_device)
         if norm_type == math.inf:
-            local = torch.stack([zero] + [g.abs().max().float() for g in grads]).max()
             total = self._collectives.all_reduce_max(local, groups)
         else:
-            local = torch.stack([zero] + [g.norm(norm_type).float() for g in grads]
-                                ).norm(norm_type)
             total = self._collectives.all_reduce_sum(local ** norm_type, groups) ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        for g in grads:
+        on_device, on_host = places
+        for g in on_device:
             g.mul_(coef)
+        host_coef = coef.cpu() if on_host else None
+        for g in on_host:
+            g.mul_(host_coef)
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -506,7 +525,8 @@ class XlaFullyShardedDataParallel(FallThrough):
                 members, index, flatten=self.flatten_parameters,
                 dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
                 multiple=opts.shard_size_multiple, device=self.xla_device,
-                compute_dtype=dtype_of(members[0][1]), unit_name=unit_name))
+                compute_dtype=dtype_of(members[0][1]), unit_name=unit_name,
+                offload=opts.offload_optimizer))
             for _, _, names in members:
                 shared.extend((alias, names[0]) for alias in names[1:])
         for m in modules:

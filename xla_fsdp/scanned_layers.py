@@ -137,7 +137,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 flatten=self.flatten_parameters, dim0=opts.shard_param_on_dim_0,
                 world_size=self.world_size, rank=self.rank, multiple=opts.shard_size_multiple,
                 device=self.xla_device, compute_dtype=self.compute_dtype,
-                unit_name=unit_name))
+                unit_name=unit_name, offload=opts.offload_optimizer))
         shared = [(alias, names[0]) for layer in found for _, _, names in layer
                   for alias in names[1:]]
         place_buffers(stack, self.buffer_dtype, self.xla_device)
@@ -183,7 +183,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
         if not grad:
             return rebuild(run_forward_only(loop, hidden))
         return rebuild(ScanFunction.apply(loop, hidden, *invariants,
-                                          *[g.shard for g in shard_groups]))
+                                          *[g.local() for g in shard_groups]))
 
     def _trace(self, hidden: torch.Tensor, invariants: List[torch.Tensor],
                differentiable: List[bool], leaves: List[Any], tensors: List[int], spec: Any,

@@ -70,12 +70,13 @@ def _loop(model, batches, dump_dir: Optional[str], steps: int, rank: int):
     return steady
 
 
-def ours(rank: int, build: str = "real", dump_dir: Optional[str] = None, steps: int = 4):
+def ours(rank: int, build: str = "real", dump_dir: Optional[str] = None, steps: int = 4,
+         **fsdp_kwargs):
     import torch_xla
     from xla_fsdp import FSDP
     from xla_fsdp.wrap import transformer_auto_wrap_policy
     model = FSDP(_build(build), auto_wrap_policy=functools.partial(
-        transformer_auto_wrap_policy, transformer_layer_cls={Block}))
+        transformer_auto_wrap_policy, transformer_layer_cls={Block}), **fsdp_kwargs)
     device = torch_xla.device()
 
     def batches(step):

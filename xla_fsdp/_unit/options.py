@@ -38,6 +38,7 @@ class FsdpOptions:
     sharding_world_size: Optional[int]
     replicate_across_groups: bool
     zero_missing_gradients: bool
+    offload_optimizer: bool
     shard_param_on_dim_0: bool
     pin_layout_in_collective_ops: bool
     reduce_scatter_bucket_size_mb: int

@@ -1,5 +1,7 @@
 """What the units of one model share: which forward pass this is, whether the end of the
-backward is already scheduled, and the tensors the backward's barriers order.
+backward is already scheduled, and the tensors the backward's barriers order; an offloaded
+model's gradients leave the device when its backward ends (see [Note: the optimizer on
+the host]).
 
 The context belongs to the root, the unit no other unit was built around; it is fixed by
 the structure of the model when units are built, not by which unit runs first. So a nested
@@ -16,6 +18,7 @@ import torch.nn as nn
 
 from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
+from .host_offload import fetch_gradients
 from .shard_group import ShardGroup
 from .training_state import TrainingState
 
@@ -114,3 +117,5 @@ class RootContext:
         if self._sync:
             import torch_xla
             torch_xla.sync()
+        fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.shard_groups
+                         if g.offload is not None])

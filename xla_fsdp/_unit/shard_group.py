@@ -5,6 +5,9 @@ knows its layout, its shard (the ``nn.Parameter`` the optimizer sees), the recor
 original parameters, how often the shard was updated (optimizer steps and loads), which of
 its gradients arrived in the current backward, and whether a ``no_sync`` accumulation is
 pending. Those facts change only through the methods here.
+
+With ``offload_optimizer`` the shard is on the host and the device holds a copy of it
+(``local()``): see [Note: the optimizer on the host].
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch.nn as nn
 from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
 from .._xla.private_api import version
 from .._xla.trace_only import to_device
+from .host_offload import DeviceCopy, host_master
 from .param_record import Member, ParamRecord, mark_taken
 from .registry import WeakRegistry
 
@@ -38,6 +42,7 @@ class ShardGroup:
     # a gradient left by a no_sync backward stands for the full gradients still held by
     # the placeholders; if the optimizer drops it, the accumulation was abandoned
     sentinel: Optional[Tuple[torch.Tensor, int]] = None
+    offload: Optional[DeviceCopy] = None  # with offload_optimizer: the device's copy
 
     @property
     def names(self) -> List[str]:
@@ -46,6 +51,34 @@ class ShardGroup:
     @property
     def placeholders(self) -> List[torch.Tensor]:
         return [r.placeholder for r in self.records]
+
+    # -- where the values are ----------------------------------------------------------------
+    def local(self) -> torch.Tensor:
+        """The shard on the device, what gathers read: the shard itself, or with offload its
+        device copy in the compute dtype, current with the host shard."""
+        if self.offload is None:
+            return self.shard
+        return self.offload.current(self.shard, self.generation())
+
+    def on_device(self) -> torch.Tensor:
+        """The shard's own values (its dtype) on the device, for an exact gather."""
+        if self.offload is None:
+            return self.shard.detach()
+        return self.shard.detach().to(self.offload.device)
+
+    def add_gradient(self, reduced: torch.Tensor) -> None:
+        """A reduce-scattered gradient of this backward, on the device: added to the shard's
+        ``.grad``, or with offload held for the host (``host_offload.fetch_gradients``)."""
+        if self.offload is not None:
+            self.offload.add_gradient(reduced)
+        elif self.shard.grad is None:
+            self.shard.grad = reduced
+        else:
+            self.shard.grad = self.shard.grad + reduced
+
+    def device_gradient(self) -> Optional[torch.Tensor]:
+        """The shard's reduced gradient while it is on the device."""
+        return self.shard.grad if self.offload is None else self.offload.reduced
 
     # -- updates ------------------------------------------------------------------------------
     def generation(self) -> Tuple[int, int]:
@@ -126,7 +159,8 @@ def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_siz
 @torch.no_grad()
 def build_shard_group(members: List[Member], index: int, *, flatten: bool, dim0: bool,
                       world_size: int, rank: int, multiple: int, device: torch.device,
-                      compute_dtype: torch.dtype, unit_name: str) -> ShardGroup:
+                      compute_dtype: torch.dtype, unit_name: str,
+                      offload: bool = False) -> ShardGroup:
     """Shards one group of parameters and puts placeholders where they were.
 
     ``members`` are (parameter, every (module, attribute) holding it, every name it has).
@@ -137,14 +171,14 @@ def build_shard_group(members: List[Member], index: int, *, flatten: bool, dim0:
     orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
     size = torch.Size([layout.numel]) if flatten else params[0].shape
     return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
-                   members, device, compute_dtype, unit_name)
+                   members, device, compute_dtype, unit_name, offload)
 
 
 @torch.no_grad()
 def build_stacked_shard_group(layers: List[List[Member]], layer_names: List[str], index: int,
                               *, flatten: bool, dim0: bool, world_size: int, rank: int,
                               multiple: int, device: torch.device, compute_dtype: torch.dtype,
-                              unit_name: str) -> ShardGroup:
+                              unit_name: str, offload: bool = False) -> ShardGroup:
     """The same shard group of every layer of a scanned stack, as one ``StackedLayout``
     shard. ``layers[i]`` are layer ``i``'s members; ``layer_names`` their names within a
     layer."""
@@ -156,13 +190,14 @@ def build_stacked_shard_group(layers: List[List[Member]], layer_names: List[str]
                       else (len(layers),) + tuple(shapes[0]))
     return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
                    [m for members in layers for m in members], device, compute_dtype,
-                   unit_name)
+                   unit_name, offload)
 
 
 def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,
             members: List[Member], device: torch.device, compute_dtype: torch.dtype,
-            unit_name: str) -> ShardGroup:
-    shard = nn.Parameter(to_device(shard_value, device), requires_grad=members[0][0].requires_grad)
+            unit_name: str, offload: bool) -> ShardGroup:
+    value = host_master(shard_value) if offload else to_device(shard_value, device)
+    shard = nn.Parameter(value, requires_grad=members[0][0].requires_grad)
     # the three attributes torch_xla's users and tools read on a shard
     shard._is_sharded = True
     shard._orig_size = orig_size
@@ -178,6 +213,7 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
         records.append(ParamRecord(full, list(names), list(owners), unit_name))
     shard_group = ShardGroup(layout, shard, records,
                              ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR), orig_name,
-                             compute_dtype)
+                             compute_dtype,
+                             offload=DeviceCopy(device, compute_dtype) if offload else None)
     _BY_SHARD[shard] = shard_group
     return shard_group

@@ -9,7 +9,7 @@ The full parameters are in one of three states:
 * ``UNSHARDED``: the placeholders hold slices of the gathered tensors.
 
 Gradients of complete shard groups are queued and reduce-scattered into the shards' ``.grad``
-in buckets (``reduce_scatter_bucket_size_mb``); under ``no_sync`` they stay on the
+(with offload, beside their device copies: see [Note: the optimizer on the host]) in buckets (``reduce_scatter_bucket_size_mb``); under ``no_sync`` they stay on the
 placeholders until the next synchronised backward.
 
 [Note: per-step host cost]
@@ -88,7 +88,7 @@ class UnitParams:
         torch.compile]). Returns whether ``deps`` went into a barrier."""
         issue = [u for u in (self, *prefetch) if u._needs_gather()]
         if issue and barrier:
-            optimization_barrier([g.shard for u in issue for g in u.shard_groups] + list(deps))
+            optimization_barrier([g.local() for u in issue for g in u.shard_groups] + list(deps))
         for unit in issue:
             unit._issue_gather()
         installing = self.state is not FullParams.UNSHARDED
@@ -111,7 +111,7 @@ class UnitParams:
 
     def _issue_gather(self) -> None:
         self._gathered = gather_pieces(
-            self.collectives, [(g.layout, g.shard, g.compute_dtype) for g in self.shard_groups],
+            self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.shard_groups],
             self.options.coalesce_all_gather_ops)
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
@@ -145,7 +145,7 @@ class UnitParams:
             held = any(r.gathered for g in self.shard_groups for r in g.records)
             self.state = FullParams.UNSHARDED if held else FullParams.SHARDED
         if barrier and (freed or deps):
-            optimization_barrier([g.shard for g in shard_groups] + list(deps))
+            optimization_barrier([g.local() for g in shard_groups] + list(deps))
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
@@ -236,7 +236,8 @@ class UnitParams:
         run_pending(self.shard_gradients())
 
     def shard_gradients(self) -> List[torch.Tensor]:
-        return [g.shard.grad for g in self.shard_groups if g.shard.grad is not None]
+        grads = [g.device_gradient() for g in self.shard_groups]
+        return [g for g in grads if g is not None]
 
     @torch.no_grad()
     def _reduce(self, shard_group: ShardGroup, hold: bool) -> None:
@@ -283,8 +284,7 @@ class UnitParams:
             if barrier:
                 optimization_barrier([reduced])
                 self._backward_barrier.append(reduced)
-            shard = shard_group.shard
-            shard.grad = reduced if shard.grad is None else shard.grad + reduced
+            shard_group.add_gradient(reduced)
 
     # -- abandoned accumulation ----------------------------------------------------------------
     def _mark_accumulating(self) -> None:

@@ -12,9 +12,11 @@ once, before the user's function runs; a training process never does.
 """
 from __future__ import annotations
 
+from typing import List, Sequence
+
 import torch
 
-from .private_api import placeholder
+from .private_api import placeholder, to_cpu
 
 _ACTIVE = False
 
@@ -35,6 +37,14 @@ def to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     if value.is_meta and _ACTIVE:
         return placeholder(value.shape, value.dtype)
     return value.to(device)
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """``tensors`` copied to the host in one transfer; in a process that only traces, meta
+    tensors of their shapes and dtypes (a placeholder has no value to read)."""
+    if _ACTIVE:
+        return [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in tensors]
+    return to_cpu(list(tensors))
 
 
 def refuse_writes(path: str) -> None:

@@ -37,7 +37,7 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
     for unit, g, names in _parameter_slots(root):
-        (full,) = unit.collectives.all_gather([g.shard.detach()], coalesce=False)
+        (full,) = unit.collectives.all_gather([g.on_device()], coalesce=False)
         torch_xla.sync()
         if keep:
             flat = full.cpu()

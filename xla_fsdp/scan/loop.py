@@ -125,7 +125,7 @@ class ScanLoop:
         if not self.prefetch:
             return []
         index = torch.tensor(layer, dtype=torch.int64,
-                             device=self.shard_groups[0].shard.device)
+                             device=self.shard_groups[0].local().device)
         return [index, *self._gather(self._rows(index))]
 
     def _advance(self, ahead: List[torch.Tensor], step: int) -> List[torch.Tensor]:
@@ -138,12 +138,12 @@ class ScanLoop:
 
     def _rows(self, index: torch.Tensor) -> List[torch.Tensor]:
         row = torch.remainder(index, self._layers()).view(1)
-        return [torch.index_select(g.shard.detach(), 0, row).squeeze(0)
+        return [torch.index_select(g.local().detach(), 0, row).squeeze(0)
                 for g in self.shard_groups]
 
     # -- one layer -------------------------------------------------------------------------
     def _xs(self) -> List[torch.Tensor]:
-        return [g.shard.detach() for g in self.shard_groups] + list(self.buffers)
+        return [g.local().detach() for g in self.shard_groups] + list(self.buffers)
 
     def _gather(self, shards: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         gathered = gather_pieces(self.collectives,
@@ -177,7 +177,10 @@ class ScanLoop:
 
 class ScanFunction(torch.autograd.Function):
     """Autograd's view of a scanned stack: ``(loop, hidden, *invariants, *shards)`` ->
-    the last layer's output. Gradients reach the shards already reduce-scattered."""
+    the last layer's output, ``shards`` being each group's ``local()`` tensor. Their
+    gradients, already reduce-scattered, go to the shard groups (``add_gradient``) as an
+    ordinary unit's do, not through autograd: an offloaded shard's device copy is not the
+    parameter that holds its gradient."""
 
     @staticmethod
     def forward(ctx: Any, loop: ScanLoop, hidden: torch.Tensor, *tensors: torch.Tensor
@@ -191,7 +194,10 @@ class ScanFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         loop: ScanLoop = ctx.loop
         g_h, g_inv, g_shards = loop.backward(grad.contiguous(), ctx.saved_tensors)
-        return (None, g_h, *g_inv, *g_shards)
+        for shard_group, g in zip(loop.shard_groups, g_shards):
+            if g is not None:
+                shard_group.add_gradient(g)
+        return (None, g_h, *g_inv, *[None] * len(g_shards))
 
 
 def run_forward_only(loop: ScanLoop, hidden: torch.Tensor) -> torch.Tensor:

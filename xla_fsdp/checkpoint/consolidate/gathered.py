@@ -59,6 +59,8 @@ class _Channel:
     def _gather(self, tid: str) -> torch.Tensor:
         import torch_xla
         tensor, collectives = self._tensors[tid]
+        if tensor.device.type != "xla":  # offloaded: the shard and its state on the host
+            tensor = tensor.to(torch_xla.device())
         (full,) = collectives.all_gather([tensor.detach()], coalesce=False)
         torch_xla.sync()
         return full.cpu() if self._writes else full
