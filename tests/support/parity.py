@@ -72,6 +72,20 @@ SETTINGS = {
         "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
     # torch_xla's loop turns booleans into int64, where ~mask is always true
     "scanned_masked": ("stack_masked", {}, "adamw", {"scan": True}),
+    # the optimizer on the host: its state, the float32 shards and their gradients there,
+    # stepped by PyTorch's CPU kernels against the reference's XLA ones. Two synchronised
+    # micro-batches add to the host gradient; no_sync accumulates on the device first
+    "offload_adamw_clip_accumulate": ("net", {"offload_optimizer": True}, "adamw",
+                                      {"micro": 2, "clip": 0.05}),
+    "offload_momentum_no_sync": ("net", {"offload_optimizer": True}, "sgd",
+                                 {"micro": 2, "no_sync": True}),
+    "offload_bf16": ("net", {"offload_optimizer": True, "compute_dtype": torch.bfloat16,
+                             "fp32_reduce_scatter": True}, "adamw", {}),
+    "offload_scanned_frozen": ("stack", {"offload_optimizer": True,
+                                         "flatten_parameters": True}, "sgd", {
+        "scan": True, "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),
+    "offload_groups_frozen": ("net", {"offload_optimizer": True}, "sgd_foreach",
+                              {"groups": 2, "freeze": ("b1.up", "inp.bias")}),
 }
 
 

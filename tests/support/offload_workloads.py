@@ -1,0 +1,136 @@
+"""What the offload tests run at N ranks: every checkpoint path taken from, and loaded into,
+a model whose optimizer lives on the host (``offload_optimizer=True``), against the same
+model without offload."""
+import filecmp
+import os
+
+import torch
+
+from .checkpoint_workloads import snapshot, train, wrapped_net
+
+STEPS = range(2)
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+def _tree_problems(a, b, where):
+    """Where two loaded checkpoint trees differ: keys, types, dtypes, shapes or values."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dtype != b.dtype or \
+                a.shape != b.shape or a.device != b.device or not torch.equal(a, b):
+            return [where]
+        return []
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [p for k in a for p in _tree_problems(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: lengths {len(a)} {len(b)}"]
+        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _tree_problems(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def _same_dcp(a_dir, b_dir):
+    """How two DCP directories differ: each rank's data file in bytes, and the metadata's
+    entries (file names hold a per-save id)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    a = sorted(f for f in os.listdir(a_dir) if f.endswith(".distcp"))
+    b = sorted(f for f in os.listdir(b_dir) if f.endswith(".distcp"))
+    if len(a) != len(b):
+        return [f"{a_dir} has {a}, {b_dir} has {b}"]
+    found = [f"{x} and {y}" for x, y in zip(a, b)
+             if not filecmp.cmp(os.path.join(a_dir, x), os.path.join(b_dir, y), shallow=False)]
+    meta_a = FileSystemReader(a_dir).read_metadata()
+    meta_b = FileSystemReader(b_dir).read_metadata()
+    if meta_a.state_dict_metadata != meta_b.state_dict_metadata:
+        found.append(".metadata entries")
+    return found
+
+
+def checkpoints(rank, root):
+    """Returns (problems, where the optimizer state lives) for rank ``rank``."""
+    import torch_xla
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import (CheckpointManager, load_dcp, load_sharded,
+                                     save_consolidated, save_dcp, save_sharded)
+    world = xr.world_size()
+    problems = []
+    seed = wrapped_net()
+    seed_opt = _adamw(seed)
+    train(seed, seed_opt, STEPS, rank, world)
+    save_sharded(os.path.join(root, "seed", "ckpt"), seed, seed_opt, extra={"step": 2})
+    save_dcp(os.path.join(root, "seed_dcp"), seed, seed_opt)
+    expected = snapshot(seed, seed_opt)
+
+    # the same checkpoint loaded into the model with and without offload: every save of
+    # the two then writes the same bytes
+    saved, places = {}, []
+    for name, kwargs in (("plain", {}), ("off", {"offload_optimizer": True})):
+        model = wrapped_net(**kwargs)
+        opt = _adamw(model)
+        load_sharded(os.path.join(root, "seed", "ckpt"), model, opt)
+        got = snapshot(model, opt)
+        if got[0].keys() != expected[0].keys() or got[1].keys() != expected[1].keys() or \
+                any(not torch.equal(got[i][k], expected[i][k]) for i in (0, 1)
+                    for k in expected[i]):
+            problems.append(f"load_sharded into the {name} model: state differs")
+        save_sharded(os.path.join(root, name, "ckpt"), model, opt, extra={"step": 2})
+        save_dcp(os.path.join(root, name + "_dcp"), model, opt)
+        save_consolidated(os.path.join(root, name + ".pth"), model, opt)
+        saved[name] = (model, opt)
+    off, off_opt = saved["off"]
+    places = sorted({str(p.device) for p in off.parameters()} |
+                    {str(v.device) for s in off_opt.state.values() for v in s.values()
+                     if torch.is_tensor(v)})
+    torch_xla.sync()
+    if rank == 0:
+        for name in sorted(os.listdir(os.path.join(root, "plain"))):
+            a = torch.load(os.path.join(root, "plain", name), weights_only=False)
+            b = torch.load(os.path.join(root, "off", name), weights_only=False)
+            problems += _tree_problems(a, b, f"per-rank {name}")
+        problems += [f"dcp: {f}" for f in _same_dcp(os.path.join(root, "plain_dcp"),
+                                                    os.path.join(root, "off_dcp"))]
+        if not filecmp.cmp(os.path.join(root, "plain.pth"), os.path.join(root, "off.pth"),
+                           shallow=False):
+            problems.append("consolidated .pth files differ")
+
+    # DCP written without offload loads into an offloaded model
+    dcp_loaded = wrapped_net(offload_optimizer=True)
+    dcp_opt = _adamw(dcp_loaded)
+    load_dcp(os.path.join(root, "seed_dcp"), dcp_loaded, dcp_opt)
+    got = snapshot(dcp_loaded, dcp_opt)
+    if any(not torch.equal(got[0][k], expected[0][k]) for k in expected[0]) or \
+            any(not torch.equal(got[1][k], expected[1][k]) for k in expected[1]):
+        problems.append("load_dcp into the offloaded model: state differs")
+
+    # an asynchronous save holds the state of its call while the host optimizer steps on
+    before = snapshot(off, off_opt)
+    pending = save_sharded(os.path.join(root, "async", "ckpt"), off, off_opt, async_save=True)
+    train(off, off_opt, range(2, 3), rank, world)
+    pending.wait()
+    back = wrapped_net()
+    back_opt = _adamw(back)
+    load_sharded(os.path.join(root, "async", "ckpt"), back, back_opt)
+    got = snapshot(back, back_opt)
+    if any(not torch.equal(got[0][k], before[0][k]) for k in before[0]) or \
+            any(not torch.equal(got[1][k], before[1][k]) for k in before[1]):
+        problems.append("async save of the offloaded model: the file is not the state at "
+                        "the call")
+
+    # the manager restores into an offloaded model
+    manager = CheckpointManager(os.path.join(root, "managed"), format="dcp", async_save=True)
+    manager.save(3, off, off_opt, extra={"step": 3})
+    manager.wait()
+    now = snapshot(off, off_opt)
+    restored = wrapped_net(offload_optimizer=True)
+    restored_opt = _adamw(restored)
+    extra = manager.restore(restored, restored_opt)
+    manager.close()
+    got = snapshot(restored, restored_opt)
+    if extra != {"step": 3} or any(not torch.equal(got[0][k], now[0][k]) for k in now[0]) \
+            or any(not torch.equal(got[1][k], now[1][k]) for k in now[1]):
+        problems.append("CheckpointManager.restore into the offloaded model: state differs")
+    return problems, places
