@@ -132,7 +132,8 @@ class FakeWorld:
                 build_shard_group(members, index, flatten=options.flatten_parameters,
                                   dim0=options.shard_param_on_dim_0, world_size=world_size,
                                   rank=rank, multiple=options.shard_size_multiple, device=CPU,
-                                  compute_dtype=compute_dtype, unit_name=type(model).__name__)
+                                  compute_dtype=compute_dtype, unit_name=type(model).__name__,
+                                  offload=options.offload_optimizer)
                 for index, members in enumerate(shard_group_members(
                     found, options.flatten_parameters, lambda owners: compute_dtype))]
             collectives = FakeCollectives(world_size, rank, self._pieces, peer_scale)
@@ -146,7 +147,7 @@ class FakeWorld:
 
     def _pieces(self) -> List[List[torch.Tensor]]:
         return [[p for g in shard_groups
-                 for p in g.layout.pieces(g.shard.detach().to(g.compute_dtype))]
+                 for p in g.layout.pieces(g.local().detach().to(g.compute_dtype))]
                 for shard_groups in self.shard_groups]
 
     def reference_params(self, shard_group: ShardGroup) -> List[nn.Parameter]:
