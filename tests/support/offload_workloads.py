@@ -3,6 +3,8 @@ a model whose optimizer lives on the host (``offload_optimizer=True``), against 
 model without offload."""
 import filecmp
 import os
+import re
+import threading
 
 import torch
 
@@ -50,12 +52,36 @@ def _same_dcp(a_dir, b_dir):
     return found
 
 
+_STEPPED = threading.Condition()
+_STEPPED.ranks = set()
+
+
+def _hold_writes():
+    """Each rank file's write (on its save's thread) waits until that rank's optimizer has
+    stepped: the ranks take turns, so one rank waiting for another would wait for ever."""
+    from xla_fsdp.checkpoint import sharded
+    with _STEPPED:
+        if getattr(sharded._RankFileSave.write, "held", False):
+            return
+        write = sharded._RankFileSave.write
+
+        def held(self):
+            if self.path is not None:
+                rank = int(re.search(r"rank-(\d+)-of", self.path).group(1))
+                with _STEPPED:
+                    if not _STEPPED.wait_for(lambda: rank in _STEPPED.ranks, timeout=120):
+                        raise TimeoutError(f"rank {rank}'s optimizer step never came")
+            write(self)
+        held.held = True
+        sharded._RankFileSave.write = held
+
+
 def checkpoints(rank, root):
     """Returns (problems, where the optimizer state lives) for rank ``rank``."""
     import torch_xla
     import torch_xla.runtime as xr
-    from xla_fsdp.checkpoint import (CheckpointManager, load_dcp, load_sharded,
-                                     save_consolidated, save_dcp, save_sharded)
+    from xla_fsdp.checkpoint import (CheckpointManager, load_consolidated, load_dcp,
+                                     load_sharded, save_consolidated, save_dcp, save_sharded)
     world = xr.world_size()
     problems = []
     seed = wrapped_net()
@@ -97,19 +123,27 @@ def checkpoints(rank, root):
                            shallow=False):
             problems.append("consolidated .pth files differ")
 
-    # DCP written without offload loads into an offloaded model
-    dcp_loaded = wrapped_net(offload_optimizer=True)
-    dcp_opt = _adamw(dcp_loaded)
-    load_dcp(os.path.join(root, "seed_dcp"), dcp_loaded, dcp_opt)
-    got = snapshot(dcp_loaded, dcp_opt)
-    if any(not torch.equal(got[0][k], expected[0][k]) for k in expected[0]) or \
-            any(not torch.equal(got[1][k], expected[1][k]) for k in expected[1]):
-        problems.append("load_dcp into the offloaded model: state differs")
+    # DCP and the consolidated file, written without offload, load into an offloaded model
+    for what, path, load in (("load_dcp", "seed_dcp", load_dcp),
+                             ("load_consolidated", "plain.pth", load_consolidated)):
+        loaded = wrapped_net(offload_optimizer=True)
+        loaded_opt = _adamw(loaded)
+        load(os.path.join(root, path), loaded, loaded_opt)
+        got = snapshot(loaded, loaded_opt)
+        if any(not torch.equal(got[0][k], expected[0][k]) for k in expected[0]) or \
+                any(not torch.equal(got[1][k], expected[1][k]) for k in expected[1]):
+            problems.append(f"{what} into the offloaded model: state differs")
 
-    # an asynchronous save holds the state of its call while the host optimizer steps on
+    # an asynchronous save holds the state of its call while the host optimizer steps on:
+    # each rank's write waits until its optimizer has stepped in place on what it writes
+    train(off, off_opt, range(2, 3), rank, world)   # leaves gradients for one more step
     before = snapshot(off, off_opt)
+    _hold_writes()
     pending = save_sharded(os.path.join(root, "async", "ckpt"), off, off_opt, async_save=True)
-    train(off, off_opt, range(2, 3), rank, world)
+    off_opt.step()
+    with _STEPPED:
+        _STEPPED.ranks.add(rank)
+        _STEPPED.notify_all()
     pending.wait()
     back = wrapped_net()
     back_opt = _adamw(back)
