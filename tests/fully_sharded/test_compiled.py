@@ -3,7 +3,8 @@
 Every placement trains at N = 1, 2 and 4 as the same FSDP model run eagerly does, step by
 step, and as the model trained unsharded on one device does: ``torch.compile(root)``, ``FSDP(torch.compile(block))`` by hand and through auto-wrap
 of blocks compiled first, and ``torch.compile`` of an auto-wrapped model; with bf16
-compute, activation checkpointing, ``no_sync`` accumulation, and on a Hugging Face Llama.
+compute, activation checkpointing, ``no_sync`` accumulation, the optimizer on the host
+(``offload_optimizer``), and on a Hugging Face Llama.
 After the warm-up steps neither Dynamo nor XLA compiles anything (a failing guard's reason
 is in the assertion message). Placements that cannot work are refused by name.
 """

@@ -31,6 +31,10 @@ SETTINGS = {
     "eager_no_sync": ("eager", {}, {"no_sync": True}),
     "compile_root_no_sync": ("compile_root", {}, {"no_sync": True}),
     "compile_blocks_no_sync": ("compile_blocks", {}, {"no_sync": True}),
+    # the optimizer on the host: the gradients leave the device at the end of backward
+    "eager_offload": ("eager", {"offload_optimizer": True}, {}),
+    "compile_root_offload": ("compile_root", {"offload_optimizer": True}, {}),
+    "compile_blocks_offload": ("compile_blocks", {"offload_optimizer": True}, {}),
     # a Hugging Face Llama from the real-architecture suite, its decoder layers the units
     "llama_eager": ("eager", {}, {"llama": True}),
     "llama_compile_root": ("compile_autowrapped", {}, {"llama": True}),
