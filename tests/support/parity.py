@@ -79,8 +79,9 @@ SETTINGS = {
                                       {"micro": 2, "clip": 0.05}),
     "offload_momentum_no_sync": ("net", {"offload_optimizer": True}, "sgd",
                                  {"micro": 2, "no_sync": True}),
-    "offload_bf16": ("net", {"offload_optimizer": True, "compute_dtype": torch.bfloat16,
-                             "fp32_reduce_scatter": True}, "adamw", {}),
+    # bf16 gradients leave the device as reduced, in bf16, and become float32 on the host
+    "offload_bf16": ("net", {"offload_optimizer": True, "compute_dtype": torch.bfloat16},
+                     "adamw", {}),
     "offload_scanned_frozen": ("stack", {"offload_optimizer": True,
                                          "flatten_parameters": True}, "sgd", {
         "scan": True, "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias")}),

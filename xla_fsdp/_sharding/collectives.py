@@ -141,10 +141,13 @@ def padded_gradient(layout: Layout, grads: Sequence[Optional[torch.Tensor]], dty
 
 
 def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
-                      inputs: List[torch.Tensor], replica_groups: RankGroups
-                      ) -> List[torch.Tensor]:
-    """Reduce-scatters ``padded_gradient`` outputs into float32 shard gradients, averaged
-    over the ranks (and over the replicas, with ``replica_groups``: hybrid sharding)."""
+                      inputs: List[torch.Tensor], replica_groups: RankGroups,
+                      float32: bool = True) -> List[torch.Tensor]:
+    """Reduce-scatters ``padded_gradient`` outputs into shard gradients, averaged over the
+    ranks (and over the replicas, with ``replica_groups``: hybrid sharding). ``float32``
+    casts them for a float32 shard on the device; an offloaded shard's gradient leaves the
+    device as it was reduced, in half the bytes when that is bf16, and is cast on the host
+    to the same values."""
     # A float32 sum cannot overflow where the pre-division would matter, so the whole
     # division is the reduce-scatter's scale on the shard: one pass over the full
     # gradients fewer, and the same bits when both factors are powers of two.
@@ -155,7 +158,7 @@ def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
     outputs = collectives.reduce_scatter(inputs, scale=1.0 / divisor)
     if replica_groups:
         outputs = [collectives.all_reduce_sum(t, replica_groups) for t in outputs]
-    return [t if t.dtype == torch.float32 else t.float() for t in outputs]
+    return [t if t.dtype == torch.float32 or not float32 else t.float() for t in outputs]
 
 
 def broadcast_bytes(words: torch.Tensor, pin_layout: bool) -> torch.Tensor:

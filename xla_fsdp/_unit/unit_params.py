@@ -279,7 +279,8 @@ class UnitParams:
         if barrier and len(inputs) > 1:  # one input already passed _reduce()'s barrier
             optimization_barrier(inputs)
         outputs = scatter_gradients(self.collectives, self.divide, inputs,
-                                    self._replica_groups)
+                                    self._replica_groups,
+                                    float32=not self.options.offload_optimizer)
         for (shard_group, _), reduced in zip(queue, outputs):
             if barrier:
                 optimization_barrier([reduced])

@@ -172,7 +172,8 @@ class ScanLoop:
                                  self.options.fp32_reduce_scatter, self.divide)
                  for i in trainable]
         return scatter_gradients(self.collectives, self.divide, flats,
-                                 self.options.replica_groups)
+                                 self.options.replica_groups,
+                                 float32=not self.options.offload_optimizer)
 
 
 class ScanFunction(torch.autograd.Function):
