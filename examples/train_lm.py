@@ -116,6 +116,8 @@ def wrap(model: GPT, args: argparse.Namespace):
         options.update(flatten_parameters=True)
     if args.dim0:  # the AWS Neuron setting: shard along dim 0, never flatten
         options.update(shard_param_on_dim_0=True)
+    if args.offload_optimizer:  # shards, gradients and AdamW's state in host memory
+        options.update(offload_optimizer=True)
     def wrapper(m, *a, **kw):
         return FSDP(checkpoint_module(m) if args.activation_checkpointing else m, *a, **kw)
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
@@ -282,6 +284,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dim0", action="store_true",
                    help="shard_param_on_dim_0=True (the AWS Neuron setting)")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="offload_optimizer=True: the optimizer steps on the host")
     return p.parse_args(argv)
 
 
