@@ -7,11 +7,13 @@ then this machine's CPU AdamW throughput, and from it an estimate for a v5e-8 ho
 
 Per rank 0, after ``WARM_UP`` steps (medians over those steps, then over fresh processes):
 
-- step time (wall, loss on the host) and its phases (h2d and d2h: the mean over ranks): forward (with offload it also makes the
-  device copies of the shards the last step changed: ``h2d``), backward (with offload it
-  runs the step's program and brings the gradients to the host: ``d2h``), the optimizer
-  step (with offload the host AdamW) and the closing ``torch_xla.sync()`` (without offload
-  the step's program runs there);
+- step time (wall, loss on the host) and its phases: forward (with offload it also makes
+  the device copies of the shards the last step changed: ``h2d``), backward (with offload
+  it runs the step's program and brings the gradients to the host: ``d2h``, which includes
+  waiting for that program to finish), the optimizer step (with offload the host AdamW)
+  and the closing ``torch_xla.sync()`` (without offload the step's program runs there;
+  with it, rank 0 mostly waits there for the other ranks' host steps). h2d and d2h are
+  means over the ranks;
 - host time of rank 0's thread, and the executions per step of all ranks;
 - memory per rank, counted from the tensors themselves after the last step: on the device,
   every live XLA tensor of rank 0's device (shards or their copies, optimizer state,
@@ -48,6 +50,7 @@ LLAMA_8B_PARAMS = 8.03e9
 V5E_HOST_VCPUS = 224         # ct5lp-hightpu-8t: 224 vCPUs, 384 GB RAM, 2 NUMA nodes, 8 chips
 V5E_CHIPS = 8
 ASSUMED_PCIE_GBPS = 25.0     # per chip and direction; Google publishes no figure (see note)
+ASSUMED_HOST_GBPS = 400.0    # the host's usable memory bandwidth; not published either
 
 
 class _Timed:
@@ -201,6 +204,40 @@ def adamw_throughput(numel, repeats=5):
     return rows
 
 
+def estimate(per_core: float) -> list:
+    """The v5e-8 estimate's lines, from this machine's best single-thread AdamW rate."""
+    per_chip = LLAMA_8B_PARAMS / V5E_CHIPS
+    compute_bound = LLAMA_8B_PARAMS / (per_core * V5E_HOST_VCPUS / 2)
+    # AdamW reads the parameter, its gradient and two moments and writes three of them back
+    traffic = LLAMA_8B_PARAMS * 4 * 7
+    bandwidth = ASSUMED_HOST_GBPS * 1e9
+    host_step = max(compute_bound, traffic / bandwidth)
+    d2h = per_chip * 2 / (ASSUMED_PCIE_GBPS * 1e9)   # bf16 gradients, as reduced
+    h2d = per_chip * 2 / (ASSUMED_PCIE_GBPS * 1e9)   # bf16 copies of the updated shards
+    return [
+        "", "## Estimate: Llama-3.1-8B, bf16 compute, AdamW offloaded, on a v5e-8 host", "",
+        f"- Host: ct5lp-hightpu-8t, {V5E_HOST_VCPUS} vCPUs ({V5E_HOST_VCPUS // 2} physical "
+        f"cores), 384 GB RAM, 8 chips (Google's v5e page). It holds all 8 ranks' float32 "
+        f"shards, gradients and two moments: 16 B x 8.03e9 = 128 GB.",
+        f"- Host AdamW, compute: 8.03e9 parameters at this machine's best single-thread rate "
+        f"({per_core / 1e6:.0f} M/s, fused) on {V5E_HOST_VCPUS // 2} cores: "
+        f"{compute_bound * 1000:.0f} ms. Memory: the step reads and writes "
+        f"{traffic / 1e9:.0f} GB (28 B per parameter); Google publishes neither the host's "
+        f"CPU nor its memory bandwidth, so at an assumed {ASSUMED_HOST_GBPS:.0f} GB/s of "
+        f"usable bandwidth (two server sockets): {traffic / bandwidth * 1000:.0f} ms. The "
+        f"host step is the larger: **{host_step * 1000:.0f} ms**.",
+        f"- Transfers per chip and step: the bf16 gradient shard to the host "
+        f"({per_chip * 2 / 1e9:.1f} GB) and the bf16 copy of the updated shard back "
+        f"({per_chip * 2 / 1e9:.1f} GB). Google publishes no host-chip PCIe figure for v5e; "
+        f"at an assumed {ASSUMED_PCIE_GBPS:.0f} GB/s per chip and direction (PCIe 4.0 x16 in "
+        f"practice): **{d2h * 1000:.0f} ms** down and **{h2d * 1000:.0f} ms** up, all chips "
+        f"at once; scale by {ASSUMED_PCIE_GBPS:.0f} / (real GB/s).",
+        f"- Overhead per step, in series: about {(host_step + d2h + h2d) * 1000:.0f} ms. "
+        f"Overlapping the transfers with the host step would save at most "
+        f"{min(host_step, d2h + h2d) * 1000:.0f} ms of it. The chips idle meanwhile: the "
+        f"next forward gathers the updated shards."]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world", type=int, default=4)
@@ -224,7 +261,7 @@ def main():
              f"tensors after the last step. Virtual devices: device memory is host memory "
              f"and h2d/d2h are memcpys.", "",
              "| wrapper | compute | offload | step ms | host ms | executions (all ranks) "
-             "| forward | (h2d) | backward | (d2h) | optimizer step | sync "
+             "| forward | (h2d) | backward | (wait + d2h) | optimizer step | sync "
              "| device MiB/rank | host MiB/rank |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for (impl, precision, offload), r in results.items():
@@ -249,26 +286,7 @@ def main():
     for kind, threads, rate in throughput:
         lines.append(f"| {kind} | {threads} | {rate / 1e6:.0f} | {rate / threads / 1e6:.0f} |")
     best = max(rate / threads for kind, threads, rate in throughput if threads == 1)
-    per_chip = LLAMA_8B_PARAMS / V5E_CHIPS
-    host_step = LLAMA_8B_PARAMS / (best * V5E_HOST_VCPUS / 2)
-    d2h, h2d = per_chip * 4 / (ASSUMED_PCIE_GBPS * 1e9), per_chip * 2 / (ASSUMED_PCIE_GBPS * 1e9)
-    lines += ["", "## Estimate: Llama-3.1-8B, bf16 compute, AdamW offloaded, on a v5e-8 host", "",
-              f"- Host: ct5lp-hightpu-8t, {V5E_HOST_VCPUS} vCPUs ({V5E_HOST_VCPUS // 2} "
-              f"physical cores), 384 GB RAM, 8 chips (Google's v5e page). The host holds all "
-              f"8 ranks' float32 shards, gradients and two moments: 16 B x 8.03e9 = 128 GB.",
-              f"- Host AdamW: 8.03e9 parameters at this machine's best single-thread rate "
-              f"({best / 1e6:.0f} M/s) on {V5E_HOST_VCPUS // 2} cores: "
-              f"**{host_step * 1000:.0f} ms** per step, if it scales with cores "
-              f"(memory bandwidth will cap it: 128 GB read and 64 GB written per step).",
-              f"- Transfers per chip and step: the float32 gradient shard to the host "
-              f"({per_chip * 4 / 1e9:.1f} GB) and the bf16 copy back ({per_chip * 2 / 1e9:.1f} "
-              f"GB). Google publishes no host-chip PCIe figure for v5e; at an assumed "
-              f"{ASSUMED_PCIE_GBPS:.0f} GB/s per chip and direction (PCIe 4.0 x16 in "
-              f"practice): **{d2h * 1000:.0f} ms** down and **{h2d * 1000:.0f} ms** up, all "
-              f"chips at once; scale by {ASSUMED_PCIE_GBPS:.0f} / (real GB/s).",
-              f"- Overhead per step, serial: about {(host_step + d2h + h2d) * 1000:.0f} ms; "
-              f"overlapping the transfers with the host step would save at most "
-              f"{min(host_step, d2h + h2d) * 1000:.0f} ms of it."]
+    lines += estimate(best)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     write_result(args.out, lines)
 
