@@ -118,9 +118,10 @@ def _train_through_failures(rank):
     import torch_xla
     device = torch_xla.device()
     out = {}
-    for name in ("fsdp", "plain"):
-        if name == "fsdp":
-            model = _wrapped()
+    for name in ("fsdp", "fsdp_offload", "plain"):
+        if name.startswith("fsdp"):
+            # offloaded: the gradients reduced before the failure never reach the host
+            model = _wrapped(offload_optimizer=name == "fsdp_offload")
         else:
             torch.manual_seed(0)
             model = Model().to(device)
@@ -130,7 +131,7 @@ def _train_through_failures(rank):
         for step in range(STEPS):
             torch.manual_seed(100 + step)  # the same batch on every rank and in both runs
             x = torch.randn(8, DIM).to(device)
-            failing = name == "fsdp" and step in (FAIL_FORWARD, FAIL_BACKWARD)
+            failing = name != "plain" and step in (FAIL_FORWARD, FAIL_BACKWARD)
             if name == "plain" and step in (FAIL_FORWARD, FAIL_BACKWARD):
                 continue
             switch.forward_fails = failing and step == FAIL_FORWARD
@@ -150,7 +151,7 @@ def _train_through_failures(rank):
             optimizer.zero_grad()
             torch_xla.sync()
             losses.append(loss.item())
-        params = (model.full_state_dict(rank0_only=False) if name == "fsdp" else
+        params = (model.full_state_dict(rank0_only=False) if name != "plain" else
                   {k: v.detach().cpu() for k, v in model.state_dict().items()})
         out[name] = {"losses": losses, "params": params, "after_failure": after_failure}
     return out
@@ -199,11 +200,14 @@ def test_dropped_models_are_freed(results):
 
 def test_a_failed_forward_or_backward_leaves_the_model_usable(results):
     for rank, got in results.items():
-        run, ref = got["failures"]["fsdp"], got["failures"]["plain"]
-        assert len(run["losses"]) == len(ref["losses"]) == STEPS - 2
-        for step, (a, b) in paired(run["losses"], ref["losses"]):
-            assert abs(a - b) <= 1e-5 * abs(b), f"rank {rank}, step {step}: {a} vs {b}"
-        assert run["params"].keys() == ref["params"].keys()
-        for key, want in ref["params"].items():
-            assert torch.allclose(run["params"][key], want, rtol=1e-5, atol=1e-6), key
-        assert run["after_failure"] == sorted(ref["params"])
+        ref = got["failures"]["plain"]
+        for name in ("fsdp", "fsdp_offload"):
+            run = got["failures"][name]
+            assert len(run["losses"]) == len(ref["losses"]) == STEPS - 2
+            for step, (a, b) in paired(run["losses"], ref["losses"]):
+                assert abs(a - b) <= 1e-5 * abs(b), f"{name} rank {rank}, step {step}: {a} vs {b}"
+            assert run["params"].keys() == ref["params"].keys()
+            for key, want in ref["params"].items():
+                assert torch.allclose(run["params"][key], want, rtol=1e-5, atol=1e-6), \
+                    (name, key)
+            assert run["after_failure"] == sorted(ref["params"])

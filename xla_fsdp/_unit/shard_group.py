@@ -114,7 +114,11 @@ class ShardGroup:
 
     def drop_unreduced(self) -> None:
         """After a backward that raised: drops the full gradients it left on the placeholders,
-        unless they hold a ``no_sync`` accumulation, which they may then include."""
+        unless they hold a ``no_sync`` accumulation, which they may then include. An
+        offloaded shard's reduced gradient that never reached the host goes too: left on the
+        device, the next backward would add it to a ``.grad`` that ``zero_grad()`` cleared."""
+        if self.offload is not None:
+            self.offload.reduced = None
         if self.sentinel is None:
             for r in self.records:
                 r.placeholder.grad = None
