@@ -16,6 +16,20 @@ def size_args(result_name: str) -> argparse.Namespace:
     return ap.parse_args()
 
 
+def step_parser(result_name: str) -> argparse.ArgumentParser:
+    """The training benchmarks' command line: ``--world``, ``--repeats``, ``--steps``,
+    ``--layers``, ``--dim`` (the benchmark's GPT) and ``--out`` (by default
+    ``benchmarks/results/<result_name>``); the caller adds its own and parses."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--out", default=os.path.join(RESULTS, result_name))
+    return ap
+
+
 def write_result(path: str, lines: list) -> None:
     """Prints the results and writes them to ``path``."""
     text = "\n".join(lines) + "\n"

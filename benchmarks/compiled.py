@@ -25,7 +25,6 @@ over repeats):
 Needs the installed package and the repository root on ``sys.path`` (run from the root).
 Writes benchmarks/results/compiled.md (``--out`` for another file).
 """
-import argparse
 import os
 import statistics
 import sys
@@ -33,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import RESULTS, peak_added, reset_peak, write_result  # noqa: E402
+from common import peak_added, reset_peak, step_parser, write_result  # noqa: E402
 
 WARM_UP = 3
 RUNS = (("xla_fsdp", "eager"), ("xla_fsdp", "compiled"), ("torch_xla", "compiled"))
@@ -120,13 +119,7 @@ def summary(runs):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "compiled.md"))
+    ap = step_parser("compiled.md")
     args = ap.parse_args()
     results = {}
     for impl, mode in RUNS:

@@ -27,7 +27,6 @@ foreach and fused, 1 and 2 threads) is this machine's; the v5e-8 estimate scales
 Needs the installed package and the repository root on ``sys.path`` (run from the root).
 Writes benchmarks/results/offload/offload.md (``--out`` for another file).
 """
-import argparse
 import gc
 import os
 import statistics
@@ -37,7 +36,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import RESULTS, write_result  # noqa: E402
+from common import step_parser, write_result  # noqa: E402
 
 WARM_UP = 3
 RUNS = (("xla_fsdp", "fp32", False), ("xla_fsdp", "fp32", True),
@@ -239,14 +238,8 @@ def estimate(per_core: float) -> list:
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--world", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--dim", type=int, default=512)
+    ap = step_parser(os.path.join("offload", "offload.md"))
     ap.add_argument("--adamw-numel", type=int, default=32 * 2 ** 20)
-    ap.add_argument("--out", default=os.path.join(RESULTS, "offload", "offload.md"))
     args = ap.parse_args()
     results = {}
     for impl, precision, offload in RUNS:

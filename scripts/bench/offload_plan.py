@@ -8,9 +8,8 @@ measurement.
     python -m scripts.bench.offload_plan                           # 1024 tokens/chip
     python -m scripts.bench.offload_plan --act-ckpt --seq 2048     # + checkpointing
 
-Builds on ``scripts.bench.tpu_plan`` (its shapes, meta model, FSDPv2 output sharding) and
-leaves its behaviour alone: ``OffloadSetting`` adds the two flags it lacks (activation
-checkpointing per decoder layer, autocast) and ``train_step`` here reads them. Each
+Builds on ``scripts.bench.tpu_plan``: its shapes, ``Setting`` (with activation checkpointing
+per decoder layer and autocast) and ``train_step``. Each
 implementation is traced once and the trace compiled for every slice side by side (a
 libtpu process each), as ``tests/aot/test_large_model.py`` does. The planning process's
 peak RSS is read after each trace (the traced child's, the largest so far: the offloaded
@@ -20,7 +19,6 @@ Results go to ``benchmarks/results/offload/``.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import re
@@ -29,10 +27,9 @@ import shlex
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import List, Optional
 
-from scripts.bench.tpu_plan import SHAPES, Setting, _config, _on_device, _shard_output
+from scripts.bench.tpu_plan import SHAPES, Setting, train_step
 
 OUT = os.path.join("benchmarks", "results", "offload")
 # label -> (impl, offload): the offloaded run first (see the RSS note above)
@@ -40,15 +37,8 @@ RUNS = {"xla_fsdp+offload": ("xla_fsdp", True), "xla_fsdp": ("xla_fsdp", False),
         "torch_xla": ("torch_xla", False), "fsdpv2": ("fsdpv2", False)}
 
 
-@dataclass(frozen=True)
-class OffloadSetting(Setting):
-    act_ckpt: bool = False   # checkpoint_module around each decoder layer
-    autocast: bool = False   # the forward under torch.autocast("xla", dtype=bfloat16)
-    attention: str = ""      # Hugging Face's attn_implementation ("": its default, sdpa)
-
-
 def setting_for(label: str, shape: str, layers: int, seq: int, act_ckpt: bool,
-                steps: int = 3, fsdpv2_attention: str = "eager") -> OffloadSetting:
+                steps: int = 3, fsdpv2_attention: str = "eager") -> Setting:
     """bf16 compute for every implementation, by the means each has. FSDPv2's is autocast,
     whose XLA policy leaves ``scaled_dot_product_attention`` out: Hugging Face's sdpa
     attention then gets float32 queries and keys (rotary embeddings promote them) and a
@@ -61,84 +51,9 @@ def setting_for(label: str, shape: str, layers: int, seq: int, act_ckpt: bool,
         options = (("compute_dtype", torch.bfloat16),)
     if offload:
         options += (("offload_optimizer", True),)
-    return OffloadSetting(impl, shape, layers, seq, steps=steps, options=options,
+    return Setting(impl, shape, layers, seq, steps=steps, options=options,
                           act_ckpt=act_ckpt, autocast=impl == "fsdpv2",
                           attention=fsdpv2_attention if impl == "fsdpv2" else "")
-
-
-def train_step(rank: int, setting: OffloadSetting) -> None:
-    """``tpu_plan.train_step`` plus activation checkpointing and autocast."""
-    import contextlib
-
-    import torch
-    import torch_xla
-    from transformers import LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    config = _config(setting)
-    if setting.attention:
-        config._attn_implementation = setting.attention
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    layer = {LlamaDecoderLayer}
-    device = torch_xla.device()
-    mesh = None
-    if setting.impl == "xla_fsdp":
-        from xla_fsdp import FSDP, checkpoint_module
-        from xla_fsdp.wrap import transformer_auto_wrap_policy
-        wrapper = ((lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k))
-                   if setting.act_ckpt else None)
-        model = FSDP(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer),
-            auto_wrapper_callable=wrapper, **dict(setting.options))
-    elif setting.impl == "torch_xla":
-        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
-        from torch_xla.distributed.fsdp import checkpoint_module
-        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        wrapper = ((lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k))
-                   if setting.act_ckpt else None)
-        model = FSDP(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer),
-            auto_wrapper_callable=wrapper,
-            param_init_fn=functools.partial(_on_device, device=device),
-            **dict((("pin_layout_in_collective_ops", False),) + setting.options))
-    elif setting.impl == "fsdpv2":
-        import numpy as np
-        import torch_xla.distributed.spmd as xs
-        import torch_xla.runtime as xr
-        from torch_xla.distributed.fsdp import checkpoint_module
-        from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
-            SpmdFullyShardedDataParallel as FSDPv2)
-        xr.use_spmd()
-        n = xr.global_runtime_device_count()
-        mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
-        xs.set_global_mesh(mesh)
-        _on_device(model, device)
-        # torch_xla's SPMD docs: auto_wrapper_callable wraps the checkpointed layer
-        wrapper = ((lambda m, *a, **k: FSDPv2(checkpoint_module(m), *a, **k))
-                   if setting.act_ckpt else None)
-        model = FSDPv2(model, mesh=mesh, shard_output=_shard_output,
-                       auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                          transformer_layer_cls=layer),
-                       auto_wrapper_callable=wrapper)
-    else:
-        raise ValueError(setting.impl)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    chips = mesh.size() if mesh is not None else 1
-    for step in range(setting.steps):
-        ids = torch.randint(0, config.vocab_size, (chips, setting.seq)).to(device)
-        if mesh is not None:
-            import torch_xla.distributed.spmd as xs
-            xs.mark_sharding(ids, mesh, ("fsdp", None))
-        context = (torch.autocast("xla", dtype=torch.bfloat16) if setting.autocast
-                   else contextlib.nullcontext())
-        with context:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
 
 
 def _max_rss() -> dict:
@@ -158,7 +73,7 @@ def _dot_dtypes(hlo: List[str]) -> dict:
     return counts
 
 
-def plan(label: str, setting: OffloadSetting, topologies: List[str]) -> List[dict]:
+def plan(label: str, setting: Setting, topologies: List[str]) -> List[dict]:
     from xla_fsdp.aot.plan import report_for, trace_step
     from xla_fsdp.aot.topology import resolve
     slices = [resolve(t) for t in topologies]

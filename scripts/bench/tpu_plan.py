@@ -56,6 +56,9 @@ class Setting:
     seq: int            # tokens per chip (one sequence)
     steps: int = 4
     options: tuple = ()  # (name, value) pairs of extra wrapper options (ours, torch_xla's)
+    act_ckpt: bool = False   # each implementation's checkpoint_module around each layer
+    autocast: bool = False   # the forward under torch.autocast("xla", dtype=bfloat16)
+    attention: str = ""      # Hugging Face's attn_implementation ("": its default, sdpa)
 
 
 def _config(setting: Setting):
@@ -97,19 +100,31 @@ def _shard_output(output, mesh) -> None:
 
 def train_step(rank: int, setting: Setting) -> None:
     """The training function every plan compiles: build, wrap, AdamW, ``steps`` steps."""
+    import contextlib
+
     import torch
     import torch_xla
     from transformers import LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     config = _config(setting)
+    if setting.attention:
+        config._attn_implementation = setting.attention
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     layer = {LlamaDecoderLayer}
     device = torch_xla.device()
     mesh = None
+
+    def wrapping(wrapper_cls, checkpoint_module) -> dict:
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls=layer)
+        if not setting.act_ckpt:
+            return {"auto_wrap_policy": policy}
+        return {"auto_wrap_policy": policy, "auto_wrapper_callable":
+                lambda m, *a, **k: wrapper_cls(checkpoint_module(m), *a, **k)}
+
     if setting.impl.startswith("xla_fsdp"):
-        from xla_fsdp import FSDP
+        from xla_fsdp import FSDP, checkpoint_module
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         options = dict(setting.options)
         if setting.impl == "xla_fsdp_unpinned":
@@ -117,19 +132,19 @@ def train_step(rank: int, setting: Setting) -> None:
         if setting.impl == "xla_fsdp_tpu":
             options.update(TPU_SETTINGS)
             os.environ.update(TPU_ENVIRONMENT)
-        model = FSDP(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer), **options)
+        model = FSDP(model, **wrapping(FSDP, checkpoint_module), **options)
     elif setting.impl == "torch_xla":
         from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as FSDP
+        from torch_xla.distributed.fsdp import checkpoint_module
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
-        model = FSDP(model, auto_wrap_policy=functools.partial(
-            transformer_auto_wrap_policy, transformer_layer_cls=layer),
-            param_init_fn=functools.partial(_on_device, device=device),
-            **dict((("pin_layout_in_collective_ops", False),) + setting.options))
+        model = FSDP(model, **wrapping(FSDP, checkpoint_module),
+                     param_init_fn=functools.partial(_on_device, device=device),
+                     **dict((("pin_layout_in_collective_ops", False),) + setting.options))
     else:
         import numpy as np
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
+        from torch_xla.distributed.fsdp import checkpoint_module
         from torch_xla.distributed.fsdp.wrap import transformer_auto_wrap_policy
         from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
             SpmdFullyShardedDataParallel as FSDPv2)
@@ -138,9 +153,9 @@ def train_step(rank: int, setting: Setting) -> None:
         mesh = xs.Mesh(np.arange(n), (n, 1), ("fsdp", "model"))
         xs.set_global_mesh(mesh)
         _on_device(model, device)
+        # torch_xla's SPMD docs: auto_wrapper_callable wraps the checkpointed layer
         model = FSDPv2(model, mesh=mesh, shard_output=_shard_output,
-                       auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
-                                                          transformer_layer_cls=layer))
+                       **wrapping(FSDPv2, checkpoint_module))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     chips = mesh.size() if mesh is not None else 1
     for step in range(setting.steps):
@@ -148,7 +163,10 @@ def train_step(rank: int, setting: Setting) -> None:
         if mesh is not None:
             import torch_xla.distributed.spmd as xs
             xs.mark_sharding(ids, mesh, ("fsdp", None))
-        loss = model(input_ids=ids, labels=ids).loss
+        context = (torch.autocast("xla", dtype=torch.bfloat16) if setting.autocast
+                   else contextlib.nullcontext())
+        with context:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
