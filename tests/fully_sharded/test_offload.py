@@ -5,6 +5,7 @@ libtpu compiles for a v5e-4 shows (XLA's compiled-program memory statistics). Pa
 import collections
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 from tests.support import hlo, tpu_plans
 from xla_fsdp.aot import compile_for_tpu
@@ -18,9 +19,12 @@ def _array_parameters(text):
 
 
 def test_the_offloaded_step_program_holds_no_optimizer_state():
-    plain, offloaded = (
-        compile_for_tpu(functools.partial(tpu_plans.ours, **kwargs), "v5e-4", args=("meta",))
-        for kwargs in ({}, {"offload_optimizer": True}))
+    def plan(kwargs):
+        return compile_for_tpu(functools.partial(tpu_plans.ours, **kwargs), "v5e-4",
+                               args=("meta",))
+
+    with ThreadPoolExecutor(2) as pool:   # a traced process and a libtpu process each
+        plain, offloaded = pool.map(plan, ({}, {"offload_optimizer": True}))
     # one program per step either way: the offloaded one runs at the end of backward, and
     # the optimizer's step on the host adds none
     assert plain.programs == offloaded.programs == 1

@@ -13,8 +13,9 @@ from ..support.parity import SETTINGS, compare, train
 
 
 def _names(world):
-    # groups of two need at least two groups
-    return [n for n in SETTINGS if SETTINGS[n][3].get("groups", 1) == 1 or world >= 4]
+    # groups of two need at least two groups; a setting may name the worlds it runs at
+    return [n for n in SETTINGS if (SETTINGS[n][3].get("groups", 1) == 1 or world >= 4)
+            and world in SETTINGS[n][3].get("worlds", (world,))]
 
 
 @pytest.fixture(scope="module")
