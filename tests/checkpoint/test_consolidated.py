@@ -14,6 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
 
+from ..support.checkpoint_workloads import assert_same_tree
 from ..support.consolidated_workloads import CONFIG, FORMATS, WORLD, llama, save_everything
 
 
@@ -33,21 +34,6 @@ def _offline(root, fmt, tmp_path):
     return out
 
 
-def _equal(a, b, where=""):
-    if isinstance(a, dict):
-        assert set(a) == set(b), (where, sorted(set(a) ^ set(b)))
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _equal(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
-
-
 def test_only_the_first_rank_writes(saved):
     root, results = saved
     for rank in range(1, WORLD):
@@ -62,9 +48,9 @@ def test_pt_and_safetensors_equal_the_offline_consolidation(saved, tmp_path):
     root, results = saved
     offline = torch.load(_offline(root, "pt", tmp_path), weights_only=True)
     online = torch.load(results[0]["pt"][0], weights_only=True)
-    _equal(online, offline)
+    assert_same_tree(online, offline)
     assert offline["optimizer"]["state"], "no optimizer state"
-    _equal(load_file(results[0]["safetensors"][0]),
+    assert_same_tree(load_file(results[0]["safetensors"][0]),
            load_file(_offline(root, "safetensors", tmp_path)))
 
 
@@ -75,7 +61,7 @@ def test_dcp_equals_the_offline_consolidation(saved, tmp_path):
                             ("offline", _offline(root, "dcp", tmp_path))):
         dcp_to_torch_save(directory, str(tmp_path / f"{name}.pt"))
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
-    _equal(got["online"], got["offline"])
+    assert_same_tree(got["online"], got["offline"])
     assert got["online"]["extra"] == {"step": 1}
 
 
@@ -86,7 +72,7 @@ def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):
     model, info = LlamaForCausalLM.from_pretrained(directory, output_loading_info=True)
     assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
                     "error_msgs": []}
-    _equal(model.state_dict(), full)
+    assert_same_tree(model.state_dict(), full)
     assert json.load(open(os.path.join(directory, "config.json")))["hidden_size"] == 32
     # what save_pretrained writes for the same weights, split alike
     reference = llama()
@@ -103,7 +89,7 @@ def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):
     assert index["metadata"] == want["metadata"]
     assert sorted(os.listdir(out)) == sorted(os.listdir(config_dir))
     for f in set(index["weight_map"].values()):
-        _equal(load_file(os.path.join(out, f)), load_file(os.path.join(config_dir, f)), f)
+        assert_same_tree(load_file(os.path.join(out, f)), load_file(os.path.join(config_dir, f)), f)
 
 
 def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, capsys):

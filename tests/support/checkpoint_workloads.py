@@ -53,3 +53,32 @@ def snapshot(model, opt):
 
 def same_state(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def same_snapshot(a, b):
+    """Whether two ``snapshot``s (model and optimizer) are equal."""
+    return all(same_state(x, y) for x, y in zip(a, b))
+
+
+def tree_differences(a, b, where=""):
+    """Where two loaded checkpoints' trees differ: keys, lengths, tensors' dtypes, shapes,
+    devices or values, other values; empty when they are the same."""
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        same = torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and \
+            a.shape == b.shape and a.device == b.device and torch.equal(a, b)
+        return [] if same else [where]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [p for k in a for p in tree_differences(a[k], b[k], f"{where}.{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            return [f"{where}: lengths {len(a)} and {len(b)}"]
+        return [p for i, (x, y) in enumerate(zip(a, b))
+                for p in tree_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
+
+
+def assert_same_tree(a, b, where=""):
+    problems = tree_differences(a, b, where)
+    assert not problems, "\n".join(problems)

@@ -1,12 +1,7 @@
 """What the asynchronous-save and CheckpointManager tests run in one launch."""
 import os
 
-from .checkpoint_workloads import optimizer_for, same_state, snapshot, train, wrapped_net
-
-
-def _equal(a, b):
-    """Whether two ``snapshot``s (model and optimizer) are equal."""
-    return all(same_state(x, y) for x, y in zip(a, b))
+from .checkpoint_workloads import optimizer_for, same_snapshot, snapshot, train, wrapped_net
 
 
 def async_and_manager(rank, world, directory):
@@ -32,9 +27,9 @@ def async_and_manager(rank, world, directory):
     train(model, opt, range(3, 4), rank, world)
     out["dcp_dir"] = pending_dcp.wait()
     out["sharded_extra"] = load_sharded(prefix, model, opt)
-    out["sharded_state"] = _equal(snapshot(model, opt), saved)
+    out["sharded_state"] = same_snapshot(snapshot(model, opt), saved)
     out["dcp_extra"] = load_dcp(dcp_dir, model, opt)
-    out["dcp_state"] = _equal(snapshot(model, opt), saved3)
+    out["dcp_state"] = same_snapshot(snapshot(model, opt), saved3)
 
     # a manager: DCP, asynchronous, every 2 steps, the last 2 kept; then a new model
     # resumed from it continues exactly as the first one does
@@ -59,7 +54,7 @@ def async_and_manager(rank, world, directory):
     model = wrapped_net()
     opt = optimizer_for(model)
     out["restored_extra"] = resumed.restore(model, opt)
-    out["restored_state"] = _equal(snapshot(model, opt), at10)
+    out["restored_state"] = same_snapshot(snapshot(model, opt), at10)
     out["resumed_losses_equal"] = train(model, opt, range(10, 13), rank, world) == later
     out["step8_extra"] = load_dcp(os.path.join(root, "step000008"), model, opt)
     resumed.close()

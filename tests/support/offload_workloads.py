@@ -8,31 +8,13 @@ import threading
 
 import torch
 
-from .checkpoint_workloads import snapshot, train, wrapped_net
+from .checkpoint_workloads import same_snapshot, snapshot, train, tree_differences, wrapped_net
 
 STEPS = range(2)
 
 
 def _adamw(model):
     return torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-
-
-def _tree_problems(a, b, where):
-    """Where two loaded checkpoint trees differ: keys, types, dtypes, shapes or values."""
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        if not (torch.is_tensor(a) and torch.is_tensor(b)) or a.dtype != b.dtype or \
-                a.shape != b.shape or a.device != b.device or not torch.equal(a, b):
-            return [where]
-        return []
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return [f"{where}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
-        return [p for k in a for p in _tree_problems(a[k], b[k], f"{where}.{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{where}: lengths {len(a)} {len(b)}"]
-        return [p for i, (x, y) in enumerate(zip(a, b)) for p in _tree_problems(x, y, f"{where}[{i}]")]
-    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 def _same_dcp(a_dir, b_dir):
@@ -98,10 +80,7 @@ def checkpoints(rank, root):
         model = wrapped_net(**kwargs)
         opt = _adamw(model)
         load_sharded(os.path.join(root, "seed", "ckpt"), model, opt)
-        got = snapshot(model, opt)
-        if got[0].keys() != expected[0].keys() or got[1].keys() != expected[1].keys() or \
-                any(not torch.equal(got[i][k], expected[i][k]) for i in (0, 1)
-                    for k in expected[i]):
+        if not same_snapshot(snapshot(model, opt), expected):
             problems.append(f"load_sharded into the {name} model: state differs")
         save_sharded(os.path.join(root, name, "ckpt"), model, opt, extra={"step": 2})
         save_dcp(os.path.join(root, name + "_dcp"), model, opt)
@@ -116,7 +95,7 @@ def checkpoints(rank, root):
         for name in sorted(os.listdir(os.path.join(root, "plain"))):
             a = torch.load(os.path.join(root, "plain", name), weights_only=False)
             b = torch.load(os.path.join(root, "off", name), weights_only=False)
-            problems += _tree_problems(a, b, f"per-rank {name}")
+            problems += tree_differences(a, b, f"per-rank {name}")
         problems += [f"dcp: {f}" for f in _same_dcp(os.path.join(root, "plain_dcp"),
                                                     os.path.join(root, "off_dcp"))]
         if not filecmp.cmp(os.path.join(root, "plain.pth"), os.path.join(root, "off.pth"),
@@ -129,9 +108,7 @@ def checkpoints(rank, root):
         loaded = wrapped_net(offload_optimizer=True)
         loaded_opt = _adamw(loaded)
         load(os.path.join(root, path), loaded, loaded_opt)
-        got = snapshot(loaded, loaded_opt)
-        if any(not torch.equal(got[0][k], expected[0][k]) for k in expected[0]) or \
-                any(not torch.equal(got[1][k], expected[1][k]) for k in expected[1]):
+        if not same_snapshot(snapshot(loaded, loaded_opt), expected):
             problems.append(f"{what} into the offloaded model: state differs")
 
     # an asynchronous save holds the state of its call while the host optimizer steps on:
@@ -148,9 +125,7 @@ def checkpoints(rank, root):
     back = wrapped_net()
     back_opt = _adamw(back)
     load_sharded(os.path.join(root, "async", "ckpt"), back, back_opt)
-    got = snapshot(back, back_opt)
-    if any(not torch.equal(got[0][k], before[0][k]) for k in before[0]) or \
-            any(not torch.equal(got[1][k], before[1][k]) for k in before[1]):
+    if not same_snapshot(snapshot(back, back_opt), before):
         problems.append("async save of the offloaded model: the file is not the state at "
                         "the call")
 
@@ -163,8 +138,6 @@ def checkpoints(rank, root):
     restored_opt = _adamw(restored)
     extra = manager.restore(restored, restored_opt)
     manager.close()
-    got = snapshot(restored, restored_opt)
-    if extra != {"step": 3} or any(not torch.equal(got[0][k], now[0][k]) for k in now[0]) \
-            or any(not torch.equal(got[1][k], now[1][k]) for k in now[1]):
+    if extra != {"step": 3} or not same_snapshot(snapshot(restored, restored_opt), now):
         problems.append("CheckpointManager.restore into the offloaded model: state differs")
     return problems, places

@@ -8,8 +8,9 @@ The full parameters are in one of three states:
   held here, not yet behind the barrier that marks where it is used;
 * ``UNSHARDED``: the placeholders hold slices of the gathered tensors.
 
-Gradients of complete shard groups are queued and reduce-scattered into the shards' ``.grad``
-(with offload, beside their device copies: see [Note: the optimizer on the host]) in buckets (``reduce_scatter_bucket_size_mb``); under ``no_sync`` they stay on the
+Gradients of complete shard groups are queued and reduce-scattered in buckets
+(``reduce_scatter_bucket_size_mb``) into the shards' ``.grad``, or with offload beside their
+device copies (see [Note: the optimizer on the host]); under ``no_sync`` they stay on the
 placeholders until the next synchronised backward.
 
 [Note: per-step host cost]

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from xla_fsdp import launch
 
+from ...support.checkpoint_workloads import assert_same_tree
 from ...support.dcp_workloads import CONFIGS, LOAD_WORLD, SAVE_WORLD, load_all, save_all
 
 pytestmark = pytest.mark.slow
@@ -33,32 +34,21 @@ def _torch_save(directory, tmp_path, name):
     return torch.load(out, weights_only=False)
 
 
-def _equal(a, b, where):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), (where, sorted(set(a) ^ set(b)))
-        for k in a:
-            _equal(a[k], b[k], f"{where}.{k}")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    else:
-        assert a == b, (where, a, b)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_round_trip_is_exact(trips, name, tmp_path):
     saved = trips["saved"][0][name]  # with independent groups, group 0's model and files
     for rank, result in trips["loaded"].items():
-        _equal(result[name], saved, f"rank {rank} {name}")
+        assert_same_tree(result[name], saved, f"rank {rank} {name}")
     suffix = "_group-000" if name == "groups_to_nested" else ""
     first = _torch_save(os.path.join(trips["first"], name + suffix), tmp_path, "first")
     second = _torch_save(os.path.join(trips["second"], name), tmp_path, "second")
-    _equal(second, first, name)
+    assert_same_tree(second, first, name)
     assert first["extra"] == {"config": name}
     assert first["optimizer"]["state"], "no optimizer state was saved"
     # through save_consolidated / load_consolidated instead: the same model and optimizer
     through = _torch_save(os.path.join(trips["second"], name + "_consolidated"), tmp_path,
                           "consolidated")
-    _equal(through, first, f"{name} through a consolidated checkpoint")
+    assert_same_tree(through, first, f"{name} through a consolidated checkpoint")
 
 
 def test_independent_groups_consolidate_a_file_each(trips):
