@@ -13,7 +13,7 @@ all-gather, so coalesced gathers are never pinned.
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Callable, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -179,3 +179,42 @@ def sum_over_all_ranks(counts: torch.Tensor) -> torch.Tensor:
     (``checkpoint.manager.step_vote``)."""
     import torch_xla.core.xla_model as xm
     return xm.all_reduce(xm.REDUCE_SUM, counts, groups=None, pin_layout=False)
+
+
+class _TracedGather(torch.autograd.Function):
+    """An all-gather over every rank whose backward is the matching reduce-scatter, in the
+    ops Dynamo traces into a compiled graph (``torch.ops._c10d_functional``, which torch_xla
+    lowers to XLA's own collectives): see [Note: collectives traced into the compiled graph].
+    The piece is cast to the compute dtype inside, so that its gradient comes back in the
+    shard's dtype with the rounding of the eager reduction (``padded_gradient`` then
+    ``scatter_gradients``): reduced in ``reduce_dtype``, pre-divided only when that is not
+    float32, and cast to the shard's dtype after the scale."""
+
+    @staticmethod
+    def forward(ctx: Any, piece: torch.Tensor, world: int, compute_dtype: torch.dtype,
+                reduce_dtype: torch.dtype, pre: float, post: float) -> torch.Tensor:
+        ctx.spec = (world, reduce_dtype, pre, post, piece.dtype)
+        send = piece if piece.dtype == compute_dtype else piece.to(compute_dtype)
+        out = torch.ops._c10d_functional.all_gather_into_tensor(send.contiguous(), world, "")
+        return torch.ops._c10d_functional.wait_tensor(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        world, reduce_dtype, pre, post, dtype = ctx.spec
+        flat = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
+        if flat.dtype == torch.float32:
+            scale = 1.0 / (pre * post)
+        else:
+            flat = flat / pre if pre != 1 else flat
+            scale = 1.0 / post
+        out = torch.ops._c10d_functional.reduce_scatter_tensor(flat.contiguous(), "sum", world, "")
+        out = torch.ops._c10d_functional.wait_tensor(out) * scale
+        return (out if out.dtype == dtype else out.to(dtype)), None, None, None, None, None
+
+
+def traced_gather(piece: torch.Tensor, world: int, compute_dtype: torch.dtype,
+                  reduce_dtype: torch.dtype, divide: Tuple[float, float]) -> torch.Tensor:
+    """``piece`` of every rank, concatenated along dim 0 in the compute dtype, as a value a
+    compiled graph holds; its gradient is reduce-scattered back to ``piece`` and averaged
+    as ``scatter_gradients`` averages (``divide``: the pre- and post-division factors)."""
+    return _TracedGather.apply(piece, world, compute_dtype, reduce_dtype, *divide)

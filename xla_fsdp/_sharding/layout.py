@@ -103,6 +103,16 @@ class _WholeShard:
         return self.unshard(gathered[0])
 
 
+def compute_cached(layout: "Layout") -> None:
+    """Computes every cached size of ``layout`` now. ``cached_property`` takes a lock the
+    first time, which code that Dynamo traces cannot (see [Note: collectives traced into the
+    compiled graph] in ``_unit.traced_unshard``)."""
+    for klass in type(layout).__mro__:
+        for name, attr in vars(klass).items():
+            if isinstance(attr, cached_property):
+                getattr(layout, name)
+
+
 @dataclass(frozen=True)
 class FlatLayout(_Tensors, _WholeShard):
     """Elements per shard are a multiple of ``multiple``."""

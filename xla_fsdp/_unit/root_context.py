@@ -37,6 +37,8 @@ class Participant(Protocol):
 
     def end_of_model_forward(self, grad_enabled: bool) -> None: ...
 
+    def traceable(self) -> bool: ...
+
     def finish_backward(self) -> None: ...
 
     def shard_gradients(self) -> List[torch.Tensor]: ...
@@ -69,6 +71,20 @@ class RootContext:
             first_time()
             self._initialized = True
         self.forward_id += 1
+
+    def traced(self) -> bool:
+        """Whether the model's units gather and reduce inside a graph Dynamo traces (see
+        [Note: collectives traced into the compiled graph]): all of them can, and no eager
+        backward is pending."""
+        return not self._callback_queued and all(s.traceable() for s in self.states)
+
+    def check_first_forward(self, first_time: Callable[[], None]) -> bool:
+        """Runs the checks of the model's first forward, once; Dynamo runs it while it traces
+        (``assume_constant_result`` in ``UnitState``), so the traced graph holds none of it."""
+        if not self._initialized:
+            first_time()
+            self._initialized = True
+        return True
 
     def end_forward(self, grad_enabled: bool) -> None:
         """After the root's forward: units whose forward did not complete (a grouped unit

@@ -43,10 +43,12 @@ import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
                                      padded_gradient, scatter_gradients)
+from .._sharding.layout import compute_cached
 from .._xla.private_api import run_pending
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .shard_group import ShardGroup
+from .traced_unshard import blocker, full_values
 
 
 class FullParams(enum.Enum):
@@ -75,9 +77,12 @@ class UnitParams:
         self.divide = (1.0, 1.0)                   # gradient pre- and post-division factors
         self._backward_barrier: List[torch.Tensor] = []
         self._replica_groups = options.replica_groups
+        self.traced_blocker = blocker(options)  # see [Note: collectives traced into the compiled graph]
 
     def add(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.shard_groups.extend(shard_groups)
+        for g in shard_groups:
+            compute_cached(g.layout)
 
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()
@@ -165,6 +170,19 @@ class UnitParams:
         if dtype not in self._dummies:
             self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.device)
         return self._dummies[dtype]
+
+    # -- the traced path (see [Note: collectives traced into the compiled graph]) -------------
+    def traceable(self) -> bool:
+        """Whether this unit's next forward can gather in a traced graph: its options allow
+        it, gradients are synchronised, and nothing eager is held (full parameters, a
+        ``no_sync`` accumulation)."""
+        return (self.traced_blocker is None and self.sync_gradients
+                and self.state is FullParams.SHARDED
+                and all(g.sentinel is None for g in self.shard_groups))
+
+    def traced_full_values(self) -> List[torch.Tensor]:
+        return full_values(self.shard_groups, self.collectives.world_size, self.options,
+                           self.divide, keep_for_backward=not self.reshard_after_forward)
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
     def set_reshard_after_forward(self, value: bool) -> None:

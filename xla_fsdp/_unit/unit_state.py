@@ -37,9 +37,11 @@ from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
+from .param_record import ParamRecord
 from .registry import WeakRegistry
 from .root_context import RootContext
 from .shard_group import ShardGroup
+from .traced_unshard import give_back, put
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
@@ -90,6 +92,7 @@ class UnitState:
         self._leaf_hooks: List[RemovableHandle] = []  # on persistent leaves: removed after backward
         self._warned_hidden = False
         params.join(self.context.backward_barrier)
+        self._check_at_trace = _checks_at_trace(self)
         self._update_reshard_after_forward()
         _STATES[unit] = self
 
@@ -217,14 +220,35 @@ class UnitState:
     # These two may run in Dynamo, which then reads that it is tracing, and hand over to
     # the eager code at a graph break (see [Note: FSDP's hooks under torch.compile]). On a
     # member's torch.compile module the compiled region comes right after them.
+    # When Dynamo traces them and the model allows it, the gathers go into the traced graph
+    # instead (see [Note: collectives traced into the compiled graph]).
     def _pre_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                           args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if torch.compiler.is_compiling() and not on_compiled and self.context.traced():
+            return self._pre_traced(args, kwargs)
         return self._pre_eager(member, args, kwargs,
                                on_compiled or torch.compiler.is_compiling())
 
     def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                            _args: tuple, outputs: Any) -> Any:
+        if torch.compiler.is_compiling() and not on_compiled and self.context.traced():
+            give_back(self._records())
+            return outputs
         return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
+
+    def traceable(self) -> bool:
+        return not self.detached and self.compile_refusal is None and self.params.traceable()
+
+    def _records(self) -> List[ParamRecord]:
+        return [r for g in self.shard_groups for r in g.records]
+
+    def _pre_traced(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        if self is self.context.root:
+            self._check_at_trace()
+        if self.options.compute_dtype != torch.float32:
+            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
+        put(self._records(), self.params.traced_full_values())
+        return args, kwargs
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
                     compiled: bool) -> Tuple[tuple, dict]:
@@ -437,6 +461,18 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self._took_part = False
         self._members_run.clear()
+
+
+def _checks_at_trace(state: "UnitState") -> Callable[[], bool]:
+    """The first forward's checks as a function Dynamo runs while it traces the root's
+    forward, leaving nothing of it in the graph (it takes no arguments: Dynamo passes only
+    constants to such a function)."""
+    held = weakref.ref(state)
+
+    def check() -> bool:
+        root = held()
+        return root is None or root.context.check_first_forward(root._first_root_forward)
+    return torch._dynamo.assume_constant_result(check)
 
 
 def _call_if_alive(method: "weakref.WeakMethod", grad: torch.Tensor) -> Optional[torch.Tensor]:

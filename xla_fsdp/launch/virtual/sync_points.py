@@ -74,6 +74,7 @@ class SyncPoints:
         self._first_rank = 0
         self._ran_graph_this_round: Dict[int, bool] = {}  # rank -> dispatched a computation
         self._orig: Dict[str, Callable] = {}
+        self._collective_programs: set = set()  # hashes of compiled regions with collectives
 
     # -- install ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -111,6 +112,11 @@ class SyncPoints:
             return
         for name in ("extract_compiled_graph", "extract_graph_helper"):
             self._patch(dynamo_bridge, name, self._compiling(name, getattr(dynamo_bridge, name)))
+        # [Note: compiled regions that hold collectives] A region whose collectives were
+        # traced with its compute (FSDP's compiled path) is one program that meets its peers'
+        # copies: every rank must dispatch it at the same collective point, like a sync.
+        self._patch(self._xlac, "_xla_warm_up_cache", self._warm_up_cache)
+        self._patch(self._xlac, "_run_cached_graph", self._run_cached_graph)
         # Work pending before a compiled module or function is called (eager FSDP units
         # around it, the user's own collectives) runs on every rank as it enters, so that a
         # compile there finds no collective pending.
@@ -160,6 +166,20 @@ class SyncPoints:
                 return compiled
             return self._peers_sync_where_compiled(compiled, self._rank)
         return compile_alone
+
+    def _warm_up_cache(self, tensors: List[torch.Tensor], devices: List[str]) -> Any:
+        if self._local.compiling and has_pending_collective(_xla_tensors(tensors)):
+            self._collective_programs.add(self._xlac._get_graph_hash(tensors))
+        return self._orig["_xla_warm_up_cache"](tensors, devices)
+
+    def _run_cached_graph(self, graph_hash: Any, inputs: List[Any]) -> Any:
+        run = self._orig["_run_cached_graph"]
+        if self._rank is None or graph_hash not in self._collective_programs:
+            return run(graph_hash, inputs)
+        out: List[Any] = []
+        self._collective("a compiled region holding collectives",
+                         lambda: out.append(run(graph_hash, inputs)))
+        return out[0]
 
     def _peers_sync_where_compiled(self, compiled: Callable, compiler: int) -> Callable:
         # The compiling rank synced its device while compiling; the others' first call of

@@ -1,0 +1,104 @@
+"""A unit's full parameters as values of a graph that ``torch.compile`` traces: gathered in
+the graph, put where the modules read them for one forward, and given back after it.
+
+[Note: collectives traced into the compiled graph]
+Under ``torch.compile`` a unit's forward hooks are traced by Dynamo like the modules' code.
+Each shard group is gathered with ``_sharding.collectives.traced_gather``, an all-gather
+whose backward reduce-scatters, so the whole model's forward, gathers included, is one
+Dynamo graph, and AOTAutograd makes one forward and one backward program of it, with every
+reduce-scatter in the backward one. The gathered values are put into the modules'
+attributes where the placeholders stand (a plain ``setattr``, which Dynamo replays as a
+side effect; the placeholders are back when the forward returns), so the modules' own code
+reads them and autograd takes their gradients straight to the shards: no hook runs in the
+backward, and ``.grad`` of every shard is set by the backward program itself.
+
+What ZeRO-3 needs from the partitioner is that no gathered value is saved for the backward.
+Untagged, AOTAutograd saves them (re-gathering costs more than keeping). So the gathers run
+under ``torch.utils.checkpoint`` with a policy that makes every op of them
+``MUST_RECOMPUTE``: the backward program gathers each unit again, from its shard, which the
+backward reads anyway. With ``reshard_after_forward=False`` the policy is ``MUST_SAVE``
+instead, the full parameters kept from forward to backward as that setting asks. Where the
+gathers and the reduce-scatters run inside each program is left to XLA's scheduler
+(prefetch settings order eager work and have nothing to order here).
+
+The path is taken only where a unit's eager semantics can be had in a graph (``blocker``
+says what stands in the way otherwise, and the graph-break path of [Note: FSDP's hooks
+under torch.compile] runs instead): functional collectives span every rank, so sharding
+groups and hybrid sharding are out; offloaded gradients leave the device from a hook at the
+end of backward; ``no_sync`` keeps full gradients on the placeholders, which this path never
+fills, and a pending accumulation must be reduced by the eager path that holds it; and the
+debugging stand-ins for collectives exist only eagerly.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Sequence
+
+import torch
+
+from .._sharding.collectives import traced_gather
+from .options import FsdpOptions
+from .param_record import ParamRecord
+from .shard_group import ShardGroup
+
+
+def blocker(options: FsdpOptions) -> Optional[str]:
+    """What keeps a unit with these options off the traced path, or None."""
+    if options.sharding_groups is not None or options.replica_groups is not None:
+        return "sharding_groups"
+    if options.offload_optimizer:
+        return "offload_optimizer"
+    if options.dummy_collectives:
+        return "the _debug_dummy collectives"
+    return None
+
+
+def full_values(shard_groups: Sequence[ShardGroup], world: int, options: FsdpOptions,
+                divide: tuple, keep_for_backward: bool) -> List[torch.Tensor]:
+    """Every record's full value, in shard group order, gathered in the traced graph (see
+    [Note: collectives traced into the compiled graph])."""
+    reduce_dtype = {g.compute_dtype: torch.float32 if options.fp32_reduce_scatter
+                    else g.compute_dtype for g in shard_groups}
+    gather = functools.partial(_gather_all, [(g.layout, g.compute_dtype) for g in shard_groups],
+                               world, reduce_dtype, divide)
+    shards = [g.shard for g in shard_groups]
+    if not any(s.requires_grad for s in shards):
+        return gather(*shards)
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    policy = _save_all if keep_for_backward else _recompute_all
+    return checkpoint(gather, *shards, use_reentrant=False, context_fn=functools.partial(
+        create_selective_checkpoint_contexts, policy))
+
+
+def _gather_all(specs: list, world: int, reduce_dtype: dict, divide: tuple,
+                *shards: torch.Tensor) -> List[torch.Tensor]:
+    values: List[torch.Tensor] = []
+    for (layout, dtype), shard in zip(specs, shards):
+        gathered = [traced_gather(p, world, dtype, reduce_dtype[dtype], divide)
+                    for p in layout.pieces(shard)]
+        values += layout.unshard_pieces(gathered)
+    return values
+
+
+def _recompute_all(_ctx: object, _op: object, *_args: object, **_kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _save_all(_ctx: object, _op: object, *_args: object, **_kwargs: object) -> object:
+    from torch.utils.checkpoint import CheckpointPolicy
+    return CheckpointPolicy.MUST_SAVE
+
+
+def put(records: Sequence[ParamRecord], values: Sequence[torch.Tensor]) -> None:
+    """Each full value where its record's placeholder stands, for one traced forward."""
+    for record, value in zip(records, values):
+        for module, attr in record.owners:
+            setattr(module, attr, value)
+
+
+def give_back(records: Sequence[ParamRecord]) -> None:
+    """The placeholders back where ``put`` replaced them."""
+    for record in records:
+        for module, attr in record.owners:
+            setattr(module, attr, record.placeholder)
