@@ -61,9 +61,19 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
             return original(*args, **kwargs)
         return checkpoint(recompute, len(args), tuple(kwargs), *flat)
 
+    eager = torch.compiler.disable(forward)
+
+    def forward_or_traced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        # torch_xla's checkpoint cannot run under Dynamo: it keeps the device RNG state as a
+        # Python int, which Dynamo would bake into the graph and recompile for at every
+        # step. Traced, the recompute is torch's checkpoint instead, which Dynamo turns into
+        # recomputation inside the backward program; the module's weights are then the
+        # graph's values, gathered by the traced path or given as the region's inputs.
+        if torch.compiler.is_compiling():
+            from torch.utils.checkpoint import checkpoint
+            return checkpoint(original, *args, use_reentrant=False, **kwargs)
+        return eager(self, *args, **kwargs)
+
     module._xla_checkpointed_forward_original = original
-    # Under torch.compile the checkpointed module runs eagerly, between compiled regions:
-    # torch_xla's checkpoint keeps the device RNG state as a Python int, which Dynamo would
-    # bake into the graph and recompile for at every step.
-    module.forward = MethodType(torch.compiler.disable(forward), module)
+    module.forward = MethodType(forward_or_traced, module)
     return module

@@ -107,6 +107,13 @@ def counts():
     return counters["frames"]["ok"], met.counter_value("UncachedCompile") or 0
 
 
+def executions():
+    """XLA programs run so far by every rank of the process (the metric is process-wide)."""
+    import torch_xla.debug.metrics as met
+    data = met.metric_data("ExecuteTime")
+    return data[0] if data else 0
+
+
 def guard_failures():
     from torch._dynamo.utils import guard_failures as failures
     return {f"{code.co_filename}:{code.co_firstlineno} {code.co_name}": list(reasons)
@@ -120,6 +127,10 @@ def train(rank, world, model, extra):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses, per_step = [], []
     for step in range(COMPILE_STEPS):
+        if step == WARM_UP:
+            # every rank has dispatched the last step's syncs when the ring hands this rank
+            # its turn after them, so the count between two such points is whole steps
+            executed = executions()
         before = counts()
         x, y = _batch(extra, step)
         local = len(x) // world
@@ -138,8 +149,9 @@ def train(rank, world, model, extra):
         losses.append(loss.item())
         after = counts()
         per_step.append((after[0] - before[0], after[1] - before[1]))
+    per_rank_step = (executions() - executed) / (world * (COMPILE_STEPS - WARM_UP))
     full = {k: v.cpu() for k, v in unit.full_state_dict(rank0_only=False).items()}
-    return losses, full, per_step
+    return losses, full, per_step, per_rank_step
 
 
 def unsharded(extra):
@@ -173,9 +185,9 @@ def run_settings(rank, world, names):
         placement, kwargs, extra = SETTINGS[name]
         if rank == 0:
             torch._dynamo.reset()
-        losses, full, per_step = train(rank, world, build(placement, kwargs, extra), extra)
+        losses, full, per_step, runs = train(rank, world, build(placement, kwargs, extra), extra)
         out[name] = {"losses": losses, "full": full, "per_step": per_step,
-                     "guard_failures": guard_failures()}
+                     "executions": runs, "guard_failures": guard_failures()}
     return out
 
 
