@@ -12,7 +12,9 @@ import pytest
 
 from xla_fsdp import launch
 
-from ..support.compiled_workloads import SETTINGS, WARM_UP, refusals, run_settings
+from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
+                                          saved_for_backward)
+from ..support.models import DIM, HIDDEN
 from ..support.parity import paired
 
 # fp32: the parity bounds; bf16: the parity settings' bf16 bounds (tests/support/parity.py)
@@ -107,6 +109,35 @@ def test_compiled_llama_trains_as_eager():
                 assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
             problems = _unsharded_problems(runs, 2, name)
             assert not problems, f"{name} against unsharded:\n" + "\n".join(problems)
+
+
+# [Note: collectives traced into the compiled graph]: a model whose units all gather in the
+# traced graph runs its forward program, the sync of the seed gradient autograd makes for
+# backward, its backward program, and the optimizer's step: four per rank, whatever the
+# number of units. Placements that run on the graph-break path are not bounded here.
+TRACED = ("compile_root", "compile_autowrapped")
+TRACED_EXECUTIONS = 4
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_traced_placements_run_four_programs_per_step(world):
+    results = net_runs(world)[0]
+    for name, (placement, kwargs, extra) in SETTINGS.items():
+        if placement in TRACED and not kwargs.get("offload_optimizer") \
+                and not extra.get("no_sync") and not extra.get("llama"):
+            got = results[name]["executions"]
+            assert got <= TRACED_EXECUTIONS, f"N={world} {name}: {got} executions per rank and step"
+    assert results["eager"]["executions"] == 1
+
+
+def test_traced_forward_saves_shards_not_full_parameters():
+    """ZeRO-3 under compile: the forward program hands the backward one the blocks' shards
+    and re-gathers them there; with ``reshard_after_forward=False`` it hands over the full
+    parameters instead, as that setting asks."""
+    saved = launch(saved_for_backward, (2,), num_devices=2)[0]
+    full = {(HIDDEN, DIM), (DIM, HIDDEN)}  # the blocks' linear weights, unsharded
+    assert not full & set(saved[True]), saved[True]
+    assert full <= set(saved[False]), saved[False]
 
 
 def test_placements_that_cannot_work_are_refused_by_name():

@@ -236,3 +236,38 @@ def refusals(rank):
         torch.manual_seed(0)
         attempt(name, fn)
     return out
+
+
+def saved_for_backward(rank, world):
+    """The shapes the compiled forward program hands to the backward one, for a root
+    compiled with its blocks resharding after forward (ZeRO-3) and for one that keeps them
+    (``reshard_after_forward=False``): AOTAutograd's partition, read through a backend that
+    records the forward graph's outputs and then compiles as openxla does."""
+    import torch_xla
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+    from xla_fsdp import FSDP
+    device = torch_xla.device()
+    out = {}
+    for reshard in (True, False):
+        recorded = []
+
+        def forward_compiler(gm, example, recorded=recorded):
+            (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+            recorded.extend(tuple(o.meta["val"].shape) for o in outputs
+                            if hasattr(o, "meta") and "val" in o.meta)
+            return openxla_eval_boxed(gm, example)
+
+        if rank == 0:
+            torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = Net()
+        net.b1 = FSDP(net.b1, reshard_after_forward=reshard)
+        net.b2 = FSDP(net.b2, reshard_after_forward=reshard)
+        model = torch.compile(FSDP(net), backend=aot_autograd(fw_compiler=forward_compiler))
+        x, y = batch("net", 0)
+        loss_fn("net", model(x.to(device)), y.to(device)).backward()
+        torch_xla.sync()
+        out[reshard] = recorded
+    return out
