@@ -7,6 +7,10 @@ compute, activation checkpointing, ``no_sync`` accumulation, the optimizer on th
 (``offload_optimizer``), and on a Hugging Face Llama.
 After the warm-up steps neither Dynamo nor XLA compiles anything (a failing guard's reason
 is in the assertion message). Placements that cannot work are refused by name.
+
+A compiled model whose units can gather in the traced graph (see [Note: collectives traced
+into the compiled graph]) runs four programs per rank and step, and its forward program
+hands the backward one shards, not full parameters.
 """
 import pytest
 
@@ -143,6 +147,7 @@ def test_traced_forward_saves_shards_not_full_parameters():
 def test_placements_that_cannot_work_are_refused_by_name():
     out = launch(refusals, num_devices=1)[0]
     assert out["fullgraph_inside_block"] is None, out["fullgraph_inside_block"]
+    assert out["fullgraph_traced"] is None, out["fullgraph_traced"]
     assert "FSDP unit around Net" in out["fullgraph"], out["fullgraph"]
     assert "FSDP(torch.compile(module, fullgraph=True))" in out["fullgraph"], out["fullgraph"]
     assert out["scanned"].startswith("RuntimeError: ScannedLayers (3 x Block) cannot run inside "

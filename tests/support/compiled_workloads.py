@@ -210,10 +210,17 @@ def refusals(rank):
             out[name] = f"{type(exc).__name__}: {exc}"
         torch_xla.sync()
 
-    def fullgraph():
+    def fullgraph():  # on the graph-break path (the optimizer on the host)
+        net = Net()
+        net.b1 = FSDP(net.b1, offload_optimizer=True)
+        net.b2 = FSDP(net.b2, offload_optimizer=True)
+        model = FSDP(net, offload_optimizer=True)
+        torch.compile(model, backend="openxla", fullgraph=True)(x.to(device))
+
+    def fullgraph_traced():  # the gathers traced into the graph: one graph, it works
         net = Net()
         net.b1, net.b2 = FSDP(net.b1), FSDP(net.b2)
-        torch.compile(FSDP(net), backend="openxla", fullgraph=True)(x.to(device))
+        torch.compile(FSDP(net), backend="openxla", fullgraph=True)(x.to(device)).sum().backward()
 
     def fullgraph_inside_block():  # the placement the error points to: it works
         net = Net()
@@ -230,7 +237,8 @@ def refusals(rank):
         net = Net()
         FSDP([_compile(net.b1), _compile(net.b2)])
 
-    for name, fn in (("fullgraph", fullgraph), ("fullgraph_inside_block", fullgraph_inside_block),
+    for name, fn in (("fullgraph", fullgraph), ("fullgraph_traced", fullgraph_traced),
+                     ("fullgraph_inside_block", fullgraph_inside_block),
                      ("scanned", scanned), ("group_of_compiled", group_of_compiled)):
         torch._dynamo.reset()
         torch.manual_seed(0)

@@ -6,24 +6,23 @@ inner module (so names and checkpoints are those of the uncompiled model) and ca
 compiled module, whose Dynamo frame then meets the unit's hooks on the inner module.
 
 [Note: FSDP's hooks under torch.compile]
-Two designs can make a compiled model run with sharded parameters. One traces the
-collectives into the graph: an all-gather whose backward is a reduce-scatter, the full
-parameter a value inside the graph. AOTAutograd's partitioner then decides what is saved
-for backward, and it saves the gathered parameter (cheaper than gathering again), so every
-unit's full parameters live from forward to backward: data parallelism with sharded
-optimizer state, not ZeRO-3. The other, chosen here and by PyTorch's FSDP on GPUs, breaks
-the graph at each unit: the unit's hooks run eagerly between compiled regions, exactly the
-code the eager path runs, and a region sees the full parameters as graph inputs (Dynamo
-lifts a module's parameters as inputs, so swapping their ``.data`` needs no recompile).
-Freeing, regathering in backward and the per-parameter reduction hooks keep their eager
-meaning, and so do checkpoints. One cost remains that this design does not remove: the
-same partitioner saves what a region's linear layers derive from their weights in forward
-(the transposes) as buffers of their own, so a unit's weights still live from forward to
-backward in that form (benchmarks/results/compiled.md measures it).
+A compiled model runs its units one of two ways. Where it can, the gathers are traced into
+the compiled graph with the compute ([Note: collectives traced into the compiled graph] in
+``_unit.traced_unshard``): one forward and one backward program for the whole model. Where
+it cannot (a unit built around a ``torch.compile``'d module, whose hooks run outside its
+region; ``no_sync``; ``offload_optimizer``; sharding groups), the graph breaks at each
+unit: the unit's hooks run eagerly between compiled regions, exactly the code the eager
+path runs, and a region sees the full parameters as graph inputs (Dynamo lifts a module's
+parameters as inputs, so swapping their ``.data`` needs no recompile). Freeing, regathering
+in backward and the per-parameter reduction hooks keep their eager meaning there, and so
+do checkpoints. One cost remains on that path: AOTAutograd's partitioner saves what a
+region's linear layers derive from their weights in forward (the transposes) as buffers
+of their own, so a unit's weights still live from forward to backward in that form
+(benchmarks/results/compiled.md measures it).
 
-What changes under compile is when work executes. torch_xla's openxla bridge runs each
-compiled region as its own computation, materialising the region's inputs first, and
-syncs the device when it compiles a region. So the traced overlap the eager path builds
+On the graph-break path what changes under compile is when work executes. torch_xla's
+openxla bridge runs each compiled region as its own computation, materialising the
+region's inputs first, and syncs the device when it compiles a region. So the traced overlap the eager path builds
 with optimization barriers and prefetches cannot exist across a region boundary; instead:
 * a unit's gather executes in its pre-forward (and pre-backward) hook, before the region
   that reads it; prefetching is off, since a prefetched gather would only execute later

@@ -123,12 +123,17 @@ def _live_xla_tensors() -> Iterator[torch.Tensor]:
         if t is None or id(t) in seen_objects:
             continue
         seen_objects.add(id(t))
+        # AOTAutograd's fake and functional tensors (torch.compile'd code) claim the xla
+        # device but hold no value of their own
         if t.device.type != "xla" or type(t).__name__ == "FakeTensor":
+            continue
+        try:
+            lazy = xla_tensor_id(t)
+        except RuntimeError:  # a wrapper AOTAutograd keeps (torch.compile): no value of its own
             continue
         if t.is_leaf:
             stack.append(t.grad)
         stack.append(view_base(t))
-        lazy = xla_tensor_id(t)
         if lazy not in seen_ids:
             seen_ids.add(lazy)
             yield t
