@@ -73,7 +73,8 @@ def record_programs(rank, mode, layers, dim):
             torch_xla.sync()
     finally:
         xlac._xla_warm_up_cache = warm_up
-    moments = sum(2 * p.numel() * 4 for p in model.parameters())  # AdamW's, float32
+    # AdamW's moments, float32, of this rank's shards (what parameters() yields)
+    moments = sum(2 * p.numel() * 4 for p in model.parameters())
     return {"programs": programs, "moments": moments}
 
 
@@ -113,7 +114,7 @@ def main():
                 for kind in kinds) or "none"
             # AdamW's moments live through the forward and backward programs without
             # being their arguments; the eager step and the update take them as arguments
-            outside = got["moments"] / slice_.chips if "program" in what else 0
+            outside = got["moments"] if "program" in what else 0
             step_peak = max(step_peak, memory["peak_memory_in_bytes"] + outside)
             rows.append(
                 f"| {mode} | {what} | {memory['peak_memory_in_bytes'] / 2**20:.1f} | "
@@ -133,7 +134,7 @@ def main():
              "| --- | --- | --- | --- | --- | --- | --- | --- |"] + rows + [
              "",
              f"Step peak per chip (largest program, plus AdamW's moments, "
-             f"{peaks and got['moments'] / slice_.chips / 2**20:.1f} MiB, where they are not "
+             f"{got['moments'] / 2**20:.1f} MiB, where they are not "
              f"its arguments): eager {peaks['eager'] / 2**20:.1f} MiB, compiled "
              f"{peaks['compiled'] / 2**20:.1f} MiB "
              f"({peaks['compiled'] / peaks['eager']:.2f}x)."]

@@ -10,7 +10,10 @@ reduce-scatter in the backward one. The gathered values are put into the modules
 attributes where the placeholders stand (a plain ``setattr``, which Dynamo replays as a
 side effect; the placeholders are back when the forward returns), so the modules' own code
 reads them and autograd takes their gradients straight to the shards: no hook runs in the
-backward, and ``.grad`` of every shard is set by the backward program itself.
+backward, and ``.grad`` of every shard is set by the backward program itself. The unit's
+first input that carries a gradient goes through the same gather, so that its reductions
+come before the previous unit's backward ([Note: one unit's reductions before the next
+unit's backward] in ``_sharding.collectives``).
 
 What ZeRO-3 needs from the partitioner is that no gathered value is saved for the backward.
 Untagged, AOTAutograd saves them (re-gathering costs more than keeping). So the gathers run
@@ -32,7 +35,7 @@ debugging stand-ins for collectives exist only eagerly.
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -54,30 +57,39 @@ def blocker(options: FsdpOptions) -> Optional[str]:
 
 
 def full_values(shard_groups: Sequence[ShardGroup], world: int, options: FsdpOptions,
-                divide: tuple, keep_for_backward: bool) -> List[torch.Tensor]:
-    """Every record's full value, in shard group order, gathered in the traced graph (see
-    [Note: collectives traced into the compiled graph])."""
-    reduce_dtype = {g.compute_dtype: torch.float32 if options.fp32_reduce_scatter
-                    else g.compute_dtype for g in shard_groups}
+                divide: tuple, keep_for_backward: bool, x: Optional[torch.Tensor]
+                ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    """Every record's full value, in shard group order, gathered in the traced graph, and
+    ``x`` (the unit's input, or None) tied to the unit's reductions (see [Note: collectives
+    traced into the compiled graph])."""
     gather = functools.partial(_gather_all, [(g.layout, g.compute_dtype) for g in shard_groups],
-                               world, reduce_dtype, divide)
+                               world, options.fp32_reduce_scatter, divide)
     shards = [g.shard for g in shard_groups]
     if not any(s.requires_grad for s in shards):
-        return gather(*shards)
+        return gather(x, *shards)
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     policy = _save_all if keep_for_backward else _recompute_all
-    return checkpoint(gather, *shards, use_reentrant=False, context_fn=functools.partial(
+    return checkpoint(gather, x, *shards, use_reentrant=False, context_fn=functools.partial(
         create_selective_checkpoint_contexts, policy))
 
 
-def _gather_all(specs: list, world: int, reduce_dtype: dict, divide: tuple,
-                *shards: torch.Tensor) -> List[torch.Tensor]:
-    values: List[torch.Tensor] = []
+def _gather_all(specs: list, world: int, fp32_reduce: bool, divide: tuple,
+                x: Optional[torch.Tensor], *shards: torch.Tensor
+                ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
+    pieces, dtypes, counts = [], [], []
     for (layout, dtype), shard in zip(specs, shards):
-        gathered = [traced_gather(p, world, dtype, reduce_dtype[dtype], divide)
-                    for p in layout.pieces(shard)]
-        values += layout.unshard_pieces(gathered)
-    return values
+        own = layout.pieces(shard)
+        pieces += own
+        dtypes += [dtype] * len(own)
+        counts.append(len(own))
+    reduce_dtypes = [torch.float32 if fp32_reduce else d for d in dtypes]
+    x, gathered = traced_gather(pieces, x, world, dtypes, reduce_dtypes, divide)
+    values: List[torch.Tensor] = []
+    at = 0
+    for (layout, _), n in zip(specs, counts):
+        values += layout.unshard_pieces(gathered[at:at + n])
+        at += n
+    return x, values
 
 
 def _recompute_all(_ctx: object, _op: object, *_args: object, **_kwargs: object) -> object:

@@ -180,9 +180,10 @@ class UnitParams:
                 and self.state is FullParams.SHARDED
                 and all(g.sentinel is None for g in self.shard_groups))
 
-    def traced_full_values(self) -> List[torch.Tensor]:
+    def traced_full_values(self, x: Optional[torch.Tensor]
+                           ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
         return full_values(self.shard_groups, self.collectives.world_size, self.options,
-                           self.divide, keep_for_backward=not self.reshard_after_forward)
+                           self.divide, not self.reshard_after_forward, x)
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
     def set_reshard_after_forward(self, value: bool) -> None:

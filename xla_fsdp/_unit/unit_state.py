@@ -247,7 +247,14 @@ class UnitState:
             self._check_at_trace()
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        put(self._records(), self.params.traced_full_values())
+        # the first positional input that carries a gradient is tied to the unit's
+        # reductions ([Note: one unit's reductions before the next unit's backward])
+        at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                   and a.requires_grad and a.is_floating_point()), None)
+        x, values = self.params.traced_full_values(None if at is None else args[at])
+        if at is not None:
+            args = args[:at] + (x,) + args[at + 1:]
+        put(self._records(), values)
         return args, kwargs
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
