@@ -20,6 +20,7 @@ repository root on ``sys.path`` (run from the root). Writes
 benchmarks/results/compiled_tpu.md (``--out`` for another file).
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -36,7 +37,7 @@ def record_programs(rank, mode, layers, dim):
     import torch_xla
 
     from scripts.bench.model import Config, batch, build_model, wrap
-    from xla_fsdp._xla.private_api import graph_hlo
+    from xla_fsdp.aot.traced.compiled_programs import compiled_programs
     from xla_fsdp.aot.traced.step_graphs import StepGraphs
 
     cfg = Config(layers=layers, dim=dim, steps=STEPS)
@@ -45,21 +46,10 @@ def record_programs(rank, mode, layers, dim):
     if mode == "compiled":
         model = torch.compile(model, backend="openxla")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    programs = []
-    xlac = torch_xla._XLAC
-    warm_up = xlac._xla_warm_up_cache
-
-    def recording_warm_up(tensors, devices):
-        # every rank compiles its own Dynamo graphs, to the same programs: keep each once
-        hlo = graph_hlo(tensors)
-        if rank == 0 and all(hlo != seen for _, seen in programs):
-            what = "forward program" if not programs else "backward program"
-            programs.append((what if len(programs) < 2 else f"program {len(programs) + 1}",
-                             hlo))
-        return warm_up(tensors, devices)
-
-    xlac._xla_warm_up_cache = recording_warm_up
-    try:
+    last_sync = ""
+    # the bridge is process-wide: rank 0 records every rank's compiles (the same programs)
+    recording = compiled_programs() if rank == 0 else contextlib.nullcontext([])
+    with recording as compiled:
         for step in range(STEPS):
             x, y = (t.to(device) for t in batch(cfg, rank, step))
             optimizer.zero_grad(set_to_none=True)
@@ -67,12 +57,12 @@ def record_programs(rank, mode, layers, dim):
             loss.backward()
             optimizer.step()
             if step == STEPS - 1 and rank == 0:
-                graph = StepGraphs(str(device))._capture()
-                programs.append(("the step's sync" if mode == "eager" else "optimizer step",
-                                 graph.hlo))
+                last_sync = StepGraphs(str(device))._capture().hlo
             torch_xla.sync()
-    finally:
-        xlac._xla_warm_up_cache = warm_up
+    names = ["forward program", "backward program"] + [
+        f"program {i + 1}" for i in range(2, len(compiled))]
+    programs = list(zip(names, compiled)) + [
+        ("the step's sync" if mode == "eager" else "optimizer step", last_sync)]
     # AdamW's moments, float32, of this rank's shards (what parameters() yields)
     moments = sum(2 * p.numel() * 4 for p in model.parameters())
     return {"programs": programs, "moments": moments}

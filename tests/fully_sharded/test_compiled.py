@@ -17,7 +17,7 @@ import pytest
 from xla_fsdp import launch
 
 from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
-                                          saved_for_backward)
+                                          traced_programs)
 from ..support.models import DIM, HIDDEN
 from ..support.parity import paired
 
@@ -134,14 +134,33 @@ def test_traced_placements_run_four_programs_per_step(world):
     assert results["eager"]["executions"] == 1
 
 
-def test_traced_forward_saves_shards_not_full_parameters():
-    """ZeRO-3 under compile: the forward program hands the backward one the blocks' shards
-    and re-gathers them there; with ``reshard_after_forward=False`` it hands over the full
-    parameters instead, as that setting asks."""
-    saved = launch(saved_for_backward, (2,), num_devices=2)[0]
+def test_traced_programs_keep_zero3_memory():
+    """ZeRO-3 under compile, at N = 4 on the traced path.
+
+    The forward program hands the backward one the blocks' shards and re-gathers them there;
+    with ``reshard_after_forward=False`` it hands over the full parameters instead, as that
+    setting asks. And libtpu, compiling the backward program for a v5e-4, keeps each unit's
+    reduce-scatters its own ([Note: one unit's reductions before the next unit's backward]),
+    instead of merging every unit's into all-reductions at the end of the program, which
+    would keep all the full gradients until then."""
+    from xla_fsdp.aot import tpu_compiler
+    from xla_fsdp.aot.topology import resolve
+    from xla_fsdp.aot.tpu_schedule import collectives, traced_collectives
+
+    got = launch(traced_programs, (4,), num_devices=4)[0]
     full = {(HIDDEN, DIM), (DIM, HIDDEN)}  # the blocks' linear weights, unsharded
-    assert not full & set(saved[True]), saved[True]
-    assert full <= set(saved[False]), saved[False]
+    assert not full & set(got["saved"][True]), got["saved"][True]
+    assert full <= set(got["saved"][False]), got["saved"][False]
+
+    slice_ = resolve("v5e-4")
+    _, (compiled,) = tpu_compiler.compile_programs(
+        slice_.name, [tpu_compiler.Program(got["backward"], slice_.chips)])
+    assert compiled.status == "ok", compiled.message
+    found = collectives(compiled.optimized_hlo, slice_.chips,
+                        traced_collectives(got["backward"]))
+    reductions = [c for c in found if c.kind == "reduce-scatter"]
+    # three units take part (the root, two blocks): one reduction each, at least
+    assert len(reductions) >= 3, [(c.kind, c.name, c.compiled_as) for c in found]
 
 
 def test_placements_that_cannot_work_are_refused_by_name():

@@ -246,18 +246,23 @@ def refusals(rank):
     return out
 
 
-def saved_for_backward(rank, world):
-    """The shapes the compiled forward program hands to the backward one, for a root
-    compiled with its blocks resharding after forward (ZeRO-3) and for one that keeps them
-    (``reshard_after_forward=False``): AOTAutograd's partition, read through a backend that
-    records the forward graph's outputs and then compiles as openxla does."""
+def traced_programs(rank, world):
+    """``torch.compile(root)`` over two block units, on the traced path. "saved": the shapes
+    the forward program hands to the backward one, with the blocks resharding after forward
+    (ZeRO-3) and keeping their parameters (``reshard_after_forward=False``), AOTAutograd's
+    partition read through a backend that records the forward graph's outputs and then
+    compiles as openxla does. "backward": rank 0's backward program as torch_xla's bridge
+    compiles it (the same on every rank)."""
+    import contextlib
+
     import torch_xla
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.torchxla import openxla_eval_boxed
 
     from xla_fsdp import FSDP
+    from xla_fsdp.aot.traced.compiled_programs import compiled_programs
     device = torch_xla.device()
-    out = {}
+    out = {"saved": {}}
     for reshard in (True, False):
         recorded = []
 
@@ -275,7 +280,11 @@ def saved_for_backward(rank, world):
         net.b2 = FSDP(net.b2, reshard_after_forward=reshard)
         model = torch.compile(FSDP(net), backend=aot_autograd(fw_compiler=forward_compiler))
         x, y = batch("net", 0)
-        loss_fn("net", model(x.to(device)), y.to(device)).backward()
-        torch_xla.sync()
-        out[reshard] = recorded
+        with compiled_programs() if rank == 0 and reshard else contextlib.nullcontext([]) \
+                as programs:
+            loss_fn("net", model(x.to(device)), y.to(device)).backward()
+            torch_xla.sync()
+        out["saved"][reshard] = recorded
+        if rank == 0 and reshard:
+            out["backward"] = programs[1]
     return out
