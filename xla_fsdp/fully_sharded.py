@@ -547,12 +547,12 @@ class XlaFullyShardedDataParallel(FallThrough):
         # and calling the group itself raises)
         compiled = self.__dict__["_compiled_module"]
         if torch.compiler.is_compiling():
-            # Read where the frame Dynamo traces starts, so that its guards hold the choice
-            # between the traced path and the eager one: the eager path breaks the graph
-            # inside the units' hooks, and a frame compiled with that break would otherwise
-            # run the break at every later call (see [Note: collectives traced into the
-            # compiled graph]).
-            self._state.context.traced()
+            # The choice between the traced path and the eager one, made where the frame
+            # Dynamo traces starts, so that its guards hold it (the eager path breaks the
+            # graph inside the units' hooks, and a frame compiled with that break would
+            # otherwise run the break at every later call), and read by the hooks (see
+            # [Note: collectives traced into the compiled graph]).
+            self._state.context.tracing = self._state.context.traced()
         try:
             if compiled is not None:
                 return compiled(*args, **kwargs)

@@ -57,6 +57,9 @@ class RootContext:
         self._sync = sync_on_finalization
         self._barrier = barrier
         self._initialized = False
+        # while Dynamo traces a forward: whether its units take the traced path (set by the
+        # unit's forward, read by the hooks)
+        self.tracing = False
 
     @property
     def root(self) -> Participant:

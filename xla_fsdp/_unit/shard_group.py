@@ -43,6 +43,9 @@ class ShardGroup:
     # the placeholders; if the optimizer drops it, the accumulation was abandoned
     sentinel: Optional[Tuple[torch.Tensor, int]] = None
     offload: Optional[DeviceCopy] = None  # with offload_optimizer: the device's copy
+    # whether ``sentinel`` is set: what code Dynamo traces reads, since reading the sentinel
+    # there would make its tensor an input of the traced frame
+    accumulation_pending: bool = False
 
     @property
     def names(self) -> List[str]:
@@ -131,6 +134,7 @@ class ShardGroup:
         if self.shard.grad is None:
             self.shard.grad = torch.zeros_like(self.shard)
         self.sentinel = (self.shard.grad, version(self.shard.grad))
+        self.accumulation_pending = True
 
     def accumulating(self) -> bool:
         """Whether the shard's gradient is still the one a ``no_sync`` backward left."""
@@ -145,6 +149,7 @@ class ShardGroup:
 
     def end_accumulation(self) -> None:
         self.sentinel = None
+        self.accumulation_pending = False
 
 
 def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:

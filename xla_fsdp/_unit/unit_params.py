@@ -178,7 +178,7 @@ class UnitParams:
         ``no_sync`` accumulation)."""
         return (self.traced_blocker is None and self.sync_gradients
                 and self.state is FullParams.SHARDED
-                and all(g.sentinel is None for g in self.shard_groups))
+                and not any(g.accumulation_pending for g in self.shard_groups))
 
     def traced_full_values(self, x: Optional[torch.Tensor]
                            ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:

@@ -221,17 +221,20 @@ class UnitState:
     # the eager code at a graph break (see [Note: FSDP's hooks under torch.compile]). On a
     # member's torch.compile module the compiled region comes right after them.
     # When Dynamo traces them and the model allows it, the gathers go into the traced graph
-    # instead (see [Note: collectives traced into the compiled graph]).
+    # instead (see [Note: collectives traced into the compiled graph]). The choice is made
+    # once, in the unit's forward (``RootContext.tracing``): read here, the state behind it
+    # made the hooks' frames take the units' tensors as inputs, and on the graph-break path
+    # the bridge then ran a region on an activation whose buffer it had donated.
     def _pre_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                           args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        if torch.compiler.is_compiling() and not on_compiled and self.context.traced():
+        if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
             return self._pre_traced(args, kwargs)
         return self._pre_eager(member, args, kwargs,
                                on_compiled or torch.compiler.is_compiling())
 
     def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                            _args: tuple, outputs: Any) -> Any:
-        if torch.compiler.is_compiling() and not on_compiled and self.context.traced():
+        if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
             give_back(self._records())
             return outputs
         return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
