@@ -550,9 +550,9 @@ class XlaFullyShardedDataParallel(FallThrough):
             # The choice between the traced path and the eager one, made where the frame
             # Dynamo traces starts, so that its guards hold it (the eager path breaks the
             # graph inside the units' hooks, and a frame compiled with that break would
-            # otherwise run the break at every later call), and read by the hooks (see
-            # [Note: collectives traced into the compiled graph]).
-            self._state.context.tracing = self._state.context.traced()
+            # otherwise run the break at every later call), and read by the hooks
+            # (see [Note: collectives traced into the compiled graph]).
+            self._state.context.choose_path()
         try:
             if compiled is not None:
                 return compiled(*args, **kwargs)

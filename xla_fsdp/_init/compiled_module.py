@@ -7,8 +7,8 @@ compiled module, whose Dynamo frame then meets the unit's hooks on the inner mod
 
 [Note: FSDP's hooks under torch.compile]
 A compiled model runs its units one of two ways. Where it can, the gathers are traced into
-the compiled graph with the compute ([Note: collectives traced into the compiled graph] in
-``_unit.traced_unshard``): one forward and one backward program for the whole model. Where
+the compiled graph with the compute (see [Note: collectives traced into the compiled graph]
+in ``_unit.traced_unshard``): one forward and one backward program for the whole model. Where
 it cannot (a unit built around a ``torch.compile``'d module, whose hooks run outside its
 region; ``no_sync``; ``offload_optimizer``; sharding groups), the graph breaks at each
 unit: the unit's hooks run eagerly between compiled regions, exactly the code the eager

@@ -81,6 +81,10 @@ class RootContext:
         backward is pending."""
         return not self._callback_queued and all(s.traceable() for s in self.states)
 
+    def choose_path(self) -> None:
+        """Sets ``tracing`` for the forward Dynamo is tracing now: its units' hooks read it."""
+        self.tracing = self.traced()
+
     def check_first_forward(self, first_time: Callable[[], None]) -> bool:
         """Runs the checks of the model's first forward, once; Dynamo runs it while it traces
         (``assume_constant_result`` in ``UnitState``), so the traced graph holds none of it."""

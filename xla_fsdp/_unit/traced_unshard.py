@@ -3,7 +3,7 @@ the graph, put where the modules read them for one forward, and given back after
 
 [Note: collectives traced into the compiled graph]
 Under ``torch.compile`` a unit's forward hooks are traced by Dynamo like the modules' code.
-Each shard group is gathered with ``_sharding.collectives.traced_gather``, an all-gather
+Each shard group is gathered with ``_xla.traced_collectives.traced_gather``, an all-gather
 whose backward reduce-scatters, so the whole model's forward, gathers included, is one
 Dynamo graph, and AOTAutograd makes one forward and one backward program of it, with every
 reduce-scatter in the backward one. The gathered values are put into the modules'
@@ -12,8 +12,8 @@ side effect; the placeholders are back when the forward returns), so the modules
 reads them and autograd takes their gradients straight to the shards: no hook runs in the
 backward, and ``.grad`` of every shard is set by the backward program itself. The unit's
 first input that carries a gradient goes through the same gather, so that its reductions
-come before the previous unit's backward ([Note: one unit's reductions before the next
-unit's backward] in ``_sharding.collectives``).
+come before the previous unit's backward (see [Note: one unit's reductions before the next
+unit's backward] in ``_xla.traced_collectives``).
 
 What ZeRO-3 needs from the partitioner is that no gathered value is saved for the backward.
 Untagged, AOTAutograd saves them (re-gathering costs more than keeping). So the gathers run
@@ -25,8 +25,8 @@ gathers and the reduce-scatters run inside each program is left to XLA's schedul
 (prefetch settings order eager work and have nothing to order here).
 
 The path is taken only where a unit's eager semantics can be had in a graph (``blocker``
-says what stands in the way otherwise, and the graph-break path of [Note: FSDP's hooks
-under torch.compile] runs instead): functional collectives span every rank, so sharding
+says what stands in the way otherwise, and the graph-break path runs instead: see [Note:
+FSDP's hooks under torch.compile]): functional collectives span every rank, so sharding
 groups and hybrid sharding are out; offloaded gradients leave the device from a hook at the
 end of backward; ``no_sync`` keeps full gradients on the placeholders, which this path never
 fills, and a pending accumulation must be reduced by the eager path that holds it; and the
@@ -39,7 +39,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .._sharding.collectives import traced_gather
+from .._xla.traced_collectives import traced_gather
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .shard_group import ShardGroup

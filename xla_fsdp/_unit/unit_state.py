@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from .._sharding.collectives import optimization_barrier
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
-from .._xla.private_api import in_backward, run_pending
+from .._xla.private_api import in_backward, run_at_trace, run_pending
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .registry import WeakRegistry
@@ -251,7 +251,7 @@ class UnitState:
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
         # the first positional input that carries a gradient is tied to the unit's
-        # reductions ([Note: one unit's reductions before the next unit's backward])
+        # reductions (see [Note: one unit's reductions before the next unit's backward])
         at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                    and a.requires_grad and a.is_floating_point()), None)
         x, values = self.params.traced_full_values(None if at is None else args[at])
@@ -482,7 +482,7 @@ def _checks_at_trace(state: "UnitState") -> Callable[[], bool]:
     def check() -> bool:
         root = held()
         return root is None or root.context.check_first_forward(root._first_root_forward)
-    return torch._dynamo.assume_constant_result(check)
+    return run_at_trace(check)
 
 
 def _call_if_alive(method: "weakref.WeakMethod", grad: torch.Tensor) -> Optional[torch.Tensor]:

@@ -185,6 +185,25 @@ def compiled_inner(module: nn.Module) -> Optional[nn.Module]:
     return module._orig_mod if isinstance(module, OptimizedModule) else None
 
 
+def functional_all_gather(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, as an op Dynamo traces into a graph
+    (torch's functional collective; torch_xla lowers it to XLA's all-gather over all ranks)."""
+    out = torch.ops._c10d_functional.all_gather_into_tensor(tensor, world, "")
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def functional_reduce_scatter(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """The sum over all ranks of ``tensor``, this rank's dim-0 block of it, as an op Dynamo
+    traces into a graph."""
+    out = torch.ops._c10d_functional.reduce_scatter_tensor(tensor, "sum", world, "")
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def run_at_trace(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` as Dynamo runs it: once while it traces, its result a constant of the graph."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
 def run_single_process(fn: Callable[[], Any]) -> Any:
     """torch_xla's launcher for one device of an accelerator, in this process."""
     from torch_xla._internal import pjrt
