@@ -43,8 +43,8 @@ class ShardGroup:
     # the placeholders; if the optimizer drops it, the accumulation was abandoned
     sentinel: Optional[Tuple[torch.Tensor, int]] = None
     offload: Optional[DeviceCopy] = None  # with offload_optimizer: the device's copy
-    # whether ``sentinel`` is set: what code Dynamo traces reads, since reading the sentinel
-    # there would make its tensor an input of the traced frame
+    # whether ``sentinel`` is set, as a plain flag: the path choice Dynamo traces
+    # (``UnitParams.traceable``) then reads no tensor-holding field
     accumulation_pending: bool = False
 
     @property
