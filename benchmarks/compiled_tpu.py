@@ -88,7 +88,7 @@ def main():
         got = launch(record_programs, (mode, args.layers, args.dim),
                      num_devices=slice_.chips)[0]
         programs = [tpu_compiler.Program(hlo, slice_.chips, 1) for _, hlo in got["programs"]]
-        _, compiled = tpu_compiler.compile_programs(slice_.name, programs)
+        compiled = tpu_compiler.compile_programs(slice_.name, programs).programs
         step_peak = 0
         for (what, hlo), c in zip(got["programs"], compiled):
             if c.status != "ok":

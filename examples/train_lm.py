@@ -164,7 +164,9 @@ def train(rank: int, args: argparse.Namespace) -> dict:
         if rank == 0:
             print(f"resumed from step {start} ({len(history)} logged losses)", file=sys.stderr)
     elif args.resume:
-        raise SystemExit(f"--resume: no checkpoint in {manager.directory.root}")
+        from xla_fsdp.aot import planning
+        raise SystemExit("--resume: a plan reads no checkpoint; plan without --resume"
+                         if planning() else f"--resume: no checkpoint in {manager.directory.root}")
     local = args.batch // world
     shown = rank == 0
     began, tokens = time.monotonic(), 0

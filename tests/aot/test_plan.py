@@ -20,8 +20,8 @@ FIELDS = ("peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_byte
 
 
 def _compile(hlos, topology, replicas, partitions=1):
-    _, compiled = tpu_compiler.compile_programs(
-        topology, [tpu_compiler.Program(h, replicas, partitions) for h in hlos])
+    compiled = tpu_compiler.compile_programs(
+        topology, [tpu_compiler.Program(h, replicas, partitions) for h in hlos]).programs
     assert all(c.status == "ok" for c in compiled), [c.message for c in compiled]
     return [({k: c.memory[k] for k in FIELDS}, c.cost["flops"]) for c in compiled]
 

@@ -1,8 +1,9 @@
-"""The report: its table, the roofline estimate from the chip's published rates, and a step
-that does not fit."""
+"""The report: its table, the step-time estimate and the utilizations, and a step that does
+not fit."""
 import pytest
 
-from xla_fsdp.aot.report import TpuReport
+from xla_fsdp.aot.report import Alternative, HostMemory, TpuReport
+from xla_fsdp.aot.step_time import StepTime
 from xla_fsdp.aot.topology import resolve
 from xla_fsdp.aot.tpu_schedule import Collective
 
@@ -17,37 +18,52 @@ def _report(**kw):
                   collectives=[Collective("all-gather", "all-gather.1", 400e9 * 0.002, 1,
                                           "all-gather", True, True, 3),
                                Collective("reduce-scatter", "reduce-scatter.2", 400e9 * 0.001,
-                                          1, "all-reduce", False, False, 0)])
+                                          1, "all-reduce", False, False, 0)],
+                  estimate=StepTime(seconds=0.020, busy_seconds=0.015, matmul_seconds=0.012,
+                                    memory_seconds=0.006, collective_seconds=0.008,
+                                    exposed_collective_seconds=0.005,
+                                    mxu_flops=197e12 * 0.010, dot_flops=197e12 * 0.010),
+                  model_flops=197e12 * 0.006)
     values.update(kw)
     return TpuReport(**values)
 
 
-def test_roofline_hides_only_the_collectives_the_schedule_overlaps():
-    roof = _report().roofline()
-    assert roof.compute_seconds == pytest.approx(0.010)
-    assert roof.memory_seconds == pytest.approx(0.004)
-    assert roof.collective_seconds == pytest.approx(0.003)
-    assert roof.exposed_collective_seconds == pytest.approx(0.001)
-    assert roof.step_seconds == pytest.approx(0.011)
-    assert roof.mfu == pytest.approx(0.010 / 0.011)
-
-
-def test_the_table_states_the_figures_and_where_the_chip_figures_come_from():
-    text = str(_report())
-    for expected in ("v5e-8 (v5e:2x4, 8 chips): fits", "peak per chip", "3.000 GiB",
-                     "15.750 GiB", "https://cloud.google.com/tpu/docs/v5e", "11.00 ms",
-                     "| all-gather", "| reduce-scatter", "90.9%", "not a measurement"):
+def test_mfu_counts_model_flops_and_hfu_what_the_hardware_runs():
+    report = _report()
+    assert report.step_seconds == 0.020
+    assert report.mfu == pytest.approx(0.006 / 0.020)
+    assert report.hfu == pytest.approx(0.010 / 0.020)
+    text = str(report)
+    for expected in ("v5e-8 (v5e:2x4, 8 chips): fits", "peak per chip", "3.00 GiB",
+                     "15.75 GiB", "20.00 ms", "waiting for collectives", "5.00 ms",
+                     "| all-gather", "| reduce-scatter", "MFU (model FLOPs)", "30.0%",
+                     "HFU", "50.0%", "not a measurement", "scaling-book"):
         assert expected in text, expected
-    summary = _report().collective_summary()
+    summary = report.collective_summary()
     assert summary["all-gather"]["overlapped"] == 1 and summary["reduce-scatter"]["overlapped"] == 0
 
 
-def test_a_step_that_does_not_fit_shows_the_compilers_figures_and_message():
+def test_a_step_that_does_not_fit_shows_the_compilers_figures_and_what_would():
     message = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total "
                "memory required for HLO temporaries (25.60G) exceeds available HBM (15.75G).")
     report = _report(fits=False, peak_bytes=0, argument_bytes=0, output_bytes=0,
                      alias_bytes=0, temp_bytes=0, flops=0.0, bytes_accessed=0.0,
-                     collectives=[], message=message, required_bytes=int(25.6 * GIB))
+                     collectives=[], message=message, required_bytes=int(25.6 * GIB),
+                     estimate=None, model_flops=0.0,
+                     alternatives=[Alternative("activation checkpointing", False, 0,
+                                               int(17.2 * GIB), None, "v5e-8"),
+                                   Alternative("offload_optimizer", True, int(9.5 * GIB), 0,
+                                               0.31, "v5e-8")])
     text = str(report)
-    assert "DOES NOT FIT" in text and "25.600 GiB" in text and "CompileTimeHbmOom" in text
-    assert report.roofline() is None and "Roofline" not in text
+    assert "DOES NOT FIT" in text and "25.60 GiB" in text and "CompileTimeHbmOom" in text
+    assert report.mfu is None and "Step-time estimate" not in text
+    assert "What would fit" in text and "needs 17.20 GiB" in text and "9.50 GiB" in text
+    assert "310.00 ms" in text
+
+
+def test_host_memory_of_an_offloaded_optimizer_is_checked_against_the_vm():
+    vm = resolve("v5e-8").host_vm()
+    assert (vm.machine_type, vm.chips, vm.memory_bytes) == ("ct5lp-hightpu-8t", 8, 384e9)
+    over = HostMemory(vm.machine_type, 8, vm.memory_bytes, int(96e9 * 5), vm.source)
+    assert not over.fits and "DOES NOT FIT" in str(_report(host_memory=over))
+    assert HostMemory(vm.machine_type, 8, vm.memory_bytes, int(96e9), vm.source).fits

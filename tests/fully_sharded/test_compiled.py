@@ -153,8 +153,8 @@ def test_traced_programs_keep_zero3_memory():
     assert full <= set(got["saved"][False]), got["saved"][False]
 
     slice_ = resolve("v5e-4")
-    _, (compiled,) = tpu_compiler.compile_programs(
-        slice_.name, [tpu_compiler.Program(got["backward"], slice_.chips)])
+    (compiled,) = tpu_compiler.compile_programs(
+        slice_.name, [tpu_compiler.Program(got["backward"], slice_.chips)]).programs
     assert compiled.status == "ok", compiled.message
     found = collectives(compiled.optimized_hlo, slice_.chips,
                         traced_collectives(got["backward"]))

@@ -6,12 +6,13 @@ can therefore build a model on the meta device and give its shards, buffers and 
 tensor a graph leaves behind placeholders, which hold no memory. So a plan for a model
 larger than this machine's memory traces in little memory. The wrapper asks ``active()``
 where it would otherwise give meta tensors values (``materialize_meta``) and puts tensors
-on the device through ``to_device``, and checkpoint writers refuse (``refuse_writes``);
-nothing else in it changes. Only the traced process of ``xla_fsdp.aot`` activates this,
+on the device through ``to_device``, checkpoint writers refuse (``refuse_writes``), and
+checkpoints read as absent (``refuse_reads``); nothing else in it changes. Only the traced process of ``xla_fsdp.aot`` activates this,
 once, before the user's function runs; a training process never does.
 """
 from __future__ import annotations
 
+import errno
 from typing import List, Sequence
 
 import torch
@@ -55,3 +56,14 @@ def refuse_writes(path: str) -> None:
             f"xla_fsdp.aot: the traced function saved a checkpoint ({path}) before its "
             f"training step repeated; nothing runs in a plan, so it would hold zeros. Save "
             f"after a few steps, or skip saving when planning")
+
+
+def refuse_reads(path: str) -> None:
+    """Raises FileNotFoundError if this process only traces: to a plan every checkpoint is
+    absent. Values loaded into placeholders would never be used, and a script resuming a
+    finished run would trace what it does once there is nothing left to train instead of
+    its training step."""
+    if _ACTIVE:
+        raise FileNotFoundError(
+            errno.ENOENT, "xla_fsdp.aot: a plan reads no checkpoint (nothing runs in it, and "
+            "a resumed run would plan no training step); plan without loading one", path)

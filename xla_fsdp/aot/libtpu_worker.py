@@ -9,8 +9,9 @@ so that the training process can import this module too.
 
 The request: ``{"topology": "v5e:2x4", "programs": [{"hlo": path, "replicas": R,
 "partitions": P, "out_hlo": path}]}``; the response: ``{"usable_hbm_bytes": int,
-"programs": [{"status": "ok" | "oom" | "error", "message": str, "memory": {...},
-"cost": {...}, "compile_seconds": float}]}``.
+"coords": [[x, y, z], ...] (each device's place in the grid, in the order replicas and
+partitions are assigned), "programs": [{"status": "ok" | "oom" | "error", "message": str,
+"memory": {...}, "cost": {...}, "compile_seconds": float}]}``.
 
 [Note: donors through StableHLO] HLO text carries the buffers a program may reuse for its
 outputs as ``buffer_donor={...}`` (or ``input_output_alias={...}``) in the module header.
@@ -27,6 +28,15 @@ shardings (nothing ran to shard the others), so the partitioner is let choose th
 inputs as well; it picks what the previous step's outputs would have had (an optimizer
 state is sharded like its parameter). Checked: a planned FSDPv2 step and the same step
 executed on virtual devices compile to the same memory per chip.
+
+[Note: Pallas kernels through StableHLO] A Pallas kernel (torch_xla's flash or splash
+attention) is a ``tpu_custom_call``. jax 0.12's conversion to StableHLO gives every custom
+call an empty ``result_tilings`` attribute, which the client cannot downgrade to the
+StableHLO version libtpu reads ("failed to legalize operation 'vhlo.custom_call_v2'");
+empty, it says nothing, so it is dropped. And torch_xla's programs are GSPMD programs: with
+jax's default, the Shardy partitioner, XLA keeps the calls splash attention makes to its
+``shmap_body`` computations un-inlined and the compiler refuses them (or aborts), so they
+are compiled with GSPMD, which is what torch_xla's own client does.
 """
 from __future__ import annotations
 
@@ -76,6 +86,7 @@ def oom_figures(message: str) -> dict:
 def _stablehlo_with_donors(hlo_text: str, ir, mlir_api, hlo_api):
     module = hlo_api.hlo_module_from_text(hlo_text)
     parsed = ir.Module.parse(mlir_api.hlo_to_stablehlo(module.as_serialized_hlo_module_proto()))
+    _drop_empty_result_tilings(parsed, ir)
     donors = set(donors_in_header(hlo_text))
     for op in parsed.body.operations:
         if ir.StringAttr(op.attributes["sym_name"]).value != "main":
@@ -92,6 +103,16 @@ def _stablehlo_with_donors(hlo_text: str, ir, mlir_api, hlo_api):
             new.append(ir.DictAttr.get(entries))
         op.attributes["arg_attrs"] = ir.ArrayAttr.get(new)
     return parsed
+
+
+def _drop_empty_result_tilings(module, ir) -> None:
+    """See [Note: Pallas kernels through StableHLO]."""
+    def drop(op):
+        if op.name == "stablehlo.custom_call" and "result_tilings" in op.attributes and all(
+                len(ir.ArrayAttr(t)) == 0 for t in ir.ArrayAttr(op.attributes["result_tilings"])):
+            del op.attributes["result_tilings"]
+        return ir.WalkResult.ADVANCE
+    module.operation.walk(drop)
 
 
 def _usable_hbm(devices, compile_one) -> int:
@@ -129,6 +150,9 @@ def main(request_path: str, response_path: str) -> None:
             options = compiler.get_compile_options(num_replicas=replicas,
                                                    num_partitions=partitions,
                                                    device_assignment=assignment)
+            # torch_xla's programs carry GSPMD shardings (see [Note: Pallas kernels through
+            # StableHLO])
+            options.executable_build_options.use_shardy_partitioner = False
             if spmd:  # see [Note: shardings the partitioner chooses]
                 build = options.executable_build_options
                 build.allow_spmd_sharding_propagation_to_output = [True]
@@ -136,7 +160,9 @@ def main(request_path: str, response_path: str) -> None:
             return devs[0].client.compile(module, executable_devices=xla_client.DeviceList(
                 tuple(devs[:replicas * partitions])), compile_options=options)
 
-    response = {"usable_hbm_bytes": _usable_hbm(devices, compile_one), "programs": []}
+    response = {"usable_hbm_bytes": _usable_hbm(devices, compile_one), "programs": [],
+                # replica (or partition) i runs on devices[i]: where each chip sits
+                "coords": [list(d.coords) for d in devices]}
     for program in request["programs"]:
         with open(program["hlo"]) as f:
             text = f.read()

@@ -1,40 +1,54 @@
-"""What libtpu says about a step compiled for a TPU slice, and a roofline estimate from it.
-Pure: the figures come in, a table goes out.
+"""What libtpu says about a step compiled for a TPU slice, the step-time estimate made from
+its schedule, and the table that shows both. Pure: the figures come in, a table goes out.
 
-[Note: the roofline estimate] The estimate is the compiler's counts divided by the chip's
-published rates (``topology.Chip``, with the page that states them), not a measurement:
-* compute: the compiler's FLOPs per chip at the chip's bf16 peak. Matmuls in float32 run
-  as several bf16 passes on a TPU, so a float32 step takes longer than this;
-* memory: the compiler's HBM bytes accessed per chip at the published HBM bandwidth;
-* communication: the bytes each chip sends for its collectives (ring algorithm, see
-  ``tpu_schedule.bytes_sent_per_chip``) at the chip's bidirectional ICI bandwidth, i.e.
-  as if a collective kept every link busy both ways;
-* compute and memory traffic overlap perfectly (the larger of the two counts); a
-  collective the TPU schedule overlaps with compute is hidden behind it, one it runs
-  synchronously adds its whole time.
-So the estimate is a lower bound of the step time under those rates, and MFU is the
-compiler's FLOPs (recomputation and the optimizer included, per chip) over that time, as a
-fraction of the bf16 peak.
+[Note: model FLOPs and hardware FLOPs] Two utilizations are reported, as MaxText and
+torchprime report them:
+* MFU, model FLOPs utilization: the model's FLOPs per chip and step over the estimated
+  step time at the chip's bf16 peak. The model's FLOPs are three times its forward pass's
+  matmul FLOPs (the forward, and the backward's two matmuls for each), counted as the
+  traced step issued them (``traced.model_flops``): 6 x matmul parameters x tokens for a
+  transformer's weights, plus attention. Recomputation and the optimizer are not model
+  FLOPs; causal attention kernels count half their square (the masked half is never
+  computed), attention written as matmuls over a mask counts whole, as it is computed;
+* HFU, hardware FLOPs utilization: every matmul FLOP the compiled program executes,
+  recomputation, the optimizer and extra float32 passes included, over the same time.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+from .step_time import StepTime, describe
 from .topology import Topology
 from .tpu_schedule import Collective
 
 GIB = 2 ** 30
+TRAINING = "training"
 
 
 @dataclass(frozen=True)
-class Roofline:
-    compute_seconds: float
-    memory_seconds: float
-    collective_seconds: float         # every collective's ICI time
-    exposed_collective_seconds: float  # of those the schedule runs synchronously
-    step_seconds: float
-    mfu: float
+class HostMemory:
+    """What an offloaded optimizer keeps in the host memory of one TPU VM."""
+    vm: str                      # its machine type
+    chips: int                   # chips it hosts
+    memory_bytes: int            # its memory, as published
+    state_bytes: int             # shards, gradients and optimizer state of its chips
+    source: str
+
+    @property
+    def fits(self) -> bool:
+        return self.state_bytes <= self.memory_bytes
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A configuration the planner tried because the step did not fit."""
+    description: str
+    fits: bool
+    peak_bytes: int
+    required_bytes: int
+    step_seconds: Optional[float]
+    topology: str
 
 
 @dataclass
@@ -44,7 +58,9 @@ class TpuReport:
     Byte figures are per chip, from the compiler. ``fits`` is the compiler's verdict. When
     the step does not fit, ``message`` is the compiler's refusal and ``required_bytes`` the
     memory it says the step needs; libtpu gives no other figures for a program it refuses,
-    so the others are zero."""
+    so the others are zero. ``estimate`` is the step-time model's (see [Note: the step-time
+    model] in ``step_time``), ``model_flops`` the model's FLOPs per chip and step (see
+    [Note: model FLOPs and hardware FLOPs])."""
     topology: Topology
     fits: bool
     hbm_bytes: int                 # the chip's HBM, as published
@@ -63,11 +79,36 @@ class TpuReport:
     compile_seconds: float = 0.0
     notes: List[str] = field(default_factory=list)
     hlo: List[str] = field(default_factory=list, repr=False)  # the traced programs compiled
+    step_kind: str = TRAINING
+    estimate: Optional[StepTime] = None
+    model_flops: float = 0.0
+    host_memory: Optional[HostMemory] = None
+    alternatives: List[Alternative] = field(default_factory=list)
 
     # -- derived ---------------------------------------------------------------------------
     @property
     def collective_bytes(self) -> float:
         return sum(c.bytes_per_chip for c in self.collectives)
+
+    @property
+    def step_seconds(self) -> Optional[float]:
+        return self.estimate.seconds if self.estimate is not None else None
+
+    @property
+    def mfu(self) -> Optional[float]:
+        """Model FLOPs utilization (see [Note: model FLOPs and hardware FLOPs])."""
+        return self._utilization(self.model_flops)
+
+    @property
+    def hfu(self) -> Optional[float]:
+        """Hardware FLOPs utilization (see [Note: model FLOPs and hardware FLOPs])."""
+        return self._utilization(self.estimate.mxu_flops if self.estimate else 0.0)
+
+    def _utilization(self, flops: float) -> Optional[float]:
+        seconds = self.step_seconds
+        if not seconds or not flops:
+            return None
+        return flops / (seconds * self.topology.chip.peak_bf16_flops)
 
     def collective_summary(self) -> Dict[str, Dict[str, float]]:
         """Per kind: how many, bytes per chip, how many the schedule overlaps."""
@@ -81,24 +122,10 @@ class TpuReport:
             entry["asynchronous"] += c.count if c.asynchronous else 0
         return out
 
-    def roofline(self) -> Optional[Roofline]:
-        """The step time estimate (see [Note: the roofline estimate]); None without figures."""
-        if not self.flops and not self.bytes_accessed:
-            return None
-        chip = self.topology.chip
-        compute = self.flops / chip.peak_bf16_flops
-        memory = self.bytes_accessed / chip.hbm_bytes_per_s
-        ici = self.collective_bytes / chip.ici_bytes_per_s
-        exposed = sum(c.bytes_per_chip for c in self.collectives
-                      if not c.overlapped) / chip.ici_bytes_per_s
-        step = max(compute, memory) + exposed
-        mfu = compute / step if step > 0 else 0.0
-        return Roofline(compute, memory, ici, exposed, step, mfu)
-
     # -- the table -------------------------------------------------------------------------
     def __str__(self) -> str:
-        chip = self.topology.chip
-        lines = [f"TPU plan for {self.topology}: "
+        kind = "" if self.step_kind == TRAINING else f" ({self.step_kind.upper()} step)"
+        lines = [f"TPU plan for {self.topology}{kind}: "
                  + ("fits" if self.fits else "DOES NOT FIT")
                  + f" (libtpu, compiled in {self.compile_seconds:.1f} s; the compiler's "
                    f"figures, not a measurement)"]
@@ -123,35 +150,73 @@ class TpuReport:
                             [(k, f"{int(v['count'])}", _gib(v["bytes"]),
                               f"{int(v['asynchronous'])}", f"{int(v['overlapped'])}")
                              for k, v in sorted(summary.items())])
-        roof = self.roofline()
-        if roof is not None:
-            lines += ["", f"Roofline estimate (chip figures from {chip.source}: "
-                          f"{chip.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16, "
-                          f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s HBM, "
-                          f"{chip.ici_bytes_per_s / 1e9:.0f} GB/s ICI):"]
-            lines += _table(["", ""], [
-                ("compute (FLOPs at bf16 peak)", _ms(roof.compute_seconds)),
-                ("HBM traffic", _ms(roof.memory_seconds)),
-                ("collectives over ICI", _ms(roof.collective_seconds)),
-                ("  of which not overlapped", _ms(roof.exposed_collective_seconds)),
-                ("step time (lower bound)", _ms(roof.step_seconds)),
-                ("MFU (compiler FLOPs)", f"{100 * roof.mfu:.1f}%")])
-            lines.append("Assumes: every FLOP at the bf16 peak (float32 matmuls are slower), "
-                         "compute and HBM traffic fully overlapped, collectives at full "
-                         "bidirectional ICI bandwidth, hidden when the schedule overlaps "
-                         "them with compute.")
+        lines += self._estimate_lines()
+        lines += self._host_lines()
+        lines += self._alternative_lines()
         if self.message:
             lines += ["", "Compiler: " + self.message.strip().splitlines()[0]]
         lines += [f"Note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _estimate_lines(self) -> List[str]:
+        e = self.estimate
+        if e is None or not e.seconds:
+            return []
+        rows = [("step time (estimate)", _time(e.seconds)),
+                ("  the TensorCore's instructions", _time(e.busy_seconds)),
+                ("    of which matmul-bound (sum of matmul times)", _time(e.matmul_seconds)),
+                ("    of which HBM-bound (sum of HBM times)", _time(e.memory_seconds)),
+                ("  waiting for collectives", _time(e.exposed_collective_seconds)),
+                ("  waiting for host transfers", _time(e.exposed_host_seconds)),
+                ("collectives over ICI, in all", _time(e.collective_seconds))]
+        if self.mfu is not None:
+            rows.append(("MFU (model FLOPs)", f"{100 * self.mfu:.1f}%"))
+        if self.hfu is not None:
+            rows.append(("HFU (hardware FLOPs, recomputation included)",
+                         f"{100 * self.hfu:.1f}%"))
+        lines = ["", f"Step-time estimate ({describe(e.efficiency)}):"]
+        lines += _table(["", ""], rows)
+        if e.multipass_flops:
+            lines.append(f"{100 * e.multipass_flops / max(e.dot_flops, 1):.0f}% of the matmul "
+                         f"FLOPs are float32 at HIGH or HIGHEST precision: 3 or 6 bf16 passes "
+                         f"each (torch_xla's mat_mul_precision)")
+        if e.kernels_without_cost:
+            lines.append(f"{e.kernels_without_cost} Pallas kernel(s) carry no cost estimate: "
+                         f"counted by their HBM bytes only")
+        return lines
+
+    def _host_lines(self) -> List[str]:
+        h = self.host_memory
+        if h is None:
+            return []
+        verdict = "fits" if h.fits else "DOES NOT FIT"
+        return ["", f"Host memory (offload_optimizer): {_gib(h.state_bytes)} of optimizer state, "
+                    f"shards and gradients for the {h.chips} chip(s) of one {h.vm} VM, which "
+                    f"has {h.memory_bytes / 1e9:.0f} GB: {verdict} ({h.source})"]
+
+    def _alternative_lines(self) -> List[str]:
+        if not self.alternatives:
+            return []
+        rows = [(a.description, a.topology, "yes" if a.fits else "no",
+                 _gib(a.peak_bytes) if a.fits else f"needs {_gib(a.required_bytes)}",
+                 _time(a.step_seconds) if a.step_seconds else "-")
+                for a in self.alternatives]
+        return ["", "What would fit (each compiled by libtpu):"] + _table(
+            ["configuration", "slice", "fits", "peak per chip", "step (estimate)"], rows)
+
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.3f} GiB" if n >= GIB / 100 else f"{n / 2 ** 20:.2f} MiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2 ** 20:.2f} MiB"
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
+def _time(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    if seconds >= 1:
+        return f"{seconds:.3f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds * 1e6:.1f} µs"
 
 
 def _table(header: List[str], rows: List[tuple]) -> List[str]:

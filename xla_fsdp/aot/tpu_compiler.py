@@ -118,28 +118,72 @@ def find_base_python() -> str:
 
 def install(venv: Optional[Path] = None, python: Optional[str] = None,
             quiet: bool = False) -> Path:
-    """Creates (or completes) the compiler's environment and checks that libtpu loads.
-    Returns the environment's interpreter (this one, when it has the compiler already)."""
+    """Creates the compiler's environment (or completes one) and checks that libtpu loads.
+    Returns the environment's interpreter (this one, when it has the compiler already).
+
+    A new environment is built beside ``venv`` and moved into place only once libtpu
+    loads in it, so a failed or interrupted install leaves nothing behind; an interpreter
+    older than 3.12 is refused before anything is made. Raises ``CompilerNotInstalled``
+    saying what went wrong."""
     if venv is None and python is None and _has_compiler_here():
         return Path(sys.executable)
     venv = Path(venv) if venv is not None else venv_path()
     target = venv / "bin" / "python"
-    if not target.exists():
-        base = python or find_base_python()
-        subprocess.run([base, "-m", "venv", str(venv)], check=True)
-    pip = [str(target), "-m", "pip", "install", "--disable-pip-version-check"]
-    subprocess.run(pip + (["-q"] if quiet else []) + [JAX_REQUIREMENT], check=True)
-    check = subprocess.run([str(target), "-c", "import jax, libtpu; print(jax.__version__)"],
-                           capture_output=True, text=True)
-    if check.returncode != 0:
-        raise CompilerNotInstalled(f"{target} cannot import jax and libtpu:\n{check.stderr}")
+    if target.exists():
+        _pip_install(target, quiet)
+        return target
+    base = python or find_base_python()
+    version = _python_version(base)
+    if version is None:
+        raise CompilerNotInstalled(f"--python {base}: not a Python interpreter that runs here")
+    if version < _MIN_PYTHON:
+        raise CompilerNotInstalled(
+            f"--python {base} is Python {version[0]}.{version[1]}; the TPU compiler "
+            f"({JAX_REQUIREMENT}) needs Python >= 3.12")
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(prefix=venv.name + ".partial-", dir=venv.parent))
+    try:
+        _run([base, "-m", "venv", str(building)], "create a virtual environment")
+        _pip_install(building / "bin" / "python", quiet)
+        os.rename(building, venv)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return target
 
 
+def _pip_install(python: Path, quiet: bool) -> None:
+    _run([str(python), "-m", "pip", "install", "--disable-pip-version-check"]
+         + (["-q"] if quiet else []) + [JAX_REQUIREMENT], f"install {JAX_REQUIREMENT}",
+         quiet)
+    check = subprocess.run([str(python), "-c", "import jax, libtpu; print(jax.__version__)"],
+                           capture_output=True, text=True)
+    if check.returncode != 0:
+        raise CompilerNotInstalled(f"{python} cannot import jax and libtpu: "
+                                   f"{_tail(check.stderr, 1)}")
+
+
+def _run(command: List[str], what: str, quiet: bool = True) -> None:
+    """Runs ``command``; CompilerNotInstalled with its last line of output if it fails."""
+    done = subprocess.run(command, capture_output=quiet, text=True)
+    if done.returncode != 0:
+        said = _tail((done.stderr or "") + (done.stdout or ""), 1) if quiet else \
+            "(its output is above)"
+        raise CompilerNotInstalled(f"could not {what} (exit code {done.returncode}): {said}")
+
+
+@dataclass
+class Compilation:
+    """What one call to libtpu returned: the HBM the compiler lets one chip use, where
+    each replica's (or partition's) chip sits in the grid, and one ``Compiled`` each."""
+    usable_hbm_bytes: int
+    coords: List[List[int]]
+    programs: List[Compiled]
+
+
 def compile_programs(topology: str, programs: Sequence[Program], *,
-                     timeout: float = 3600.0) -> "tuple[int, List[Compiled]]":
+                     timeout: float = 3600.0) -> Compilation:
     """Compiles ``programs`` with libtpu for the slice named ``topology`` (libtpu's grid
-    name). Returns the HBM the compiler lets one chip use, and one ``Compiled`` each.
+    name).
 
     A program larger than the chip's HBM is refused with the compiler's figures (required,
     available) and nothing else: libtpu has no way to compile it for the slice regardless
@@ -163,8 +207,11 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
         env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
         env.pop("XLA_FLAGS", None)   # XLA:CPU's flags; libtpu takes LIBTPU_INIT_ARGS
         env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: not on a TPU VM
-        # libtpu takes a machine-wide lock file; compile-only clients may share the machine
-        env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        # libtpu locks /tmp/libtpu_lockfile for the TPU device unless told it may share
+        # the machine: a compile-only client uses no device, so it never takes the lock
+        # (whatever the caller's environment says), and a plan runs beside other plans, a
+        # test run or a JAX process holding the lock
+        env["ALLOW_MULTIPLE_LIBTPU_LOAD"] = "1"
         done = subprocess.run([python, str(_WORKER), request_path, response_path], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0 or not os.path.exists(response_path):
@@ -181,7 +228,7 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
             compiled.append(Compiled(entry["status"], entry.get("message", ""),
                                      entry.get("memory", {}), entry.get("cost", {}), optimized,
                                      entry.get("oom", {}), entry.get("compile_seconds", 0.0)))
-        return response["usable_hbm_bytes"], compiled
+        return Compilation(response["usable_hbm_bytes"], response.get("coords", []), compiled)
 
 
 def _tail(text: str, lines: int = 30) -> str:

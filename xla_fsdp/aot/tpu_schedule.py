@@ -117,7 +117,8 @@ def _is_compute(ins: Instruction) -> bool:
     return not re.fullmatch(r"[a-z0-9]+\[\](\{[^}]*\})?", ins.shape)  # not a scalar
 
 
-def _trip_count(ins: Instruction) -> int:
+def trip_count(ins: Instruction) -> int:
+    """How many times a ``while`` runs its body, as libtpu knows it (1 when unknown)."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.text) or \
         re.search(r"known_trip_count=\{n=(\d+)\}", ins.text)
     return int(m.group(1)) if m else 1
@@ -138,9 +139,70 @@ def _schedules(computations: Dict[str, List[Instruction]], entry: str
             if ins.opcode == "while":
                 body = ins.attr("body")
                 if body:
-                    stack.append((body.lstrip("%"), times * _trip_count(ins)))
+                    stack.append((body.lstrip("%"), times * trip_count(ins)))
             elif ins.opcode in ("conditional", "call"):
                 stack.extend((c, times) for c in ins.callees)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """One collective in one schedule: the op that carries its shape and rank groups, and
+    the positions of its first piece (it starts) and last piece (it is done) among the
+    schedule's instructions; equal when it runs synchronously."""
+    key: str
+    piece: Instruction
+    first: int
+    last: int
+    asynchronous: bool
+    fused_compute: bool       # a step of it carries compute of its own
+    compute_between: int      # compute instructions scheduled between first and last
+
+
+def scheduled_collectives(computations: Dict[str, List[Instruction]], schedule: str,
+                          memo: Dict[str, Tuple[List[Instruction], bool]]
+                          ) -> List[Scheduled]:
+    """The collectives of one schedule, in the order they start (see [Note: what counts
+    as overlapped]); ``memo`` caches what fused computations hold, across calls."""
+    steps = computations[schedule]
+    chains: Dict[str, List[int]] = {}
+    pieces: Dict[str, Instruction] = {}
+    fused_compute: Dict[int, bool] = {}
+    for i, ins in enumerate(steps):
+        if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
+            held, compute = ([ins], False)
+            if ins.opcode.endswith("-done"):
+                start = _start_of(steps, ins) or ins
+                chains.setdefault(_chain_key(start, computations), []).append(i)
+                continue
+        elif ins.opcode in ("fusion", "async-start", "async-update", "async-done"):
+            held, compute = [], False
+            for callee in ins.callees:
+                inner, inner_compute = _collectives_in(computations, callee, memo, True)
+                held += inner
+                compute = compute or inner_compute
+        else:
+            continue
+        fused_compute[i] = compute
+        for piece in held:
+            key = _chain_key(piece, computations)
+            chains.setdefault(key, []).append(i)
+            pieces.setdefault(key, piece)
+    members = {i for idx in chains.values() for i in idx}
+    out = []
+    for key, idx in sorted(chains.items(), key=lambda kv: kv[1][0]):
+        if key not in pieces:
+            continue
+        lo, hi = min(idx), max(idx)
+        out.append(Scheduled(
+            key, pieces[key], lo, hi, len(set(idx)) > 1,
+            any(fused_compute.get(j, False) for j in idx),
+            sum(1 for j in range(lo + 1, hi) if j not in members and _is_compute(steps[j]))))
+    return out
+
+
+def moved_bytes(piece: Instruction) -> Tuple[str, float]:
+    """The op libtpu emitted for a collective and the bytes of its result."""
+    return piece.opcode.replace("-start", ""), array_bytes(_result_shape(piece))
 
 
 def collectives(optimized_hlo: str, participants: int,
@@ -158,48 +220,15 @@ def collectives(optimized_hlo: str, participants: int,
     memo: Dict[str, Tuple[List[Instruction], bool]] = {}
     out: List[Collective] = []
     for schedule, times in _schedules(computations, entry):
-        steps = computations[schedule]
-        chains: Dict[str, List[int]] = {}
-        pieces: Dict[str, Instruction] = {}
-        fused_compute: Dict[int, bool] = {}
-        for i, ins in enumerate(steps):
-            if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
-                held, compute = ([ins], False)
-                if ins.opcode.endswith("-done"):
-                    start = _start_of(steps, ins) or ins
-                    chains.setdefault(_chain_key(start, computations), []).append(i)
-                    continue
-            elif ins.opcode in ("fusion", "async-start", "async-update", "async-done"):
-                held, compute = [], False
-                for callee in ins.callees:
-                    inner, inner_compute = _collectives_in(computations, callee, memo, True)
-                    held += inner
-                    compute = compute or inner_compute
-            else:
-                continue
-            fused_compute[i] = compute
-            for piece in held:
-                key = _chain_key(piece, computations)
-                chains.setdefault(key, []).append(i)
-                pieces.setdefault(key, piece)
-        members = {i for idx in chains.values() for i in idx}
-        for key, idx in sorted(chains.items(), key=lambda kv: kv[1][0]):
-            if key not in pieces:
-                continue
-            lo, hi = min(idx), max(idx)
-            between = sum(1 for j in range(lo + 1, hi) if j not in members
-                          and _is_compute(steps[j]))
-            piece = pieces[key]
-            compiled = piece.opcode.replace("-start", "")
-            kind = traced_kinds.get(key, compiled)
-            moved = bytes_sent_per_chip(compiled, array_bytes(_result_shape(piece)),
-                                        span(piece, participants))
+        for c in scheduled_collectives(computations, schedule, memo):
+            compiled, result = moved_bytes(c.piece)
+            moved = bytes_sent_per_chip(compiled, result, span(c.piece, participants))
             out.append(Collective(
-                kind=kind, name=key, count=times, bytes_per_chip=times * moved,
-                compiled_as=compiled,
-                asynchronous=len(set(idx)) > 1,
-                overlapped=between > 0 or any(fused_compute.get(j, False) for j in idx),
-                compute_between=between))
+                kind=traced_kinds.get(c.key, compiled), name=c.key, count=times,
+                bytes_per_chip=times * moved, compiled_as=compiled,
+                asynchronous=c.asynchronous,
+                overlapped=c.compute_between > 0 or c.fused_compute,
+                compute_between=c.compute_between))
     return out
 
 

@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 
 import torch
 
+from .._xla.trace_only import refuse_reads
 from .dcp.coordination import agree
 from .dcp.load import load_staged
 from .consolidate.formats import FORMATS, OutputOptions, write_output
@@ -82,6 +83,7 @@ def load_consolidated(path: str, model: ShardedModel,
     on every rank, and changes nothing."""
     import torch_xla.runtime as xr
     require_root(model, "load_consolidated")
+    refuse_reads(path)
     path, independent = sharding_group_path(path, model)
     if not first_rank_reads:
         return load_staged(lambda: open_consolidated(path), model, optimizer,

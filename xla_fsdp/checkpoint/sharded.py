@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .._sharding.tensor_tree import collect_tensors
+from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from .consolidate.per_rank_source import open_per_rank_files
 from .dcp.coordination import agree, agree_or_undo, exchange
@@ -162,6 +163,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     ``CheckpointError`` on every rank, naming the file or key at fault, and changes nothing
     (see [Note: nothing changes unless everything was read])."""
     require_root(model, "load_sharded")
+    refuse_reads(path_prefix)
     wait_for_pending(model)  # a save of this model in flight is published first
     path_prefix = _sharding_group_prefix(path_prefix, model) or path_prefix
     own = _own_file(path_prefix, model, optimizer)

@@ -20,7 +20,18 @@ What the process changes in torch_xla, for its own lifetime only:
   reduces N copies of this rank's value;
 * ``torch.save`` refuses: a checkpoint of zeros must not replace a real one;
 * ``xr.use_spmd()`` puts the world back: an SPMD program is one program for every chip,
-  traced over the process's CPU devices (one per chip), with no rank to stand in for.
+  traced over the process's CPU devices (one per chip), with no rank to stand in for;
+* checkpoints read as absent: a ``CheckpointManager`` finds none to restore, and loading
+  one is refused (see ``trace_only.refuse_reads``), so a script that would resume a
+  finished run plans its training step, not what it does when there is nothing to train.
+
+[Note: a training step] What a plan is for is the training step, and a script can reach
+its sync points without one: resumed at its last step, it only evaluates. The program does
+not say whether it holds a backward pass, so the process counts, between syncs, the
+backward passes (``torch.autograd.backward`` and ``grad``, which ``Tensor.backward`` calls)
+and the optimizer steps (torch's global step hook, which every ``torch.optim.Optimizer``
+subclass runs); a program that replaces a parameter's buffer (an update written by hand)
+counts as an update too. ``TracedStep.kind`` is read from the steady step's graphs.
 """
 from __future__ import annotations
 
@@ -36,6 +47,9 @@ from torch.overrides import TorchFunctionMode
 from ..._xla import trace_only
 from ..._xla.host_reads import reads_host_value
 from ..._xla.private_api import pretend_world
+from ..report import TRAINING
+from . import pallas
+from .model_flops import ForwardFlops
 from .step_graphs import Graph, StepFound, StepGraphs
 
 
@@ -49,6 +63,26 @@ class TracedStep:
     host_reads: int             # values read on the host (each read as zeros)
     returned: bool              # the function returned before a step repeated
     spmd: bool                  # traced in SPMD mode: one program partitioned over the chips
+    chips: int = 1              # the world it stood for
+    host_state_bytes: int = 0   # what optimizers keep in host memory (offload), this rank
+
+    @property
+    def model_flops(self) -> float:
+        """The model's FLOPs per chip and step: three times its forward passes' matmul
+        FLOPs (see [Note: model FLOPs and hardware FLOPs]); an SPMD program traces every
+        chip's batch at once."""
+        forward = sum(g.activity.forward_flops for g in self.graphs)
+        return 3 * forward / (self.chips if self.spmd else 1)
+
+    @property
+    def kind(self) -> str:
+        """``"training"`` (a backward pass and an update), ``"backward only"`` or
+        ``"forward only"`` (see [Note: a training step])."""
+        backward = sum(g.activity.backward_passes for g in self.graphs)
+        updates = sum(g.activity.optimizer_steps + g.parameters_updated for g in self.graphs)
+        if backward and updates:
+            return TRAINING
+        return "backward only" if backward else "forward only"
 
 
 # [Note: at most 127 devices in a process]
@@ -109,13 +143,71 @@ def _zeros_everywhere(args: tuple, kwargs: dict):
             found)
 
 
+def _host_state_bytes() -> int:
+    """Bytes of the parameters, gradients and state that optimizers keep on the host (an
+    offloaded optimizer's; in a plan they are meta tensors of the host's shapes)."""
+    import gc
+    import warnings
+    seen, total = set(), 0
+
+    def count(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
+                id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    with warnings.catch_warnings():  # isinstance() on some objects warns (deprecated names)
+        warnings.simplefilter("ignore")
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+    for opt in optimizers:
+        for param_group in opt.param_groups:
+            for p in param_group["params"]:
+                if p.device.type not in ("cpu", "meta"):
+                    continue
+                count(p)
+                count(p.grad)
+                for value in opt.state.get(p, {}).values():
+                    count(value)
+    return total
+
+
 def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     trace_only.refuse_writes(str(f))
 
 
-def _patch(graphs: StepGraphs, world: int) -> None:
+def _count_activity(graphs: StepGraphs) -> ForwardFlops:
+    """Backward passes, optimizer steps and forward FLOPs are counted into
+    ``graphs.activity`` (see [Note: a training step]); returns the FLOP counter, a
+    torch-function mode for the traced function to run under."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+    forward = ForwardFlops(lambda flops: graphs.activity.count_forward_flops(flops))
+
+    def in_backward(run: Any, *args: Any, **kwargs: Any) -> Any:
+        graphs.activity.count_backward()
+        with forward.in_backward():
+            return run(*args, **kwargs)
+
+    def counted_backward(*args: Any, **kwargs: Any) -> Any:
+        return in_backward(backward, *args, **kwargs)
+
+    def counted_grad(*args: Any, **kwargs: Any) -> Any:
+        return in_backward(grad, *args, **kwargs)
+
+    def counted_step(*_: Any) -> None:
+        graphs.activity.count_optimizer_step()
+
+    torch.autograd.backward, torch.autograd.grad = counted_backward, counted_grad
+    register_optimizer_step_post_hook(counted_step)
+    return forward
+
+
+def _patch(graphs: StepGraphs, world: int) -> ForwardFlops:
     import torch_xla
     import torch_xla.core.xla_model as xm
+
+    forward = _count_activity(graphs)
+    pallas.enable(min(world, MAX_DEVICES), forward.add)
 
     torch_xla._XLAC._xla_step_marker = lambda *a, **k: graphs.sync()
     torch_xla._XLAC._xla_get_cpu_tensors = lambda tensors: [_zeros(t) for t in tensors]
@@ -138,6 +230,7 @@ def _patch(graphs: StepGraphs, world: int) -> None:
         pretend_world(None, None)
         return use_spmd(*args, **kwargs)
     xr.use_spmd = spmd_is_one_process
+    return forward
 
 
 def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) -> None:
@@ -154,11 +247,11 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         pretend_world(world, 0)
         trace_only.activate()
         graphs = StepGraphs(str(torch_xla.device()), max_graphs)
-        _patch(graphs, world)
+        forward = _patch(graphs, world)
         reads = _ZeroReads()
         returned = False
         try:
-            with reads:
+            with reads, forward:
                 fn(0, *args)
                 returned = True
                 graphs.sync()   # what it left pending, as the sync it did not make
@@ -168,7 +261,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         import torch_xla.runtime as xr
         result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
                             graphs.syncs, steady is not None, reads.count, returned,
-                            xr.is_spmd())
+                            xr.is_spmd(), world, _host_state_bytes())
         conn.send(("results", {0: pickle.dumps(result)}))
     except BaseException as exc:
         try:

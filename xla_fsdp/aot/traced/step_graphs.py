@@ -49,6 +49,25 @@ class StepFound(BaseException):
 
 
 @dataclass
+class Activity:
+    """What the traced function did since the last sync that the graph cannot show: the
+    backward passes it ran, the optimizer steps it took (see [Note: a training step]) and
+    its forward passes' matmul FLOPs (``model_flops``)."""
+    backward_passes: int = 0
+    optimizer_steps: int = 0
+    forward_flops: float = 0.0
+
+    def count_backward(self) -> None:
+        self.backward_passes += 1
+
+    def count_optimizer_step(self) -> None:
+        self.optimizer_steps += 1
+
+    def count_forward_flops(self, flops: float) -> None:
+        self.forward_flops += flops
+
+
+@dataclass
 class Graph:
     """One sync's program: HLO text with its donations in the header."""
     hlo: str
@@ -56,6 +75,8 @@ class Graph:
     outputs: int
     donated: int
     untracked: int = 0           # pending tensors not reachable from Python
+    activity: Activity = field(default_factory=Activity)
+    parameters_updated: int = 0  # parameters whose buffers the program replaces
 
 
 @dataclass
@@ -66,6 +87,7 @@ class StepGraphs:
     graphs: List[Graph] = field(default_factory=list)
     steady: Optional[List[Graph]] = None
     syncs: int = 0
+    activity: Activity = field(default_factory=Activity)   # since the last sync
     # lazy tensor id -> the SPMD sharding its pending value was annotated with, for the
     # tensors given placeholders at the last cut (see [Note: shardings across a cut])
     _shardings: Dict[int, str] = field(default_factory=dict)
@@ -77,6 +99,7 @@ class StepGraphs:
         cut_pending_graphs(self.device)
         if graph is None:
             return
+        graph.activity, self.activity = self.activity, Activity()
         for start, seen in enumerate(self.graphs):
             if seen.fingerprint == graph.fingerprint:
                 # a training step updates state it read; graphs that only make new
@@ -101,6 +124,9 @@ class StepGraphs:
         hlo = graph_hlo(outputs)
         _check_parameters(hlo, inputs)
         donors = [i for i, tid in enumerate(input_ids) if tid in replaced]
+        read = set(input_ids)
+        updated = sum(1 for t in outputs
+                      if isinstance(t, torch.nn.Parameter) and alias_id(t) in read)
         hlo = with_parameter_shardings(hlo, {i: self._shardings[tid]
                                              for i, tid in enumerate(input_ids)
                                              if tid in self._shardings})
@@ -108,7 +134,7 @@ class StepGraphs:
                            if (spec := sharding_spec(t))}
         body = hlo.split("\n", 1)[1]
         return Graph(with_donors(hlo, donors), hashlib.sha256(body.encode()).hexdigest(),
-                     len(outputs), len(donors), untracked)
+                     len(outputs), len(donors), untracked, parameters_updated=updated)
 
 
 def _live_xla_tensors() -> Iterator[torch.Tensor]:

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..._xla.trace_only import refuse_reads
 from ..async_save import wait_for_pending
 from ..files import CheckpointError
 from ..unit_protocol import ShardedModel, require_root
@@ -28,6 +29,7 @@ def load_dcp(checkpoint_dir: str, model: ShardedModel,
     ``extra`` (None if nothing was). Every rank calls it. Raises ``CheckpointError``, naming
     the key or file at fault, and changes nothing, if the checkpoint does not fit."""
     require_root(model, "load_dcp")
+    refuse_reads(checkpoint_dir)
     directory, _ = checkpoint_dir_for(checkpoint_dir, model)
     return load_staged(lambda: DcpSource(directory), model, optimizer, "xla_fsdp.dcp.load")
 

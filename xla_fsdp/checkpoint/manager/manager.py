@@ -99,8 +99,9 @@ class CheckpointManager:
 
     # -- what is saved -----------------------------------------------------------------------
     def latest(self) -> Optional[int]:
-        """The step of the newest complete checkpoint, or None."""
-        return self.directory.latest()
+        """The step of the newest complete checkpoint, or None; always None in a process
+        that only traces (``xla_fsdp.aot``), to which every checkpoint is absent."""
+        return None if trace_only.active() else self.directory.latest()
 
     def save(self, step: int, model: ShardedModel,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
@@ -154,6 +155,7 @@ class CheckpointManager:
         """Loads the newest complete checkpoint into ``model`` (and ``optimizer``), whatever
         world size and format wrote it; returns the ``extra`` saved with it."""
         self.wait()
+        trace_only.refuse_reads(str(self.directory.root))
         step = self.latest()
         if step is None:
             raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
