@@ -184,3 +184,38 @@ def never_syncs(rank: int):
     from xla_fsdp import FSDP
     model = FSDP(nn.Linear(64, 64))
     model(torch.ones(4, 64).to(torch_xla.device())).sum().backward()
+
+
+class _Wide(nn.Module):
+    """A stack of wide layers: its weights and AdamW's state (16 bytes a parameter) are
+    what a chip must hold, not its activations."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x.pow(2).mean()
+
+
+WIDE = (12288, 8)       # 1.2e9 parameters: 19.3 GB with AdamW, more than a v5e chip's 16 GiB
+
+
+def too_big_for_one_chip(rank: int, offload: bool = False, steps: int = 4):
+    """A meta model one v5e chip cannot train with AdamW unless its optimizer leaves the
+    chip (``offload_optimizer``) or more chips share it."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    with torch.device("meta"):
+        model = _Wide(*WIDE)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    model = FSDP(model, auto_wrap_policy=policy, offload_optimizer=offload)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        model(torch.ones(8, WIDE[0]).to(torch_xla.device())).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()

@@ -7,7 +7,7 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,19 @@ class Instruction:
         return []
 
     @property
+    def operand_elements(self) -> List[Tuple[str, Optional[int]]]:
+        """The operands with the tuple element each reads: ``%t#2`` (jax's printing of
+        element 2 of ``t``) is ``("t", 2)``, a plain ``%x`` is ``("x", None)``."""
+        body = self.text[len(self.opcode):]
+        depth = 0
+        for i, ch in enumerate(body):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return [(name, int(index) if index else None) for name, index in
+                        re.findall(r"%([\w.\-]+)(?:#(\d+))?", body[:i + 1])]
+        return []
+
+    @property
     def replica_groups(self) -> Optional[List[List[int]]]:
         """A collective's groups of ranks; None for one group of every rank (``{}``).
         The iota form ``[G,S]<=[dims]T(perm)`` is the ranks 0..N-1 laid out as ``dims``,
@@ -72,6 +85,45 @@ class Instruction:
         return m.group(1) if m else None
 
 
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
+                "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
+                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\](\{[^}]*\})?")
+
+
+def arrays(shape: str) -> Iterator[Tuple[str, List[int], int]]:
+    """(dtype, dims, memory space) of every array in an HLO shape (a tuple's, in order);
+    the memory space is the layout's ``S(n)``, 0 (HBM on a TPU) when it names none."""
+    for dtype, dims, layout in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape)):
+        space = re.search(r"S\((\d+)\)", layout or "")
+        yield dtype, [int(d) for d in dims.split(",") if d], int(space.group(1)) if space else 0
+
+
+def array_bytes(shape: str, spaces: Optional[Tuple[int, ...]] = None) -> float:
+    """Bytes of the arrays of ``shape``, of those held in memory ``spaces`` if given."""
+    return sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 4)
+               for dtype, dims, space in arrays(shape) if spaces is None or space in spaces)
+
+
+def tuple_elements(shape: str) -> List[str]:
+    """The element shapes of a tuple shape (a non-tuple shape is its own one element)."""
+    shape = re.sub(r"/\*.*?\*/", "", shape).strip()
+    if not shape.startswith("("):
+        return [shape]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(shape):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(shape[start:i].strip())
+        elif ch == "," and depth == 1:
+            out.append(shape[start:i].strip())
+            start = i + 1
+    return [e for e in out if e]
+
+
 def _split_shape(rest: str) -> Tuple[str, str]:
     """(shape, remainder) of ``rest``, which starts with an instruction's result shape."""
     if rest.startswith("("):
@@ -86,28 +138,41 @@ def _split_shape(rest: str) -> Tuple[str, str]:
 
 def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]]:
     """Computations by name, each a list of instructions in order, and the entry's name.
-    Several modules may be concatenated; the first entry wins."""
+    Several modules may be concatenated; the first entry wins. An instruction may span
+    lines (jax prints a kernel's metadata over several): a line that neither starts an
+    instruction, a computation nor closes one continues the instruction before it."""
     computations: Dict[str, List[Instruction]] = {}
     entry, current = None, None
-    for line in text.splitlines():
-        if not line.startswith(" ") and line.rstrip().endswith("{"):
-            m = re.match(r"^(ENTRY )?%?([\w.\-]+)\s", line)
-            if m:
-                current = m.group(2)
-                computations[current] = []
-                if m.group(1) and entry is None:
-                    entry = current
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        if current is None:
-            continue
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+    lines: List[str] = []
+
+    def finish() -> None:
+        if current is None or not lines:
+            return
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", " ".join(lines), re.S)
+        lines.clear()
         if not m:
-            continue
+            return
         shape, remainder = _split_shape(m.group(2))
         op = re.match(r"([a-z][a-z0-9\-]*)\(", remainder)
         if op:
             computations[current].append(Instruction(m.group(1), shape, op.group(1), remainder))
+
+    for line in text.splitlines():
+        if not line.startswith(" ") and line.rstrip().endswith("{") and \
+                re.match(r"^(ENTRY )?%?[\w.\-]+ \(", line):
+            finish()
+            m = re.match(r"^(ENTRY )?%?([\w.\-]+)\s", line)
+            current = m.group(2)
+            computations[current] = []
+            if m.group(1) and entry is None:
+                entry = current
+        elif line.rstrip() == "}":
+            finish()
+            current = None
+        elif re.match(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", line):
+            finish()
+            lines.append(line)
+        elif lines:
+            lines.append(line)
+    finish()
     return computations, entry

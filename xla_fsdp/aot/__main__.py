@@ -52,7 +52,9 @@ def _planning_launch(ns: argparse.Namespace) -> Callable[..., Any]:
                        **__: Any) -> Any:
         try:
             report = compile_for_tpu(fn, ns.topology, args=tuple(args),
-                                     max_graphs=ns.max_graphs, step=ns.step)
+                                     max_graphs=ns.max_graphs, step=ns.step,
+                                     alternatives=ns.alternatives,
+                                     search_budget=ns.search_budget)
         except NoTrainingStep as exc:
             raise _Refused(str(exc), NO_TRAINING_STEP) from None
         except LaunchError as exc:
@@ -71,7 +73,8 @@ def _planning_launch(ns: argparse.Namespace) -> Callable[..., Any]:
 def report_dict(report: TpuReport) -> dict:
     """The report as plain data (``--json``), its estimate included."""
     out = asdict(report)
-    del out["hlo"]
+    for bulky in ("hlo", "optimized_hlo"):
+        del out[bulky]
     out["topology"] = {"name": report.topology.name, "cloud_name": report.topology.cloud_name,
                        "chips": report.topology.chips, "chip": asdict(report.topology.chip)}
     out["collective_summary"] = report.collective_summary()
@@ -174,6 +177,11 @@ def _plan(argv: List[str]) -> int:
     parser.add_argument("--step", choices=STEPS, default="train",
                         help="what to plan: the training step (default; a script that "
                              "reaches none is refused), or whatever the script repeats")
+    parser.add_argument("--alternatives", type=int, default=2,
+                        help="when the step does not fit, find this many configurations "
+                             "that do (0: none); each is traced and compiled")
+    parser.add_argument("--search-budget", type=int, default=8,
+                        help="compiles the search for alternatives may spend")
     parser.add_argument("--max-graphs", type=int, default=12,
                         help="different graphs to trace before giving up on a repeated step")
     parser.add_argument("script", help="the training script, run unchanged")

@@ -2,15 +2,18 @@
 for a TPU slice, reported."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, Optional, Sequence
 
 from ..launch.runner import LaunchError, picklable_call, run_device_process
 from . import step_time, tpu_compiler
+from .alternatives import search
 from .report import TRAINING, HostMemory, TpuReport
 from .topology import Topology, resolve
 from .tpu_schedule import collectives, traced_collectives
 from .traced import process
 from .traced.process import TracedStep
+from .traced.switches import Switches
 
 STEPS = ("train", "eval")
 
@@ -24,12 +27,13 @@ class NoTrainingStep(RuntimeError):
 
 
 def trace_step(fn: Callable[..., Any], args: Sequence[Any], world: int,
-               max_graphs: int = 12) -> TracedStep:
+               max_graphs: int = 12, switches: Switches = Switches()) -> TracedStep:
     """Runs ``fn(0, *args)`` in a traced process standing for ``world`` ranks (see [Note:
-    one traced rank stands for the world]) and returns its steady step's graphs."""
+    one traced rank stands for the world]), with ``switches`` on its units, and returns its
+    steady step's graphs."""
     payload = picklable_call(fn, tuple(args))
     try:
-        results = run_device_process(process.main, (payload, world, max_graphs),
+        results = run_device_process(process.main, (payload, world, max_graphs, switches),
                                      process.environment(world))
     except LaunchError as exc:
         if "buffer is null" not in str(exc) and "placeholder" not in str(exc):
@@ -43,7 +47,8 @@ def trace_step(fn: Callable[..., Any], args: Sequence[Any], world: int,
 
 
 def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] = (), *,
-                    max_graphs: int = 12, step: str = "train") -> TpuReport:
+                    max_graphs: int = 12, step: str = "train",
+                    alternatives: int = 2, search_budget: int = 8) -> TpuReport:
     """Compiles the steady training step of ``fn`` for the TPU slice ``topology`` with
     libtpu, on this machine, and reports what the compiler says.
 
@@ -58,8 +63,10 @@ def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] =
     backward pass or an update raises ``NoTrainingStep`` before anything is compiled.
     ``step="eval"`` plans whatever the function repeats, an evaluation loop included.
 
-    A step that does not fit the chip's HBM is reported with ``fits=False`` and the
-    compiler's message; this never raises for that. It raises ValueError for an unknown
+    A step that does not fit the chip's HBM is reported with ``fits=False``, the
+    compiler's message and, in ``alternatives``, configurations tried instead until
+    ``alternatives`` of them fit or ``search_budget`` were compiled (see [Note: what would
+    fit]; 0 tries none); this never raises for that. It raises ValueError for an unknown
     topology (naming the known ones), ``tpu_compiler.CompilerNotInstalled`` without the
     compiler, and ``LaunchError`` when ``fn`` fails.
     """
@@ -69,7 +76,12 @@ def compile_for_tpu(fn: Callable[..., Any], topology: str, args: Sequence[Any] =
     tpu_compiler.compiler_python()   # installed, before minutes of tracing
     traced = trace_step(fn, args, slice_.chips, max_graphs)
     require_step(traced, step)
-    return report_for(traced, slice_)
+    report = report_for(traced, slice_)
+    if not report.fits and alternatives > 0:
+        report = dataclasses.replace(report, alternatives=search(
+            fn, args, slice_, traced, trace_step, report_for, alternatives, search_budget,
+            max_graphs))
+    return report
 
 
 def require_step(traced: TracedStep, step: str) -> None:
@@ -107,9 +119,10 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     for graph, c in zip(traced.graphs, compiled):
         if c.optimized_hlo:
             found += collectives(c.optimized_hlo, slice_.chips, traced_collectives(graph.hlo))
-    estimate = None if refused else step_time.estimate_programs(
-        [c.optimized_hlo for c in compiled], slice_,
-        coords=[c[:len(slice_.grid)] for c in compilation.coords])
+    coords = [c[:len(slice_.grid)] for c in compilation.coords]
+    optimized = [c.optimized_hlo for c in compiled]
+    estimate = None if refused else step_time.estimate_programs(optimized, slice_,
+                                                                coords=coords)
     oom = next((c for c in compiled if c.oom or c.status == "oom"), None)
     memory = peak.memory if peak is not None else {}
     return TpuReport(
@@ -129,7 +142,7 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
         compile_seconds=sum(c.compile_seconds for c in compiled),
         notes=_notes(traced), hlo=[g.hlo for g in traced.graphs], step_kind=traced.kind,
         estimate=estimate, model_flops=traced.model_flops,
-        host_memory=host_memory(traced, slice_))
+        host_memory=host_memory(traced, slice_), optimized_hlo=optimized, coords=coords)
 
 
 def host_memory(traced: TracedStep, slice_: Topology) -> Optional[HostMemory]:

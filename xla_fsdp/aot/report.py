@@ -84,6 +84,9 @@ class TpuReport:
     model_flops: float = 0.0
     host_memory: Optional[HostMemory] = None
     alternatives: List[Alternative] = field(default_factory=list)
+    # libtpu's scheduled programs, and where each replica's (partition's) chip sits
+    optimized_hlo: List[str] = field(default_factory=list, repr=False)
+    coords: List[List[int]] = field(default_factory=list, repr=False)
 
     # -- derived ---------------------------------------------------------------------------
     @property

@@ -12,7 +12,8 @@ schedule on two clocks:
   on-chip memory; of an operand it only slices, the slices) at the chip's HBM bandwidth.
   Both rates are scaled by achievable fractions fitted on measured runs (``Efficiency``,
   ``CALIBRATED``). A Pallas kernel (a ``tpu_custom_call``) is costed by the estimate its
-  lowering attached, if any;
+  lowering attached, or, an attention kernel without one (jax's splash kernels carry
+  none), by its name and shapes as causal attention (``attention_kernel_cost``);
 * a collective starts with its first piece in the schedule and must have finished by its
   last. Its transfer takes, as the scaling book models it (see [Note: links and
   wraparound]), ``(n-1)/n`` of the bytes it moves over the bandwidth of the torus axes
@@ -32,20 +33,17 @@ not show. It is an estimate; ``CALIBRATED`` says how close it came to measured r
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
-from .._xla.hlo_text import Instruction, parse_module
+from .._xla.hlo_text import Instruction, array_bytes, parse_module
+from .instruction_cost import HOST_SPACE, Costs, operand_shapes
 from .topology import SCALING_BOOK, Topology
-from .tpu_schedule import (COLLECTIVE_OPS, Scheduled, moved_bytes, scheduled_collectives,
-                           trip_count)
+from .tpu_schedule import Scheduled, moved_bytes, scheduled_collectives, trip_count
 
 HOP_SECONDS = 1e-6            # per ICI hop (scaling book: "typically around 1us")
 HOST_LINK_BYTES_PER_S = {"v5e": 1.6e10, "v5p": 1.6e10, "v6e": 3.2e10}  # PCIe per chip, book
-_PASSES = {"default": 1, "high": 3, "highest": 6}
 _REPLAYED_ITERATIONS = 3
 
 
@@ -96,19 +94,50 @@ _SUMMED = ("seconds", "busy_seconds", "matmul_seconds", "memory_seconds",
            "kernels_without_cost")
 
 
+class Schedule:
+    """One scheduled program, read once: what each instruction costs, which collectives
+    start and end where. ``estimate`` replays it at any rates (a calibration tries many)."""
+
+    def __init__(self, optimized_hlo: str, topology: Topology,
+                 coords: Optional[Sequence[Sequence[int]]] = None) -> None:
+        self.computations, self.entry = parse_module(optimized_hlo)
+        self.topology = topology
+        self.coords = [tuple(c) for c in coords] if coords else None
+        self.costs = Costs(self.computations)
+        self._memo: Dict[str, Tuple[List[Instruction], bool]] = {}
+        self._collectives: Dict[str, List[Tuple[Scheduled, List[Tuple[int, ...]]]]] = {}
+
+    def collectives(self, computation: str) -> List[Tuple[Scheduled, List[Tuple[int, ...]]]]:
+        """The collectives of ``computation``, each with the grid positions of the chips of
+        one of its rank groups."""
+        if computation not in self._collectives:
+            self._collectives[computation] = [
+                (c, self._rank_group(c.piece)) for c in
+                scheduled_collectives(self.computations, computation, self._memo)]
+        return self._collectives[computation]
+
+    def _rank_group(self, piece: Instruction) -> List[Tuple[int, ...]]:
+        rank_groups = piece.replica_groups
+        members = rank_groups[0] if rank_groups else range(self.topology.chips)
+        return [self.coords[i] if self.coords is not None and i < len(self.coords)
+                else self.topology.coords(i) for i in members]
+
+    def estimate(self, efficiency: Efficiency = CALIBRATED) -> StepTime:
+        if self.entry is None:
+            return StepTime(efficiency=efficiency)
+        replay = _Replay(self, efficiency)
+        total = replay.run(self.entry)
+        total.seconds = replay.clock
+        total.efficiency = efficiency
+        return total
+
+
 def estimate(optimized_hlo: str, topology: Topology, efficiency: Efficiency = CALIBRATED,
              coords: Optional[Sequence[Sequence[int]]] = None) -> StepTime:
     """The step time of ``optimized_hlo`` (libtpu's scheduled module, one program) on
     ``topology``. ``coords[i]``: the grid position of the chip that runs replica (or
     partition) ``i``; by default chips are numbered with the first grid axis fastest."""
-    computations, entry = parse_module(optimized_hlo)
-    if entry is None:
-        return StepTime(efficiency=efficiency)
-    replay = _Replay(computations, topology, efficiency, coords)
-    total = replay.run(entry)
-    total.seconds = replay.clock
-    total.efficiency = efficiency
-    return total
+    return Schedule(optimized_hlo, topology, coords).estimate(efficiency)
 
 
 def estimate_programs(optimized_hlos: Sequence[str], topology: Topology,
@@ -149,315 +178,46 @@ def collective_seconds(opcode: str, result_bytes: float, rank_group: Sequence[Tu
     return max(HOP_SECONDS * hops, share * moved[opcode] / bandwidth)
 
 
-# -- shapes -----------------------------------------------------------------------------------
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
-                "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
-                "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\](\{[^}]*\})?")
-_HOST_SPACE = 5
-
-
-def _arrays(shape: str) -> Iterable[Tuple[str, List[int], int]]:
-    """(dtype, dims, memory space) of every array in an HLO shape."""
-    for dtype, dims, layout in _ARRAY.findall(re.sub(r"/\*.*?\*/", "", shape)):
-        space = re.search(r"S\((\d+)\)", layout or "")
-        yield dtype, [int(d) for d in dims.split(",") if d], int(space.group(1)) if space else 0
-
-
-def _bytes(shape: str, spaces: Tuple[int, ...] = (0,)) -> float:
-    """Bytes of the arrays of ``shape`` held in the memory ``spaces`` (0: HBM)."""
-    return sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 4)
-               for dtype, dims, space in _arrays(shape) if space in spaces)
-
-
-def _dims(shape: str) -> List[int]:
-    found = list(_arrays(shape))
-    return found[0][1] if found else []
-
-
-# -- what one instruction costs ---------------------------------------------------------------
-@dataclass
-class _Work:
-    dot_flops: float = 0.0
-    mxu_flops: float = 0.0
-    multipass_flops: float = 0.0
-    hbm_bytes: float = 0.0
-    unknown_kernels: int = 0
-
-
-_SLICING = ("dynamic-slice", "slice", "gather")
-_FREE = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitcast",
-                   "after-all", "opt-barrier", "add-dependency", "partition-id", "replica-id",
-                   "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
-                   "async-start", "async-update", "async-done")
-                  + tuple(COLLECTIVE_OPS)
-                  + tuple(op + "-start" for op in COLLECTIVE_OPS)
-                  + tuple(op + "-done" for op in COLLECTIVE_OPS))
-
-
-class _Costs:
-    """The matmul FLOPs and HBM bytes of top-level instructions (fusions included)."""
-
-    def __init__(self, computations: Dict[str, List[Instruction]]) -> None:
-        self.computations = computations
-        self._flops: Dict[str, Tuple[float, float, float]] = {}
-        self._shapes: Dict[str, Dict[str, str]] = {}
-
-    def shapes(self, computation: str) -> Dict[str, str]:
-        if computation not in self._shapes:
-            self._shapes[computation] = {i.name: i.shape
-                                         for i in self.computations.get(computation, [])}
-        return self._shapes[computation]
-
-    def of(self, ins: Instruction, computation: str) -> _Work:
-        if ins.opcode in _FREE:
-            return _Work()
-        shapes = self.shapes(computation)
-        if ins.opcode == "custom-call" and "tpu_custom_call" in ins.text:
-            return self._kernel(ins, shapes)
-        work = _Work()
-        if ins.opcode in ("dot", "convolution"):
-            work.dot_flops, work.mxu_flops, work.multipass_flops = _dot_flops(ins, shapes)
-            work.hbm_bytes = self._plain_bytes(ins, shapes)
-        elif ins.opcode == "fusion":
-            for callee in ins.callees:
-                d, m, p = self._fused_flops(callee)
-                work.dot_flops += d
-                work.mxu_flops += m
-                work.multipass_flops += p
-            work.hbm_bytes = self._fusion_bytes(ins, shapes)
-        elif ins.opcode in ("dynamic-update-slice",):
-            update = shapes.get(ins.operands[1], "") if len(ins.operands) > 1 else ""
-            work.hbm_bytes = 2 * _bytes(update)
-        else:
-            work.hbm_bytes = self._plain_bytes(ins, shapes)
-        return work
-
-    def _plain_bytes(self, ins: Instruction, shapes: Dict[str, str]) -> float:
-        return _bytes(ins.shape) + sum(_bytes(shapes.get(o, "")) for o in ins.operands)
-
-    def _kernel(self, ins: Instruction, shapes: Dict[str, str]) -> _Work:
-        """A Pallas kernel: the cost estimate its lowering attached, if any."""
-        work = _Work(hbm_bytes=self._plain_bytes(ins, shapes))
-        config = re.search(r"backend_config=(\"(?:[^\"\\]|\\.)*\"|\{.*\})", ins.text)
-        estimate_ = None
-        if config:
-            text = config.group(1)
-            try:
-                data = json.loads(json.loads(text) if text.startswith('"') else text)
-                estimate_ = (data.get("custom_call_config", {}) or {}).get("cost_estimate") \
-                    or data.get("cost_estimate")
-            except (ValueError, AttributeError, TypeError):
-                estimate_ = None
-        if estimate_:
-            work.dot_flops = work.mxu_flops = float(estimate_.get("flops", 0))
-            work.hbm_bytes = float(estimate_.get("bytes_accessed", work.hbm_bytes))
-        else:
-            work.unknown_kernels = 1
-        return work
-
-    def _fused_flops(self, computation: str) -> Tuple[float, float, float]:
-        if computation in self._flops:
-            return self._flops[computation]
-        self._flops[computation] = (0.0, 0.0, 0.0)
-        dot = mxu = multipass = 0.0
-        shapes = self.shapes(computation)
-        for ins in self.computations.get(computation, []):
-            if ins.opcode in ("dot", "convolution"):
-                d, m, p = _dot_flops(ins, shapes)
-            elif ins.opcode in ("fusion", "call"):
-                d = m = p = 0.0
-                for callee in ins.callees:
-                    cd, cm, cp = self._fused_flops(callee)
-                    d, m, p = d + cd, m + cm, p + cp
-            else:
-                continue
-            dot, mxu, multipass = dot + d, mxu + m, multipass + p
-        self._flops[computation] = (dot, mxu, multipass)
-        return self._flops[computation]
-
-    def _fusion_bytes(self, ins: Instruction, shapes: Dict[str, str]) -> float:
-        """HBM bytes of a fusion: each operand in HBM, or only what the fused computation
-        slices out of it; its results in HBM, or only the update of a result it writes in
-        place (a dynamic-update-slice into an operand)."""
-        callee = ins.callees[0] if ins.callees else ""
-        body = self.computations.get(callee, [])
-        inner = self.shapes(callee)
-        params: Dict[int, Instruction] = {}
-        users: Dict[str, List[Instruction]] = {}
-        for i in body:
-            if i.opcode == "parameter":
-                m = re.match(r"parameter\((\d+)\)", i.text)
-                if m:
-                    params[int(m.group(1))] = i
-            for o in i.operands:
-                users.setdefault(o, []).append(i)
-        total = 0.0
-        in_place = set()
-        for number, operand in enumerate(ins.operands):
-            outer = shapes.get(operand, "")
-            if not _bytes(outer):
-                continue
-            param = params.get(number)
-            used = users.get(param.name, []) if param is not None else []
-            if used and all(u.opcode in _SLICING and u.operands[0] == param.name for u in used):
-                total += sum(_bytes(u.shape, (0, _any_space(outer))) for u in used)
-            elif used and all(u.opcode == "dynamic-update-slice" and u.operands[0] == param.name
-                              for u in used):
-                in_place.add(number)
-                total += sum(_bytes(inner.get(u.operands[1], ""), (0, 1, 2, 3, 4, 6))
-                             for u in used)
-            else:
-                total += _bytes(outer)
-        if in_place:
-            return total  # the in-place result is counted as its update
-        return total + _bytes(ins.shape)
-
-
-def _any_space(shape: str) -> int:
-    for _, _, space in _arrays(shape):
-        return space
-    return 0
-
-
-def _passes(ins: Instruction, shapes: Dict[str, str]) -> int:
-    """bf16 passes a dot runs on the MXU: 1 unless a float32 operand asks for more."""
-    precision = re.search(r"operand_precision=\{([a-z]+)", ins.text)
-    algorithm = re.search(r"algorithm=dot_[a-z0-9_]*_x(\d+)", ins.text)
-    if algorithm:
-        return int(algorithm.group(1))
-    if precision is None:
-        return 1
-    operands = [shapes.get(o, "") for o in ins.operands[:2]]
-    if not any(list(_arrays(s))[:1] and list(_arrays(s))[0][0] == "f32" for s in operands):
-        return 1
-    return _PASSES.get(precision.group(1), 1)
-
-
-def _dot_flops(ins: Instruction, shapes: Dict[str, str]) -> Tuple[float, float, float]:
-    """(FLOPs, FLOPs with every pass, FLOPs run in several passes) of a dot or convolution."""
-    out = math.prod(_dims(ins.shape)) if _dims(ins.shape) else 1
-    if ins.opcode == "dot":
-        lhs = _dims(shapes.get(ins.operands[0], "")) if ins.operands else []
-        contracting = [int(d) for d in re.findall(r"\d+", ins.attr("lhs_contracting_dims") or "")]
-        k = math.prod(lhs[d] for d in contracting if d < len(lhs)) if lhs else 1
-        flops = 2.0 * out * k
-    else:
-        flops = 2.0 * out * _convolution_macs_per_output(ins, shapes)
-    passes = _passes(ins, shapes)
-    return flops, flops * passes, flops if passes > 1 else 0.0
-
-
-def _convolution_macs_per_output(ins: Instruction, shapes: Dict[str, str]) -> float:
-    """Multiply-adds per output element: the kernel's input features times the window
-    positions that land on real input elements (not padding, not dilation holes)."""
-    labels = re.search(r"dim_labels=([0-9a-z]+)_([0-9a-z]+)->([0-9a-z]+)", ins.text)
-    if not labels or len(ins.operands) < 2:
-        return 1.0
-    lhs_l, rhs_l, out_l = labels.groups()
-    lhs = _dims(shapes.get(ins.operands[0], ""))
-    rhs = _dims(shapes.get(ins.operands[1], ""))
-    out = _dims(ins.shape)
-    if len(rhs) != len(rhs_l) or len(lhs) != len(lhs_l) or len(out) != len(out_l):
-        return 1.0
-    macs = float(rhs[rhs_l.index("i")])
-    window = _window(ins.attr("window") or "")
-    spatial = sorted(c for c in rhs_l if c.isdigit())
-    for n, dim in enumerate(spatial):
-        k = rhs[rhs_l.index(dim)]
-        size_in = lhs[lhs_l.index(dim)]
-        size_out = out[out_l.index(dim)]
-        get = lambda key, default: window.get(key, [default] * len(spatial))[n]  # noqa: E731
-        pad_lo = get("pad_lo", 0)
-        valid = _valid_window_positions(size_in, k, size_out, get("stride", 1), pad_lo,
-                                        get("lhs_dilate", 1), get("rhs_dilate", 1))
-        macs *= valid / max(size_out, 1)
-    return macs
-
-
-def _window(text: str) -> Dict[str, List[int]]:
-    out: Dict[str, List[int]] = {}
-    for key, value in re.findall(r"(\w+)=([0-9x_\-]+)", text):
-        if key == "pad":
-            pairs = [p.split("_") for p in value.split("x")]
-            out["pad_lo"] = [int(p[0]) for p in pairs]
-        else:
-            out[key] = [int(v) for v in value.split("x")]
-    return out
-
-
-def _valid_window_positions(size_in: int, k: int, size_out: int, stride: int, pad_lo: int,
-                            lhs_dilate: int, rhs_dilate: int) -> float:
-    """Pairs (output position, kernel position) reading a real input element."""
-    extent = (size_in - 1) * lhs_dilate + 1
-    if size_out * k > 2_000_000:   # large windows: the density of real elements
-        return size_out * k * min(1.0, size_in / max(extent, 1))
-    count = 0
-    for o in range(size_out):
-        base = o * stride - pad_lo
-        for j in range(k):
-            pos = base + j * rhs_dilate
-            if 0 <= pos < extent and pos % lhs_dilate == 0:
-                count += 1
-    return float(count)
-
-
 # -- the replay -------------------------------------------------------------------------------
 class _Replay:
-    """Walks the schedule on the TensorCore's clock (see [Note: the step-time model])."""
+    """Walks a schedule on the TensorCore's clock (see [Note: the step-time model])."""
 
-    def __init__(self, computations: Dict[str, List[Instruction]], topology: Topology,
-                 efficiency: Efficiency, coords: Optional[Sequence[Sequence[int]]]) -> None:
-        self.computations = computations
-        self.topology = topology
+    def __init__(self, schedule: Schedule, efficiency: Efficiency) -> None:
+        self.schedule = schedule
+        self.computations = schedule.computations
+        self.topology = schedule.topology
         self.efficiency = efficiency
-        self.coords = [tuple(c) for c in coords] if coords else None
-        self.costs = _Costs(computations)
-        self.memo: Dict[str, Tuple[List[Instruction], bool]] = {}
+        self.costs = schedule.costs
         self.clock = 0.0
         self.ici_free = 0.0
         self.host_free = 0.0
-        chip = topology.chip
+        chip = self.topology.chip
         self.matmul_rate = chip.peak_bf16_flops * efficiency.matmul
         self.memory_rate = chip.hbm_bytes_per_s * efficiency.memory
         self.host_rate = HOST_LINK_BYTES_PER_S.get(chip.generation, 1.6e10)
-        self._scheduled: Dict[str, List[Scheduled]] = {}
-
-    def _coords(self, index: int) -> Tuple[int, ...]:
-        if self.coords is not None and index < len(self.coords):
-            return self.coords[index]
-        return self.topology.coords(index)
-
-    def _rank_group(self, piece: Instruction) -> List[Tuple[int, ...]]:
-        rank_groups = piece.replica_groups
-        members = rank_groups[0] if rank_groups else range(self.topology.chips)
-        return [self._coords(i) for i in members]
 
     def run(self, computation: str) -> StepTime:
         """Replays ``computation`` from the current clock; returns what it added."""
         steps = self.computations.get(computation, [])
-        if computation not in self._scheduled:
-            self._scheduled[computation] = scheduled_collectives(self.computations,
-                                                                 computation, self.memo)
-        starts: Dict[int, List[Scheduled]] = {}
+        starts: Dict[int, List[Tuple[Scheduled, List[Tuple[int, ...]]]]] = {}
         ends: Dict[int, List[Scheduled]] = {}
-        for c in self._scheduled[computation]:
-            starts.setdefault(c.first, []).append(c)
+        for c, rank_group in self.schedule.collectives(computation):
+            starts.setdefault(c.first, []).append((c, rank_group))
             ends.setdefault(c.last, []).append(c)
         added = StepTime()
         finishes: Dict[str, float] = {}
         host: Dict[str, float] = {}
         for i, ins in enumerate(steps):
-            for c in starts.get(i, []):
+            for c, rank_group in starts.get(i, []):
                 opcode, result = moved_bytes(c.piece)
-                seconds = collective_seconds(opcode, result, self._rank_group(c.piece),
-                                             self.topology, self.efficiency)
+                seconds = collective_seconds(opcode, result, rank_group, self.topology,
+                                             self.efficiency)
                 begin = max(self.clock, self.ici_free)
                 self.ici_free = begin + seconds
                 finishes[c.key] = self.ici_free
                 added.collective_seconds += seconds
             if ins.opcode == "copy-start" and self._to_or_from_host(ins, computation):
-                seconds = _bytes(ins.shape, (_HOST_SPACE,)) / self.host_rate
+                seconds = array_bytes(ins.shape, (HOST_SPACE,)) / self.host_rate
                 begin = max(self.clock, self.host_free)
                 self.host_free = begin + seconds
                 host[ins.name] = self.host_free
@@ -467,7 +227,7 @@ class _Replay:
                 self.clock += wait
                 added.exposed_host_seconds += wait
             if ins.opcode == "while":
-                added.add(self._loop(ins))
+                added.add(self._loop(ins, trip_count(ins, self.computations, steps)))
             elif ins.opcode == "conditional":
                 added.add(self._slowest_branch(ins))
             elif ins.opcode == "call":
@@ -482,9 +242,9 @@ class _Replay:
         return added
 
     def _to_or_from_host(self, ins: Instruction, computation: str) -> bool:
-        operand = self.costs.shapes(computation).get(ins.operands[0], "") \
-            if ins.operands else ""
-        return bool(_bytes(ins.shape, (_HOST_SPACE,)) or _bytes(operand, (_HOST_SPACE,)))
+        operands = operand_shapes(ins, self.costs.shapes(computation))
+        operand = operands[0] if operands else ""
+        return bool(array_bytes(ins.shape, (HOST_SPACE,)) or array_bytes(operand, (HOST_SPACE,)))
 
     def _compute(self, ins: Instruction, computation: str, added: StepTime) -> None:
         work = self.costs.of(ins, computation)
@@ -501,9 +261,8 @@ class _Replay:
         added.hbm_bytes += work.hbm_bytes
         added.kernels_without_cost += work.unknown_kernels
 
-    def _loop(self, ins: Instruction) -> StepTime:
+    def _loop(self, ins: Instruction, trips: int) -> StepTime:
         body = (ins.attr("body") or "").lstrip("%")
-        trips = trip_count(ins)
         added = StepTime()
         last = StepTime()
         before = self.clock

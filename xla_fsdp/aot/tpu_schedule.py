@@ -19,12 +19,11 @@ or loop, anything that makes a non-scalar value. Moves between memories
 """
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .._xla.hlo_text import Instruction, parse_module
+from .._xla.hlo_text import Instruction, array_bytes, parse_module
 
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                   "collective-permute", "collective-broadcast", "ragged-all-to-all")
@@ -32,21 +31,6 @@ _NOT_COMPUTE = frozenset((
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
     "copy", "replica-id", "partition-id", "after-all", "opt-barrier", "add-dependency",
     "reshape", "broadcast", "iota", "slice", "send", "send-done", "recv", "recv-done"))
-_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-                "f64": 8, "s64": 8, "u64": 8, "c64": 8, "c128": 16}
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+(?:e\d+m\d+(?:fn)?)?)\[([0-9,]*)\]")
-
-
-def array_bytes(shape: str) -> float:
-    """Bytes of every array in an HLO shape (a tuple's elements summed)."""
-    total = 0.0
-    for dtype, dims in _ARRAY.findall(shape.split("{")[0] if not shape.startswith("(")
-                                      else re.sub(r"\{[^}]*\}", "", shape)):
-        total += math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
 def span(instruction: Instruction, participants: int) -> int:
     """How many chips one instance of the collective spans: its replica groups' size, or
     every participant when the groups are empty."""
@@ -117,11 +101,40 @@ def _is_compute(ins: Instruction) -> bool:
     return not re.fullmatch(r"[a-z0-9]+\[\](\{[^}]*\})?", ins.shape)  # not a scalar
 
 
-def trip_count(ins: Instruction) -> int:
-    """How many times a ``while`` runs its body, as libtpu knows it (1 when unknown)."""
+def trip_count(ins: Instruction, computations: Dict[str, List[Instruction]],
+               caller: Sequence[Instruction] = ()) -> int:
+    """How many times a ``while`` runs its body: libtpu's ``known_trip_count``, else what its
+    condition says (``counter < N``, the counter starting at the constant the loop's input
+    tuple holds, as jax's scans are printed); 1 when neither says."""
     m = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.text) or \
         re.search(r"known_trip_count=\{n=(\d+)\}", ins.text)
-    return int(m.group(1)) if m else 1
+    if m:
+        return int(m.group(1))
+    condition = computations.get((ins.attr("condition") or "").lstrip("%"), [])
+    root = condition[-1] if condition else None
+    if root is None or root.opcode != "compare":
+        return 1
+    direction = root.attr("direction")
+    named = {i.name: i for i in condition}
+    limits = [_constant(named.get(o), named) for o in root.operands]
+    if direction not in ("LT", "LE") or limits[1] is None:
+        return 1
+    start = 0
+    by_name = {i.name: i for i in caller}
+    loop_input = by_name.get(ins.operands[0]) if ins.operands else None
+    if loop_input is not None and loop_input.opcode == "tuple" and loop_input.operands:
+        start = _constant(by_name.get(loop_input.operands[0]), by_name) or 0
+    return max(1, limits[1] - start + (direction == "LE"))
+
+
+def _constant(ins: Optional[Instruction], named: Dict[str, Instruction]) -> Optional[int]:
+    """The integer an instruction holds, through copies and bitcasts; None if not one."""
+    while ins is not None and ins.opcode in ("copy", "bitcast", "convert") and ins.operands:
+        ins = named.get(ins.operands[0])
+    if ins is None or ins.opcode != "constant":
+        return None
+    m = re.match(r"constant\((-?\d+)\)", ins.text)
+    return int(m.group(1)) if m else None
 
 
 def _schedules(computations: Dict[str, List[Instruction]], entry: str
@@ -135,11 +148,13 @@ def _schedules(computations: Dict[str, List[Instruction]], entry: str
             continue
         seen.add(name)
         yield name, times
-        for ins in computations.get(name, []):
+        steps = computations.get(name, [])
+        for ins in steps:
             if ins.opcode == "while":
                 body = ins.attr("body")
                 if body:
-                    stack.append((body.lstrip("%"), times * trip_count(ins)))
+                    stack.append((body.lstrip("%"), times * trip_count(ins, computations,
+                                                                       steps)))
             elif ins.opcode in ("conditional", "call"):
                 stack.extend((c, times) for c in ins.callees)
 

@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from typing import Any, Callable, Iterator, Optional
 
+from ..instruction_cost import attention_kernel_cost
+
 _causal: Optional[bool] = None       # of the attention whose kernels are being lowered
-_MATMULS = ((r"^splash_mha_fwd", 2), (r"^splash_mha_dkv", None), (r"^splash_mha_dq", 3),
-            (r"flash_attention_dq_kernel", 3), (r"flash_attention_dkv_kernel", 4),
-            (r"flash_attention_kernel", 2))
 
 
 def enable(devices: int, count_forward: Callable[[float], None]) -> bool:
@@ -72,19 +70,14 @@ def enable(devices: int, count_forward: Callable[[float], None]) -> bool:
 
 def _kernel_cost(name: str, inputs: Any, outputs: Any) -> Optional[dict]:
     """The analytic estimate of an attention kernel (None: not one, or causality unknown)."""
-    matmuls = next((n for pattern, n in _MATMULS if re.search(pattern, name)), 0)
-    operands = [a for a in inputs if len(getattr(a, "shape", ())) >= 3
-                and (a.dtype.kind == "f" or str(a.dtype) == "bfloat16")]
-    if matmuls == 0 or len(operands) < 2 or _causal is None:
+    if _causal is None:
         return None
-    q, k = operands[0], operands[1]
-    if matmuls is None:   # splash's dkv kernel, fused with dq when it makes dq's partials
-        matmuls = 5 if any(len(o.shape) == len(q.shape) + 1 for o in outputs) else 4
-    rows = math.prod(q.shape[:-1])                 # batch x heads x query length
-    share = 0.5 if _causal else 1.0
-    moved = sum(math.prod(a.shape) * a.dtype.itemsize for a in (*inputs, *outputs))
-    return {"flops": int(2 * rows * k.shape[-2] * q.shape[-1] * matmuls * share),
-            "transcendentals": int(rows * k.shape[-2] * share), "bytes_accessed": moved}
+    cost = attention_kernel_cost(name, [(str(a.dtype), a.shape) for a in inputs],
+                                 [o.shape for o in outputs], _causal)
+    if cost is not None:
+        cost["bytes_accessed"] = sum(math.prod(a.shape) * a.dtype.itemsize
+                                     for a in (*inputs, *outputs))
+    return cost
 
 
 @contextlib.contextmanager

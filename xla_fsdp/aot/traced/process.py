@@ -51,6 +51,8 @@ from ..report import TRAINING
 from . import pallas
 from .model_flops import ForwardFlops
 from .step_graphs import Graph, StepFound, StepGraphs
+from .switches import Switches
+from .switches import apply as apply_switches
 
 
 @dataclass
@@ -65,6 +67,7 @@ class TracedStep:
     spmd: bool                  # traced in SPMD mode: one program partitioned over the chips
     chips: int = 1              # the world it stood for
     host_state_bytes: int = 0   # what optimizers keep in host memory (offload), this rank
+    fsdp_units: int = 0         # xla_fsdp units the function built (switches apply to them)
 
     @property
     def model_flops(self) -> float:
@@ -233,7 +236,8 @@ def _patch(graphs: StepGraphs, world: int) -> ForwardFlops:
     return forward
 
 
-def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) -> None:
+def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
+         stderr_path: str) -> None:
     """The child process: reports ``("results", {0: TracedStep})`` or ``("error", 0, ...)``
     as ``launch``'s device process does."""
     log_fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
@@ -248,6 +252,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         trace_only.activate()
         graphs = StepGraphs(str(torch_xla.device()), max_graphs)
         forward = _patch(graphs, world)
+        units = apply_switches(switches)
         reads = _ZeroReads()
         returned = False
         try:
@@ -261,7 +266,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, stderr_path: str) ->
         import torch_xla.runtime as xr
         result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
                             graphs.syncs, steady is not None, reads.count, returned,
-                            xr.is_spmd(), world, _host_state_bytes())
+                            xr.is_spmd(), world, _host_state_bytes(), units.units)
         conn.send(("results", {0: pickle.dumps(result)}))
     except BaseException as exc:
         try:
