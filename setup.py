@@ -11,7 +11,12 @@ setup(
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
     # the clients that import torch_xla's FSDP themselves, tested through patch_torch_xla()
     extras_require={"test": ["pytest>=7", "safetensors", "transformers<5", "accelerate",
-                             "peft", "lightning==2.6.6", "matplotlib"],
+                             "peft", "lightning==2.6.6", "matplotlib",
+                             "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
+                    # torch_xla's Pallas kernels (flash and splash attention) need the jax
+                    # torch_xla 2.9 pins (its own 'pallas' extra), splash torchax too; a
+                    # plan of a step that calls them lowers them with it
+                    "pallas": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
                     "example": ["matplotlib"],  # examples/train_lm.py's loss curve
                     # the TPU compiler for xla_fsdp.aot; on Python < 3.12 it lives in an
                     # environment of its own: `python -m xla_fsdp.aot install`

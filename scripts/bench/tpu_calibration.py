@@ -228,6 +228,31 @@ def plan_row(row: str, libtpu_flags: str) -> dict:
             "seconds": time.monotonic() - started, "message": report.message}
 
 
+def _cached_row(row: str, ns: argparse.Namespace) -> Tuple[dict, List[str]]:
+    """A row's figures and optimized programs, compiled now or read from ``--cache`` (an
+    8B step takes libtpu ten minutes and more to compile on two cores)."""
+    folder = os.path.join(ns.cache, row)
+    figures = os.path.join(folder, "figures.json")
+    if os.path.exists(figures) and not ns.recompile:
+        with open(figures) as f:
+            result = json.load(f)
+        hlos = []
+        for i in range(result["programs"]):
+            with open(os.path.join(folder, f"program_{i}.hlo.txt")) as f:
+                hlos.append(f.read())
+        return result, hlos
+    result = plan_row(row, ns.libtpu_flags)
+    hlos = result.pop("optimized_hlo")
+    result["programs"] = len(hlos)
+    os.makedirs(folder, exist_ok=True)
+    for i, text in enumerate(hlos):
+        with open(os.path.join(folder, f"program_{i}.hlo.txt"), "w") as f:
+            f.write(text)
+    with open(figures, "w") as f:
+        json.dump(result, f, indent=1)
+    return result, hlos
+
+
 def fit(schedules: Dict[str, list], measured: Dict[str, float]):
     """The efficiencies that minimize the largest |log(estimate / measured)| over the
     measured rows (matmul and memory fractions on a grid of 0.01; ICI at the scaling
@@ -264,6 +289,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                         "see benchmarks/results/tpu_calibration/README.md for the command")
     parser.add_argument("--libtpu-flags", default=TORCHPRIME_LIBTPU)
     parser.add_argument("--out", default=OUT)
+    parser.add_argument("--cache", default=os.path.join(OUT, "compiled"),
+                        help="where each row's compiled programs are kept (not committed)")
+    parser.add_argument("--recompile", action="store_true",
+                        help="compile every row again instead of reading --cache")
     ns = parser.parse_args(argv)
     from xla_fsdp.aot.step_time import Efficiency, Schedule
     from xla_fsdp.aot.topology import resolve
@@ -281,8 +310,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                          "hlo_file": ns.maxtext_hlo}
             schedules[row] = [Schedule(text, resolve("v6e-8"))]
             continue
-        result = plan_row(row, ns.libtpu_flags)
-        hlos = result.pop("optimized_hlo")
+        result, hlos = _cached_row(row, ns)
         rows[row] = result
         print(json.dumps(result), flush=True)
         if result["fits"]:

@@ -110,3 +110,26 @@ def test_256_chips_are_planned_by_one_traced_rank_and_spmd_stops_at_64():
 def test_an_unknown_topology_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="unknown TPU topology 'v4-8'.*v5e-8 / v5e:2x4"):
         compile_for_tpu(tpu_plans.ours, "v4-8")
+
+
+def test_a_step_with_pallas_flash_attention_is_planned_and_its_kernels_costed():
+    """torch_xla's flash attention kernels, lowered for the TPU here and compiled by libtpu:
+    each kernel carries the analytic cost the step-time model reads (forward 2 matmuls over
+    the scores, dq 3, dkv 4, causal halves them), and the model's FLOPs count each attention
+    forward once."""
+    report = compile_for_tpu(tpu_plans.with_flash_attention, "v6e-4")
+    assert report.fits and report.estimate.kernels_without_cost == 0
+    kernels = sum(h.count('custom_call_target="tpu_custom_call"') for h in report.optimized_hlo)
+    f = tpu_plans.FLASH
+    assert kernels == 3 * f["layers"]
+    rows = f["batch"] * f["seq"] * f["dim"]                      # tokens x width
+    linear = 2 * rows * 4 * f["dim"]                             # qkv and out projections
+    scores = 2 * f["batch"] * f["seq"] * f["seq"] * f["dim"] / 2  # one causal matmul
+    assert report.model_flops == pytest.approx(3 * f["layers"] * (linear + 2 * scores))
+    # what the program runs: each layer's projections forward and their weight gradients,
+    # the kernels' matmuls (forward 2, dq 3, dkv 4), and the input gradients of every
+    # projection whose input depends on a weight (not the first layer's qkv: its input is
+    # the data)
+    first_qkv_input_grad = 2 * rows * 3 * f["dim"]
+    assert report.estimate.dot_flops == pytest.approx(
+        f["layers"] * (3 * linear + 9 * scores) - first_qkv_input_grad)

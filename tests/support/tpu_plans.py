@@ -219,3 +219,37 @@ def too_big_for_one_chip(rank: int, offload: bool = False, steps: int = 4):
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
+
+
+class _FlashBlock(nn.Module):
+    """Causal self-attention through torch_xla's Pallas flash attention kernel."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch_xla.experimental.custom_kernel import flash_attention
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = flash_attention(q, k, v, causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(b, s, d))
+
+
+FLASH = dict(dim=512, heads=4, seq=1024, batch=2, layers=2)
+
+
+def with_flash_attention(rank: int, steps: int = 4):
+    """Two units of flash attention, trained with AdamW."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(nn.Sequential(*(FSDP(_FlashBlock(FLASH["dim"], FLASH["heads"]))
+                                 for _ in range(FLASH["layers"]))))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    shape = (FLASH["batch"], FLASH["seq"], FLASH["dim"])
+    for _ in range(steps):
+        model(torch.randn(shape).to(torch_xla.device())).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()

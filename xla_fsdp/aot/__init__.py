@@ -14,7 +14,7 @@ needs Python >= 3.12 and installs beside this package: ``python -m xla_fsdp.aot 
 checkpoints are absent), for scripts that want to say so.
 """
 from .._xla.trace_only import active as planning
-from .plan import NoTrainingStep, compile_for_tpu
+from .plan import CompileFailed, NoTrainingStep, compile_for_tpu
 from .report import TpuReport
 from .step_time import Efficiency, StepTime, estimate
 from .topology import known_names, resolve
@@ -22,4 +22,4 @@ from .tpu_compiler import CompilerNotInstalled
 from .tpu_schedule import Collective
 
 __all__ = ["compile_for_tpu", "TpuReport", "StepTime", "Efficiency", "estimate", "Collective",
-           "CompilerNotInstalled", "NoTrainingStep", "known_names", "resolve", "planning"]
+           "CompilerNotInstalled", "CompileFailed", "NoTrainingStep", "known_names", "resolve", "planning"]

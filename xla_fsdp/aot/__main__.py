@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from ..launch.runner import LaunchError, launch_instead
 from . import step_time
-from .plan import STEPS, NoTrainingStep, compile_for_tpu
+from .plan import STEPS, CompileFailed, NoTrainingStep, compile_for_tpu
 from .report import TpuReport
 from .topology import aliases, known_names, resolve
 from .tpu_compiler import CompilerNotInstalled, compiler_python, install
@@ -57,6 +57,8 @@ def _planning_launch(ns: argparse.Namespace) -> Callable[..., Any]:
                                      search_budget=ns.search_budget)
         except NoTrainingStep as exc:
             raise _Refused(str(exc), NO_TRAINING_STEP) from None
+        except CompileFailed as exc:
+            raise _Refused(str(exc), SCRIPT_FAILED) from None
         except LaunchError as exc:
             cause = exc.__cause__
             if isinstance(cause, SystemExit):    # the script chose to stop, and said why

@@ -42,6 +42,8 @@ _SLICING = ("dynamic-slice", "slice", "gather")
 _FREE = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitcast",
                    "after-all", "opt-barrier", "add-dependency", "partition-id", "replica-id",
                    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
+                   "dynamic-slice-start", "dynamic-slice-done", "dynamic-update-slice-start",
+                   "dynamic-update-slice-done",
                    "async-start", "async-update", "async-done")
                   + tuple(COLLECTIVE_OPS)
                   + tuple(op + "-start" for op in COLLECTIVE_OPS)
@@ -309,3 +311,21 @@ def _valid_window_positions(size_in: int, k: int, size_out: int, stride: int, pa
             if 0 <= pos < extent and pos % lhs_dilate == 0:
                 count += 1
     return float(count)
+
+
+def host_transfer_bytes(ins: Instruction) -> float:
+    """Bytes an asynchronous copy moves between HBM and host memory (0 if it is not one):
+    a ``copy-start`` between the two, a ``dynamic-slice-start`` out of a host buffer, a
+    ``dynamic-update-slice-start`` into one (how jax's offloading remat policies move
+    activations). Their starts hold ``(operands, result, ...)``."""
+    if ins.opcode not in ("copy-start", "dynamic-slice-start", "dynamic-update-slice-start"):
+        return 0.0
+    elements = tuple_elements(ins.shape)
+    if len(elements) < 2 or not hbm_bytes(ins.shape, (HOST_SPACE,)):
+        return 0.0
+    if ins.opcode == "copy-start":
+        return hbm_bytes(elements[1], tuple(range(8)))
+    if ins.opcode == "dynamic-slice-start":
+        return hbm_bytes(elements[1], tuple(range(8)))
+    operands = tuple_elements(elements[0])     # (buffer, update, indices...)
+    return hbm_bytes(operands[1], tuple(range(8))) if len(operands) > 1 else 0.0

@@ -18,6 +18,16 @@ from .traced.switches import Switches
 STEPS = ("train", "eval")
 
 
+class CompileFailed(RuntimeError):
+    """libtpu refused the traced step for a reason other than its size (the first line of
+    its message says which, e.g. a LIBTPU_INIT_ARGS flag it does not take)."""
+
+    def __init__(self, message: str) -> None:
+        first = message.strip().splitlines()[0] if message.strip() else "no message"
+        super().__init__(f"libtpu could not compile the traced step: {first}")
+        self.compiler_message = message
+
+
 class NoTrainingStep(RuntimeError):
     """The traced function reached no training step (see [Note: a training step])."""
 
@@ -102,9 +112,9 @@ def require_step(traced: TracedStep, step: str) -> None:
 def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     """Compiles the traced step's graphs for ``slice_`` and reports them."""
     if not traced.graphs:
-        raise RuntimeError(
+        raise NoTrainingStep(
             f"xla_fsdp.aot: the function traced no step to compile: no XLA work was "
-            f"pending at any of its {traced.syncs} syncs, nor when it returned")
+            f"pending at any of its {traced.syncs} syncs, nor when it returned", traced)
     replicas, partitions = (1, slice_.chips) if traced.spmd else (slice_.chips, 1)
     programs = [tpu_compiler.Program(g.hlo, replicas, partitions) for g in traced.graphs]
     compilation = tpu_compiler.compile_programs(slice_.name, programs)
@@ -112,7 +122,7 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     refused = [i for i, c in enumerate(compiled) if c.status == "oom"]
     failed = [c for c in compiled if c.status == "error"]
     if failed:
-        raise RuntimeError("libtpu could not compile the traced step:\n" + failed[0].message)
+        raise CompileFailed(failed[0].message)
     ok = [c for c in compiled if c.memory]
     peak = max(ok, key=lambda c: c.memory["peak_memory_in_bytes"]) if ok else None
     found = []

@@ -37,8 +37,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .._xla.hlo_text import Instruction, array_bytes, parse_module
-from .instruction_cost import HOST_SPACE, Costs, operand_shapes
+from .._xla.hlo_text import Instruction, parse_module
+from .instruction_cost import Costs, host_transfer_bytes
 from .topology import SCALING_BOOK, Topology
 from .tpu_schedule import Scheduled, moved_bytes, scheduled_collectives, trip_count
 
@@ -216,13 +216,14 @@ class _Replay:
                 self.ici_free = begin + seconds
                 finishes[c.key] = self.ici_free
                 added.collective_seconds += seconds
-            if ins.opcode == "copy-start" and self._to_or_from_host(ins, computation):
-                seconds = array_bytes(ins.shape, (HOST_SPACE,)) / self.host_rate
+            moved = host_transfer_bytes(ins)
+            if moved:
+                seconds = moved / self.host_rate
                 begin = max(self.clock, self.host_free)
                 self.host_free = begin + seconds
                 host[ins.name] = self.host_free
                 added.host_transfer_seconds += seconds
-            elif ins.opcode == "copy-done" and ins.operands and ins.operands[0] in host:
+            elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in host:
                 wait = max(0.0, host[ins.operands[0]] - self.clock)
                 self.clock += wait
                 added.exposed_host_seconds += wait
@@ -240,11 +241,6 @@ class _Replay:
                 self.clock += wait
                 added.exposed_collective_seconds += wait
         return added
-
-    def _to_or_from_host(self, ins: Instruction, computation: str) -> bool:
-        operands = operand_shapes(ins, self.costs.shapes(computation))
-        operand = operands[0] if operands else ""
-        return bool(array_bytes(ins.shape, (HOST_SPACE,)) or array_bytes(operand, (HOST_SPACE,)))
 
     def _compute(self, ins: Instruction, computation: str, added: StepTime) -> None:
         work = self.costs.of(ins, computation)
