@@ -7,7 +7,7 @@ measurements, and every row's error is reported under the fit.
 
     python -m scripts.bench.tpu_calibration                      # every row, then the fit
     python -m scripts.bench.tpu_calibration --rows torchprime-flash ours
-    python -m scripts.bench.tpu_calibration --maxtext-hlo FILE   # MaxText's compiled step
+    python -m scripts.bench.maxtext_compile                      # MaxText's step, first
 
 The rows (sources in ``MEASURED``):
 * ``torchprime-flash``: torchprime's "Llama 3.0 8B" e2e test, traced through the planner's
@@ -255,29 +255,32 @@ def _cached_row(row: str, ns: argparse.Namespace) -> Tuple[dict, List[str]]:
 
 def fit(schedules: Dict[str, list], measured: Dict[str, float]):
     """The efficiencies that minimize the largest |log(estimate / measured)| over the
-    measured rows (matmul and memory fractions on a grid of 0.01; ICI at the scaling
-    book's rate), and each row's estimate under them."""
+    measured rows: the matmul fraction to 0.01 for each memory fraction of 0.6 to 1.0 (the
+    error is unimodal in it: a ternary search), ICI at the scaling book's rate; and each
+    row's estimate under them."""
     from xla_fsdp.aot.step_time import Efficiency
 
     def estimates(e):
         return {row: sum(s.estimate(e).seconds for s in parts)
                 for row, parts in schedules.items()}
+
+    def worst(e):
+        got = estimates(e)
+        return max(abs(math.log(got[r] / measured[r])) for r in measured)
     best: Tuple[float, Optional[Efficiency]] = (math.inf, None)
-    for m in range(20, 101, 2):
-        for h in range(20, 101, 5):
-            e = Efficiency(matmul=m / 100, memory=h / 100)
-            got = estimates(e)
-            worst = max(abs(math.log(got[r] / measured[r])) for r in measured)
-            if worst < best[0]:
-                best = (worst, e)
-    coarse = best[1]
-    for m in range(max(1, int(coarse.matmul * 100) - 2), int(coarse.matmul * 100) + 3):
-        for h in range(max(1, int(coarse.memory * 100) - 5), int(coarse.memory * 100) + 6):
-            e = Efficiency(matmul=m / 100, memory=h / 100)
-            got = estimates(e)
-            worst = max(abs(math.log(got[r] / measured[r])) for r in measured)
-            if worst < best[0]:
-                best = (worst, e)
+    for memory in (0.6, 0.7, 0.8, 0.9, 1.0):
+        low, high = 20, 100
+        while high - low > 2:
+            a, b = low + (high - low) // 3, high - (high - low) // 3
+            if worst(Efficiency(a / 100, memory)) <= worst(Efficiency(b / 100, memory)):
+                high = b
+            else:
+                low = a
+        for m in range(low, high + 1):
+            e = Efficiency(m / 100, memory)
+            error = worst(e)
+            if error < best[0]:
+                best = (error, e)
     return best[1], estimates(best[1])
 
 
@@ -285,8 +288,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS)
-    parser.add_argument("--maxtext-hlo", help="MaxText's compiled step (optimized HLO text); "
-                        "see benchmarks/results/tpu_calibration/README.md for the command")
+    parser.add_argument("--maxtext-hlo", default=os.path.join(OUT, "compiled", "maxtext.hlo.txt"),
+                        help="MaxText's compiled step, as `python -m "
+                             "scripts.bench.maxtext_compile` writes it (its default path)")
     parser.add_argument("--libtpu-flags", default=TORCHPRIME_LIBTPU)
     parser.add_argument("--out", default=OUT)
     parser.add_argument("--cache", default=os.path.join(OUT, "compiled"),
@@ -301,8 +305,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     schedules: Dict[str, list] = {}
     for row in ns.rows:
         if row == "maxtext":
-            if not ns.maxtext_hlo:
-                print("maxtext: skipped (no --maxtext-hlo)", file=sys.stderr)
+            if not os.path.exists(ns.maxtext_hlo):
+                print(f"maxtext: skipped ({ns.maxtext_hlo} does not exist: run `python -m "
+                      f"scripts.bench.maxtext_compile` first)", file=sys.stderr)
                 continue
             with open(ns.maxtext_hlo) as f:
                 text = f.read()
@@ -320,6 +325,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             for row, parts in schedules.items()}
     measured = {r: MEASURED[r].seconds for r in schedules if r in MEASURED}
     efficiency, fitted = fit(schedules, measured) if measured else (Efficiency(), peak)
+    # each measured row predicted by a fit on the others: what the fit says of a run it
+    # has not seen
+    held_out = {}
+    for row in measured if len(measured) > 2 else ():
+        others = {r: m for r, m in measured.items() if r != row}
+        _, predicted = fit({r: schedules[r] for r in list(others) + [row]}, others)
+        held_out[row] = predicted[row]
     command = "python -m scripts.bench.tpu_calibration " + shlex.join(argv)
     lines = ["# The step-time model against measured TPU runs", "",
              f"`{command}` (libtpu 0.0.50.1; LIBTPU_INIT_ARGS for the torchprime rows: "
@@ -328,18 +340,20 @@ def main(argv: Optional[List[str]] = None) -> None:
              f"{efficiency.memory:.2f} of HBM bandwidth, ICI at the scaling book's per-link "
              f"rate.", "",
              "| row | slice | measured s | estimate at the peaks s | estimate, fitted s | "
-             "error | source |", "|---|---|---|---|---|---|---|"]
+             "error | fitted on the other rows: error | source |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in schedules:
         m = MEASURED.get(row)
         error = f"{100 * (fitted[row] / m.seconds - 1):+.1f}%" if m else "-"
+        unseen = f"{100 * (held_out[row] / m.seconds - 1):+.1f}%" if row in held_out else "-"
         lines.append(f"| {row} | {rows[row]['topology']} | "
                      f"{m.seconds if m else '-'} | {peak[row]:.3f} | {fitted[row]:.3f} | "
-                     f"{error} | {m.source if m else 'not measured'} |")
+                     f"{error} | {unseen} | {m.source if m else 'not measured'} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(ns.out, "calibration.md"), "w") as f:
         f.write(text)
     with open(os.path.join(ns.out, "calibration.json"), "w") as f:
-        json.dump({"rows": rows, "peak": peak, "fitted": fitted,
+        json.dump({"rows": rows, "peak": peak, "fitted": fitted, "held_out": held_out,
                    "efficiency": {"matmul": efficiency.matmul, "memory": efficiency.memory},
                    "command": command}, f, indent=1)
     print(text)

@@ -3,7 +3,9 @@ passes, what a fusion reads, and collectives timed by the torus axes their rank 
 span (a 2x4 slice has no wraparound links, a 16x16 pod has them on both axes)."""
 import pytest
 
-from xla_fsdp.aot.step_time import Efficiency, collective_seconds, estimate
+from xla_fsdp.aot.step_time import CALIBRATED, Efficiency, collective_seconds, estimate
+
+PEAKS = Efficiency()     # the mechanics, at the published rates
 from xla_fsdp.aot.topology import resolve
 
 V5E = dict(peak=197e12, hbm=819e9, link=4.5e10)   # published peak, HBM; scaling book's link
@@ -52,15 +54,15 @@ def test_a_gather_overlapped_with_a_matmul_costs_only_what_the_matmul_does_not_h
     slice_ = resolve(topology)
     elements = 32 * 2 ** 20                       # 64 MiB gathered, bf16
     gather = _gather_seconds(2 * elements, slice_.chips, bandwidth)
-    overlapped = estimate(_program(elements, slice_.chips, ASYNC), slice_)
+    overlapped = estimate(_program(elements, slice_.chips, ASYNC), slice_, PEAKS)
     assert overlapped.busy_seconds == pytest.approx(MM_SECONDS)
     assert overlapped.collective_seconds == pytest.approx(gather)
     assert gather > MM_SECONDS
     assert overlapped.seconds == pytest.approx(gather)
     assert overlapped.exposed_collective_seconds == pytest.approx(gather - MM_SECONDS)
-    synchronous = estimate(_program(elements, slice_.chips, SYNC), slice_)
+    synchronous = estimate(_program(elements, slice_.chips, SYNC), slice_, PEAKS)
     assert synchronous.seconds == pytest.approx(MM_SECONDS + gather)
-    small = estimate(_program(2 ** 20, slice_.chips, ASYNC), slice_)    # 2 MiB: hidden
+    small = estimate(_program(2 ** 20, slice_.chips, ASYNC), slice_, PEAKS)    # 2 MiB: hidden
     assert small.seconds == pytest.approx(MM_SECONDS)
     assert small.exposed_collective_seconds == 0
 
@@ -70,7 +72,7 @@ def test_the_wraparound_follows_the_slice_and_the_group():
     row = [(x, 0) for x in range(16)]              # one full axis of the pod: a ring
     half_row = [(x, 0) for x in range(8)]          # half of it: a line
     mb = 2 ** 20 * 64
-    assert collective_seconds("all-gather", mb, row, pod) == \
+    assert collective_seconds("all-gather", mb, row, pod, PEAKS) == \
         pytest.approx(15 / 16 * mb / (2 * V5E["link"]))
     assert collective_seconds("all-gather", mb, half_row, pod) == \
         pytest.approx(7 / 8 * mb / V5E["link"])
@@ -102,7 +104,7 @@ ENTRY %main (a: f32[1024,4096], w: f32[4096,4096]) -> f32[1024,4096] {
 @pytest.mark.parametrize("precision, passes", [("", 1), (", operand_precision={high,high}", 3),
                                                (", operand_precision={highest,highest}", 6)])
 def test_float32_matmuls_take_the_passes_their_precision_asks(precision, passes):
-    e = estimate(PRECISION.replace("PRECISION", precision), resolve("v5e-1"))
+    e = estimate(PRECISION.replace("PRECISION", precision), resolve("v5e-1"), PEAKS)
     flops = 2 * 1024 * 4096 * 4096
     assert e.dot_flops == flops and e.mxu_flops == passes * flops
     assert e.multipass_flops == (flops if passes > 1 else 0)
@@ -140,9 +142,18 @@ ENTRY %main (p: (s32[], f32[32,4096,4096])) -> (s32[], f32[32,4096,4096]) {
 
 
 def test_a_loop_runs_its_trips_and_a_fusion_reads_only_the_slice_it_takes():
-    e = estimate(LOOP, resolve("v5e-1"))
+    e = estimate(LOOP, resolve("v5e-1"), PEAKS)
     layer = 4096 * 4096 * 4                                   # read once, written once
     assert e.hbm_bytes == pytest.approx(32 * 2 * layer)
     assert e.seconds == pytest.approx(32 * 2 * layer / V5E["hbm"])
     slower = estimate(LOOP, resolve("v5e-1"), Efficiency(memory=0.5))
     assert slower.seconds == pytest.approx(2 * e.seconds)
+
+
+def test_the_default_rates_are_the_calibrated_ones():
+    """The fitted fractions of the peaks (scripts.bench.tpu_calibration) slow the estimate
+    of a matmul-bound instruction by the matmul fraction."""
+    assert 0 < CALIBRATED.matmul < 1 and 0 < CALIBRATED.memory <= 1
+    at_peaks = estimate(PRECISION.replace("PRECISION", ""), resolve("v5e-1"), PEAKS)
+    calibrated = estimate(PRECISION.replace("PRECISION", ""), resolve("v5e-1"))
+    assert calibrated.seconds == pytest.approx(at_peaks.seconds / CALIBRATED.matmul)
