@@ -146,23 +146,35 @@ def _zeros_everywhere(args: tuple, kwargs: dict):
             found)
 
 
-def _host_state_bytes() -> int:
-    """Bytes of the parameters, gradients and state that optimizers keep on the host (an
-    offloaded optimizer's; in a plan they are meta tensors of the host's shapes)."""
-    import gc
-    import warnings
-    seen, total = set(), 0
+class _HostState:
+    """The largest host state of the optimizers that step during the trace.
 
-    def count(t: Any) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
-                id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    with warnings.catch_warnings():  # isinstance() on some objects warns (deprecated names)
-        warnings.simplefilter("ignore")
-        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
-    for opt in optimizers:
+    [Note: host state is measured when an optimizer steps] An offloaded optimizer keeps its
+    masters, gradients and moments on the host, and the gradients exist from backward until
+    ``zero_grad``. Counted after the trace, the gradients are gone, and so may be the
+    optimizer itself, with the function's frame: a search of live objects then finds it or
+    not depending on when the garbage collector last ran. A global hook after every
+    optimizer step counts what the step held."""
+
+    def __enter__(self) -> "_HostState":
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+        self._largest: Dict[int, int] = {}   # per optimizer: two optimizers hold both
+        self._handle = register_optimizer_step_post_hook(self._stepped)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._handle.remove()
+
+    def _stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # host tensors (meta in a plan: the host's shapes), each counted once
+        seen, total = set(), 0
+
+        def count(t: Any) -> None:
+            nonlocal total
+            if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
+                    id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
         for param_group in opt.param_groups:
             for p in param_group["params"]:
                 if p.device.type not in ("cpu", "meta"):
@@ -171,7 +183,11 @@ def _host_state_bytes() -> int:
                 count(p.grad)
                 for value in opt.state.get(p, {}).values():
                     count(value)
-    return total
+        self._largest[id(opt)] = max(self._largest.get(id(opt), 0), total)
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._largest.values())
 
 
 def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -254,9 +270,10 @@ def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
         forward = _patch(graphs, world)
         units = apply_switches(switches)
         reads = _ZeroReads()
+        host_state = _HostState()
         returned = False
         try:
-            with reads, forward:
+            with reads, forward, host_state:
                 fn(0, *args)
                 returned = True
                 graphs.sync()   # what it left pending, as the sync it did not make
@@ -266,7 +283,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
         import torch_xla.runtime as xr
         result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
                             graphs.syncs, steady is not None, reads.count, returned,
-                            xr.is_spmd(), world, _host_state_bytes(), units.units)
+                            xr.is_spmd(), world, host_state.bytes, units.units)
         conn.send(("results", {0: pickle.dumps(result)}))
     except BaseException as exc:
         try:
