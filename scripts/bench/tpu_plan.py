@@ -1,8 +1,8 @@
 """The same model, batch and TPU slice compiled by libtpu for ours, torch_xla's FSDP and SPMD
 FSDPv2, side by side (``xla_fsdp.aot``): peak HBM, FLOPs, HBM bytes accessed and collective
 bytes per chip, how many collectives the TPU schedule overlaps with compute, the step-time
-estimate (``xla_fsdp.aot.step_time``) and MFU, and the deepest Llama-3.1-8B-shaped model each fits on a v5e-8 for AdamW full
-fine-tuning. Every figure is the compiler's, not a measurement.
+estimate (``xla_fsdp.aot.step_time``) and MFU, and the deepest Llama-3.1-8B-shaped model
+each fits on a v5e-8 for AdamW full fine-tuning. Every figure is the compiler's, not a measurement.
 
     python -m scripts.bench.tpu_plan                       # the table (4 settings x 3)
     python -m scripts.bench.tpu_plan --deepest v5e-8       # + the depth search

@@ -4,9 +4,9 @@ span (a 2x4 slice has no wraparound links, a 16x16 pod has them on both axes).""
 import pytest
 
 from xla_fsdp.aot.step_time import CALIBRATED, Efficiency, collective_seconds, estimate
+from xla_fsdp.aot.topology import resolve
 
 PEAKS = Efficiency()     # the mechanics, at the published rates
-from xla_fsdp.aot.topology import resolve
 
 V5E = dict(peak=197e12, hbm=819e9, link=4.5e10)   # published peak, HBM; scaling book's link
 

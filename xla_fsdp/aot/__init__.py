@@ -22,4 +22,5 @@ from .tpu_compiler import CompilerNotInstalled
 from .tpu_schedule import Collective
 
 __all__ = ["compile_for_tpu", "TpuReport", "StepTime", "Efficiency", "estimate", "Collective",
-           "CompilerNotInstalled", "CompileFailed", "NoTrainingStep", "known_names", "resolve", "planning"]
+           "CompilerNotInstalled", "CompileFailed", "NoTrainingStep", "known_names", "resolve",
+           "planning"]

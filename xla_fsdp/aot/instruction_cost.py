@@ -323,9 +323,7 @@ def host_transfer_bytes(ins: Instruction) -> float:
     elements = tuple_elements(ins.shape)
     if len(elements) < 2 or not hbm_bytes(ins.shape, (HOST_SPACE,)):
         return 0.0
-    if ins.opcode == "copy-start":
-        return hbm_bytes(elements[1], tuple(range(8)))
-    if ins.opcode == "dynamic-slice-start":
+    if ins.opcode != "dynamic-update-slice-start":    # a copy or a slice: its result
         return hbm_bytes(elements[1], tuple(range(8)))
     operands = tuple_elements(elements[0])     # (buffer, update, indices...)
     return hbm_bytes(operands[1], tuple(range(8))) if len(operands) > 1 else 0.0

@@ -146,58 +146,43 @@ def _zeros_everywhere(args: tuple, kwargs: dict):
             found)
 
 
-class _HostState:
-    """The largest host state of the optimizers that step during the trace.
+def _host_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the parameters, gradients and state ``opt`` keeps on the host (an offloaded
+    optimizer's; in a plan they are meta tensors of the host's shapes), each counted once.
 
-    [Note: host state is measured when an optimizer steps] An offloaded optimizer keeps its
-    masters, gradients and moments on the host, and the gradients exist from backward until
-    ``zero_grad``. Counted after the trace, the gradients are gone, and so may be the
-    optimizer itself, with the function's frame: a search of live objects then finds it or
-    not depending on when the garbage collector last ran. A global hook after every
-    optimizer step counts what the step held."""
+    [Note: host state is measured when an optimizer steps] The gradients exist from
+    backward until ``zero_grad``, and the optimizer may live only in the function's frame.
+    Counted after the trace, the gradients are gone and the optimizer may be too: a search
+    of live objects then finds it or not depending on when the garbage collector last ran.
+    So it is counted by the step hook that counts optimizer steps, with what the step held."""
+    seen, total = set(), 0
 
-    def __enter__(self) -> "_HostState":
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-        self._largest: Dict[int, int] = {}   # per optimizer: two optimizers hold both
-        self._handle = register_optimizer_step_post_hook(self._stepped)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._handle.remove()
-
-    def _stepped(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # host tensors (meta in a plan: the host's shapes), each counted once
-        seen, total = set(), 0
-
-        def count(t: Any) -> None:
-            nonlocal total
-            if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
-                    id(t) not in seen:
-                seen.add(id(t))
-                total += t.numel() * t.element_size()
-        for param_group in opt.param_groups:
-            for p in param_group["params"]:
-                if p.device.type not in ("cpu", "meta"):
-                    continue
-                count(p)
-                count(p.grad)
-                for value in opt.state.get(p, {}).values():
-                    count(value)
-        self._largest[id(opt)] = max(self._largest.get(id(opt), 0), total)
-
-    @property
-    def bytes(self) -> int:
-        return sum(self._largest.values())
+    def count(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
+                id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    for param_group in opt.param_groups:
+        for p in param_group["params"]:
+            if p.device.type not in ("cpu", "meta"):
+                continue
+            count(p)
+            count(p.grad)
+            for value in opt.state.get(p, {}).values():
+                count(value)
+    return total
 
 
 def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
     trace_only.refuse_writes(str(f))
 
 
-def _count_activity(graphs: StepGraphs) -> ForwardFlops:
+def _count_activity(graphs: StepGraphs, host_state: Dict[int, int]) -> ForwardFlops:
     """Backward passes, optimizer steps and forward FLOPs are counted into
-    ``graphs.activity`` (see [Note: a training step]); returns the FLOP counter, a
-    torch-function mode for the traced function to run under."""
+    ``graphs.activity`` (see [Note: a training step]), and each optimizer's largest host
+    state into ``host_state`` (see [Note: host state is measured when an optimizer steps]);
+    returns the FLOP counter, a torch-function mode for the traced function to run under."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
     backward, grad = torch.autograd.backward, torch.autograd.grad
     forward = ForwardFlops(lambda flops: graphs.activity.count_forward_flops(flops))
@@ -213,19 +198,20 @@ def _count_activity(graphs: StepGraphs) -> ForwardFlops:
     def counted_grad(*args: Any, **kwargs: Any) -> Any:
         return in_backward(grad, *args, **kwargs)
 
-    def counted_step(*_: Any) -> None:
+    def counted_step(opt: torch.optim.Optimizer, *_: Any) -> None:
         graphs.activity.count_optimizer_step()
+        host_state[id(opt)] = max(host_state.get(id(opt), 0), _host_bytes(opt))
 
     torch.autograd.backward, torch.autograd.grad = counted_backward, counted_grad
     register_optimizer_step_post_hook(counted_step)
     return forward
 
 
-def _patch(graphs: StepGraphs, world: int) -> ForwardFlops:
+def _patch(graphs: StepGraphs, world: int, host_state: Dict[int, int]) -> ForwardFlops:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    forward = _count_activity(graphs)
+    forward = _count_activity(graphs, host_state)
     pallas.enable(min(world, MAX_DEVICES), forward.add)
 
     torch_xla._XLAC._xla_step_marker = lambda *a, **k: graphs.sync()
@@ -267,13 +253,13 @@ def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
         pretend_world(world, 0)
         trace_only.activate()
         graphs = StepGraphs(str(torch_xla.device()), max_graphs)
-        forward = _patch(graphs, world)
+        host_state: Dict[int, int] = {}   # per optimizer: two optimizers hold both
+        forward = _patch(graphs, world, host_state)
         units = apply_switches(switches)
         reads = _ZeroReads()
-        host_state = _HostState()
         returned = False
         try:
-            with reads, forward, host_state:
+            with reads, forward:
                 fn(0, *args)
                 returned = True
                 graphs.sync()   # what it left pending, as the sync it did not make
@@ -283,7 +269,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
         import torch_xla.runtime as xr
         result = TracedStep(steady if steady is not None else graphs.graphs[-1:],
                             graphs.syncs, steady is not None, reads.count, returned,
-                            xr.is_spmd(), world, host_state.bytes, units.units)
+                            xr.is_spmd(), world, sum(host_state.values()), units.units)
         conn.send(("results", {0: pickle.dumps(result)}))
     except BaseException as exc:
         try:
