@@ -41,7 +41,7 @@ from ._unit.training_state import TrainingState
 from ._unit.unit_params import UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
-from ._xla.private_api import pinned_all_gathers
+from ._xla.private_api import CollectiveBindings
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.metadata import original_names_and_shards, shard_metadata
@@ -180,7 +180,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
         self._collectives = Collectives(self.world_size, self.sharding_groups,
                                         options.pin_layout_in_collective_ops,
-                                        pinned_all_gathers, self.rank,
+                                        CollectiveBindings(), self.rank,
                                         options.dummy_collectives)
         for m in members:
             materialize_meta(m, param_init_fn)

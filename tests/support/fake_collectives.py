@@ -15,6 +15,7 @@ each rank a ``UnitParams`` whose ``FakeCollectives`` stand for the other ranks:
 Barriers are off in the options (``optimization_barrier`` needs XLA tensors); the tests
 check values, so a barrier issued where it should not be fails on the CPU tensors anyway.
 """
+import contextlib
 import copy
 from typing import Callable, List, Sequence
 
@@ -49,8 +50,12 @@ def fsdp_options(world_size: int, rank: int, **overrides) -> FsdpOptions:
     return FsdpOptions(**values)
 
 
-def _no_pinned_gathers(shards, count, rank_groups):
-    raise AssertionError("FakeCollectives gathers itself")
+class _NoBindings:
+    def pinned_all_gathers(self, shards, count, rank_groups):
+        raise AssertionError("FakeCollectives gathers itself")
+
+    def off_token_chain(self, device):
+        return contextlib.nullcontext()
 
 
 class FakeCollectives(Collectives):
@@ -63,7 +68,7 @@ class FakeCollectives(Collectives):
     def __init__(self, world_size: int, rank: int,
                  peer_pieces: Callable[[], List[List[torch.Tensor]]],
                  peer_scale: float = 3.0) -> None:
-        super().__init__(world_size, None, pin_layout=False, pinned_gathers=_no_pinned_gathers,
+        super().__init__(world_size, None, pin_layout=False, bindings=_NoBindings(),
                          rank=rank)
         self.peer_pieces = peer_pieces
         self.peer_scale = peer_scale

@@ -6,29 +6,63 @@ loop bodies use the same steps.
 All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
 ``world_size`` times the data and bakes the rank into the graph. Pinned gathers therefore
-use the native all-gather into an output buffer, issued by the ``pinned_gathers`` function
-a ``Collectives`` is given (``_xla.private_api.pinned_all_gathers``: this layer may not
+use the native all-gather into an output buffer, issued through the ``bindings`` a
+``Collectives`` is given (``_xla.private_api.CollectiveBindings``: this layer may not
 import torch_xla's private bindings). torch_xla has no pinned form of the coalesced (list)
 all-gather, so coalesced gathers are never pinned.
+
+[Note: collectives off the token chain]
+torch_xla threads every collective of a device through one "token": a scalar zero added to
+the collective's input, and multiplied by an element of its result to make the next token.
+Each collective therefore waits for the previous one, in the order the Python issued them,
+and XLA may neither combine two of them nor move one past another. FSDP's all-gathers are
+issued ``off_token_chain``: each reads the token as it was before it and leaves it so, so it
+depends on its shard alone, and XLA may combine gathers into fewer, larger ones and schedule
+them freely. On libtpu's schedule of the benchmark's GPT (v5e-4, AdamW, at the
+defaults) that cut the step's HBM traffic from 1874 to 1683 MiB and the estimated step from
+3.97 to 3.36 ms, at the same peak (``scripts/bench/tpu_levers``).
+
+Reduce-scatters and all-reduces stay on the chain. Taken off it too, XLA combines a
+backward's reduce-scatters, which libtpu lowers to all-reduces of full gradients when the
+shards are flat: every unit's full gradient was then held at once (peak 122 -> 142 MiB on
+the same step). On the chain they run one at a time, as ZeRO-3's memory needs.
+
+The chain is not what keeps ranks in step. Every rank runs the same program (the virtual
+launcher refuses divergent graphs; on a pod each host compiles the same HLO), and XLA's
+scheduler is deterministic for a given program, so every rank runs the gathers in the same
+order without it. The order FSDP needs (prefetch at most one unit ahead, full parameters
+freed after their use) is expressed by data dependencies and optimization barriers, which
+hold with or without the token.
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Any, Callable, List, Optional, Sequence, Tuple
+from typing import (AbstractSet, ContextManager, List, Optional, Protocol,
+                    Sequence, Tuple)
 
 import torch
 
 from .layout import Layout
 
 RankGroups = Optional[List[List[int]]]  # torch_xla's ``groups``: lists of ranks, None for all
-# (shards, shard count, groups) -> the pinned native all-gathers of the shards, one each
-PinnedGathers = Callable[[Sequence[torch.Tensor], int, RankGroups], List[torch.Tensor]]
+
+
+class CollectiveBindings(Protocol):
+    """torch_xla's bindings that ``Collectives`` needs and may not import."""
+
+    def pinned_all_gathers(self, shards: Sequence[torch.Tensor], shard_count: int,
+                           rank_groups: RankGroups) -> List[torch.Tensor]:
+        """The pinned native all-gathers of the shards along dim 0, one each."""
+
+    def off_token_chain(self, device: torch.device) -> ContextManager[None]:
+        """Collectives issued inside wait on none before them, nor make later ones wait
+        (see [Note: collectives off the token chain])."""
 
 
 class Collectives:
     """Collectives over the ranks of one sharding group, as FSDP uses them."""
 
     def __init__(self, world_size: int, rank_groups: RankGroups, pin_layout: bool,
-                 pinned_gathers: PinnedGathers, rank: int = 0,
+                 bindings: CollectiveBindings, rank: int = 0,
                  dummy: AbstractSet[str] = frozenset()) -> None:
         self.world_size = world_size
         self.rank_groups = rank_groups
@@ -37,7 +71,7 @@ class Collectives:
         # torch_xla's _debug_dummy_*_op switches: local stand-ins with the collectives'
         # shapes, to measure what a step costs without them. Their results are wrong.
         self.dummy = frozenset(dummy)
-        self.pinned_gathers = pinned_gathers
+        self.bindings = bindings
 
     def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
         """Concatenations along dim 0 of every rank's shard, one per input."""
@@ -46,11 +80,12 @@ class Collectives:
             return []
         if "all_gather" in self.dummy:
             return [s.repeat((self.world_size,) + (1,) * (s.dim() - 1)) for s in shards]
-        if coalesce and len(shards) > 1 or not self.pin_layout:
-            return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
-                                      pin_layout=False))
-        count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
-        return self.pinned_gathers(shards, count, self.rank_groups)
+        with self.bindings.off_token_chain(shards[0].device):
+            if coalesce and len(shards) > 1 or not self.pin_layout:
+                return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
+                                          pin_layout=False))
+            count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
+            return self.bindings.pinned_all_gathers(shards, count, self.rank_groups)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
         """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.

@@ -150,26 +150,49 @@ def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
         torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
 
 
+@contextlib.contextmanager
+def off_token_chain(device: torch.device) -> Iterator[None]:
+    """The collectives issued inside read the device's collective token as it was before
+    them and leave it so: none of them waits on another (see [Note: collectives off the
+    token chain] in ``_sharding.collectives``). Only the token's value is swapped, never a
+    buffer: replacing a token that holds a finished step's data can wait on the device while
+    holding the GIL, which is why the token found is the one put back."""
+    import torch_xla
+    xlac = torch_xla._XLAC
+    key = str(device)
+    base = xlac._get_all_reduce_token(key)
+    try:
+        yield
+    finally:
+        xlac._set_all_reduce_token(key, base)
+
+
 def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
                        rank_groups: Optional[List[List[int]]]) -> List[torch.Tensor]:
     """One native all-gather along dim 0 per shard, layout pinned: the collectives
-    ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues, chained on the device's
-    collective token in the same order. Without its per-call Python: it compares the output
-    buffer with ``None`` twice, and a tensor compared with ``None`` raises and catches a
-    TypeError inside torch (32 us each under cProfile, twice per parameter per gather). See
-    [Note: per-step host cost]."""
+    ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues, each from the device's
+    collective token as found, none chained on another (the caller runs them
+    ``off_token_chain``). Without its per-call Python: it compares the output buffer with
+    ``None`` twice, and a tensor compared with ``None`` raises and catches a TypeError inside
+    torch (32 us each under cProfile, twice per parameter per gather). See [Note: per-step
+    host cost]."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     xlac = torch_xla._XLAC
-    token, context = xm._get_all_reduce_token()
+    token, _ = xm._get_all_reduce_token()
     outputs = []
     for shard in shards:
         out = shard.new_empty((shard.shape[0] * shard_count,) + tuple(shard.shape[1:]))
-        token = xlac._xla_all_gather_out(out, shard, token, 0, shard_count, rank_groups or [],
-                                          True)
+        xlac._xla_all_gather_out(out, shard, token, 0, shard_count, rank_groups or [], True)
         outputs.append(out)
-    xlac._set_all_reduce_token(context.device, token)
     return outputs
+
+
+class CollectiveBindings:
+    """What ``_sharding.collectives.Collectives`` is given of torch_xla's bindings (that
+    layer may not import them)."""
+    pinned_all_gathers = staticmethod(pinned_all_gathers)
+    off_token_chain = staticmethod(off_token_chain)
 
 
 def multiply_in_place(tensors: List[torch.Tensor], value: float) -> None:

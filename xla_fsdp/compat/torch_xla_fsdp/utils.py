@@ -10,7 +10,7 @@ import torch.nn as nn
 from xla_fsdp.activation_checkpoint import checkpoint_module
 from xla_fsdp._sharding.collectives import Collectives
 from xla_fsdp._xla.patched_linear import LinearReadingWeight as XLAPatchedLinear
-from xla_fsdp._xla.private_api import pinned_all_gathers
+from xla_fsdp._xla.private_api import CollectiveBindings
 
 __all__ = ["checkpoint_module", "dummy_all_gather", "dummy_all_reduce", "DummyReduceScatter",
            "BucketizedReduceScatter", "XLAPatchedLinear", "apply_xla_patch_to_nn_linear"]
@@ -64,7 +64,7 @@ class BucketizedReduceScatter:
                  groups: Optional[List[List[int]]], pin_layout: bool) -> None:
         self.bucket_size_bytes = bucket_size_mb * 1024 * 1024
         self.scale = 1.0
-        self._collectives = Collectives(shard_count, groups, pin_layout, pinned_all_gathers)
+        self._collectives = Collectives(shard_count, groups, pin_layout, CollectiveBindings())
         self._bucket: List[torch.Tensor] = []
         self._callbacks: List[Callable[[torch.Tensor], None]] = []
         self._bytes = 0

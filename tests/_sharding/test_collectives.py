@@ -1,0 +1,85 @@
+"""Which of FSDP's collectives wait on one another in the program torch_xla builds (see
+[Note: collectives off the token chain]): one launch at N = 2 reads the HLO of a three-unit
+model's forward and backward before it runs.
+
+An all-gather must depend on no other collective, or XLA can neither overlap nor combine
+them; a reduce-scatter must depend on the one before it, or XLA combines a backward's
+reductions and holds every unit's full gradient at once.
+"""
+import re
+from typing import Dict, List, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from xla_fsdp import launch
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def _dependencies(hlo: str) -> Dict[str, Tuple[str, bool, List[str]]]:
+    """The entry computation's instructions: name -> (op, whether its result is a scalar,
+    operand names)."""
+    entry = hlo[hlo.index("\nENTRY"):]
+    graph = {}
+    for line in entry.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%([\w.-]+) = (\(.*?\)|\S+) ([a-z-]+)\((.*)", line)
+        if m:
+            graph[m.group(1)] = (m.group(3), m.group(2).endswith("[]"),
+                                 re.findall(r"%([\w.-]+)", m.group(4)))
+    return graph
+
+
+def _token_upstream(graph, name: str) -> Set[str]:
+    """The collectives ``name`` waits on through a scalar: torch_xla's token, made from one
+    element of a collective's result. (Data reaches a collective through whole tensors:
+    the optimization barriers that order FSDP's units, which the token is not needed for.)"""
+    seen, stack, found = set(), [(n, False) for n in graph[name][2]], set()
+    while stack:
+        n, via_scalar = stack.pop()
+        if (n, via_scalar) in seen or n not in graph:
+            continue
+        seen.add((n, via_scalar))
+        op, scalar, operands = graph[n]
+        if op in COLLECTIVES and via_scalar:
+            found.add(n)
+        stack.extend((o, via_scalar or scalar) for o in operands)
+    return found
+
+
+def trace(rank):
+    return [_trace(pin_layout) for pin_layout in (True, False)]
+
+
+def _trace(pin_layout):
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    device = torch_xla.device()
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16),
+                          nn.Linear(16, 4))
+    for i in (1, 2):
+        model[i] = FSDP(model[i], pin_layout_in_collective_ops=pin_layout)
+    root = FSDP(model, pin_layout_in_collective_ops=pin_layout)
+    loss = root(torch.randn(2, 8).to(device)).pow(2).sum()
+    forward = torch_xla._XLAC._get_xla_tensors_hlo([loss])
+    loss.backward()
+    grads = [p.grad for p in root.parameters()]
+    backward = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+    torch_xla.sync()
+    return forward, backward
+
+
+def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before():
+    traced = launch(trace, num_devices=2)[0]
+    for pin_layout, (forward, backward) in zip((True, False), traced):
+        graph = _dependencies(forward)
+        gathers = [n for n, (op, *_) in graph.items() if op == "all-gather"]
+        assert len(gathers) >= 3, (pin_layout, gathers)
+        for g in gathers:
+            assert not _token_upstream(graph, g), (pin_layout, g)
+        graph = _dependencies(backward)
+        scatters = [n for n, (op, *_) in graph.items() if op == "reduce-scatter"]
+        assert len(scatters) >= 3, (pin_layout, scatters)
+        chained = sorted(len(_token_upstream(graph, s) & set(scatters)) for s in scatters)
+        assert chained == list(range(len(scatters))), (pin_layout, chained)
