@@ -3,12 +3,14 @@
 model's forward and backward before it runs.
 
 An all-gather must depend on no other collective, or XLA can neither overlap nor combine
-them; a reduce-scatter must depend on the one before it, or XLA combines a backward's
-reductions and holds every unit's full gradient at once.
+them, nor be pinned (libtpu runs no pinned gather asynchronously); a reduce-scatter must
+depend on the one before it, or XLA combines a backward's reductions and holds every unit's
+full gradient at once.
 """
 import re
 from typing import Dict, List, Set, Tuple
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -66,18 +68,34 @@ def _trace(pin_layout):
     loss.backward()
     grads = [p.grad for p in root.parameters()]
     backward = torch_xla._XLAC._get_xla_tensors_hlo(grads)
+    # the user's own collective in the same step: torch_xla's default, layout pinned
+    import torch_xla.core.xla_model as xm
+    total = xm.all_reduce(xm.REDUCE_SUM, loss.detach())
+    opt = torch.optim.SGD(root.parameters(), lr=0.1)
+    opt.step()
     torch_xla.sync()
-    return forward, backward
+    after = root(torch.randn(2, 8).to(device)).pow(2).sum()
+    torch_xla.sync()
+    return forward, backward, loss.item(), total.item(), after.item()
 
 
 def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before():
+    """And a step that also calls ``xm.all_reduce`` (pinned, torch_xla's default) compiles
+    and trains, with FSDP's collectives pinned or not."""
     traced = launch(trace, num_devices=2)[0]
-    for pin_layout, (forward, backward) in zip((True, False), traced):
+    for pin_layout, (forward, backward, loss, total, after) in zip((True, False), traced):
+        assert total == pytest.approx(2 * loss, rel=1e-6), (pin_layout, loss, total)
+        assert after == after and after != loss, (pin_layout, loss, after)
         graph = _dependencies(forward)
         gathers = [n for n, (op, *_) in graph.items() if op == "all-gather"]
         assert len(gathers) >= 3, (pin_layout, gathers)
         for g in gathers:
             assert not _token_upstream(graph, g), (pin_layout, g)
+        # flat shards gather rank-1 pieces: never pinned (see [Note: a rank-1 gather needs
+        # no pinned layout]); the reductions keep the option's pin
+        assert not re.search(r"all-gather\(.*constrain_layout=true", forward), pin_layout
+        assert bool(re.search(r"reduce-scatter\(.*constrain_layout=true", backward)) \
+            == pin_layout
         graph = _dependencies(backward)
         scatters = [n for n, (op, *_) in graph.items() if op == "reduce-scatter"]
         assert len(scatters) >= 3, (pin_layout, scatters)
