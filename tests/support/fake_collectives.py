@@ -51,7 +51,7 @@ def fsdp_options(world_size: int, rank: int, **overrides) -> FsdpOptions:
 
 
 class _NoBindings:
-    def pinned_all_gathers(self, shards, count, rank_groups):
+    def all_gathers(self, shards, count, rank_groups, pin_layout, chained):
         raise AssertionError("FakeCollectives gathers itself")
 
     def off_token_chain(self, device):
@@ -81,7 +81,8 @@ class FakeCollectives(Collectives):
         """The sum over ranks of any reduce-scatter input, over this rank's input."""
         return 1.0 + self.peer_scale * (self.world_size - 1)
 
-    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
+    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool,
+                   chained: bool = False) -> List[torch.Tensor]:
         if not shards:
             return []
         every = self.peer_pieces()

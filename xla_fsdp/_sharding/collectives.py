@@ -5,22 +5,29 @@ loop bodies use the same steps.
 
 All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
-``world_size`` times the data and bakes the rank into the graph. Pinned gathers therefore
-use the native all-gather into an output buffer, issued through the ``bindings`` a
-``Collectives`` is given (``_xla.private_api.CollectiveBindings``: this layer may not
-import torch_xla's private bindings). torch_xla has no pinned form of the coalesced (list)
-all-gather, so coalesced gathers are never pinned.
+``world_size`` times the data and bakes the rank into the graph. Gathers therefore
+use the native all-gather into an output buffer, one per tensor, issued through the
+``bindings`` a ``Collectives`` is given (``_xla.private_api.CollectiveBindings``: this layer
+may not import torch_xla's private bindings). torch_xla has no pinned form of the coalesced
+(list) all-gather, so coalesced gathers (``coalesce_all_gather_ops``) are never pinned.
 
 [Note: collectives off the token chain]
 torch_xla threads every collective of a device through one "token": a scalar zero added to
 the collective's input, and multiplied by an element of its result to make the next token.
 Each collective therefore waits for the previous one, in the order the Python issued them,
-and XLA may neither combine two of them nor move one past another. FSDP's all-gathers are
-issued ``off_token_chain``: each reads the token as it was before it and leaves it so, so it
+and XLA may neither combine two of them nor move one past another. FSDP's forward all-gathers
+are issued ``off_token_chain``: each reads the token as it was before it and leaves it so, so it
 depends on its shard alone, and XLA may combine gathers into fewer, larger ones and schedule
 them freely. On libtpu's schedule of the benchmark's GPT (v5e-4, AdamW, at the
 defaults) that cut the step's HBM traffic from 1874 to 1683 MiB and the estimated step from
 3.97 to 3.36 ms, at the same peak (``scripts/bench/tpu_levers``).
+
+Gathers issued during a backward pass stay on the chain. A backward gather re-reads a shard
+that the shard's own gradient does not depend on (a weight's gradient needs the layer's
+input, not the weight), so nothing else orders the optimizer's in-place update of the shard
+after that read, and XLA keeps a copy of every such shard for the step (seen on XLA:CPU,
+``tests/_xla/test_donation_order``). On the chain, the unit's reduce-scatter follows its
+gather, and the update follows the reduce-scatter.
 
 Reduce-scatters and all-reduces stay on the chain. Taken off it too, XLA combines a
 backward's reduce-scatters, which libtpu lowers to all-reduces of full gradients when the
@@ -50,6 +57,7 @@ up) and every reduction keep the pin the option asks for.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import (AbstractSet, ContextManager, List, Optional, Protocol,
                     Sequence, Tuple)
 
@@ -63,9 +71,11 @@ RankGroups = Optional[List[List[int]]]  # torch_xla's ``groups``: lists of ranks
 class CollectiveBindings(Protocol):
     """torch_xla's bindings that ``Collectives`` needs and may not import."""
 
-    def pinned_all_gathers(self, shards: Sequence[torch.Tensor], shard_count: int,
-                           rank_groups: RankGroups) -> List[torch.Tensor]:
-        """The pinned native all-gathers of the shards along dim 0, one each."""
+    def all_gathers(self, shards: Sequence[torch.Tensor], shard_count: int,
+                    rank_groups: RankGroups, pin_layout: bool,
+                    chained: bool) -> List[torch.Tensor]:
+        """The native all-gathers of the shards along dim 0, one each, on torch_xla's
+        token chain or off it."""
 
     def off_token_chain(self, device: torch.device) -> ContextManager[None]:
         """Collectives issued inside wait on none before them, nor make later ones wait
@@ -87,8 +97,10 @@ class Collectives:
         self.dummy = frozenset(dummy)
         self.bindings = bindings
 
-    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool) -> List[torch.Tensor]:
-        """Concatenations along dim 0 of every rank's shard, one per input."""
+    def all_gather(self, shards: Sequence[torch.Tensor], coalesce: bool,
+                   chained: bool = False) -> List[torch.Tensor]:
+        """Concatenations along dim 0 of every rank's shard, one per input; on torch_xla's
+        token chain only if ``chained`` (see [Note: collectives off the token chain])."""
         import torch_xla.core.xla_model as xm
         if not shards:
             return []
@@ -96,12 +108,13 @@ class Collectives:
             return [s.repeat((self.world_size,) + (1,) * (s.dim() - 1)) for s in shards]
         # unpinned when only rank-1 pieces: see [Note: a rank-1 gather needs no pinned layout]
         pinned = self.pin_layout and any(s.dim() > 1 for s in shards)
-        with self.bindings.off_token_chain(shards[0].device):
-            if coalesce and len(shards) > 1 or not pinned:
+        count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
+        if coalesce and len(shards) > 1:
+            with contextlib.nullcontext() if chained else \
+                    self.bindings.off_token_chain(shards[0].device):
                 return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
                                           pin_layout=False))
-            count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
-            return self.bindings.pinned_all_gathers(shards, count, self.rank_groups)
+        return self.bindings.all_gathers(shards, count, self.rank_groups, pinned, chained)
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
         """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.
@@ -160,13 +173,13 @@ def optimization_barrier(tensors: Sequence[Optional[torch.Tensor]]) -> None:
 
 def gather_pieces(collectives: Collectives,
                   shards: Sequence[Tuple[Layout, torch.Tensor, torch.dtype]],
-                  coalesce: bool) -> List[List[torch.Tensor]]:
+                  coalesce: bool, chained: bool = False) -> List[List[torch.Tensor]]:
     """All-gathers (layout, shard, compute dtype) triples, cast to the compute dtype first so
     that low-precision compute moves low-precision bytes; per triple, what its layout's
     ``unshard_pieces`` takes."""
     pieces = [layout.pieces(shard if shard.dtype == dtype else shard.to(dtype))
               for layout, shard, dtype in shards]
-    gathered = collectives.all_gather([p for ps in pieces for p in ps], coalesce)
+    gathered = collectives.all_gather([p for ps in pieces for p in ps], coalesce, chained)
     out, at = [], 0
     for ps in pieces:
         out.append(gathered[at:at + len(ps)])

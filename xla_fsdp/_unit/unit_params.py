@@ -22,7 +22,7 @@ once, while that structure is unchanged:
 
 * layouts cache their derived sizes (``_sharding.layout``);
 * a unit's placeholders swap under one version-counter guard (``ParamRecord.install``);
-* gathers go straight to torch_xla's bindings (``_xla.private_api.pinned_all_gathers``):
+* gathers go straight to torch_xla's bindings (``_xla.private_api.all_gathers``):
   ``xm.all_gather`` with an output buffer compares it with ``None`` twice, and each
   comparison raises and catches a TypeError inside torch;
 * the optimizer's donors are listed again only when it holds other tensors
@@ -44,7 +44,7 @@ import torch
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
                                      padded_gradient, scatter_gradients)
 from .._sharding.layout import compute_cached
-from .._xla.private_api import run_pending
+from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .shard_group import ShardGroup
@@ -118,7 +118,7 @@ class UnitParams:
     def _issue_gather(self) -> None:
         self._gathered = gather_pieces(
             self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.shard_groups],
-            self.options.coalesce_all_gather_ops)
+            self.options.coalesce_all_gather_ops, chained=in_backward())
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
 

@@ -167,31 +167,38 @@ def off_token_chain(device: torch.device) -> Iterator[None]:
         xlac._set_all_reduce_token(key, base)
 
 
-def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
-                       rank_groups: Optional[List[List[int]]]) -> List[torch.Tensor]:
-    """One native all-gather along dim 0 per shard, layout pinned: the collectives
-    ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues, each from the device's
-    collective token as found, none chained on another (the caller runs them
-    ``off_token_chain``). Without its per-call Python: it compares the output buffer with
-    ``None`` twice, and a tensor compared with ``None`` raises and catches a TypeError inside
-    torch (32 us each under cProfile, twice per parameter per gather). See [Note: per-step
-    host cost]."""
+def all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
+                rank_groups: Optional[List[List[int]]], pin_layout: bool,
+                chained: bool) -> List[torch.Tensor]:
+    """One native all-gather along dim 0 per shard, into an output buffer: the collectives
+    ``xm.all_gather(shard, output=buffer, pin_layout=...)`` issues. ``chained``: each waits
+    on the one before it through the device's collective token, as torch_xla chains them;
+    otherwise each reads the token as found and none is chained on another (see [Note:
+    collectives off the token chain] in ``_sharding.collectives``). Without its per-call
+    Python: it compares the output buffer with ``None`` twice, and a tensor compared with
+    ``None`` raises and catches a TypeError inside torch (32 us each under cProfile, twice per
+    parameter per gather). See [Note: per-step host cost]."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     xlac = torch_xla._XLAC
-    token, _ = xm._get_all_reduce_token()
+    token, context = xm._get_all_reduce_token()
     outputs = []
     for shard in shards:
         out = shard.new_empty((shard.shape[0] * shard_count,) + tuple(shard.shape[1:]))
-        xlac._xla_all_gather_out(out, shard, token, 0, shard_count, rank_groups or [], True)
+        new_token = xlac._xla_all_gather_out(out, shard, token, 0, shard_count,
+                                             rank_groups or [], pin_layout)
+        if chained:
+            token = new_token
         outputs.append(out)
+    if chained:
+        xlac._set_all_reduce_token(context.device, token)
     return outputs
 
 
 class CollectiveBindings:
     """What ``_sharding.collectives.Collectives`` is given of torch_xla's bindings (that
     layer may not import them)."""
-    pinned_all_gathers = staticmethod(pinned_all_gathers)
+    all_gathers = staticmethod(all_gathers)
     off_token_chain = staticmethod(off_token_chain)
 
 
