@@ -18,9 +18,10 @@ Each collective therefore waits for the previous one, in the order the Python is
 and XLA may neither combine two of them nor move one past another. FSDP's forward all-gathers
 are issued ``off_token_chain``: each reads the token as it was before it and leaves it so, so it
 depends on its shard alone, and XLA may combine gathers into fewer, larger ones and schedule
-them freely. On libtpu's schedule of the benchmark's GPT (v5e-4, AdamW, at the
-defaults) that cut the step's HBM traffic from 1874 to 1683 MiB and the estimated step from
-3.97 to 3.36 ms, at the same peak (``scripts/bench/tpu_levers``).
+them freely. With the next Note's unpinned gathers, on libtpu's schedule of the benchmark's
+GPT (v5e-4, AdamW, the defaults) the step's HBM traffic went from 1874 to 1675 MiB and the
+estimated step from 3.97 to 2.82 ms at the same peak (``scripts/bench/tpu_levers``' model);
+on a Llama 3.2 1B (v5e-8, 2,048 tokens per chip) from 276 to 259 GiB and 744 to 639 ms.
 
 Gathers issued during a backward pass stay on the chain. A backward gather re-reads a shard
 that the shard's own gradient does not depend on (a weight's gradient needs the layer's
@@ -49,11 +50,13 @@ one logical layout, and libtpu gives a rank-1 all-gather the same physical one w
 program around it: ``T(1024)`` for float32, ``T(1024)(128)(2,1)`` for bf16, pinned or not,
 whatever shape the gathered buffer is viewed as and whatever it multiplies (checked on
 libtpu's optimized programs for v5e-4). The pin then constrains nothing, but it does decide
-the schedule: libtpu runs no pinned all-gather asynchronously. On a Llama 3.2 1B step (v5e-8,
-2,048 tokens per chip, the defaults) 1 of 290 pinned gathers overlapped compute, and 77 of
-143 unpinned ones. FSDP's gathers of rank-1 pieces (every flat layout's) are therefore
-unpinned whatever ``pin_layout_in_collective_ops`` says; gathers of dim-0 shards (rank 2 and
-up) and every reduction keep the pin the option asks for.
+the schedule: libtpu runs no pinned all-gather asynchronously. FSDP's gathers of rank-1
+pieces (every flat layout's) are therefore unpinned whatever ``pin_layout_in_collective_ops``
+says, and a unit's pieces go out as one (coalesced) all-gather; gathers of dim-0 shards (rank
+2 and up) and every reduction keep the pin the option asks for. On a Llama 3.2 1B step
+(v5e-8, 2,048 tokens per chip, the defaults) 15 of 290 pinned gathers overlapped compute;
+unpinned one per piece, still 15 of 290 (703 ms estimated); unpinned and coalesced, 75 of
+156 (639 ms).
 """
 from __future__ import annotations
 
@@ -109,7 +112,7 @@ class Collectives:
         # unpinned when only rank-1 pieces: see [Note: a rank-1 gather needs no pinned layout]
         pinned = self.pin_layout and any(s.dim() > 1 for s in shards)
         count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
-        if coalesce and len(shards) > 1:
+        if coalesce and len(shards) > 1 or not pinned:
             with contextlib.nullcontext() if chained else \
                     self.bindings.off_token_chain(shards[0].device):
                 return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
