@@ -94,10 +94,11 @@ class XlaFullyShardedDataParallel(FallThrough):
       leave different parameters without a gradient;
     * parameters are padded only to what the collectives need (a multiple of the world size),
       not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
-    * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``,
-      off torch_xla's collective token chain, and unpinned when they gather rank-1 pieces
-      (flat shards), which libtpu then runs beside compute (see [Note: collectives off
-      the token chain]; see [Note: a rank-1 gather needs no pinned layout]);
+    * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;
+      forward ones are off torch_xla's collective token chain, and a unit's rank-1 pieces
+      (flat shards) go out unpinned in one all-gather, which libtpu then runs beside
+      compute (see [Note: collectives off the token chain]; see [Note: a rank-1 gather
+      needs no pinned layout]);
     * the full parameters are never copied to the device while sharding;
     * ``flatten_parameters=True`` still gives the optimizer one tensor per unit, but each
       parameter is sharded on its own and a rank's shard interleaves its piece of every
