@@ -51,7 +51,7 @@ def fsdp_options(world_size: int, rank: int, **overrides) -> FsdpOptions:
 
 
 class _NoBindings:
-    def all_gathers(self, shards, count, rank_groups, pin_layout, chained):
+    def pinned_all_gathers(self, shards, count, rank_groups, chained):
         raise AssertionError("FakeCollectives gathers itself")
 
     def off_token_chain(self, device):

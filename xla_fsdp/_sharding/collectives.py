@@ -5,11 +5,11 @@ loop bodies use the same steps.
 
 All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves
-``world_size`` times the data and bakes the rank into the graph. Gathers therefore
-use the native all-gather into an output buffer, one per tensor, issued through the
-``bindings`` a ``Collectives`` is given (``_xla.private_api.CollectiveBindings``: this layer
-may not import torch_xla's private bindings). torch_xla has no pinned form of the coalesced
-(list) all-gather, so coalesced gathers (``coalesce_all_gather_ops``) are never pinned.
+``world_size`` times the data and bakes the rank into the graph. Pinned gathers
+therefore use the native all-gather into an output buffer, one per tensor, issued through
+the ``bindings`` a ``Collectives`` is given (``_xla.private_api.CollectiveBindings``: this
+layer may not import torch_xla's private bindings). torch_xla has no pinned form of the
+coalesced (list) all-gather, so coalesced gathers are never pinned.
 
 [Note: collectives off the token chain]
 torch_xla threads every collective of a device through one "token": a scalar zero added to
@@ -74,10 +74,9 @@ RankGroups = Optional[List[List[int]]]  # torch_xla's ``groups``: lists of ranks
 class CollectiveBindings(Protocol):
     """torch_xla's bindings that ``Collectives`` needs and may not import."""
 
-    def all_gathers(self, shards: Sequence[torch.Tensor], shard_count: int,
-                    rank_groups: RankGroups, pin_layout: bool,
-                    chained: bool) -> List[torch.Tensor]:
-        """The native all-gathers of the shards along dim 0, one each, on torch_xla's
+    def pinned_all_gathers(self, shards: Sequence[torch.Tensor], shard_count: int,
+                           rank_groups: RankGroups, chained: bool) -> List[torch.Tensor]:
+        """The pinned native all-gathers of the shards along dim 0, one each, on torch_xla's
         token chain or off it."""
 
     def off_token_chain(self, device: torch.device) -> ContextManager[None]:
@@ -111,13 +110,13 @@ class Collectives:
             return [s.repeat((self.world_size,) + (1,) * (s.dim() - 1)) for s in shards]
         # unpinned when only rank-1 pieces: see [Note: a rank-1 gather needs no pinned layout]
         pinned = self.pin_layout and any(s.dim() > 1 for s in shards)
-        count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
-        if coalesce and len(shards) > 1 or not pinned:
-            with contextlib.nullcontext() if chained else \
-                    self.bindings.off_token_chain(shards[0].device):
-                return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
-                                          pin_layout=False))
-        return self.bindings.all_gathers(shards, count, self.rank_groups, pinned, chained)
+        if pinned and not (coalesce and len(shards) > 1):
+            count = len(self.rank_groups[0]) if self.rank_groups else self.world_size
+            return self.bindings.pinned_all_gathers(shards, count, self.rank_groups, chained)
+        with contextlib.nullcontext() if chained else \
+                self.bindings.off_token_chain(shards[0].device):
+            return list(xm.all_gather(list(shards), dim=0, groups=self.rank_groups,
+                                      pin_layout=False))
 
     def reduce_scatter(self, tensors: Sequence[torch.Tensor], scale: float) -> List[torch.Tensor]:
         """Sum over ranks times ``scale``; this rank keeps its dim-0 block of each input.

@@ -22,7 +22,7 @@ once, while that structure is unchanged:
 
 * layouts cache their derived sizes (``_sharding.layout``);
 * a unit's placeholders swap under one version-counter guard (``ParamRecord.install``);
-* gathers go straight to torch_xla's bindings (``_xla.private_api.all_gathers``):
+* gathers go straight to torch_xla's bindings (``_xla.private_api.pinned_all_gathers``):
   ``xm.all_gather`` with an output buffer compares it with ``None`` twice, and each
   comparison raises and catches a TypeError inside torch;
 * the optimizer's donors are listed again only when it holds other tensors

@@ -167,11 +167,11 @@ def off_token_chain(device: torch.device) -> Iterator[None]:
         xlac._set_all_reduce_token(key, base)
 
 
-def all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
-                rank_groups: Optional[List[List[int]]], pin_layout: bool,
-                chained: bool) -> List[torch.Tensor]:
-    """One native all-gather along dim 0 per shard, into an output buffer: the collectives
-    ``xm.all_gather(shard, output=buffer, pin_layout=...)`` issues. ``chained``: each waits
+def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
+                       rank_groups: Optional[List[List[int]]],
+                       chained: bool) -> List[torch.Tensor]:
+    """One native all-gather along dim 0 per shard, layout pinned: the collectives
+    ``xm.all_gather(shard, output=buffer, pin_layout=True)`` issues. ``chained``: each waits
     on the one before it through the device's collective token, as torch_xla chains them;
     otherwise each reads the token as found and none is chained on another (see [Note:
     collectives off the token chain] in ``_sharding.collectives``). Without its per-call
@@ -186,7 +186,7 @@ def all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
     for shard in shards:
         out = shard.new_empty((shard.shape[0] * shard_count,) + tuple(shard.shape[1:]))
         new_token = xlac._xla_all_gather_out(out, shard, token, 0, shard_count,
-                                             rank_groups or [], pin_layout)
+                                             rank_groups or [], True)
         if chained:
             token = new_token
         outputs.append(out)
@@ -198,7 +198,7 @@ def all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
 class CollectiveBindings:
     """What ``_sharding.collectives.Collectives`` is given of torch_xla's bindings (that
     layer may not import them)."""
-    all_gathers = staticmethod(all_gathers)
+    pinned_all_gathers = staticmethod(pinned_all_gathers)
     off_token_chain = staticmethod(off_token_chain)
 
 
