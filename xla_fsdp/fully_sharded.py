@@ -33,6 +33,7 @@ from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
 from ._unit.host_offload import split_by_place
+from ._unit.low_precision_attention import LOW_PRECISION, low_precision_attention
 from ._unit.module_view import FallThrough, ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
@@ -90,6 +91,10 @@ class XlaFullyShardedDataParallel(FallThrough):
     * BatchNorm computes in float32 under a low-precision ``compute_dtype``, and buffers
       keep their dtype unless ``buffer_dtype`` is given (torch_xla casts them to the
       compute dtype);
+    * under a low-precision ``compute_dtype`` attention's matmuls run in it too (torch's
+      ``scaled_dot_product_attention`` would cast them to float32) and backward keeps its
+      probabilities in it, not in float32 (see [Note: attention under a low-precision
+      compute_dtype] in ``_unit/low_precision_attention.py``);
     * ``zero_missing_gradients=True`` keeps ranks' collectives identical when their data
       leave different parameters without a gradient;
     * parameters are padded only to what the collectives need (a multiple of the world size),
@@ -560,7 +565,9 @@ class XlaFullyShardedDataParallel(FallThrough):
         try:
             if compiled is not None:
                 return compiled(*args, **kwargs)
-            return self._fsdp_wrapped_module(*args, **kwargs)
+            # see [Note: attention under a low-precision compute_dtype]
+            with low_precision_attention(self.compute_dtype in LOW_PRECISION):
+                return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
             self._state.forward_raised()
             raise

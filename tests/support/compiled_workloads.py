@@ -114,6 +114,19 @@ def executions():
     return data[0] if data else 0
 
 
+def settled_executions():
+    """``executions()`` once every rank's programs so far have run. The metric counts a program
+    when it ends, so a peer's program still running as a rank reads it would fall on the
+    wrong side of the window (under load: 11 of 12 at N=4); the second rendezvous keeps a
+    rank that reads early from counting a peer's next program."""
+    import torch_xla.core.xla_model as xm
+    xm.wait_device_ops()
+    xm.rendezvous("executions: every rank's programs have run")
+    count = executions()
+    xm.rendezvous("executions: every rank has counted")
+    return count
+
+
 def guard_failures():
     from torch._dynamo.utils import guard_failures as failures
     return {f"{code.co_filename}:{code.co_firstlineno} {code.co_name}": list(reasons)
@@ -128,9 +141,7 @@ def train(rank, world, model, extra):
     losses, per_step = [], []
     for step in range(COMPILE_STEPS):
         if step == WARM_UP:
-            # every rank has dispatched the last step's syncs when the ring hands this rank
-            # its turn after them, so the count between two such points is whole steps
-            executed = executions()
+            executed = settled_executions()
         before = counts()
         x, y = _batch(extra, step)
         local = len(x) // world
@@ -149,7 +160,7 @@ def train(rank, world, model, extra):
         losses.append(loss.item())
         after = counts()
         per_step.append((after[0] - before[0], after[1] - before[1]))
-    per_rank_step = (executions() - executed) / (world * (COMPILE_STEPS - WARM_UP))
+    per_rank_step = (settled_executions() - executed) / (world * (COMPILE_STEPS - WARM_UP))
     full = {k: v.cpu() for k, v in unit.full_state_dict(rank0_only=False).items()}
     return losses, full, per_step, per_rank_step
 

@@ -58,6 +58,43 @@ class TiedLM(nn.Module):
         return self.head(self.b2(self.b1(self.emb(tokens))))
 
 
+class AttentionBlock(Block):
+    """Causal self-attention, then the block's MLP. The attention is torch's
+    ``scaled_dot_product_attention`` as Hugging Face's sdpa path calls it, or (``eager``) its
+    eager path: scores, ``softmax(dtype=torch.float32)`` and a cast back."""
+    def __init__(self, eager=False, heads=2):
+        super().__init__()
+        self.eager, self.heads = eager, heads
+        self.qkv = nn.Linear(DIM, 3 * DIM)
+        self.out = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.eager:
+            scores = q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            probs = nn.functional.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1,
+                                          dtype=torch.float32).to(q.dtype)
+            h = probs @ v
+        else:
+            h = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return super().forward(x + self.out(h.transpose(1, 2).reshape(b, t, d)))
+
+
+class AttentionLM(TiedLM):
+    """``TiedLM`` whose blocks attend: one through sdpa, one through the eager path. Its
+    embedding starts small, so that logits start near zero and SGD at the suite's rate
+    trains it smoothly enough to compare bf16 with float32 step by step."""
+    def __init__(self):
+        super().__init__()
+        self.b1, self.b2 = AttentionBlock(), AttentionBlock(eager=True)
+        nn.init.normal_(self.emb.weight, std=0.1)
+
+
+TIED_KINDS = ("tied", "attention")  # token models whose head is the embedding
+
+
 class MaskedBlock(Block):
     """A block that reads booleans, as attention does: a boolean buffer, and a causal mask
     built inside the layer, which its backward reads again."""
@@ -91,12 +128,14 @@ class Stack(nn.Module):
 def build_model(kind):
     if kind.startswith("stack"):
         return Stack(block=MaskedBlock if kind == "stack_masked" else Block)
+    if kind == "attention":
+        return AttentionLM()
     return TiedLM() if kind == "tied" else Net(batchnorm=(kind == "bn"))
 
 
 def batch(kind, step):
     g = torch.Generator().manual_seed(10_000 + step)
-    if kind == "tied":
+    if kind in TIED_KINDS:
         tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, 6), generator=g)
         return tokens, torch.roll(tokens, -1, dims=1)
     x = torch.randn(GLOBAL_BATCH, DIM, generator=g)
@@ -105,7 +144,7 @@ def batch(kind, step):
 
 
 def loss_fn(kind, out, target):
-    if kind == "tied":
+    if kind in TIED_KINDS:
         return nn.functional.cross_entropy(out.reshape(-1, VOCAB).float(), target.reshape(-1))
     return nn.functional.cross_entropy(out.float(), target)
 

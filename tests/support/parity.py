@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from .models import (GLOBAL_BATCH, STEPS, Block, batch, build_model, checkpoint_forward,
-                     loss_fn)
+from .models import (GLOBAL_BATCH, STEPS, TIED_KINDS, Block, batch, build_model,
+                     checkpoint_forward, loss_fn)
 
 ADAM_LR = 1e-3
 
@@ -40,6 +40,11 @@ SETTINGS = {
     "clip": ("net", {}, "sgd", {"clip": 0.05}),
     "bf16": ("net", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True}, "sgd", {}),
     "checkpointed": ("net", {}, "sgd", {"auto_wrap_checkpoint": True}),
+    # bf16 attention, sdpa and eager, in checkpointed units: their matmuls in bf16, forward
+    # and recompute alike (see [Note: attention under a low-precision compute_dtype])
+    "attention_bf16_checkpointed": ("attention", {"compute_dtype": torch.bfloat16,
+                                                  "fp32_reduce_scatter": True}, "sgd",
+                                    {"auto_wrap_checkpoint": True}),
     # torch.utils.checkpoint, as Hugging Face's gradient_checkpointing_enable() applies it
     # (reentrant, inside each unit) and as torch's checkpoint_wrapper does (non-reentrant,
     # around each unit, so the unit's forward runs again inside backward)
@@ -189,7 +194,7 @@ def train(rank, names, sharded):
             model = wrap(model, kind, fsdp_kwargs, extra, world)
         else:
             model = model.to(device)
-            if kind == "tied":
+            if kind in TIED_KINDS:
                 model.head.weight = model.emb.weight  # moving to XLA unties
         opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
         micro = extra.get("micro", 1)
@@ -231,7 +236,7 @@ def train(rank, names, sharded):
             buffers = {clean_name(k): v.cpu() for k, v in model.named_buffers()}
         else:
             params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
-            if kind == "tied":
+            if kind in TIED_KINDS:
                 params["head.weight"] = params["emb.weight"]
             buffers = {k: v.cpu() for k, v in model.named_buffers()}
         torch_xla.sync()

@@ -1,0 +1,179 @@
+"""Attention inside a low-precision unit (``_unit/low_precision_attention.py``): torch's
+``scaled_dot_product_attention`` semantics, matmuls in the inputs' dtype and nothing the size of
+the attention matrix kept in float32, on CPU; and on XLA, inside bf16 units with activation
+checkpointing, every matmul of forward, recompute and backward in bf16."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from xla_fsdp import launch
+from xla_fsdp._unit.low_precision_attention import attention, low_precision_attention
+
+B, H, L, S = 2, 4, 6, 7
+MATMULS = {"mm", "bmm", "addmm", "baddbmm"}
+
+
+def _inputs(dtype, kv_heads=H, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype).requires_grad_()
+    return make(B, H, L, 8), make(B, kv_heads, S, 8), make(B, kv_heads, S, 5)
+
+
+def _mask(kind):
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        return {"attn_mask": torch.rand(L, S, generator=g) > 0.3}
+    if kind == "float":
+        return {"attn_mask": torch.randn(B, 1, L, S, generator=g, dtype=torch.float64)}
+    if kind == "row_fully_masked":
+        keep = torch.rand(L, S, generator=g) > 0.3
+        keep[2] = False
+        return {"attn_mask": keep}
+    return {"is_causal": True} if kind == "causal" else {}
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float", "row_fully_masked"])
+def test_float64_inputs_give_torchs_values_and_gradients(mask, gqa):
+    # the softmax runs in float32, so float64 inputs agree with torch to float32's rounding
+    q, k, v = _inputs(torch.float64, kv_heads=2 if gqa else H)
+    kwargs = dict(_mask(mask), scale=0.3, enable_gqa=gqa)
+    want = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    got = attention(q, k, v, **kwargs)
+    grad = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+                    torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_zeroes_probabilities_and_rescales_the_rest():
+    q, k, _ = _inputs(torch.float64)
+    eye = torch.eye(S, dtype=torch.float64).expand(B, H, S, S)  # the output is the probabilities
+    probs = attention(q, k, eye)
+    torch.manual_seed(0)
+    dropped = attention(q, k, eye, dropout_p=0.5)
+    kept = dropped != 0
+    assert 0.2 < kept.double().mean() < 0.8
+    torch.testing.assert_close(dropped[kept], 2 * probs[kept], rtol=1e-6, atol=0)
+
+
+def test_a_mask_and_is_causal_together_are_refused_as_torch_refuses_them():
+    q, k, v = _inputs(torch.float64)
+    with pytest.raises(ValueError, match="attn_mask or is_causal"):
+        attention(q, k, v, attn_mask=torch.ones(L, S, dtype=torch.bool), is_causal=True)
+
+
+def test_bf16_values_and_gradients_are_bf16_close_to_float64():
+    q, k, v = _inputs(torch.bfloat16)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    got = attention(q, k, v, is_causal=True)
+    want = F.scaled_dot_product_attention(*exact, is_causal=True)
+    assert got.dtype == torch.bfloat16
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad.bfloat16()),
+                    torch.autograd.grad(want, exact, grad)):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2)
+    torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+
+
+def _sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _eager(q, k, v):  # Hugging Face's eager attention
+    scores = q @ k.transpose(-1, -2)
+    return F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class _Matmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.dtypes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.split(".")[0] in MATMULS:
+            self.dtypes.add(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _run(path, mode):
+    """(matmul dtypes of forward and backward, float32 tensors of the attention matrix's size
+    kept for backward) of ``path`` on bf16 inputs, under the mode or not."""
+    q, k, v = _inputs(torch.bfloat16, seed=3)
+    kept = []
+
+    def pack(t):
+        if t.dtype == torch.float32 and t.numel() >= B * H * L * S:
+            kept.append(tuple(t.shape))
+        return t
+
+    with _Matmuls() as matmuls, low_precision_attention(mode), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = path(q, k, v)
+    with matmuls:
+        out.float().sum().backward()
+    return matmuls.dtypes, kept
+
+
+@pytest.mark.parametrize("path", [_sdpa, _eager], ids=["sdpa", "eager"])
+def test_in_the_mode_matmuls_stay_bf16_and_no_float32_attention_matrix_is_kept(path):
+    dtypes, kept = _run(path, mode=True)
+    assert dtypes == {torch.bfloat16} and not kept, (dtypes, kept)
+    # what the mode replaces: torch's sdpa casts to float32; the eager softmax keeps float32
+    dtypes, kept = _run(path, mode=False)
+    assert kept and (path is _eager or torch.float32 in dtypes), (dtypes, kept)
+
+
+def test_the_mode_passes_float32_through_and_ends_with_its_context():
+    q, k, v = _inputs(torch.float32)
+    with low_precision_attention():
+        inside = F.scaled_dot_product_attention(q, k, v)
+        softmax = F.softmax(q, dim=-1, dtype=torch.float32)
+    assert torch.equal(inside, F.scaled_dot_product_attention(q, k, v))
+    assert softmax.grad_fn.name() == "SoftmaxBackward0"
+    bq, bk, bv = _inputs(torch.bfloat16)
+    assert F.scaled_dot_product_attention(bq, bk, bv).grad_fn.name() != (
+        "_SoftmaxKeptLowBackward")
+    with low_precision_attention(enabled=False):
+        assert F.softmax(bq, -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+    with low_precision_attention():  # a router's softmax (2-D), or one not along the keys
+        assert F.softmax(bq[0, 0], -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+        assert bq.softmax(2, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+        assert bq.softmax(-1, dtype=torch.float32).grad_fn.name() == "_SoftmaxKeptLowBackward"
+
+
+def _bf16_step_dots(rank):
+    """{dtype: count} of the dots in the HLO of a bf16 step (forward, recompute and backward)
+    of the attention model in checkpointed units."""
+    import functools
+    import re
+
+    import torch_xla
+    from tests.support.models import Block, batch, build_model, loss_fn
+    from xla_fsdp import FSDP, checkpoint_module
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    torch.manual_seed(0)
+    model = FSDP(build_model("attention"), compute_dtype=torch.bfloat16,
+                 auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                                    transformer_layer_cls={Block}),
+                 auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k))
+    x, y = (t.to(torch_xla.device()) for t in batch("attention", 0))
+    loss_fn("attention", model(x), y).backward()
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
+    torch_xla.sync()
+    dots = {}
+    for dtype in re.findall(r"= (\w+)\[[^\]]*\]\S* dot\(", hlo):
+        dots[dtype] = dots.get(dtype, 0) + 1
+    return dots
+
+
+def test_every_matmul_of_a_bf16_checkpointed_step_is_bf16():
+    # without the mode, and in the recompute without it, sdpa's matmuls would be float32
+    results = launch(_bf16_step_dots, num_devices=2)
+    assert results[0] == results[1] and set(results[0]) == {"bf16"}, results
+    # qkv, out, up and down of 2 blocks and the head: 3 dots each, forward and backward;
+    # 2 attention matmuls of 2 blocks: 3 each; the recompute's forward: 5 + 2 per block
+    assert results[0]["bf16"] >= 3 * 9 + 3 * 4, results
