@@ -33,7 +33,7 @@ from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
 from ._unit.host_offload import split_by_place
-from ._unit.low_precision_attention import LOW_PRECISION, low_precision_attention
+from ._unit import low_precision_attention
 from ._unit.module_view import FallThrough, ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
@@ -565,10 +565,9 @@ class XlaFullyShardedDataParallel(FallThrough):
         try:
             if compiled is not None:
                 return compiled(*args, **kwargs)
-            # see [Note: attention under a low-precision compute_dtype]
-            with low_precision_attention(self.compute_dtype in LOW_PRECISION):
-                return self._fsdp_wrapped_module(*args, **kwargs)
+            return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
+            low_precision_attention.abandon()
             self._state.forward_raised()
             raise
 

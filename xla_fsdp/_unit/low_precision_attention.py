@@ -29,11 +29,16 @@ forward, and XLA fuses the casts, scale, mask and softmax into the matmuls' neig
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
-Where the mode holds: each unit's forward pushes it when the unit's ``compute_dtype`` is
-low precision (the root's covers the model), and ``checkpoint_module``'s recompute pushes it
-again when the forward it recomputes ran under it, so the recomputed step is the same
-program. A forward traced by ``torch.compile`` is left as written, and a float32 unit inside
-a bf16 one sees float32 inputs, which the mode passes through.
+Where the mode holds: from a low-precision unit's pre-forward hook to its post-forward hook
+(the outermost such unit's, so the root's covers the model), whether the forward runs first
+or again as a recompute in backward (``torch.utils.checkpoint`` around or inside the unit,
+e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
+bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, pushes it again when the
+forward it recomputes ran under it. So the recomputed step is the same program. A forward
+that raises pops it in the unit's ``forward`` (inside backward, the autograd engine restores
+the thread's modes after each node). A forward traced by ``torch.compile`` is left as
+written, and a float32 unit inside a bf16 one sees float32 inputs, which the mode passes
+through.
 """
 from __future__ import annotations
 
@@ -44,7 +49,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
@@ -135,20 +140,47 @@ class _LowPrecisionAttention(TorchFunctionMode):
 
 
 def active() -> bool:
-    """Whether this thread computes inside a low-precision unit's forward."""
-    return getattr(_ACTIVE, "depth", 0) > 0
+    """Whether this thread computes inside a low-precision unit's forward (and the mode is
+    still on the thread's stack: the autograd engine drops what a node that raised pushed)."""
+    mode = getattr(_ACTIVE, "mode", None)
+    if mode is None:
+        return False
+    if any(m is mode for m in _get_current_function_mode_stack()):
+        return True
+    _ACTIVE.owner = _ACTIVE.mode = None
+    return False
+
+
+def enter(owner: Any) -> None:
+    """Pushes the mode for ``owner`` unless it holds already (an outer unit pushed it) or
+    Dynamo is tracing; ``leave(owner)`` pops what ``owner`` pushed."""
+    if active() or torch.compiler.is_compiling():
+        return
+    mode = _LowPrecisionAttention()
+    mode.__enter__()
+    _ACTIVE.owner, _ACTIVE.mode = owner, mode
+
+
+def leave(owner: Any) -> None:
+    if active() and _ACTIVE.owner == owner:
+        mode, _ACTIVE.owner, _ACTIVE.mode = _ACTIVE.mode, None, None
+        mode.__exit__(None, None, None)
+
+
+def abandon() -> None:
+    """Pops the mode after a forward that raised between ``enter`` and ``leave``."""
+    if active():
+        leave(_ACTIVE.owner)
 
 
 @contextlib.contextmanager
 def low_precision_attention(enabled: bool = True) -> Iterator[None]:
-    """The mode of [Note: attention under a low-precision compute_dtype], once per thread
-    however many units nest; nothing when ``enabled`` is false or under ``torch.compile``."""
-    if not enabled or active() or torch.compiler.is_compiling():
-        yield
-        return
-    _ACTIVE.depth = 1
+    """The mode of [Note: attention under a low-precision compute_dtype] for a block of code,
+    unless ``enabled`` is false, an outer unit holds it, or Dynamo is tracing."""
+    owner = object()
+    if enabled:
+        enter(owner)
     try:
-        with _LowPrecisionAttention():
-            yield
+        yield
     finally:
-        _ACTIVE.depth = 0
+        leave(owner)
