@@ -99,9 +99,9 @@ class _Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(path, mode):
+def _run(path, scope):
     """(matmul dtypes of forward and backward, float32 tensors of the attention matrix's size
-    kept for backward) of ``path`` on bf16 inputs, under the mode or not."""
+    kept for backward) of ``path`` on bf16 inputs, in the scope or not."""
     q, k, v = _inputs(torch.bfloat16, seed=3)
     kept = []
 
@@ -110,7 +110,7 @@ def _run(path, mode):
             kept.append(tuple(t.shape))
         return t
 
-    with _Matmuls() as matmuls, low_precision_attention(mode), \
+    with _Matmuls() as matmuls, low_precision_attention(scope), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = path(q, k, v)
     with matmuls:
@@ -119,30 +119,37 @@ def _run(path, mode):
 
 
 @pytest.mark.parametrize("path", [_sdpa, _eager], ids=["sdpa", "eager"])
-def test_in_the_mode_matmuls_stay_bf16_and_no_float32_attention_matrix_is_kept(path):
-    dtypes, kept = _run(path, mode=True)
+def test_in_the_scope_matmuls_stay_bf16_and_no_float32_attention_matrix_is_kept(path):
+    dtypes, kept = _run(path, scope=True)
     assert dtypes == {torch.bfloat16} and not kept, (dtypes, kept)
-    # what the mode replaces: torch's sdpa casts to float32; the eager softmax keeps float32
-    dtypes, kept = _run(path, mode=False)
+    # what the scope replaces: torch's sdpa casts to float32; the eager softmax keeps float32
+    dtypes, kept = _run(path, scope=False)
     assert kept and (path is _eager or torch.float32 in dtypes), (dtypes, kept)
 
 
-def test_the_mode_passes_float32_through_and_ends_with_its_context():
+def test_the_scope_passes_float32_through_and_holds_on_its_thread_only():
+    import threading
+    torchs = torch._C._nn.scaled_dot_product_attention
     q, k, v = _inputs(torch.float32)
+    bq, bk, bv = _inputs(torch.bfloat16)
+    elsewhere = {}
     with low_precision_attention():
         inside = F.scaled_dot_product_attention(q, k, v)
         softmax = F.softmax(q, dim=-1, dtype=torch.float32)
-    assert torch.equal(inside, F.scaled_dot_product_attention(q, k, v))
+        thread = threading.Thread(target=lambda: elsewhere.update(
+            out=F.scaled_dot_product_attention(bq, bk, bv)))
+        thread.start()
+        thread.join()
+        # a router's softmax (2-D), or one not along the keys, is torch's
+        assert F.softmax(bq[0, 0], -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+        assert F.softmax(bq, 2, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+        assert F.softmax(bq, -1, dtype=torch.float32).grad_fn.name() == "_SoftmaxKeptLowBackward"
+    assert torch.equal(inside, torchs(q, k, v))
     assert softmax.grad_fn.name() == "SoftmaxBackward0"
-    bq, bk, bv = _inputs(torch.bfloat16)
-    assert F.scaled_dot_product_attention(bq, bk, bv).grad_fn.name() != (
-        "_SoftmaxKeptLowBackward")
+    assert torch.equal(elsewhere["out"], torchs(bq, bk, bv))
+    assert torch.equal(F.scaled_dot_product_attention(bq, bk, bv), torchs(bq, bk, bv))
     with low_precision_attention(enabled=False):
         assert F.softmax(bq, -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
-    with low_precision_attention():  # a router's softmax (2-D), or one not along the keys
-        assert F.softmax(bq[0, 0], -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
-        assert bq.softmax(2, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
-        assert bq.softmax(-1, dtype=torch.float32).grad_fn.name() == "_SoftmaxKeptLowBackward"
 
 
 def _bf16_step_dots(rank):
@@ -177,7 +184,7 @@ def _bf16_step_dots(rank):
 
 
 def test_every_matmul_of_a_bf16_checkpointed_step_is_bf16():
-    # without the mode, or in a recompute without it, sdpa's matmuls would be float32
+    # outside the scope, or in a recompute outside it, sdpa's matmuls would be float32
     results = launch(_bf16_step_dots, num_devices=2)
     assert results[0] == results[1], results
     for where, dots in results[0].items():

@@ -13,12 +13,11 @@ Two attention paths undo ``compute_dtype=torch.bfloat16`` (or float16) where it 
 So the bf16 step needed more HBM than the float32 one (issue 52: the Llama 8B shape on v6e-8,
 35.70 against 28.61 GiB).
 
-Inside a unit whose ``compute_dtype`` is low precision, a torch-function mode
-(``low_precision_attention``) computes instead:
-- ``scaled_dot_product_attention`` of low-precision inputs as two matmuls in the inputs'
-  dtype around a softmax computed in float32 (scale and mask applied in float32), whose
-  output is rounded once to the inputs' dtype: what the second matmul multiplies and what
-  backward keeps;
+Inside a unit whose ``compute_dtype`` is low precision, ``torch.nn.functional``'s
+``scaled_dot_product_attention`` and ``softmax`` compute instead:
+- attention of low-precision inputs as two matmuls in the inputs' dtype around a softmax
+  computed in float32 (scale and mask applied in float32), whose output is rounded once to
+  the inputs' dtype: what the second matmul multiplies and what backward keeps;
 - ``softmax(x, dtype=torch.float32)`` of a low-precision attention matrix ``x`` (4-D:
   batch, heads, queries, keys; along the keys) in float32 as asked, keeping for backward its
   output rounded to ``x``'s dtype. Other float32 softmaxes (a mixture of experts' router's,
@@ -29,31 +28,36 @@ forward, and XLA fuses the casts, scale, mask and softmax into the matmuls' neig
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
-Where the mode holds: from a low-precision unit's pre-forward hook to its post-forward hook
+The two functions are wrapped once per process (``install``, from ``process_effects``) and
+act only on a thread that holds the scope; anywhere else, under ``torch.compile`` and for
+tensor subclasses they are torch's own. Not a torch-function mode: a mode would run Python
+for every operation of the forward (about 4 us each here), a wrapper only for these two.
+Code that bound torch's functions to its own names before the first unit was built keeps
+torch's. Hugging Face looks them up at each call, and so does ``nn.MultiheadAttention``.
+
+Where the scope holds: from a low-precision unit's pre-forward hook to its post-forward hook
 (the outermost such unit's, so the root's covers the model), whether the forward runs first
 or again as a recompute in backward (``torch.utils.checkpoint`` around or inside the unit,
 e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
-bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, pushes it again when the
-forward it recomputes ran under it. So the recomputed step is the same program. A forward
-that raises pops it in the unit's ``forward`` (inside backward, the autograd engine restores
-the thread's modes after each node). A forward traced by ``torch.compile`` is left as
-written, and a float32 unit inside a bf16 one sees float32 inputs, which the mode passes
-through.
+bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, takes it again when the
+forward it recomputes held it. So the recomputed step is the same program. A forward that
+raises ends it in the unit's ``forward``. A float32 unit inside a bf16 one sees float32
+inputs, which the wrappers pass through.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax)
-_ACTIVE = threading.local()   # one device per thread under the virtual launcher
+_SCOPE = threading.local()   # one device per thread under the virtual launcher
+_TORCH: dict = {}            # torch's own functions, once installed
 
 
 class _SoftmaxKeptLow(torch.autograd.Function):
@@ -108,77 +112,65 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return probs @ value
 
 
-def _softmax_request(func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
-    """(input, dim) of a ``softmax(x, dim, dtype=torch.float32)`` of a low-precision attention
-    matrix ``x`` that autograd would keep in float32, or None."""
-    x = args[0] if args else kwargs.get("input")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    # F.softmax(input, dim, _stacklevel, dtype); torch.softmax and Tensor.softmax(x, dim, dtype)
-    at = 3 if func is F.softmax else 2
-    dtype = args[at] if len(args) > at else kwargs.get("dtype")
-    if (dtype is torch.float32 and isinstance(x, torch.Tensor) and x.dtype in LOW_PRECISION
-            and x.dim() == 4 and dim in (-1, 3) and x.requires_grad and torch.is_grad_enabled()):
-        return x, dim
-    return None
+def _holds(x: Any) -> bool:
+    """Whether ``x`` is a plain low-precision tensor on a thread inside the scope."""
+    return (not torch.compiler.is_compiling() and getattr(_SCOPE, "owner", None) is not None
+            and type(x) is torch.Tensor and x.dtype in LOW_PRECISION)
 
 
-class _LowPrecisionAttention(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: Optional[dict] = None) -> Any:
-        kwargs = kwargs or {}
-        if not torch.compiler.is_compiling():
-            if func is F.scaled_dot_product_attention:
-                q = args[0] if args else kwargs.get("query")
-                if isinstance(q, torch.Tensor) and q.dtype in LOW_PRECISION:
-                    return attention(*args, **kwargs)
-            elif func in _SOFTMAX:
-                request = _softmax_request(func, args, kwargs)
-                if request is not None:
-                    x, dim = request
-                    return _SoftmaxKeptLow.apply(x, dim, torch.float32, x.dtype, None)
-        return func(*args, **kwargs)
+def install() -> None:
+    """Wraps ``F.scaled_dot_product_attention`` and ``F.softmax`` once per process."""
+    if _TORCH:
+        return
+    _TORCH.update(sdpa=F.scaled_dot_product_attention, softmax=F.softmax)
+
+    @functools.wraps(_TORCH["sdpa"])
+    def scaled_dot_product_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _holds(query):
+            return attention(query, *args, **kwargs)
+        return _TORCH["sdpa"](query, *args, **kwargs)
+
+    @functools.wraps(_TORCH["softmax"])
+    def softmax(input: torch.Tensor, dim: Optional[int] = None, _stacklevel: int = 3,
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        if (dtype is torch.float32 and _holds(input) and input.dim() == 4 and dim in (-1, 3)
+                and input.requires_grad and torch.is_grad_enabled()):
+            return _SoftmaxKeptLow.apply(input, dim, torch.float32, input.dtype, None)
+        return _TORCH["softmax"](input, dim, _stacklevel, dtype)
+
+    F.scaled_dot_product_attention = scaled_dot_product_attention
+    F.softmax = softmax
 
 
 def active() -> bool:
-    """Whether this thread computes inside a low-precision unit's forward (and the mode is
-    still on the thread's stack: the autograd engine drops what a node that raised pushed)."""
-    mode = getattr(_ACTIVE, "mode", None)
-    if mode is None:
-        return False
-    if any(m is mode for m in _get_current_function_mode_stack()):
-        return True
-    _ACTIVE.owner = _ACTIVE.mode = None
-    return False
+    """Whether this thread computes inside a low-precision unit's forward."""
+    return getattr(_SCOPE, "owner", None) is not None
 
 
 def enter(owner: Any) -> None:
-    """Pushes the mode for ``owner`` unless it holds already (an outer unit pushed it) or
-    Dynamo is tracing; ``leave(owner)`` pops what ``owner`` pushed."""
-    if active() or torch.compiler.is_compiling():
-        return
-    mode = _LowPrecisionAttention()
-    mode.__enter__()
-    _ACTIVE.owner, _ACTIVE.mode = owner, mode
+    """Starts the scope for ``owner`` unless it holds already (an outer unit's);
+    ``leave(owner)`` ends what ``owner`` started."""
+    if not active():
+        _SCOPE.owner = owner
 
 
 def leave(owner: Any) -> None:
-    if active() and _ACTIVE.owner == owner:
-        mode, _ACTIVE.owner, _ACTIVE.mode = _ACTIVE.mode, None, None
-        mode.__exit__(None, None, None)
+    if getattr(_SCOPE, "owner", None) == owner:
+        _SCOPE.owner = None
 
 
 def abandon() -> None:
-    """Pops the mode after a forward that raised between ``enter`` and ``leave``."""
-    if active():
-        leave(_ACTIVE.owner)
+    """Ends the scope after a forward that raised between ``enter`` and ``leave``."""
+    _SCOPE.owner = None
 
 
 @contextlib.contextmanager
 def low_precision_attention(enabled: bool = True) -> Iterator[None]:
-    """The mode of [Note: attention under a low-precision compute_dtype] for a block of code,
-    unless ``enabled`` is false, an outer unit holds it, or Dynamo is tracing."""
+    """The scope of [Note: attention under a low-precision compute_dtype] for a block of
+    code, unless ``enabled`` is false or an outer unit holds it."""
     owner = object()
     if enabled:
+        install()
         enter(owner)
     try:
         yield

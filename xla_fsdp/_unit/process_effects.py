@@ -7,6 +7,9 @@ when the first unit is built (never at import):
   (``_xla.torch_device_module``);
 * ``ACCELERATE_USE_FSDP=true`` unless set, so that accelerate does not average sharded
   gradients across ranks (``optimizer_guard.declare_sharded_gradients``);
+* ``torch.nn.functional``'s ``scaled_dot_product_attention`` and ``softmax`` wrapped, so
+  that inside a low-precision unit attention computes in the unit's dtype
+  (``low_precision_attention``); outside one they are torch's;
 * peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
   nested units (``peft_names``). It waits for peft: installed on the first unit built once
   peft has been imported, never importing peft itself.
@@ -18,7 +21,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
-from . import peft_names
+from . import low_precision_attention, peft_names
 from .optimizer_guard import check_step, count_updates, declare_sharded_gradients
 
 _installed = False
@@ -37,3 +40,4 @@ def install() -> None:
     register_optimizer_step_post_hook(reissue_in_order)
     torch_device_module.register()
     declare_sharded_gradients()
+    low_precision_attention.install()

@@ -286,7 +286,7 @@ class UnitState:
             self.training_state = TrainingState.FORWARD
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        if self.options.compute_dtype in LOW_PRECISION and not compiled:
+        if self.options.compute_dtype in LOW_PRECISION:
             # see [Note: attention under a low-precision compute_dtype]
             enter_attention_mode((id(self), id(member)))
         inputs = collect_tensors((args, kwargs))
