@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xla_fsdp import launch
-from xla_fsdp._unit.low_precision_attention import attention, low_precision_attention
+from xla_fsdp._unit.low_precision_attention import attention, install, low_precision_attention
 
 B, H, L, S = 2, 4, 6, 7
 MATMULS = {"mm", "bmm", "addmm", "baddbmm"}
@@ -150,6 +150,19 @@ def test_the_scope_passes_float32_through_and_holds_on_its_thread_only():
     assert torch.equal(F.scaled_dot_product_attention(bq, bk, bv), torchs(bq, bk, bv))
     with low_precision_attention(enabled=False):
         assert F.softmax(bq, -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
+
+
+def _scripted(x: torch.Tensor) -> torch.Tensor:
+    return (F.softmax(x, dim=-1, dtype=torch.float32)
+            + F.scaled_dot_product_attention(x, x, x, is_causal=True, scale=0.5))
+
+
+def test_torchscript_compiles_the_wrapped_functions_as_torchs_operators():
+    install()
+    x = torch.randn(2, 3, 4)
+    want = torch.softmax(x, -1) + torch._C._nn.scaled_dot_product_attention(
+        x, x, x, is_causal=True, scale=0.5)
+    assert torch.equal(torch.jit.script(_scripted)(x), want)
 
 
 def _bf16_step_dots(rank):

@@ -30,7 +30,7 @@ row that masks every key gets zero probabilities, as torch's math path gives it.
 
 The two functions are wrapped once per process (``install``, from ``process_effects``) and
 act only on a thread that holds the scope; anywhere else, under ``torch.compile`` and for
-tensor subclasses they are torch's own. Not a torch-function mode: a mode would run Python
+tensor subclasses they are torch's own, and TorchScript compiles them as torch's operators. Not a torch-function mode: a mode would run Python
 for every operation of the forward (about 4 us each here), a wrapper only for these two.
 Code that bound torch's functions to its own names before the first unit was built keeps
 torch's. Hugging Face looks them up at each call, and so does ``nn.MultiheadAttention``.
@@ -54,6 +54,8 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+
+from .._xla.private_api import script_as
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _SCOPE = threading.local()   # one device per thread under the virtual launcher
@@ -138,6 +140,10 @@ def install() -> None:
             return _SoftmaxKeptLow.apply(input, dim, torch.float32, input.dtype, None)
         return _TORCH["softmax"](input, dim, _stacklevel, dtype)
 
+    # scripted code calls torch's operators, as it did before (TorchScript cannot compile
+    # the wrappers)
+    script_as(scaled_dot_product_attention, "aten::scaled_dot_product_attention")
+    script_as(softmax, "aten::softmax")
     F.scaled_dot_product_attention = scaled_dot_product_attention
     F.softmax = softmax
 
@@ -166,8 +172,8 @@ def abandon() -> None:
 
 @contextlib.contextmanager
 def low_precision_attention(enabled: bool = True) -> Iterator[None]:
-    """The scope of [Note: attention under a low-precision compute_dtype] for a block of
-    code, unless ``enabled`` is false or an outer unit holds it."""
+    """The scope for a block of code, unless ``enabled`` is false or an outer unit holds it
+    (see [Note: attention under a low-precision compute_dtype])."""
     owner = object()
     if enabled:
         install()

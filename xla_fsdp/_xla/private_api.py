@@ -73,6 +73,13 @@ def register_device_module(name: str, module: ModuleType) -> None:
     torch._register_device_module(name, module)
 
 
+def script_as(fn: Callable, op: str) -> None:
+    """TorchScript compiles calls of ``fn`` (a wrapper of a torch function) as the aten
+    operator ``op``, as it compiles the function ``fn`` wraps."""
+    from torch.jit._builtins import _register_builtin
+    _register_builtin(fn, op)
+
+
 def tree_flatten(tree: Any) -> Tuple[List[Any], Any]:
     return _pytree.tree_flatten(tree)
 
