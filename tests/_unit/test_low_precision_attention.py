@@ -65,16 +65,17 @@ def test_a_mask_and_is_causal_together_are_refused_as_torch_refuses_them():
         attention(q, k, v, attn_mask=torch.ones(L, S, dtype=torch.bool), is_causal=True)
 
 
-def test_bf16_values_and_gradients_are_bf16_close_to_float64():
-    q, k, v = _inputs(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_values_and_gradients_are_close_to_float64(dtype):
+    q, k, v = _inputs(dtype)
     exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
     got = attention(q, k, v, is_causal=True)
     want = F.scaled_dot_product_attention(*exact, is_causal=True)
-    assert got.dtype == torch.bfloat16
+    assert got.dtype == dtype
     grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad.bfloat16()),
+    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad.to(dtype)),
                     torch.autograd.grad(want, exact, grad)):
-        assert a.dtype == torch.bfloat16
+        assert a.dtype == dtype
         torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
 

@@ -97,6 +97,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         value = value.repeat_interleave(repeat, dim=-3)
     if scale is None:
         scale = 1.0 / math.sqrt(query.size(-1))
+    if query.dtype == torch.float16:  # unscaled q.k can exceed float16's range (65504)
+        query, scale = query * scale, 1.0
     scores = (query @ key.transpose(-2, -1)).float() * scale
     masked_rows = None
     if is_causal:
