@@ -33,7 +33,6 @@ from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
 from ._unit.host_offload import split_by_place
-from ._unit import low_precision_attention
 from ._unit.module_view import FallThrough, ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
@@ -567,7 +566,6 @@ class XlaFullyShardedDataParallel(FallThrough):
                 return compiled(*args, **kwargs)
             return self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:
-            low_precision_attention.abandon()
             self._state.forward_raised()
             raise
 

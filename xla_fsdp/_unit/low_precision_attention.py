@@ -30,10 +30,11 @@ row that masks every key gets zero probabilities, as torch's math path gives it.
 
 The two functions are wrapped once per process (``install``, from ``process_effects``) and
 act only on a thread that holds the scope; anywhere else, under ``torch.compile`` and for
-tensor subclasses they are torch's own, and TorchScript compiles them as torch's operators. Not a torch-function mode: a mode would run Python
-for every operation of the forward (about 4 us each here), a wrapper only for these two.
-Code that bound torch's functions to its own names before the first unit was built keeps
-torch's. Hugging Face looks them up at each call, and so does ``nn.MultiheadAttention``.
+tensor subclasses they are torch's own, and TorchScript compiles them as torch's operators.
+Not a torch-function mode: a mode would run Python for every operation of the forward (about
+4 us each here), a wrapper only for these two. Code that bound torch's functions to its own
+names before the first unit was built keeps torch's; Hugging Face looks them up at each
+call, and so does ``nn.MultiheadAttention``.
 
 Where the scope holds: from a low-precision unit's pre-forward hook to its post-forward hook
 (the outermost such unit's, so the root's covers the model), whether the forward runs first
@@ -41,8 +42,8 @@ or again as a recompute in backward (``torch.utils.checkpoint`` around or inside
 e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
 bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, takes it again when the
 forward it recomputes held it. So the recomputed step is the same program. A forward that
-raises ends it in the unit's ``forward``. A float32 unit inside a bf16 one sees float32
-inputs, which the wrappers pass through.
+raises ends it (``abandon``, from the unit's ``forward_raised``). A float32 unit inside a
+bf16 one sees float32 inputs, which the wrappers pass through.
 """
 from __future__ import annotations
 
@@ -118,8 +119,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _holds(x: Any) -> bool:
     """Whether ``x`` is a plain low-precision tensor on a thread inside the scope."""
-    return (not torch.compiler.is_compiling() and getattr(_SCOPE, "owner", None) is not None
-            and type(x) is torch.Tensor and x.dtype in LOW_PRECISION)
+    return (not torch.compiler.is_compiling() and active() and type(x) is torch.Tensor
+            and x.dtype in LOW_PRECISION)
 
 
 def install() -> None:
@@ -163,7 +164,7 @@ def enter(owner: Any) -> None:
 
 
 def leave(owner: Any) -> None:
-    if getattr(_SCOPE, "owner", None) == owner:
+    if active() and _SCOPE.owner == owner:
         _SCOPE.owner = None
 
 

@@ -36,9 +36,7 @@ from .._sharding.collectives import optimization_barrier
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_at_trace, run_pending
-from .low_precision_attention import LOW_PRECISION
-from .low_precision_attention import enter as enter_attention_mode
-from .low_precision_attention import leave as leave_attention_mode
+from . import low_precision_attention as attention_scope
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .registry import WeakRegistry
@@ -286,9 +284,9 @@ class UnitState:
             self.training_state = TrainingState.FORWARD
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        if self.options.compute_dtype in LOW_PRECISION:
+        if self.options.compute_dtype in attention_scope.LOW_PRECISION:
             # see [Note: attention under a low-precision compute_dtype]
-            enter_attention_mode((id(self), id(member)))
+            attention_scope.enter((id(self), id(member)))
         inputs = collect_tensors((args, kwargs))
         barrier = self.options.optimization_barrier_in_forward
         if compiled:
@@ -303,7 +301,7 @@ class UnitState:
         return args, kwargs
 
     def post_forward(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
-        leave_attention_mode((id(self), id(member)))
+        attention_scope.leave((id(self), id(member)))
         if _in_checkpoint_recompute():
             # the recomputed activations' backward comes next and reads the full
             # parameters; it frees them as any backward does
@@ -462,6 +460,7 @@ class UnitState:
         """The unit's forward raised: settles the model's pass, unless it is a recompute
         inside backward (settled with that backward) or a nested unit's forward inside the
         root's (settled as the exception leaves the root's). See [Note: a pass that raised]."""
+        attention_scope.abandon()
         root = self.context.root
         if not in_backward() and (self is root
                                   or root.training_state is not TrainingState.FORWARD):
