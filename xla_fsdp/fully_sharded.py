@@ -73,8 +73,13 @@ class XlaFullyShardedDataParallel(FallThrough):
     """Shards ``module``'s parameters across the ranks of a sharding group (ZeRO-3).
 
     Drop-in for ``torch_xla.distributed.fsdp.XlaFullyShardedDataParallel``: same arguments,
-    same defaults, same checkpoint format (flattened groups aside, below). Differences, each
-    a fix:
+    same defaults off a TPU, same checkpoint format (flattened groups aside, below).
+    Differences, each a fix:
+
+    * on a TPU, ``shard_param_on_dim_0`` and ``coalesce_all_gather_ops`` default to True:
+      row-block shards libtpu reads without relayout, gathered in one unpinned all-gather
+      per unit that it runs beside compute (see [Note: defaults that depend on the
+      hardware] in ``_unit/options.py``); pass False for torch_xla's flat shards;
 
     * auto-wrapped children receive every option, including ``reduce_scatter_bucket_size_mb``
       and ``coalesce_all_gather_ops`` (torch_xla drops them);
@@ -142,10 +147,10 @@ class XlaFullyShardedDataParallel(FallThrough):
         sharding_groups: Optional[List[List[int]]] = None,
         sharding_rank: Optional[int] = None,
         sharding_world_size: Optional[int] = None,
-        shard_param_on_dim_0: bool = False,
+        shard_param_on_dim_0: Optional[bool] = None,
         pin_layout_in_collective_ops: bool = True,
         reduce_scatter_bucket_size_mb: Optional[int] = 0,
-        coalesce_all_gather_ops: bool = False,
+        coalesce_all_gather_ops: Optional[bool] = None,
         auto_wrap_policy: Optional[Callable] = None,
         auto_wrapper_callable: Optional[Callable] = None,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,

@@ -27,10 +27,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 IMPLS = ("xla_fsdp", "xla_fsdp_unpinned", "torch_xla", "fsdpv2")
-# "xla_fsdp" at its defaults (torch_xla's: collectives with pinned layouts); the unpinned
-# variant has the options torch_xla's FSDP runs with here (its pinned all-gather is an
-# all-reduce of N times the data). "xla_fsdp_tpu" (not run by default): the settings the
-# plans recommend on TPU, see TPU_SETTINGS.
+# "xla_fsdp" at its defaults, a TPU's (row-block shards, one unpinned gather per unit); the
+# unpinned variant has the options torch_xla's FSDP runs with here (its pinned all-gather is
+# an all-reduce of N times the data). Not run by default: "xla_fsdp_flat", the defaults off
+# a TPU (torch_xla's flat shards, a TPU's too before issue 52), and "xla_fsdp_tpu", issue
+# 38's recommended settings (TPU_SETTINGS).
+FLAT = {"shard_param_on_dim_0": False, "coalesce_all_gather_ops": False}
 TPU_SETTINGS = {"pin_layout_in_collective_ops": False, "shard_param_on_dim_0": True}
 TPU_ENVIRONMENT = {"DISABLE_NUMERIC_CC_TOKEN": "1"}   # read by torch_xla when first lowering
 SHAPES: Dict[str, dict] = {
@@ -129,6 +131,8 @@ def train_step(rank: int, setting: Setting) -> None:
         options = dict(setting.options)
         if setting.impl == "xla_fsdp_unpinned":
             options["pin_layout_in_collective_ops"] = False
+        if setting.impl == "xla_fsdp_flat":
+            options.update(FLAT)
         if setting.impl == "xla_fsdp_tpu":
             options.update(TPU_SETTINGS)
             os.environ.update(TPU_ENVIRONMENT)
@@ -254,7 +258,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help=f"of {list(SHAPES)}")
     parser.add_argument("--topologies", nargs="+", default=["v5e-8", "v6e-8"])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS),
-                        help=f"of {IMPLS + ('xla_fsdp_tpu',)}")
+                        help=f"of {IMPLS + ('xla_fsdp_flat', 'xla_fsdp_tpu')}")
     parser.add_argument("--seq", type=int, default=2048, help="tokens per chip")
     parser.add_argument("--layers", type=int, help="override every shape's depth")
     parser.add_argument("--deepest", help="also search the deepest 8B-shaped model here")

@@ -190,7 +190,11 @@ def test_every_layout_resumes_at_another_world_size(resumes, saved, reference, w
     assert not problems, "\n".join(problems)
 
 
-def test_a_checkpoint_loads_into_another_wrapping(saved):
+def test_a_checkpoint_loads_into_another_wrapping(saved, reference):
+    """At N = 4: flat shards into row blocks and back, trained on as unsharded training
+    goes on; an interleaved (flattened) checkpoint into row blocks, the state saved."""
+    problems = layouts.check_across(saved["at_four"], reference["layouts"])
+    assert not problems, "\n".join(problems)
     at_four = saved["at_four"]
     for rank, result in at_four.items():
         got = result["layouts"]["flattened_into_dim0"]

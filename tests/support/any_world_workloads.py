@@ -1,7 +1,8 @@
 """Checkpoints of every layout saved at N = 4 after a few AdamW steps, per-rank
 (``save_sharded``) and DCP (``save_dcp``), loaded at N = 2 and 8 straight from those files
 (``load_sharded``, ``load_dcp``) and trained on; the same models trained unsharded on one
-device; bad per-rank checkpoints refused. Run inside ``tests/checkpoint/test_roundtrip.py``'s
+device; bad per-rank checkpoints refused. Flat shards (torch_xla's, the default off a TPU)
+and row blocks (a TPU's default) are each loaded into the other, at N = 2, 4 and 8. Run inside ``tests/checkpoint/test_roundtrip.py``'s
 launches (``save_layouts`` at N = 4, ``unsharded_layouts`` at N = 1, ``resume_layouts`` at
 N = 2 and 8), so that they add no launch of their own.
 
@@ -24,16 +25,20 @@ from .parity import paired
 LR = 1e-3
 BEFORE, AFTER = range(0, 2), range(2, 4)
 SAVE_WORLD = 4
-# name: (model kind, wrapping); each is loaded at N = 2 and 8 into the same wrapping
+# name: (model kind, wrapping saved, wrapping loaded into at N = 2 and 8)
 LAYOUTS = {
-    "nested_tied": ("tied", "nested"),
-    "flattened": ("net", "flattened"),
-    "dim0_buffer": ("net", "dim0"),        # with a persistent buffer placed in bf16
-    "scanned": ("stack", "scanned"),       # ScannedLayers, flattened: interleaved rows
-    "groups": ("net", "groups"),           # independent sharding groups, files per group
-    "hybrid": ("net", "hybrid"),           # replicate_across_groups: the first group writes
+    "nested_tied": ("tied", "nested", "nested"),
+    "flattened": ("net", "flattened", "flattened"),
+    # flat shards (torch_xla's, the default off a TPU) and row blocks (a TPU's default), each
+    # loaded into the other; with a persistent buffer placed in bf16
+    "flat": ("net", "flat", "dim0"),
+    "dim0_buffer": ("net", "dim0", "flat"),
+    "scanned": ("stack", "scanned", "scanned"),   # ScannedLayers, flattened: interleaved rows
+    "groups": ("net", "groups", "groups"),        # independent sharding groups, files per group
+    "hybrid": ("net", "hybrid", "hybrid"),        # replicate_across_groups: the first group writes
 }
-BUFFER = "b2.seen"   # the dim-0 layout's buffer, set before the save to values bf16 holds
+ACROSS = ("flat", "dim0_buffer")   # also loaded into the other layout at N = 4, and trained on
+BUFFER = "b2.seen"   # the flat and dim-0 layouts' buffer, set before the save to values bf16 holds
 
 
 def build(kind, seed):
@@ -54,7 +59,7 @@ def _sharding_group_size(how, world):
 def wrap(model, how, world, rank):
     from xla_fsdp import FSDP, ScannedLayers
     kw = {"flatten_parameters": how == "flattened", "shard_param_on_dim_0": how == "dim0"}
-    if how == "dim0":
+    if how in ("flat", "dim0"):
         kw["buffer_dtype"] = torch.bfloat16
     if how in ("groups", "hybrid"):
         size = _sharding_group_size(how, world)
@@ -92,7 +97,7 @@ def save_layouts(rank, root):
     from xla_fsdp.checkpoint import load_sharded, save_dcp, save_sharded
     world = xr.world_size()
     out = {}
-    for name, (kind, how) in LAYOUTS.items():
+    for name, (kind, how, _) in LAYOUTS.items():
         model = wrap(build(kind, 0), how, world, rank)
         opt = optimizer(model)
         train(model, opt, kind, BEFORE, rank, world, _split(how, world))
@@ -109,6 +114,8 @@ def save_layouts(rank, root):
     out["flattened_into_dim0"] = {"extra": extra,
                                   "state": other.full_state_dict(rank0_only=False)}
     torch_xla.sync()
+    out["across"] = {name: {"per_rank": _resume(name, root, "per_rank", rank, world)}
+                     for name in ACROSS}
     return out
 
 
@@ -123,7 +130,7 @@ def unsharded_layouts():
     import torch_xla
     device = torch_xla.device()
     out = {}
-    for kind in sorted({kind for kind, _ in LAYOUTS.values()}):
+    for kind in sorted({kind for kind, _, _ in LAYOUTS.values()}):
         model = build(kind, 0).to(device)
         if kind == "tied":
             model.head.weight = model.emb.weight  # moving to XLA unties
@@ -174,39 +181,43 @@ def resume_layouts(rank, root):
     """At N = 2 or 8: every layout loaded both ways into a model initialised otherwise, its
     state right after a per-rank load, the bytes that load read here, and the losses and
     parameters of training ``AFTER``; at N = 2 also the refusals."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
-    from xla_fsdp.checkpoint import load_dcp, load_sharded
-    from xla_fsdp._sharding.names import clean_name
     world = xr.world_size()
     COUNTER.install()
     xm.rendezvous("xla_fsdp.test.any_world.counter")  # installed before any rank reads
-    out = {}
-    for name, (kind, how) in LAYOUTS.items():
-        out[name] = {}
-        for fmt in ("per_rank", "dcp"):
-            model = wrap(build(kind, 1), how, world, rank)
-            opt = optimizer(model)
-            path = os.path.join(root, name)
-            before = COUNTER.of_this_rank()
-            if fmt == "per_rank":
-                extra = load_sharded(path, model, opt)
-                loaded = model.full_state_dict(rank0_only=False)
-            else:
-                extra = load_dcp(path + "_dcp", model, opt)
-                loaded = None
-            read = COUNTER.of_this_rank() - before
-            losses = train(model, opt, kind, AFTER, rank, world, _split(how, world))
-            buffers = {clean_name(k) for k, _ in model.named_buffers()}
-            params = {k: v for k, v in model.full_state_dict(rank0_only=False).items()
-                      if k not in buffers}
-            out[name][fmt] = {"extra": extra, "loaded": loaded, "bytes": read,
-                              "losses": losses, "params": params}
-            torch_xla.sync()
+    out = {name: {fmt: _resume(name, root, fmt, rank, world) for fmt in ("per_rank", "dcp")}
+           for name in LAYOUTS}
     if world == 2:
         out["refusals"] = _refusals(rank, root)
     return out
+
+
+def _resume(name, root, fmt, rank, world):
+    """Layout ``name``'s checkpoint loaded one way (``fmt``) into the wrapping it is loaded
+    into, from a model initialised otherwise, then trained ``AFTER``."""
+    import torch_xla
+    from xla_fsdp.checkpoint import load_dcp, load_sharded
+    from xla_fsdp._sharding.names import clean_name
+    kind, _, how = LAYOUTS[name]
+    model = wrap(build(kind, 1), how, world, rank)
+    opt = optimizer(model)
+    path = os.path.join(root, name)
+    before = COUNTER.of_this_rank()
+    if fmt == "per_rank":
+        extra = load_sharded(path, model, opt)
+        loaded = model.full_state_dict(rank0_only=False)
+    else:
+        extra = load_dcp(path + "_dcp", model, opt)
+        loaded = None
+    read = COUNTER.of_this_rank() - before
+    losses = train(model, opt, kind, AFTER, rank, world, _split(how, world))
+    buffers = {clean_name(k) for k, _ in model.named_buffers()}
+    params = {k: v for k, v in model.full_state_dict(rank0_only=False).items()
+              if k not in buffers}
+    torch_xla.sync()
+    return {"extra": extra, "loaded": loaded, "bytes": read, "losses": losses,
+            "params": params}
 
 
 def _flip_a_tensor_byte(path):
@@ -269,7 +280,7 @@ def check_resumed(saved, reference, resumed, world):
     """Problems of ``resume_layouts``' results at ``world`` against the state saved at
     N = 4 (``save_layouts``, rank 0's) and unsharded training (``unsharded_layouts``)."""
     problems = []
-    for name, (kind, how) in LAYOUTS.items():
+    for name, (kind, _, how) in LAYOUTS.items():
         ref = reference[kind]
         size = _sharding_group_size(how, world)
         # what a rank may read: its share of every parameter and both AdamW moments (up to
@@ -283,24 +294,8 @@ def check_resumed(saved, reference, resumed, world):
         for rank, result in resumed.items():
             runs = result["layouts"][name]
             for fmt, run in runs.items():
-                where = f"{name} ({fmt}) at N={world}, rank {rank}"
-                if run["extra"] != {"layout": name}:
-                    problems.append(f"{where}: extra {run['extra']}")
-                if run["loaded"] is not None:
-                    problems += _differences(run["loaded"], saved[name], where)
-                for step, (a, b) in paired(run["losses"], ref["losses"]):
-                    if abs(a - b) > 1e-5 * abs(b):
-                        problems.append(f"{where}: step {step} loss {a:.7g}, unsharded {b:.7g}")
-                if run["params"].keys() != ref["params"].keys():
-                    problems.append(f"{where}: parameters "
-                                    f"{sorted(set(run['params']) ^ set(ref['params']))}")
-                    continue
-                for key, want in ref["params"].items():
-                    diff = (run["params"][key] - want).abs()
-                    if diff.max() > 2 * LR * (len(BEFORE) + len(AFTER)) \
-                            or (diff > 1e-5).float().mean() > 0.01:
-                        problems.append(f"{where}: {key} max diff {diff.max():.3g}, "
-                                        f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
+                problems += _check_run(run, name, saved[name], ref,
+                                       f"{name} ({fmt}) at N={world}, rank {rank}")
             if runs["per_rank"]["losses"] != runs["dcp"]["losses"]:
                 problems.append(f"{name} at N={world}, rank {rank}: per-rank "
                                 f"{runs['per_rank']['losses']}, DCP {runs['dcp']['losses']}")
@@ -311,6 +306,42 @@ def check_resumed(saved, reference, resumed, world):
         if read < 3 * 4 * sum(numels):
             problems.append(f"{name} at N={world}: the ranks read {read} bytes together, "
                             f"less than the {3 * 4 * sum(numels)} of the state")
+    return problems
+
+
+def check_across(saved, reference):
+    """Problems of ``save_layouts``' loads into the other layout at N = 4 (``ACROSS``),
+    against the state saved and unsharded training (``unsharded_layouts``)."""
+    problems = []
+    for rank, result in saved.items():
+        for name in ACROSS:
+            kind = LAYOUTS[name][0]
+            problems += _check_run(result["layouts"]["across"][name]["per_rank"], name,
+                                   saved[0]["layouts"][name], reference[kind],
+                                   f"{name} into {LAYOUTS[name][2]} at N=4, rank {rank}")
+    return problems
+
+
+def _check_run(run, name, saved, ref, where):
+    """A load's problems: the extra and the state saved come back exactly, and training on
+    from it follows unsharded training within the parity suite's AdamW bounds."""
+    problems = []
+    if run["extra"] != {"layout": name}:
+        problems.append(f"{where}: extra {run['extra']}")
+    if run["loaded"] is not None:
+        problems += _differences(run["loaded"], saved, where)
+    for step, (a, b) in paired(run["losses"], ref["losses"]):
+        if abs(a - b) > 1e-5 * abs(b):
+            problems.append(f"{where}: step {step} loss {a:.7g}, unsharded {b:.7g}")
+    if run["params"].keys() != ref["params"].keys():
+        return problems + [f"{where}: parameters "
+                           f"{sorted(set(run['params']) ^ set(ref['params']))}"]
+    for key, want in ref["params"].items():
+        diff = (run["params"][key] - want).abs()
+        if diff.max() > 2 * LR * (len(BEFORE) + len(AFTER)) \
+                or (diff > 1e-5).float().mean() > 0.01:
+            problems.append(f"{where}: {key} max diff {diff.max():.3g}, "
+                            f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
     return problems
 
 

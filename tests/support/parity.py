@@ -14,6 +14,8 @@ import functools
 
 import torch
 
+from xla_fsdp._unit.options import hardware_defaults
+
 from .models import (GLOBAL_BATCH, STEPS, TIED_KINDS, Block, batch, build_model,
                      checkpoint_forward, loss_fn)
 
@@ -25,7 +27,9 @@ SETTINGS = {
     "flattened": ("net", {"flatten_parameters": True}, "sgd", {}),
     "flattened_coalesced": ("net", {"flatten_parameters": True,
                                     "coalesce_all_gather_ops": True}, "sgd", {}),
-    "dim0": ("net", {"shard_param_on_dim_0": True}, "sgd", {}),
+    # what a TPU gets at the defaults: row-block shards, one gather per unit ([Note:
+    # defaults that depend on the hardware])
+    "tpu_defaults": ("net", hardware_defaults("TPU"), "sgd", {}),
     "adamw": ("net", {}, "adamw", {}),
     "frozen": ("net", {}, "sgd", {"freeze": ("b1.up", "inp.bias")}),
     "flattened_frozen": ("net", {"flatten_parameters": True}, "sgd",

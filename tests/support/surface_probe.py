@@ -15,6 +15,10 @@ REQUIRED = "<required>"
 ALLOWED = {
     # shards are padded to what the collectives need, not to 128 * world size elements
     ("XlaFullyShardedDataParallel.__init__", "_shard_size_multiple"),
+    # None: True on a TPU, torch_xla's False elsewhere ([Note: defaults that depend on the
+    # hardware])
+    ("XlaFullyShardedDataParallel.__init__", "shard_param_on_dim_0"),
+    ("XlaFullyShardedDataParallel.__init__", "coalesce_all_gather_ops"),
 }
 
 

@@ -71,9 +71,14 @@ def _loop(model, batches, dump_dir: Optional[str], steps: int, rank: int):
 
 
 def ours(rank: int, build: str = "real", dump_dir: Optional[str] = None, steps: int = 4,
-         **fsdp_kwargs):
+         hardware: Optional[str] = None, **fsdp_kwargs):
+    """``hardware``: build the units with that hardware's defaults, as a plan for it does
+    (every rank sets the same, process-wide)."""
     import torch_xla
     from xla_fsdp import FSDP
+    if hardware is not None:
+        from xla_fsdp._xla.hardware import plan_for
+        plan_for(hardware)
     from xla_fsdp.wrap import transformer_auto_wrap_policy
     model = FSDP(_build(build), auto_wrap_policy=functools.partial(
         transformer_auto_wrap_policy, transformer_layer_cls={Block}), **fsdp_kwargs)
@@ -171,7 +176,7 @@ def executed_steady_step(workload: str, build: str, dump_dir: str, world: int) -
     from xla_fsdp.launch.environment import restored_environment
     with restored_environment(["XLA_FLAGS"]):
         os.environ["XLA_FLAGS"] = env["XLA_FLAGS"]
-        return launch(ours, (build, dump_dir, 3), num_devices=world)[0]
+        return launch(ours, (build, dump_dir, 3, "TPU"), num_devices=world)[0]
 
 
 def does_nothing(rank: int):

@@ -53,7 +53,9 @@ libtpu's optimized programs for v5e-4). The pin then constrains nothing, but it 
 the schedule: libtpu runs no pinned all-gather asynchronously. FSDP's gathers of rank-1
 pieces (every flat layout's) are therefore unpinned whatever ``pin_layout_in_collective_ops``
 says, and a unit's pieces go out as one (coalesced) all-gather; gathers of dim-0 shards (rank
-2 and up) and every reduction keep the pin the option asks for. On a Llama 3.2 1B step
+2 and up) and every reduction keep the pin the option asks for, unless the unit coalesces its
+gathers (``coalesce_all_gather_ops``, a TPU's default: see [Note: defaults that depend on the
+hardware]). On a Llama 3.2 1B step
 (v5e-8, 2,048 tokens per chip, the defaults) 15 of 290 pinned gathers overlapped compute;
 unpinned one per piece, still 15 of 290 (703 ms estimated); unpinned and coalesced, 75 of
 156 (639 ms).

@@ -6,7 +6,8 @@ some are spelled with a leading underscore (torch_xla's private ones), some set 
 option (``mark_step_on_finalization`` is ``sync_on_finalization``, ``on_neuron`` turns on
 ``shard_param_on_dim_0``, ``_debug_dummy_optimization_barrier_op`` turns the barriers off)
 and some default to what the option spells otherwise (``reduce_scatter_bucket_size_mb=None``
-is 0, ``compute_dtype=None`` float32). ``FsdpOptions.from_arguments`` is the one mapping
+is 0, ``compute_dtype=None`` float32, and ``None`` for the options in ``HARDWARE_DEFAULTS``
+the hardware's default, see the Note below). ``FsdpOptions.from_arguments`` is the one mapping
 from those arguments to options and ``as_arguments`` its inverse, so an option is added
 here and in the constructor's signature, nowhere else.
 """
@@ -18,7 +19,45 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 
+from .._xla.hardware import device_type
+
 COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# [Note: defaults that depend on the hardware]
+# An option left at None takes its default from the hardware the unit is built for
+# (``_xla.hardware.device_type()``: the runtime's device, or the TPU a plan traces for).
+# On a TPU, shards are row blocks of each parameter (``shard_param_on_dim_0``) and a unit's
+# pieces go out as one all-gather (``coalesce_all_gather_ops``). libtpu tiles a 2-D array in
+# 8 x 128 blocks, so a flat 1-D shard is relaid out into tiles after every gather and out of
+# them before every reduce-scatter, a pass over each unit's parameters and gradients; a row
+# block already is tiles. The coalesced gather is unpinned (torch_xla has no pinned form of
+# it), and libtpu runs only unpinned gathers asynchronously. On a Llama 3.2 1B step (v5e-8,
+# 2,048 tokens per chip, AdamW) the HBM traffic went from 258.5 to 227.0 GiB, the collectives
+# overlapped with compute from 75 of 302 to 143 of 338, and the estimated step from 639 to
+# 574 ms, at the same peak (``docs/tpu_step.md``). Elsewhere the defaults stay torch_xla's:
+# flat shards, one gather per piece.
+#
+# Unpinned gathers of rank-2 pieces rely on every rank compiling the same program, which
+# FSDP nearly needs anyway (ranks must issue the same collectives) and the virtual launcher
+# checks; the gathered array's layout then comes out the same on every rank. It also comes
+# out the same when the programs differ elsewhere: libtpu gave every gathered weight of the
+# benchmark's GPT (v5e-4) the same layout at 128 and at 96 tokens per chip, and with the
+# loss scaled before backward (84 of 85 gathers; the 85th is the position table, whose
+# shape is the sequence length). A script whose ranks trace different steps (a line only
+# rank 0 runs inside the step) can still ask for pinned gathers with
+# ``coalesce_all_gather_ops=False``. Checkpoints do not depend on
+# the layout: per-rank files of either load into a model of the other (the staging loader),
+# and consolidated and Hugging Face outputs are the same full tensors.
+FLAT_DEFAULTS: Dict[str, bool] = {"shard_param_on_dim_0": False, "coalesce_all_gather_ops": False}
+HARDWARE_DEFAULTS: Dict[str, Dict[str, bool]] = {
+    "TPU": {"shard_param_on_dim_0": True, "coalesce_all_gather_ops": True},
+}
+
+
+def hardware_defaults(hardware: Optional[str]) -> Dict[str, bool]:
+    """The hardware-dependent options' defaults on ``hardware`` (torch_xla's device type;
+    see [Note: defaults that depend on the hardware])."""
+    return dict(HARDWARE_DEFAULTS.get(hardware, FLAT_DEFAULTS))
 
 
 @dataclass(frozen=True)
@@ -64,6 +103,10 @@ class FsdpOptions:
         kw = dict(arguments)
         for name in _UNDERSCORED:
             kw[name] = kw.pop("_" + name)
+        unset = [name for name in FLAT_DEFAULTS if kw[name] is None]
+        if unset:
+            defaults = hardware_defaults(device_type())
+            kw.update({name: defaults[name] for name in unset})
         mark_step = kw.pop("mark_step_on_finalization")  # torch_xla's older name
         if mark_step is not None:
             kw["sync_on_finalization"] = mark_step

@@ -19,6 +19,7 @@ What the process changes in torch_xla, for its own lifetime only:
 * ``xm.rendezvous`` returns this rank's payload for every rank, ``xm.mesh_reduce``
   reduces N copies of this rank's value;
 * ``torch.save`` refuses: a checkpoint of zeros must not replace a real one;
+* the wrapper builds its units with a TPU's defaults (``_xla.hardware``);
 * ``xr.use_spmd()`` puts the world back: an SPMD program is one program for every chip,
   traced over the process's CPU devices (one per chip), with no rank to stand in for;
 * checkpoints read as absent: a ``CheckpointManager`` finds none to restore, and loading
@@ -45,6 +46,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..._xla import trace_only
+from ..._xla.hardware import plan_for
 from ..._xla.host_reads import reads_host_value
 from ..._xla.private_api import pretend_world
 from ..report import TRAINING
@@ -251,6 +253,7 @@ def main(conn, payload: bytes, world: int, max_graphs: int, switches: Switches,
         fn, args = pickle.loads(payload)
         import torch_xla
         pretend_world(world, 0)
+        plan_for("TPU")   # the wrapper's defaults are a TPU's (see hardware.py)
         trace_only.activate()
         graphs = StepGraphs(str(torch_xla.device()), max_graphs)
         host_state: Dict[int, int] = {}   # per optimizer: two optimizers hold both

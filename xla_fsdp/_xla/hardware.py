@@ -1,0 +1,30 @@
+"""Which hardware the programs this process builds are for: torch_xla's device type, except
+while the planner traces a TPU's step on a CPU device (``xla_fsdp.aot``), when it is the TPU.
+
+The wrapper reads it once per unit, at construction, to pick the defaults that depend on the
+hardware (see [Note: defaults that depend on the hardware] in ``_unit/options.py``), so a
+plan traces the program a TPU would be given, not the one this machine's CPU would.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+# Process-wide: only the planner's traced process sets it, and it traces on one thread.
+_PLANNED_FOR: Optional[str] = None
+
+
+def device_type() -> Optional[str]:
+    """``"TPU"``, ``"NEURON"``, ``"CUDA"``, ``"CPU"``...: what the programs built now will run
+    on (None when torch_xla has not been told and will fall back to the CPU)."""
+    if _PLANNED_FOR is not None:
+        return _PLANNED_FOR
+    import torch_xla.runtime as xr
+    return xr.device_type()
+
+
+def plan_for(name: Optional[str]) -> None:
+    """Makes ``device_type()`` answer ``name`` in this process (None: torch_xla's answer
+    again). The planner's traced process calls it, and tests that compare a plan with the
+    same step run here; nothing else should, since the defaults it changes are for a TPU."""
+    global _PLANNED_FOR
+    _PLANNED_FOR = name
