@@ -8,6 +8,8 @@ Bounds: SGD with momentum in fp32, as in the parity suite: parameters and moment
 layouts' bounds (AdamW) are in ``support/any_world_workloads.py``.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -195,6 +197,17 @@ def test_a_checkpoint_loads_into_another_wrapping(saved, reference):
     goes on; an interleaved (flattened) checkpoint into row blocks, the state saved."""
     problems = layouts.check_across(saved["at_four"], reference["layouts"])
     assert not problems, "\n".join(problems)
+    # saved again from the other layout, the same state consolidates to the same output
+    root = saved["layouts_dir"]
+    for name in layouts.ACROSS:
+        for fmt in ("pt", "safetensors", "dcp"):
+            outputs = []
+            for prefix in (name, name + "_across"):
+                out = os.path.join(root, f"{prefix}.{fmt}")
+                assert consolidate_main(["--ckpt_prefix", os.path.join(root, prefix),
+                                         "--format", fmt, "--save_path", out]) == 0
+                outputs.append(_output(fmt, out))
+            assert outputs[0] == outputs[1], (name, fmt)
     at_four = saved["at_four"]
     for rank, result in at_four.items():
         got = result["layouts"]["flattened_into_dim0"]
@@ -204,6 +217,39 @@ def test_a_checkpoint_loads_into_another_wrapping(saved, reference):
         for key, value in want.items():
             assert got["state"][key].dtype == value.dtype, key
             assert torch.equal(got["state"][key], value), (rank, key)
+
+
+def _output(fmt, path):
+    """What a consolidated output holds, comparable with ``==``: a safetensors file's bytes
+    (and its optimizer file's contents); a torch.save file's contents, tensors as bytes
+    with their dtypes and shapes (each save has a random serialization id, and the pickle
+    depends on which strings are the same object); a DCP directory's data files' bytes and
+    its metadata, less the save's random id and path."""
+    import pickle
+
+    def plain(x):
+        if isinstance(x, torch.Tensor):
+            return str(x.dtype), tuple(x.shape), x.reshape(-1).view(torch.uint8).numpy().tobytes()
+        if isinstance(x, dict):
+            return [(k, plain(v)) for k, v in x.items()]
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    if fmt == "pt":
+        return plain(torch.load(path, weights_only=True))
+    if fmt == "safetensors":
+        with open(path, "rb") as f:
+            model = f.read()
+        return model, plain(torch.load(path[:-len(".safetensors")] + ".optimizer.pth",
+                                       weights_only=True))
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        meta = pickle.load(f)
+    data = []
+    for name in sorted(n for n in os.listdir(path) if n.endswith(".distcp")):
+        with open(os.path.join(path, name), "rb") as f:
+            data.append(f.read())
+    return data, meta.state_dict_metadata, meta.planner_data
 
 
 def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):

@@ -114,7 +114,9 @@ def save_layouts(rank, root):
     out["flattened_into_dim0"] = {"extra": extra,
                                   "state": other.full_state_dict(rank0_only=False)}
     torch_xla.sync()
-    out["across"] = {name: {"per_rank": _resume(name, root, "per_rank", rank, world)}
+    # saved again right after the load, so that its outputs can be held to the source's
+    out["across"] = {name: {"per_rank": _resume(name, root, "per_rank", rank, world,
+                                                resave=os.path.join(root, name + "_across"))}
                      for name in ACROSS}
     return out
 
@@ -193,11 +195,12 @@ def resume_layouts(rank, root):
     return out
 
 
-def _resume(name, root, fmt, rank, world):
+def _resume(name, root, fmt, rank, world, resave=None):
     """Layout ``name``'s checkpoint loaded one way (``fmt``) into the wrapping it is loaded
-    into, from a model initialised otherwise, then trained ``AFTER``."""
+    into, from a model initialised otherwise (and saved again to ``resave``), then trained
+    ``AFTER``."""
     import torch_xla
-    from xla_fsdp.checkpoint import load_dcp, load_sharded
+    from xla_fsdp.checkpoint import load_dcp, load_sharded, save_sharded
     from xla_fsdp._sharding.names import clean_name
     kind, _, how = LAYOUTS[name]
     model = wrap(build(kind, 1), how, world, rank)
@@ -211,6 +214,8 @@ def _resume(name, root, fmt, rank, world):
         extra = load_dcp(path + "_dcp", model, opt)
         loaded = None
     read = COUNTER.of_this_rank() - before
+    if resave is not None:
+        save_sharded(resave, model, opt, extra=extra)
     losses = train(model, opt, kind, AFTER, rank, world, _split(how, world))
     buffers = {clean_name(k) for k, _ in model.named_buffers()}
     params = {k: v for k, v in model.full_state_dict(rank0_only=False).items()
