@@ -45,9 +45,11 @@ COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # loss scaled before backward (84 of 85 gathers; the 85th is the position table, whose
 # shape is the sequence length). A script whose ranks trace different steps (a line only
 # rank 0 runs inside the step) can still ask for pinned gathers with
-# ``coalesce_all_gather_ops=False``. Checkpoints do not depend on
-# the layout: per-rank files of either load into a model of the other (the staging loader),
-# and consolidated and Hugging Face outputs are the same full tensors.
+# ``coalesce_all_gather_ops=False``.
+#
+# Checkpoints do not depend on the layout: per-rank files of either load into a model of the
+# other (the staging loader), and the same state consolidates to the same outputs
+# (``tests/checkpoint/test_roundtrip.py``).
 FLAT_DEFAULTS: Dict[str, bool] = {"shard_param_on_dim_0": False, "coalesce_all_gather_ops": False}
 HARDWARE_DEFAULTS: Dict[str, Dict[str, bool]] = {
     "TPU": {"shard_param_on_dim_0": True, "coalesce_all_gather_ops": True},

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-# Process-wide: only the planner's traced process sets it, and it traces on one thread.
+# Process-wide: the planner's traced process sets it before it builds anything, on its one
+# thread; a launch's ranks (threads) that set it all set the same value.
 _PLANNED_FOR: Optional[str] = None
 
 
