@@ -80,7 +80,6 @@ class XlaFullyShardedDataParallel(FallThrough):
       row-block shards libtpu reads without relayout, gathered in one unpinned all-gather
       per unit that it runs beside compute (see [Note: defaults that depend on the
       hardware] in ``_unit/options.py``); pass False for torch_xla's flat shards;
-
     * auto-wrapped children receive every option, including ``reduce_scatter_bucket_size_mb``
       and ``coalesce_all_gather_ops`` (torch_xla drops them);
     * ``coalesce_all_gather_ops`` works in every mode, flattened included (torch_xla crashes);
