@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from xla_fsdp import launch
+from xla_fsdp._unit.options import hardware_defaults
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -49,11 +50,19 @@ def _token_upstream(graph, name: str) -> Set[str]:
     return found
 
 
+# torch_xla's pinned and unpinned collectives, and the program a TPU gets by default: row
+# blocks gathered in one unpinned all-gather per unit (see [Note: defaults that depend on the
+# hardware])
+SETTINGS = {"pinned": {"pin_layout_in_collective_ops": True},
+            "unpinned": {"pin_layout_in_collective_ops": False},
+            "tpu_defaults": hardware_defaults("TPU")}
+
+
 def trace(rank):
-    return [_trace(pin_layout) for pin_layout in (True, False)]
+    return [_trace(options) for options in SETTINGS.values()]
 
 
-def _trace(pin_layout):
+def _trace(options):
     import torch_xla
     from xla_fsdp import FSDP
     torch.manual_seed(0)
@@ -61,8 +70,8 @@ def _trace(pin_layout):
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 16),
                           nn.Linear(16, 4))
     for i in (1, 2):
-        model[i] = FSDP(model[i], pin_layout_in_collective_ops=pin_layout)
-    root = FSDP(model, pin_layout_in_collective_ops=pin_layout)
+        model[i] = FSDP(model[i], **options)
+    root = FSDP(model, **options)
     loss = root(torch.randn(2, 8).to(device)).pow(2).sum()
     forward = torch_xla._XLAC._get_xla_tensors_hlo([loss])
     loss.backward()
@@ -81,23 +90,26 @@ def _trace(pin_layout):
 
 def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before():
     """And a step that also calls ``xm.all_reduce`` (pinned, torch_xla's default) compiles
-    and trains, with FSDP's collectives pinned or not."""
-    traced = launch(trace, num_devices=2)[0]
-    for pin_layout, (forward, backward, loss, total, after) in zip((True, False), traced):
-        assert total == pytest.approx(2 * loss, rel=1e-6), (pin_layout, loss, total)
-        assert after == after and after != loss, (pin_layout, loss, after)
+    and trains the same, with FSDP's collectives pinned, unpinned or as a TPU gets them."""
+    traced = dict(zip(SETTINGS, launch(trace, num_devices=2)[0]))
+    first = traced["pinned"]
+    for name, (forward, backward, loss, total, after) in traced.items():
+        pin_layout = SETTINGS[name].get("pin_layout_in_collective_ops", True)
+        assert total == pytest.approx(2 * loss, rel=1e-6), (name, loss, total)
+        assert after == after and after != loss, (name, loss, after)
+        assert (loss, after) == pytest.approx(first[2:5:2], rel=1e-6), (name, loss, after)
         graph = _dependencies(forward)
         gathers = [n for n, (op, *_) in graph.items() if op == "all-gather"]
-        assert len(gathers) >= 3, (pin_layout, gathers)
+        assert len(gathers) >= 3, (name, gathers)
         for g in gathers:
-            assert not _token_upstream(graph, g), (pin_layout, g)
-        # flat shards gather rank-1 pieces: never pinned (see [Note: a rank-1 gather needs
-        # no pinned layout]); the reductions keep the option's pin
-        assert not re.search(r"all-gather\(.*constrain_layout=true", forward), pin_layout
+            assert not _token_upstream(graph, g), (name, g)
+        # rank-1 pieces and a unit's coalesced gather: never pinned (see [Note: a rank-1
+        # gather needs no pinned layout]); the reductions keep the option's pin
+        assert not re.search(r"all-gather\(.*constrain_layout=true", forward), name
         assert bool(re.search(r"reduce-scatter\(.*constrain_layout=true", backward)) \
             == pin_layout
         graph = _dependencies(backward)
         scatters = [n for n, (op, *_) in graph.items() if op == "reduce-scatter"]
-        assert len(scatters) >= 3, (pin_layout, scatters)
+        assert len(scatters) >= 3, (name, scatters)
         chained = sorted(len(_token_upstream(graph, s) & set(scatters)) for s in scatters)
-        assert chained == list(range(len(scatters))), (pin_layout, chained)
+        assert chained == list(range(len(scatters))), (name, chained)
