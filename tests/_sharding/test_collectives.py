@@ -97,7 +97,8 @@ def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before
         pin_layout = SETTINGS[name].get("pin_layout_in_collective_ops", True)
         assert total == pytest.approx(2 * loss, rel=1e-6), (name, loss, total)
         assert after == after and after != loss, (name, loss, after)
-        assert (loss, after) == pytest.approx((first[2], first[4]), rel=1e-6), (name, loss, after)
+        assert (loss, after) == pytest.approx((first[2], first[4]), rel=1e-6), \
+            (name, loss, after)
         graph = _dependencies(forward)
         gathers = [n for n, (op, *_) in graph.items() if op == "all-gather"]
         assert len(gathers) >= 3, (name, gathers)
