@@ -32,9 +32,10 @@ from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.buffers import place_buffers
+from ._unit.conversions import check_conversion, shards_kept_out
 from ._unit.host_offload import split_by_place
 from ._unit.module_view import FallThrough, ModuleView
-from ._unit.options import FsdpOptions
+from ._unit.options import FsdpOptions, default_predivide_factor
 from ._unit.param_record import Owner
 from ._unit.shard_group import ShardGroup, build_shard_group
 from ._unit.training_state import TrainingState
@@ -119,6 +120,9 @@ class XlaFullyShardedDataParallel(FallThrough):
       optimizer state tensor in and out of each step (see ``donation_order``);
     * an optimizer built before wrapping, or ``xm.optimizer_step`` on sharded gradients, is
       an error at the optimizer step instead of silently wrong training;
+    * ``.to()``, ``.half()``, ``.cpu()`` and the like never replace a shard: moving an
+      offloaded model to its device keeps its host shards, other moves and casts are
+      refused (see [Note: converting a wrapped model] in ``_unit/conversions.py``);
     * ``offload_optimizer=True`` (not in torch_xla) keeps each rank's shards, their
       gradients and so the optimizer's state on the host, where the optimizer steps; the
       device holds a compute-dtype copy of each shard (see [Note: the optimizer on the
@@ -212,7 +216,7 @@ class XlaFullyShardedDataParallel(FallThrough):
                                 options, detached=grouping,
                                 first_forward_check=validate_first_forward,
                                 compile_refusal=self.compile_refusal())
-        pre = _default_predivide_factor(self.world_size)
+        pre = default_predivide_factor(self.world_size)
         self.set_gradient_divide_factors(pre, self.world_size / pre, False)
         self._state.hook_members([compiled] if compiled is not None else [])
         self.register_load_state_dict_post_hook(_after_load)
@@ -311,6 +315,13 @@ class XlaFullyShardedDataParallel(FallThrough):
 
     def __getitem__(self, key: int) -> nn.Module:
         return self._fsdp_wrapped_module.__getitem__(key)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "XlaFullyShardedDataParallel":
+        # torch's .to(), .half(), .cpu()...: see [Note: converting a wrapped model]
+        for unit in self.units():
+            check_conversion(unit._state.name, unit._state.shard_groups, fn)
+        with shards_kept_out(self, [g.shard_name for g in self._state.shard_groups]):
+            return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
         padded = [n for g in self._state.shard_groups if isinstance(g.layout, Dim0Layout)
@@ -586,12 +597,3 @@ def _after_load(unit: XlaFullyShardedDataParallel, _incompatible: Any) -> None:
                 g.shard.copy_(loaded.detach().to(g.shard.device, g.shard.dtype))
             unit.register_parameter(g.shard_name, g.shard)
         g.mark_updated()
-
-
-def _default_predivide_factor(world_size: int) -> float:
-    """The largest power of two that divides ``world_size`` and is at most its square root:
-    dividing by it before the reduction keeps low-precision sums in range."""
-    factor = 1
-    while world_size % factor == 0 and world_size / factor > factor:
-        factor *= 2
-    return float(factor)

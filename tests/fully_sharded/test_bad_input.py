@@ -74,7 +74,35 @@ def misuses(rank):
     torch_xla.sync()
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
+    _conversions(out)
     return out
+
+
+def _conversions(out):
+    """torch's module conversions on a wrapped model: the ones that change nothing for the
+    shards pass and keep them (an offloaded model moved to its device keeps its host
+    shards), the others are refused with the unit and parameter named and change nothing
+    (see [Note: converting a wrapped model])."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    device = torch_xla.device()
+    for offload in (False, True):
+        model = FSDP(nn.Sequential(FSDP(Tiny(), offload_optimizer=offload), Tiny()),
+                     offload_optimizer=offload)
+        before = list(model.parameters())
+        places = [(p.device, p.dtype) for p in before]
+        kept = []
+        for name, convert in (("to_device", lambda: model.to(device)),
+                              ("float", model.float),
+                              ("to_empty", lambda: model.to_empty(device=device)),
+                              ("half", model.half), ("cpu", model.cpu),
+                              ("double", model.double), ("to_bf16", lambda: model.to(
+                                  torch.bfloat16))):
+            out[f"{name}_offload_{offload}"] = _error(convert)
+            kept.append(list(model.parameters()) == before and
+                        [(p.device, p.dtype) for p in model.parameters()] == places)
+        out[f"conversions_keep_shards_offload_{offload}"] = all(kept)
+        out[f"shard_devices_offload_{offload}"] = sorted({str(p.device) for p in before})
 
 
 def _reduced_gradient_misuses(out):
@@ -170,3 +198,16 @@ def test_misuse_errors():
     assert out["grads_clipped_globally"] == "no error"
     assert "scaled by a reduction of this rank's slices" in out["scanned_clipped_locally"]
     assert out["scanned_clipped_globally"] == "no error"
+    for offload in (False, True):
+        for passes in ("to_device", "float", "to_empty"):
+            assert out[f"{passes}_offload_{offload}"] == "no error", passes
+        for refused, dtype in (("half", "float16"), ("cpu", None), ("double", "float64"),
+                               ("to_bf16", "bfloat16")):
+            message = out[f"{refused}_offload_{offload}"]
+            assert message.startswith("ValueError: FSDP unit 'Sequential': converting the "
+                                      "wrapped model would take '1.lin.weight' from "
+                                      "torch.float32 on xla:0 to torch."), message
+            assert f"to torch.{dtype or 'float32'} on {'xla:0' if dtype else 'cpu'}." in message
+            assert "Nothing in this unit was converted" in message, message
+        assert out[f"conversions_keep_shards_offload_{offload}"]
+        assert out[f"shard_devices_offload_{offload}"] == (["cpu"] if offload else ["xla:0"])

@@ -97,6 +97,11 @@ SETTINGS = {
                                          "flatten_parameters": True}, "sgd", {
         "scan": True, "freeze": ("layers.0.up", "layers.1.up", "layers.2.up", "inp.bias"),
         "worlds": (1, 2, 4)}),
+    # torch_xla's documented nesting: each block moved and wrapped, then the root wrapped
+    # around the model moved again, whose .to() must leave the blocks' host shards alone
+    # ([Note: converting a wrapped model])
+    "offload_torch_xla_recipe": ("net", {"offload_optimizer": True}, "sgd",
+                                 {"torch_xla_recipe": True, "worlds": (2, 4)}),
     "offload_groups_frozen": ("net", {"offload_optimizer": True}, "sgd_foreach",
                               {"groups": 2, "freeze": ("b1.up", "inp.bias"), "worlds": (4,)}),
 }
@@ -135,6 +140,12 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         model.b1 = FSDP(checkpoint_forward(model.b1), **kw)
         model.b2 = FSDP(checkpoint_forward(model.b2), **kw)
         return FSDP(model, **kw)
+    if extra.get("torch_xla_recipe"):
+        import torch_xla
+        device = torch_xla.device()
+        model.b1 = FSDP(model.b1.to(device), **kw)
+        model.b2 = FSDP(model.b2.to(device), **kw)
+        return FSDP(model.to(device), **kw)
     model.b1 = FSDP(model.b1, **kw)
     model.b2 = FSDP(model.b2, **kw)
     if extra.get("torch_checkpoint") == "around":

@@ -199,3 +199,12 @@ def _resolve_ranks(rank_groups: Optional[List[List[int]]], rank: Optional[int],
         raise ValueError(f"sharding_rank={rank} does not match rank {me}'s position "
                          f"{mine.index(me)} in its group {mine}")
     return rank, world
+
+
+def default_predivide_factor(world_size: int) -> float:
+    """The largest power of two that divides ``world_size`` and is at most its square root:
+    dividing by it before the reduction keeps low-precision sums in range."""
+    factor = 1
+    while world_size % factor == 0 and world_size / factor > factor:
+        factor *= 2
+    return float(factor)

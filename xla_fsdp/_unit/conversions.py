@@ -1,0 +1,81 @@
+"""What torch's module conversions (``to``, ``cuda``, ``cpu``, ``half``, ``float``,
+``bfloat16``, ``double``, ``type``, ``to_empty``) do to a unit's shards.
+
+[Note: converting a wrapped model]
+torch converts a module through ``Module._apply``, which replaces every parameter whose
+converted value is another kind of tensor (another device) by a new ``nn.Parameter``. A
+shard is held beyond its module: its shard group gathers from it, and the registry finds
+the shard group from it. Replaced, the module would list a copy the unit never reads. A unit
+built around it later takes the copy for a parameter of its own and shards it again, the
+optimizer steps that, and the inner unit goes on gathering the shard nobody updates: the
+model trains with the unit frozen, silently. torch_xla's documented recipe for nested
+units does exactly this with ``offload_optimizer``: each block wrapped, then
+``FSDP(net.to(device))``, whose ``.to`` moves the blocks' host shards to the device.
+
+So a unit takes its shards out of torch's conversion and decides for them, for itself and
+for every unit inside it, before anything is converted:
+
+* a conversion that leaves a shard on its device and in its dtype is nothing to the shard,
+  as it is nothing to the unwrapped model's parameter;
+* moving an offloaded unit to its device leaves its shards on the host: offload keeps the
+  masters there, and the device already holds the copy it computes with;
+* any other device or dtype is refused, naming the unit and the parameter: the shards, the
+  placeholders and the optimizer's state are laid out for one device and dtype, so a
+  model is moved or cast before it is wrapped (``compute_dtype`` casts what it computes
+  with), and its full values are taken elsewhere with ``full_state_dict()``.
+
+Buffers and everything else convert as torch converts them. A refusal from a unit inside a
+module that is not a unit comes after torch converted that module's children before it.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator, List, Sequence
+
+import torch
+import torch.nn as nn
+
+from .shard_group import ShardGroup
+
+
+def check_conversion(unit_name: str, shard_groups: Sequence[ShardGroup],
+                     fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Raises ``ValueError`` if ``fn``, a conversion ``Module._apply`` would apply, changes
+    a shard of the unit in a way the unit cannot follow (see [Note: converting a wrapped
+    model]). ``fn`` is tried on an empty tensor like each shard, never on the shard."""
+    for shard_group in shard_groups:
+        shard = shard_group.shard
+        # an offloaded unit computes on the device its copies are on, and its shards stay
+        # on the host whatever moves the unit there
+        offload = shard_group.offload
+        device = shard.device if offload is None else torch.device(offload.device)
+        probe = fn(torch.empty(0, dtype=shard.dtype, device=device))
+        if probe.device == device and probe.dtype == shard.dtype:
+            continue
+        raise ValueError(
+            f"FSDP unit '{unit_name or '<root>'}': converting the wrapped model would take "
+            f"'{shard_group.records[0].name}' from {shard.dtype} on {device} to {probe.dtype} on "
+            f"{probe.device}. A wrapped model's shards stay on their device and in their "
+            f"dtype: move or cast the model before wrapping it (compute_dtype= sets the "
+            f"dtype it computes in), and take its full values elsewhere with "
+            f"full_state_dict(). Nothing in this unit was converted.")
+
+
+@contextlib.contextmanager
+def shards_kept_out(module: nn.Module, shard_names: List[str]) -> Iterator[None]:
+    """Unregisters ``module``'s shards for the duration, then registers its parameters again
+    in their order, the shards as they were and the others as they are then."""
+    order = [name for name, _ in module.named_parameters(recurse=False)]
+    shards = {name: module.get_parameter(name) for name in shard_names}
+    for name in shard_names:
+        delattr(module, name)
+    try:
+        yield
+    finally:
+        current = dict(module.named_parameters(recurse=False))
+        for name in current:
+            delattr(module, name)
+        for name in order:
+            value = shards[name] if name in shards else current.get(name)
+            if value is not None:
+                module.register_parameter(name, value)
