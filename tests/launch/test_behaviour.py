@@ -33,6 +33,13 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     out["float"] = float(xm.all_reduce(xm.REDUCE_MAX, x, pin_layout=False)[0])
     out["cpu"] = (total + 1).cpu().tolist()
     out["gathered"] = xm.all_gather(x, pin_layout=False).cpu().tolist()
+    # shapes that depend on a pending collective's values run its graph (torch's Rprop
+    # assigns through a boolean mask after data parallelism's gradient all-reduce)
+    masked = xm.all_reduce(xm.REDUCE_SUM, x, pin_layout=False) * torch.tensor(
+        [1.0, -1.0, 1.0, -1.0]).to(device)
+    masked[masked.lt(0)] = 0
+    out["masked"] = [masked.cpu().tolist(), torch.nonzero(xm.all_reduce(
+        xm.REDUCE_SUM, masked, pin_layout=False)).flatten().cpu().tolist()]
     # pinned (torch_xla's default, as accelerate calls it): rank-specific graphs upstream
     out["pinned"] = [xm.all_gather(x).cpu().tolist(),
                      xm.all_gather(x.reshape(2, 2), dim=1).cpu().tolist()]
@@ -72,6 +79,7 @@ def test_everyday_calls_work(tmp_path):
         assert r["float"] == 2.0
         assert r["cpu"] == [4.0] * 4
         assert r["gathered"] == [1.0] * 4 + [2.0] * 4
+        assert r["masked"] == [[3.0, 0.0, 3.0, 0.0], [0, 2]]
         assert r["pinned"] == [r["gathered"], [[1.0, 1.0, 2.0, 2.0]] * 2]
         assert r["in_place"] == [[1.0] * 3] * 2
         assert r["saw_marker"]

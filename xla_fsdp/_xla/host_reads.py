@@ -1,6 +1,8 @@
 """Which tensor functions hand an XLA tensor's value to the host, and so would make torch_xla
 run the graph behind it: the virtual launcher turns them into collective points, and the
-traced process of ``xla_fsdp.aot`` answers them without running anything."""
+traced process of ``xla_fsdp.aot`` answers them without running anything. Functions whose
+result's shape depends on values (``nonzero``, indexing by a boolean mask) run the graph
+too, though they hand nothing to Python: the launcher routes them as well."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,6 +16,35 @@ _READS = frozenset((
     "is_nonzero", "equal", "allclose", "to", "copy_"))
 # these read a value only when they move it to the CPU
 _CPU_TARGET_ONLY = frozenset(("to", "copy_"))
+
+
+# results whose shape depends on the values: torch_xla runs the graph to learn it
+_SHAPE_FROM_VALUES = frozenset(("nonzero", "argwhere", "masked_select", "unique",
+                                "unique_consecutive"))
+# ...and indexing by a boolean mask, which is a nonzero
+_INDEXING = frozenset(("__getitem__", "__setitem__", "index", "index_put", "index_put_"))
+
+
+def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether calling ``func(*args, **kwargs)`` makes torch_xla execute the pending graph of
+    its XLA arguments: a read of their values on the host, or a result whose shape depends
+    on them (``torch.where(condition)`` alone, ``t[mask] = 0``: torch's Rprop does that)."""
+    if reads_host_value(func, args, kwargs):
+        return True
+    name = getattr(func, "__name__", "")
+    if name in _SHAPE_FROM_VALUES:
+        return True
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    return name in _INDEXING and len(args) > 1 and _has_mask(args[1])
+
+
+def _has_mask(index: Any) -> bool:
+    if isinstance(index, torch.Tensor):
+        return index.dtype in (torch.bool, torch.uint8)
+    if isinstance(index, (tuple, list)):
+        return any(_has_mask(i) for i in index)
+    return False
 
 
 def reads_host_value(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -7,8 +7,8 @@ What is routed:
 * ``torch_xla.sync()`` / ``xm.mark_step()`` (the step marker),
 * ``_xla_sync_multi`` (used by ``xm.save`` and friends) when the tensors' pending graph holds
   a collective,
-* implicit syncs in user code: ``.item()``, ``print(t)``, ``bool(t)``, ``.cpu()``, ... of a
-  tensor whose pending graph holds a collective,
+* implicit syncs in user code: ``.item()``, ``print(t)``, ``bool(t)``, ``.cpu()``,
+  ``nonzero``, ``t[mask] = 0``, ... of a tensor whose pending graph holds a collective,
 * ``xm.rendezvous`` / ``xm.xla_rendezvous``: exchanged through the ring (the XLA version
   builds rank-specific graphs),
 * ``xm.wait_device_ops()``: waits for this rank's device only (waiting on all devices from
@@ -30,7 +30,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from ..._sharding.tensor_tree import collect_tensors
-from ..._xla.host_reads import reads_host_value
+from ..._xla.host_reads import runs_graph
 from .turn_ring import TurnRing
 
 # a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
@@ -371,7 +371,7 @@ class SyncPoints:
     # -- implicit syncs --------------------------------------------------------------------
     def materialize(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Syncs, as a collective point, XLA tensors that ``func`` is about to read back."""
-        if self._rank is None or not reads_host_value(func, args, kwargs):
+        if self._rank is None or not runs_graph(func, args, kwargs):
             return
         name = getattr(func, "__name__", "")
         pending = _xla_tensors((args, kwargs))
