@@ -1,7 +1,8 @@
 """Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices.
 
 The public API: the wrapper (``XlaFullyShardedDataParallel``, also ``FSDP``), scanned layers,
-auto-wrap policies, ``checkpoint_module``, the launcher and ``patch_torch_xla()``;
+auto-wrap policies, ``checkpoint_module``, ``allow_per_shard_statistics``, the launcher and
+``patch_torch_xla()``;
 ``xla_fsdp.checkpoint`` for checkpoints. ARCHITECTURE.md describes the layers below them.
 """
 from typing import Any
@@ -12,7 +13,7 @@ from .launch import LaunchError, launch
 __all__ = ["launch", "LaunchError", "patch_torch_xla", "XlaFullyShardedDataParallel", "FSDP",
            "ScannedLayers", "checkpoint_module", "always_wrap_policy",
            "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
-           "lambda_auto_wrap_policy", "recursive_wrap"]
+           "lambda_auto_wrap_policy", "recursive_wrap", "allow_per_shard_statistics"]
 _WRAP = {"always_wrap_policy", "size_based_auto_wrap_policy", "transformer_auto_wrap_policy",
          "lambda_auto_wrap_policy", "recursive_wrap"}
 
@@ -25,6 +26,8 @@ def __getattr__(name: str) -> Any:
         from .scanned_layers import ScannedLayers as value
     elif name == "checkpoint_module":
         from .activation_checkpoint import checkpoint_module as value
+    elif name == "allow_per_shard_statistics":
+        from ._unit.optimizer_guard import allow_per_shard_statistics as value
     elif name in _WRAP:
         from . import wrap
         value = getattr(wrap, name)

@@ -167,6 +167,70 @@ def _grouping_misuses(out):
     out["prefetch_self"] = _error(lambda: unit.set_modules_to_backward_prefetch([unit]))
 
 
+def whole_tensor_optimizers(rank, directory):
+    """Optimizers whose update reads the whole tensor on shards: refused at the first step
+    before any update, on both layouts; accepted with allow_per_shard_statistics, whose
+    per-rank state then saves as per-rank files only, refused on every rank elsewhere (see
+    [Note: optimizers that read the whole tensor])."""
+    import os
+    import torch_xla
+    from xla_fsdp import FSDP, allow_per_shard_statistics
+    from xla_fsdp.checkpoint import load_sharded, save_consolidated, save_dcp, save_sharded
+    from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
+    x = torch.ones(2, 4).to(torch_xla.device())
+    out = {}
+    for dim0 in (False, True):
+        model = FSDP(nn.Sequential(FSDP(Tiny(), shard_param_on_dim_0=dim0), Tiny()),
+                     shard_param_on_dim_0=dim0)
+        # Muon takes matrices only: flat shards are not (torch refuses them itself)
+        for name in ("Adafactor", "Muon") if dim0 else ("Adafactor",):
+            params = [p for p in model.parameters() if p.dim() == 2] if name == "Muon" \
+                else model.parameters()
+            opt = getattr(torch.optim, name)(params, lr=0.01)
+            model(x).sum().backward()
+            before = [p.detach().cpu().clone() for p in model.parameters()]
+            out[f"{name}_{dim0}"] = _error(opt.step)
+            out[f"{name}_{dim0}_unchanged"] = all(torch.equal(a, p.detach().cpu()) for a, p in
+                                                  zip(before, model.parameters()))
+            opt.zero_grad()
+    model = FSDP(nn.Sequential(FSDP(Tiny(), shard_param_on_dim_0=True), Tiny()),
+                 shard_param_on_dim_0=True)
+    opt = allow_per_shard_statistics(torch.optim.Adafactor(model.parameters(), lr=0.01))
+    model(x).sum().backward()
+    out["allowed"] = _error(opt.step)
+    torch_xla.sync()
+    prefix = os.path.join(directory, "ckpt")
+    save_sharded(prefix, model, opt)
+    out["per_rank_load"] = _error(lambda: load_sharded(prefix, model, opt))
+    out["consolidated"] = _error(lambda: save_consolidated(
+        os.path.join(directory, "full.pth"), model, opt))
+    out["dcp"] = _error(lambda: save_dcp(os.path.join(directory, "dcp"), model, opt))
+    if rank == 0:
+        out["offline"] = _error(lambda: consolidate_checkpoint_files(
+            prefix, "_rank-*-of-*.pth", save_path=os.path.join(directory, "offline.pth")))
+    return out
+
+
+def test_optimizers_that_read_the_whole_tensor(tmp_path):
+    results = launch(whole_tensor_optimizers, (str(tmp_path),), num_devices=2)
+    out = results[0]
+    for name, reads in (("Adafactor", "row and column means"), ("Muon", "the whole matrix")):
+        for dim0 in (False, True) if name == "Adafactor" else (True,):
+            message = out[f"{name}_{dim0}"]
+            assert message.startswith(f"RuntimeError: {name}.step(): {name}'s update reads "
+                                      f"{reads}"), message
+            assert "allow_per_shard_statistics" in message and "Refused before" in message
+            assert out[f"{name}_{dim0}_unchanged"]
+    assert out["allowed"] == "no error" and out["per_rank_load"] == "no error"
+    for rank_out in (results[0], results[1]):   # refused on every rank: no rank waits
+        for case in ("consolidated", "dcp"):
+            message = rank_out[case]
+            assert message.startswith("CheckpointError: ") and "optimizer state 'row_var' " \
+                "has shape" in message and "per-rank files (save_sharded) keep" in message, message
+    assert "optimizer state 'row_var' has shape" in out["offline"], out["offline"]
+    assert "ckpt_rank-00000000-of-00000002.pth" in out["offline"], out["offline"]
+
+
 def test_misuse_errors():
     out = launch(misuses, num_devices=2)[0]
     assert "already wrapped" in out["double_wrap"]

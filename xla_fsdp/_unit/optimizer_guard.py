@@ -5,8 +5,24 @@ would train silently wrong (an optimizer over the parameters FSDP replaced, a st
 ``no_sync`` backward whose gradients were never reduced, ``xm.optimizer_step`` or
 accelerate averaging the already-sharded gradients across ranks, and at an optimizer's
 first step anything in the pending graph that all-reduces reduced gradients again or
-scales them by one rank's own norm, see [Note: auditing reduced gradients]); after it, count
-the update of each shard it stepped (see ``ShardGroup.generation``).
+scales them by one rank's own norm, see [Note: auditing reduced gradients], and an optimizer
+whose update reads the whole tensor, see [Note: optimizers that read the whole tensor]);
+after it, count the update of each shard it stepped (see ``ShardGroup.generation``).
+
+[Note: optimizers that read the whole tensor]
+FSDP's optimizer steps shards, so it trains like the unsharded model when each element's
+update depends only on that element's gradient and state: SGD, Adam, AdamW, Adagrad,
+RMSprop, Adamax, NAdam, RAdam, Rprop, ASGD, Adadelta. Some read the whole tensor: Adafactor
+factors a matrix's second moment into row and column means and scales its step by the
+parameter's and the update's RMS; Muon orthogonalizes the matrix; LBFGS works on every
+parameter at once. On a shard they take those over this rank's slice (a flat shard is not
+even a matrix), and each rank steps by statistics the unsharded model never computes: the
+training differs, silently (torch's Adafactor on a two-block model at N=2: the second
+step's loss 4.5e-4 off with row-block shards, 1.7e-3 with flat ones). They are refused at
+their first step over a shard that is not a whole parameter, before any update.
+``allow_per_shard_statistics(optimizer)`` accepts the difference for one optimizer; its
+state that is not shaped like its shard then differs between ranks, and checkpoints that
+merge ranks refuse it (``checkpoint.metadata.per_rank_state``).
 """
 from __future__ import annotations
 
@@ -18,6 +34,7 @@ from typing import Any, List
 
 import torch
 
+from .._sharding.layout import Dim0Layout
 from .._xla import reduced_gradients
 from .._xla.private_api import graph_hlo, needs_computation
 from .param_record import taken_name
@@ -55,6 +72,34 @@ def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
 
 
 _audited: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_PER_SHARD_ALLOWED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# optimizers whose update reads the whole tensor (module.class, under each name torch has
+# given the class), and what they read
+_FACTORED = "row and column means and the RMS of a tensor"
+_WHOLE_TENSOR = {
+    "torch.optim.Adafactor": _FACTORED, "torch.optim._adafactor.Adafactor": _FACTORED,
+    "transformers.optimization.Adafactor": _FACTORED,
+    "torch.optim.Muon": "the whole matrix, which it orthogonalizes",
+    "torch.optim._muon.Muon": "the whole matrix, which it orthogonalizes",
+    "torch.optim.lbfgs.LBFGS": "every parameter at once",
+}
+
+
+def allow_per_shard_statistics(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """Lets ``optimizer``, whose update reads the whole tensor (Adafactor, Muon), step FSDP
+    shards anyway, taking its statistics over each rank's slice: it then trains differently
+    from the unsharded model (see [Note: optimizers that read the whole tensor]). Returns
+    ``optimizer``."""
+    _PER_SHARD_ALLOWED.add(optimizer)
+    return optimizer
+
+
+def _reads_whole_tensor(optimizer: torch.optim.Optimizer) -> str:
+    for cls in type(optimizer).__mro__:
+        what = _WHOLE_TENSOR.get(f"{cls.__module__}.{cls.__qualname__}")
+        if what is not None:
+            return what
+    return ""
 
 
 def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -92,8 +137,28 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
             "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
     if sharded and optimizer not in _audited:
+        _refuse_whole_tensor_update(optimizer, sharded)
         _audit_reduced_gradients(optimizer, sharded)
         _audited.add(optimizer)
+
+
+def _refuse_whole_tensor_update(optimizer: torch.optim.Optimizer,
+                                params: List[torch.Tensor]) -> None:
+    """See [Note: optimizers that read the whole tensor]."""
+    what = _reads_whole_tensor(optimizer)
+    if not what or optimizer in _PER_SHARD_ALLOWED:
+        return
+    cut = [shard_group_of(p) for p in params]
+    cut = [g for g in cut if not (isinstance(g.layout, Dim0Layout) and g.layout.world_size == 1)]
+    if cut:
+        name = type(optimizer).__name__
+        raise RuntimeError(
+            f"{name}.step(): {name}'s update reads {what}, but it steps FSDP shards, each a "
+            f"slice of its parameters ({', '.join(g.names[0] for g in cut[:3])}"
+            f"{', ...' if len(cut) > 3 else ''}), so it would train differently from the "
+            f"unsharded model. Use an optimizer whose update is elementwise (AdamW, SGD, ...), "
+            f"or accept per-shard statistics with "
+            f"xla_fsdp.allow_per_shard_statistics(optimizer). Refused before any update.")
 
 
 def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,

@@ -233,6 +233,27 @@ def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
     return tuple(value_shape) == tuple(shape) and not (name == "step" and len(shape) == 0)
 
 
+def refuse_per_rank_state(where: str, name: str, value: Any, shape: Sequence[int]) -> None:
+    """Refuses (``CheckpointError``) optimizer state ``name`` = ``value`` that is neither laid
+    out like its tensor of ``shape`` (``sharded_like``) nor a scalar: state computed over a
+    shard's own rows and columns (Adafactor's factored statistics, allowed by
+    ``allow_per_shard_statistics``) differs between ranks, so a checkpoint that merges ranks
+    can neither cut it as the tensor nor keep one rank's copy for all. ``where`` names the
+    parameter and the file."""
+    if isinstance(value, TensorStorageMetadata):
+        value_shape: Any = value.size
+    elif isinstance(value, (torch.Tensor, TensorRef)):
+        value_shape = value.shape
+    else:
+        return
+    if len(value_shape) and not sharded_like(name, value, shape):
+        raise CheckpointError(
+            f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "
+            f"tensor's {list(shape)} nor a scalar: each rank holds its own (statistics over "
+            f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
+            f"ranks; per-rank files (save_sharded) keep every rank's.")
+
+
 def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
     """The model state dict key of the shard each optimizer index holds, in index order
     (``RankRecord.optimizer_param_keys``)."""

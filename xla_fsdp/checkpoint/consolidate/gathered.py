@@ -31,7 +31,8 @@ from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
                         ShardMetadata, optimizer_shard_keys, persistent_buffers,
-                        sharded_like, units_by_saved_path, wrapping_fingerprint)
+                        refuse_per_rank_state, sharded_like, units_by_saved_path,
+                        wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -160,6 +161,9 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
             shard_keys.append(key)
             if optimizer is not None:
                 for name, value in optimizer.state.get(g.shard, {}).items():
+                    # on every rank, before any serves: they refuse together
+                    refuse_per_rank_state(f"consolidated save of {key}", name, value,
+                                          g.shard.shape)
                     if sharded_like(name, value, g.shard.shape):
                         tid = f"{key}#{name}"
                         tensors[tid] = (value, unit.collectives)

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord, sharded_like
+from ..metadata import MODEL, OPTIMIZER, RankRecord, refuse_per_rank_state, sharded_like
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -78,6 +78,9 @@ def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     ``TensorRef`` for a tensor)."""
     saved = shards.files[0].tree[OPTIMIZER]["state"].get(index, {})
     shape = shards.files[0].tree[MODEL][spec.key].shape
+    for name, value in saved.items():
+        refuse_per_rank_state(f"{shards.files[0].path}, optimizer index {index} ({spec.key})",
+                              name, value, shape)
     return {name: SpreadTensor(_state_of_every_rank(shards, index, name), spec, param)
             if sharded_like(name, value, shape) else value for name, value in saved.items()}
 

@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 
 from ..._sharding.chunks import Chunk
 from ..files import CheckpointError
-from ..metadata import persistent_buffers, refuse_foreign_params, sharded_like
+from ..metadata import (persistent_buffers, refuse_foreign_params, refuse_per_rank_state,
+                        sharded_like)
 from ..unit_protocol import ShardedModel
 from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
                      extra_key, param_slots, slots_by_shard)
@@ -222,6 +223,8 @@ class StagedLoad:
                                stage)
                 out[name] = lambda stage=stage: stage.view(shard.shape)
             else:  # the same for every parameter (a step count)
+                refuse_per_rank_state(f"{self.where}: {keys[0]}", name, stored,
+                                      slots[0].shape)
                 stage = self._want_whole(keys[0])
                 out[name] = lambda stage=stage, size=stored.size: stage.view(size)
         return out
