@@ -60,3 +60,11 @@ def async_and_manager(rank, world, directory):
     resumed.close()
     out["first_losses"] = len(first)
     return out
+
+
+def unwaited_async_save(rank, directory):
+    """Starts an asynchronous save and returns without waiting for it."""
+    import torch
+    from xla_fsdp import FSDP
+    from xla_fsdp.checkpoint import save_sharded
+    save_sharded(os.path.join(directory, "net"), FSDP(torch.nn.Linear(4, 4)), async_save=True)

@@ -38,6 +38,7 @@ one copy per rank it serves.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import os
 import sys
@@ -49,6 +50,7 @@ from .._sharding.tensor_tree import map_tensors
 from .._xla.private_api import to_cpu
 
 _PENDING: "weakref.WeakKeyDictionary[Any, PendingSave]" = weakref.WeakKeyDictionary()
+_UNPUBLISHED: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
 
 
 def host_copy(tree: Any) -> Any:
@@ -86,6 +88,12 @@ class PendingSave:
         self._result: Any = None
         self._published = False
         self._owner = weakref.ref(owner)
+        self.what = what
+        # registered with the first save, not at import (see [Note: a save never waited on]);
+        # unregistering first keeps it registered once
+        atexit.unregister(_report_unpublished)
+        atexit.register(_report_unpublished)
+        _UNPUBLISHED.add(self)
         self._thread = threading.Thread(target=self._write, name=f"xla_fsdp save: {what}",
                                         daemon=True)
         self._thread.start()
@@ -115,11 +123,29 @@ class PendingSave:
         job, error = self._job, self._error
         self._job, self._error = None, None  # the host copy goes with the job
         self._published = True
+        _UNPUBLISHED.discard(self)
         owner = self._owner()
         if owner is not None and _PENDING.get(owner) is self:
             del _PENDING[owner]
         self._result = job.publish(error)
         return self._result
+
+
+# [Note: a save never waited on]
+# Publishing is a collective, so it cannot run at interpreter exit: a rank that exits on an
+# exception would wait there for peers still in the training step, turning a crash into a
+# hang. So a program that ends with a pending save never published gets it reported: the
+# write is let finish (its files stay under their temporary names) and stderr says which
+# save was lost and what publishes one. ``CheckpointManager.close()`` and its ``with`` block
+# wait for theirs.
+def _report_unpublished() -> None:
+    for pending in list(_UNPUBLISHED):
+        pending._thread.join(timeout=60)
+        print(f"xla_fsdp: the asynchronous save of {pending.what} was never published: "
+              f"nothing called its wait() (nor a later save of the same model, which waits "
+              f"for it) before the program ended, so it is not a checkpoint; its files were "
+              f"left under temporary names. Call wait() on the PendingSave on every rank "
+              f"before exiting.", file=sys.stderr, flush=True)
 
 
 def _yield_the_cpu() -> None:

@@ -49,3 +49,22 @@ def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
 def test_bad_settings_are_refused(tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):
         CheckpointManager(str(tmp_path), **kwargs)
+
+
+def test_a_save_never_waited_on_is_reported_at_exit(tmp_path):
+    """See [Note: a save never waited on]: not published, and said so on every rank."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = ("import sys\nfrom xla_fsdp import launch\n"
+              "from tests.support.manager_workloads import unwaited_async_save\n"
+              "if __name__ == '__main__':\n"
+              "    launch(unwaited_async_save, (sys.argv[1],), num_devices=2)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=600, cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("the asynchronous save of save_sharded "
+                             f"{tmp_path / 'net'} was never published") == WORLD, done.stderr
+    assert "Call wait() on the PendingSave" in done.stderr
+    assert not [n for n in os.listdir(tmp_path) if not n.startswith(".")]
