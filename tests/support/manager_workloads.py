@@ -1,6 +1,8 @@
 """What the asynchronous-save and CheckpointManager tests run in one launch."""
 import os
 
+from xla_fsdp.checkpoint import CheckpointManager
+
 from .checkpoint_workloads import optimizer_for, same_snapshot, snapshot, train, wrapped_net
 
 
@@ -63,8 +65,12 @@ def async_and_manager(rank, world, directory):
 
 
 def unwaited_async_save(rank, directory):
-    """Starts an asynchronous save and returns without waiting for it."""
+    """Starts an asynchronous save and returns without waiting for it; and one inside a
+    manager's ``with`` block, which publishes it at its end."""
     import torch
     from xla_fsdp import FSDP
     from xla_fsdp.checkpoint import save_sharded
-    save_sharded(os.path.join(directory, "net"), FSDP(torch.nn.Linear(4, 4)), async_save=True)
+    model = FSDP(torch.nn.Linear(4, 4))
+    with CheckpointManager(os.path.join(directory, "managed"), on_preemption=False) as manager:
+        manager.save(3, model)
+    save_sharded(os.path.join(directory, "net"), model, async_save=True)

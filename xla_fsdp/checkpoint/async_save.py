@@ -136,8 +136,8 @@ class PendingSave:
 # exception would wait there for peers still in the training step, turning a crash into a
 # hang. So a program that ends with a pending save never published gets it reported: the
 # write is let finish (its files stay under their temporary names) and stderr says which
-# save was lost and what publishes one. ``CheckpointManager.close()`` and its ``with`` block
-# wait for theirs.
+# save was lost and what publishes one. ``CheckpointManager.close()`` and the end of its
+# ``with`` block publish theirs.
 def _report_unpublished() -> None:
     for pending in list(_UNPUBLISHED):
         pending._thread.join(timeout=60)

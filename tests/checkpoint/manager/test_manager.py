@@ -52,7 +52,8 @@ def test_bad_settings_are_refused(tmp_path, kwargs, message):
 
 
 def test_a_save_never_waited_on_is_reported_at_exit(tmp_path):
-    """See [Note: a save never waited on]: not published, and said so on every rank."""
+    """See [Note: a save never waited on]: not published, and said so on every rank; a
+    manager's ``with`` block publishes its save at the end."""
     import os
     import subprocess
     import sys
@@ -67,4 +68,5 @@ def test_a_save_never_waited_on_is_reported_at_exit(tmp_path):
     assert done.stderr.count("the asynchronous save of save_sharded "
                              f"{tmp_path / 'net'} was never published") == WORLD, done.stderr
     assert "Call wait() on the PendingSave" in done.stderr
-    assert not [n for n in os.listdir(tmp_path) if not n.startswith(".")]
+    assert sorted(n for n in os.listdir(tmp_path) if not n.startswith(".")) == ["managed"]
+    assert CheckpointManager(str(tmp_path / "managed"), on_preemption=False).latest() == 3

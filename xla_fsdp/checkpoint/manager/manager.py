@@ -17,6 +17,8 @@ rank, at the same boundaries), and stops when ``stop_requested`` is true::
             break
     manager.wait()
 
+(or the loop inside ``with CheckpointManager(...) as manager:``, which publishes at its end)
+
 then the process exits with ``PREEMPTED_EXIT_CODE`` if ``stop_requested``.
 
 At a boundary the manager (1) casts its rank's vote (``step_vote``), (2) acts on the vote
@@ -176,6 +178,20 @@ class CheckpointManager:
         try:
             self.wait()
         finally:
+            if self.on_preemption:
+                preemption.stop_watching()
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
+        """A block that ends normally publishes the save in flight (``close``). One that
+        raises only stops watching for preemption: publishing is a collective that the
+        peers of a failing rank may never reach (see [Note: a save never waited on])."""
+        if exc_type is None:
+            self.close()
+        elif not self._closed:
+            self._closed = True
             if self.on_preemption:
                 preemption.stop_watching()
 
