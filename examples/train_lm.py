@@ -202,7 +202,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     if shown:
         sys.stderr.write("\n")
     return {"eval_loss": evaluate(model, eval_data, args, rank, world, device),
-            "history": history}
+            "history": history, "resumed_from": start}
 
 
 # -- the parent process -------------------------------------------------------------------
@@ -308,9 +308,14 @@ def main(argv=None) -> None:
                          f"free some space and run the same command again.") from None
     first = results[0]
     history = first["history"]
-    print(f"trained to step {args.steps} on {len(results)} device(s) in "
-          f"{time.monotonic() - began:.0f}s: loss {history[0][1]:.3f} at step {history[0][0]} "
-          f"-> {history[-1][1]:.3f} at step {history[-1][0]}")
+    if first["resumed_from"] >= args.steps:
+        print(f"nothing to train: {os.path.join(args.out, 'ckpt')} already holds step "
+              f"{first['resumed_from']} (--steps {args.steps}); pass a larger --steps to train "
+              f"on, or another --out to start afresh. Its last checkpoint, checked again:")
+    else:
+        print(f"trained steps {first['resumed_from']} to {args.steps} on {len(results)} "
+              f"device(s) in {time.monotonic() - began:.0f}s: loss {history[0][1]:.3f} at step "
+              f"{history[0][0]} -> {history[-1][1]:.3f} at step {history[-1][0]}")
     consolidate_and_check(args, first["eval_loss"])
     write_curve(args, history)
 

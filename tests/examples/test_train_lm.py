@@ -66,6 +66,11 @@ def test_train_preempt_resume_elsewhere_consolidate(tmp_path):
                "--keep-last", "2")
     sharded, plain = _eval_losses(out)
     assert abs(sharded - plain) <= 1e-4
+    assert f"trained steps {stopped} to {stopped + 4} on 2 device(s)" in out
+    # once more: nothing left to train, and it says so
+    again = _run(tmp_path, "--steps", str(stopped + 4), "--devices", "2")
+    assert f"nothing to train: {ckpt} already holds step {stopped + 4}" in again, again
+    assert _eval_losses(again) == (sharded, plain)
     saved = {s for s in range(stopped + 1, stopped + 5) if s % 2 == 0} | {stopped + 4}
     assert _complete(ckpt) == sorted(saved | set(before))[-2:]
     with open(tmp_path / "loss.csv") as f:
