@@ -82,3 +82,38 @@ def tree_differences(a, b, where=""):
 def assert_same_tree(a, b, where=""):
     problems = tree_differences(a, b, where)
     assert not problems, "\n".join(problems)
+
+
+def commit_fails_on_one_rank(rank, world, directory):
+    """A checkpoint every rank reads, whose optimizer state torch refuses on the last rank
+    only, after the shards would have been replaced: every rank raises and every rank keeps
+    its model and optimizer as they were, for each loader."""
+    import os
+    from xla_fsdp.checkpoint import load_consolidated, load_dcp, load_sharded, \
+        save_consolidated, save_dcp, save_sharded
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    train(model, opt, range(2), rank, world)
+    paths = {"dcp": os.path.join(directory, "dcp"), "sharded": os.path.join(directory, "ck"),
+             "consolidated": os.path.join(directory, "full.pth")}
+    save_dcp(paths["dcp"], model, opt)
+    save_sharded(paths["sharded"], model, opt)
+    save_consolidated(paths["consolidated"], model, opt)
+    train(model, opt, range(2, 4), rank, world)   # what the loads would replace
+    before = snapshot(model, opt)
+    refuse = opt.load_state_dict
+    if rank == world - 1:
+        def refusing(state_dict):
+            raise ValueError("refused by this rank's optimizer")
+        opt.load_state_dict = refusing
+    out = {}
+    for kind, load in (("dcp", load_dcp), ("sharded", load_sharded),
+                       ("consolidated", load_consolidated)):
+        try:
+            load(paths[kind], model, opt)
+            out[kind] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            out[kind] = f"{type(exc).__name__}: {exc}"
+        out[f"{kind}_unchanged"] = same_snapshot(snapshot(model, opt), before)
+    opt.load_state_dict = refuse
+    return out

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -199,11 +199,30 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
 
 def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
                    optimizer: Optional[torch.optim.Optimizer]) -> Any:
+    """Each rank its own file; the ranks agree that every one of them loaded it, and when
+    one did not, every rank puts back what it replaced (see [Note: nothing changes unless
+    everything was read])."""
     import torch_xla
-    checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    model.load_state_dict(checkpoint[MODEL])
-    if optimizer is not None:
-        optimizer.load_state_dict(checkpoint[OPTIMIZER])
+    undos: List[Callable[[], None]] = []
+    error: Optional[BaseException] = None
+    checkpoint: Any = None
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if optimizer is not None:   # torch checks the state before changing anything
+            before = optimizer.state_dict()
+            optimizer.load_state_dict(checkpoint[OPTIMIZER])
+            undos.append(lambda: optimizer.load_state_dict(before))
+        held = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        undos.append(lambda: model.load_state_dict(held))
+        model.load_state_dict(checkpoint[MODEL])
+    except Exception as exc:  # every rank must reach the agreement
+        error = CheckpointError(f"{path}: {type(exc).__name__}: {exc}")
+
+    def undo() -> None:
+        for fn in reversed(undos):
+            fn()
+    agree_or_undo("xla_fsdp.load_sharded.own.commit", error, undo)
+    del undos
     _SAVE_COUNT[model] = ours.save_index
     torch_xla.sync()
     return checkpoint.get(EXTRA)

@@ -80,3 +80,15 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
         assert "damaged_hostile/.metadata: refuses to load io.open" in out[label], out[label]
     assert out["code_ran"] is False
     assert out["unchanged"] == [True, True]
+
+
+def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(tmp_path):
+    from ...support.checkpoint_workloads import commit_fails_on_one_rank
+    out = launch(commit_fails_on_one_rank, (2, str(tmp_path)), num_devices=2)
+    for kind, where in (("dcp", "dcp"), ("sharded", "ck_rank-00000001-of-00000002.pth"),
+                        ("consolidated", "full.pth")):
+        failed = f"CheckpointError: {tmp_path / where}: ValueError: refused by this rank's "
+        assert out[1][kind].startswith(failed), out[1][kind]
+        assert out[0][kind].startswith("CheckpointError: rank 1 failed, so this rank stopped "
+                                       "too: " + failed), out[0][kind]
+        assert out[0][f"{kind}_unchanged"] and out[1][f"{kind}_unchanged"], kind

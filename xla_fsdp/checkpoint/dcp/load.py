@@ -40,7 +40,7 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     """Stages on every rank, agrees, commits (see [Note: nothing changes unless everything
     was read]); returns the ``extra`` saved, if any."""
     import torch_xla
-    from .coordination import agree
+    from .coordination import agree, agree_or_undo
     wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
     staged, error, source = None, None, None
@@ -53,7 +53,13 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
         if source is not None:
             source.close()
     agree(f"{tag}.read", error)
-    staged.commit()
+    undo = None
+    try:
+        undo = staged.commit()
+    except Exception as exc:  # a commit that raised undid itself; the others undo theirs
+        error = CheckpointError(f"{staged.where}: {type(exc).__name__}: {exc}")
+    agree_or_undo(f"{tag}.commit", error, undo)
+    del undo   # the values it would put back are not computed
     torch_xla.sync()
     return staged.extra
 

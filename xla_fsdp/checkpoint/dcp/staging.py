@@ -9,9 +9,15 @@ Every check against what is stored (keys, shapes, the optimizer's class and grou
 data files) comes first, and every value is read into a staging buffer on the host. Only
 when every rank has read all it needs (``coordination.agree``) are the shards, buffers and
 optimizer state replaced, so a bad checkpoint leaves the model and optimizer as they were,
-on every rank.
+on every rank. Putting them in place can still fail on one rank (torch's
+``load_state_dict`` refusing the state), so the ranks agree on that too, and when any rank
+failed every rank puts back what it replaced: the optimizer's state first, since torch checks
+it before changing anything, then the clones of the shards and buffers (on XLA, graph nodes
+computed only if put back).
 """
 from __future__ import annotations
+
+import functools
 
 from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
 
@@ -56,7 +62,8 @@ class StagedLoad:
         self.stored = source.stored
         self.tensors: Dict[str, TensorPieces] = {}
         self.objects: Dict[str, Any] = {}
-        self.commits: List[Callable[[], None]] = []
+        # each puts one thing in place and returns how to put back what was there
+        self.commits: List[Callable[[], Callable[[], None]]] = []
         slots = param_slots(model)
         self.scheme = _scheme_of(self.stored, [n for s in slots for n in s.names])
         if with_model:
@@ -68,10 +75,24 @@ class StagedLoad:
         self._read()
         self.extra = self.objects.get(extra_key()[0])
 
-    def commit(self) -> None:
-        with torch.no_grad():
-            for fn in self.commits:
-                fn()
+    def commit(self) -> Callable[[], None]:
+        """Puts everything read in place, the optimizer's state first (torch checks it before
+        changing anything); returns the undo, which puts back what was there. A commit that
+        raises has undone itself (see [Note: nothing changes unless everything was read])."""
+        undos: List[Callable[[], None]] = []
+
+        def undo() -> None:
+            with torch.no_grad():
+                for fn in reversed(undos):
+                    fn()
+        try:
+            with torch.no_grad():
+                for fn in self.commits:
+                    undos.append(fn())
+        except BaseException:
+            undo()
+            raise
+        return undo
 
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
@@ -109,8 +130,7 @@ class StagedLoad:
             key = self.scheme.model(name)[0]
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
-            self.commits.append(lambda buf=buf, stage=stage: buf.copy_(
-                stage.view(buf.shape).to(buf.dtype).to(buf.device)))
+            self.commits.append(functools.partial(_copy_commit, buf, stage))
 
     def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
         stored = self.stored[key]
@@ -169,9 +189,13 @@ class StagedLoad:
         if stray:
             raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
                                   f"optimizer does not hold: {stray[:10]}")
-        self.commits.append(lambda: optimizer.load_state_dict(
-            {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
-             "param_groups": new_groups}))
+        def load() -> Callable[[], None]:
+            before = optimizer.state_dict()   # the tensors it holds now, which loading replaces
+            optimizer.load_state_dict(
+                {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
+                 "param_groups": new_groups})
+            return lambda: optimizer.load_state_dict(before)
+        self.commits.insert(0, load)
 
     def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
         """{parameter name: the settings of its param group}, from either form DCP
@@ -243,10 +267,23 @@ def _scheme_of(stored: Dict[str, Any], names: List[str]) -> KeyScheme:
 
 
 def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:
-    def commit() -> None:
+    def commit() -> Callable[[], None]:
         shard = shard_group.shard
-        shard.copy_(stage.view(shard.shape).to(shard.device))
+        undo = _copy_commit(shard, stage)
         shard_group.mark_updated()  # full parameters gathered before are stale
+
+        def undo_and_mark() -> None:
+            undo()
+            shard_group.mark_updated()
+        return undo_and_mark
     return commit
+
+
+def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None]:
+    """Copies ``stage`` into ``target``; returns how to put back what ``target`` held (a
+    clone: on XLA a node of the graph, computed only if the undo runs)."""
+    before = target.detach().clone()
+    target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
+    return lambda: target.copy_(before)
 
 
