@@ -13,7 +13,7 @@ on every rank. Putting them in place can still fail on one rank (torch's
 ``load_state_dict`` refusing the state), so the ranks agree on that too, and when any rank
 failed every rank puts back what it replaced: the optimizer's state first, since torch checks
 it before changing anything, then the clones of the shards and buffers (on XLA, graph nodes
-computed only if put back).
+computed only if put back; an offloaded model's host shards are copied for the duration).
 """
 from __future__ import annotations
 
