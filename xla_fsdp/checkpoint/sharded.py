@@ -29,9 +29,10 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
+import functools
 import os
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -40,7 +41,8 @@ from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from .consolidate.per_rank_source import open_per_rank_files
 from .dcp.coordination import agree, agree_or_undo, exchange
-from .dcp.load import load_staged
+from .dcp.load import commit_on_every_rank, load_staged
+from .dcp.staging import load_module_state, load_optimizer_state, put_in_place
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RANK_FILES, RankRecord, optimizer_shard_keys,
@@ -199,30 +201,21 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
 
 def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
                    optimizer: Optional[torch.optim.Optimizer]) -> Any:
-    """Each rank its own file; the ranks agree that every one of them loaded it, and when
-    one did not, every rank puts back what it replaced (see [Note: nothing changes unless
-    everything was read])."""
+    """Each rank its own file; the ranks agree that every one of them read it and put it in
+    place (see [Note: nothing changes unless everything was read])."""
     import torch_xla
-    undos: List[Callable[[], None]] = []
-    error: Optional[BaseException] = None
     checkpoint: Any = None
+    error: Optional[BaseException] = None
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        if optimizer is not None:   # torch checks the state before changing anything
-            before = optimizer.state_dict()
-            optimizer.load_state_dict(checkpoint[OPTIMIZER])
-            undos.append(lambda: optimizer.load_state_dict(before))
-        held = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        undos.append(lambda: model.load_state_dict(held))
-        model.load_state_dict(checkpoint[MODEL])
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{path}: {type(exc).__name__}: {exc}")
-
-    def undo() -> None:
-        for fn in reversed(undos):
-            fn()
-    agree_or_undo("xla_fsdp.load_sharded.own.commit", error, undo)
-    del undos
+    agree("xla_fsdp.load_sharded.own.read", error)
+    steps = [functools.partial(load_module_state, model, checkpoint[MODEL])]
+    if optimizer is not None:   # first: torch checks it before changing anything
+        steps.insert(0, functools.partial(load_optimizer_state, optimizer,
+                                          checkpoint[OPTIMIZER]))
+    commit_on_every_rank("xla_fsdp.load_sharded.own", path, lambda: put_in_place(steps))
     _SAVE_COUNT[model] = ours.save_index
     torch_xla.sync()
     return checkpoint.get(EXTRA)

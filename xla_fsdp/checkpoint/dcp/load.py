@@ -40,7 +40,7 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     """Stages on every rank, agrees, commits (see [Note: nothing changes unless everything
     was read]); returns the ``extra`` saved, if any."""
     import torch_xla
-    from .coordination import agree, agree_or_undo
+    from .coordination import agree
     wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
     staged, error, source = None, None, None
@@ -53,15 +53,24 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
         if source is not None:
             source.close()
     agree(f"{tag}.read", error)
-    undo = None
-    try:
-        undo = staged.commit()
-    except Exception as exc:  # a commit that raised undid itself; the others undo theirs
-        error = CheckpointError(f"{staged.where}: {type(exc).__name__}: {exc}")
-    agree_or_undo(f"{tag}.commit", error, undo)
-    del undo   # the values it would put back are not computed
+    commit_on_every_rank(tag, staged.where, staged.commit)
     torch_xla.sync()
     return staged.extra
+
+
+def commit_on_every_rank(tag: str, where: str, commit: Callable[[], Callable[[], None]]
+                         ) -> None:
+    """Every rank runs ``commit`` (which puts a load in place, undoes itself if it raises, and
+    returns its undo) and the ranks agree: when one failed, every rank undoes its commit and
+    raises, naming the failing rank and ``where`` (see [Note: nothing changes unless
+    everything was read])."""
+    from .coordination import agree_or_undo
+    error, undo = None, None
+    try:
+        undo = commit()
+    except Exception as exc:  # every rank must reach the agreement
+        error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+    agree_or_undo(f"{tag}.commit", error, undo)
 
 
 def read_metadata(directory: str) -> Metadata:

@@ -76,23 +76,9 @@ class StagedLoad:
         self.extra = self.objects.get(extra_key()[0])
 
     def commit(self) -> Callable[[], None]:
-        """Puts everything read in place, the optimizer's state first (torch checks it before
-        changing anything); returns the undo, which puts back what was there. A commit that
-        raises has undone itself (see [Note: nothing changes unless everything was read])."""
-        undos: List[Callable[[], None]] = []
-
-        def undo() -> None:
-            with torch.no_grad():
-                for fn in reversed(undos):
-                    fn()
-        try:
-            with torch.no_grad():
-                for fn in self.commits:
-                    undos.append(fn())
-        except BaseException:
-            undo()
-            raise
-        return undo
+        """Puts everything read in place, the optimizer's state first; returns the undo (see
+        ``put_in_place``)."""
+        return put_in_place(self.commits)
 
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
@@ -189,13 +175,9 @@ class StagedLoad:
         if stray:
             raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
                                   f"optimizer does not hold: {stray[:10]}")
-        def load() -> Callable[[], None]:
-            before = optimizer.state_dict()   # the tensors it holds now, which loading replaces
-            optimizer.load_state_dict(
-                {"state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
-                 "param_groups": new_groups})
-            return lambda: optimizer.load_state_dict(before)
-        self.commits.insert(0, load)
+        self.commits.insert(0, lambda: load_optimizer_state(optimizer, {
+            "state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
+            "param_groups": new_groups}))
 
     def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
         """{parameter name: the settings of its param group}, from either form DCP
@@ -277,6 +259,48 @@ def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:
             shard_group.mark_updated()
         return undo_and_mark
     return commit
+
+
+def put_in_place(steps: List[Callable[[], Callable[[], None]]]) -> Callable[[], None]:
+    """Runs ``steps`` in order, each putting one thing in place and returning how to put back
+    what was there; returns the undo of them all. Steps that raise change nothing (or undo
+    themselves), and put back what the steps before them did before the error goes on."""
+    undos: List[Callable[[], None]] = []
+
+    def undo() -> None:
+        with torch.no_grad():
+            for fn in reversed(undos):
+                fn()
+    try:
+        with torch.no_grad():
+            for step in steps:
+                undos.append(step())
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer,
+                         state_dict: Dict[str, Any]) -> Callable[[], None]:
+    """``optimizer.load_state_dict``, which checks the state before changing anything; returns
+    how to put back the tensors it held, which loading replaced rather than changed."""
+    before = optimizer.state_dict()
+    optimizer.load_state_dict(state_dict)
+    return lambda: optimizer.load_state_dict(before)
+
+
+def load_module_state(module: torch.nn.Module, state_dict: Dict[str, Any]
+                      ) -> Callable[[], None]:
+    """``module.load_state_dict``, which may raise having copied part of it; returns how to
+    put back what it held (clones: on XLA graph nodes, computed only if put back)."""
+    held = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    try:
+        module.load_state_dict(state_dict)
+    except BaseException:
+        module.load_state_dict(held)
+        raise
+    return lambda: module.load_state_dict(held)
 
 
 def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None]:
