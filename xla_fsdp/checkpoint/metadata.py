@@ -224,13 +224,18 @@ def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
     and read as the tensor is; anything else (a step count) is the same on every rank.
     ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
     tensor's shape that tells, but for a 0-d parameter's step count, which has it too."""
+    value_shape = _shape_of(value)
+    return value_shape == tuple(shape) and not (name == "step" and len(shape) == 0)
+
+
+def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor; None for
+    anything else."""
     if isinstance(value, TensorStorageMetadata):
-        value_shape: Any = value.size
-    elif isinstance(value, (torch.Tensor, TensorRef)):
-        value_shape = value.shape
-    else:
-        return False
-    return tuple(value_shape) == tuple(shape) and not (name == "step" and len(shape) == 0)
+        return tuple(value.size)
+    if isinstance(value, (torch.Tensor, TensorRef)):
+        return tuple(value.shape)
+    return None
 
 
 def refuse_per_rank_state(where: str, name: str, value: Any, shape: Sequence[int]) -> None:
@@ -240,13 +245,8 @@ def refuse_per_rank_state(where: str, name: str, value: Any, shape: Sequence[int
     ``allow_per_shard_statistics``) differs between ranks, so a checkpoint that merges ranks
     can neither cut it as the tensor nor keep one rank's copy for all. ``where`` names the
     parameter and the file."""
-    if isinstance(value, TensorStorageMetadata):
-        value_shape: Any = value.size
-    elif isinstance(value, (torch.Tensor, TensorRef)):
-        value_shape = value.shape
-    else:
-        return
-    if len(value_shape) and not sharded_like(name, value, shape):
+    value_shape = _shape_of(value)
+    if value_shape and not sharded_like(name, value, shape):
         raise CheckpointError(
             f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "
             f"tensor's {list(shape)} nor a scalar: each rank holds its own (statistics over "

@@ -18,7 +18,6 @@ computed only if put back; an offloaded model's host shards are copied for the d
 from __future__ import annotations
 
 import functools
-
 from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
 
 import torch
@@ -309,5 +308,3 @@ def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None
     before = target.detach().clone()
     target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
     return lambda: target.copy_(before)
-
-
