@@ -1,0 +1,44 @@
+"""The matrix of ``tests/support/matrix.py``: every way users wrap, configure and optimize a
+model, and save and resume it, either trains like the unsharded model or is refused as
+``REFUSALS`` expects ([Note: covering the matrix])."""
+import itertools
+
+import pytest
+
+from ..support import matrix
+
+
+def test_the_covering_meets_every_pair_of_values():
+    cells = matrix.covering()
+    met = {pair for cell in cells for pair in matrix._pairs(cell._asdict())}
+    assert met == matrix.all_pairs()
+    biggest = sorted(map(len, matrix.AXES.values()))[-2:]
+    assert len(cells) == biggest[0] * biggest[1] == 70
+    assert len(set(cells)) == len(cells)
+    # any values, as the script's selections give them
+    axes = dict(recipe="ab", option="pqrs", optimizer="xyz", foreach=(True,), format="kl",
+                resumed_at="mn")
+    met = {pair for cell in matrix.covering(axes) for pair in matrix._pairs(cell._asdict())}
+    assert met == matrix.all_pairs(axes)
+
+
+def test_every_refusal_names_values_on_the_axes():
+    for pattern, words in matrix.REFUSALS:
+        assert words
+        for axis, value in pattern.items():
+            assert value in matrix.AXES[axis], (axis, value)
+    adafactor = matrix.Cell("moved_first", "sharding_groups", "Adafactor", False, "dcp", "same")
+    assert matrix.expected_refusal(adafactor)
+    assert matrix.expected_refusal(adafactor._replace(optimizer="AdamW")) == ""
+    assert all(matrix.expected_refusal(matrix.Cell(*values)) == "" for values in
+               itertools.product(matrix.RECIPES, matrix.OPTIONS, ["SGD", "AdamW"],
+                                 (False, True), matrix.FORMATS, ("same", "other")))
+
+
+@pytest.mark.slow
+def test_every_cell_matches_or_is_refused():
+    outcomes, failures = matrix.run(matrix.covering())
+    assert not failures, "\n".join(f"{cell}: {'; '.join(problems)}"
+                                   for cell, problems in failures.items())
+    refused = [c for c, outcome in outcomes.items() if "refused" in outcome]
+    assert refused, "no cell was refused: REFUSALS no longer describes the wrapper"

@@ -1,0 +1,453 @@
+"""The space users live in, as a matrix: how the model is wrapped (recipe), the wrapper's
+options, the optimizer (plain or foreach), and the checkpoint format it is saved in and
+resumed from, at the same world size or another. Each cell trains at N ranks against the
+same model trained unsharded on one device, saves, continues, and a fresh wrapped model
+loads the checkpoint and trains on; every run is held to the suite's parity bounds.
+
+A cell's outcome is "matched", or "refused: <message>" when the wrapper or a checkpoint
+function refused it at construction, at the first step or at the save or load. Every refusal
+is listed in ``REFUSALS`` with the words its message must contain: an unlisted refusal, a
+difference beyond the bounds, a hang or an abort fails the matrix.
+
+[Note: covering the matrix]
+The full product (5 recipes x 7 options x 10 optimizers x 2 x 4 formats x 2 world sizes)
+is 5,600 cells, and a cell compiles its own step graphs: several seconds each here. The
+suite runs a pairwise covering instead: every value of every axis meets every value of
+every other axis in some cell. A bug that needs two axes to show, as each one issue 53 found
+did (offload with torch_xla's recipe, Adafactor with dim-0 shards, per-rank state with a
+consolidated checkpoint), shows in it. The two largest axes (options x optimizers) need 70
+cells; the others are filled in greedily so that those 70 cells, and a few more if needed,
+cover every pair. ``python -m tests.support.matrix --product`` runs the full product, or any
+part of it.
+"""
+import functools
+import itertools
+import os
+import sys
+from typing import Dict, Iterator, List, NamedTuple, Sequence, Tuple
+
+import torch
+
+from .models import GLOBAL_BATCH, Block, batch, build_model, loss_fn
+
+KIND = "stack"          # inp, three blocks in a ModuleList, head: the shape every recipe takes
+STEPS = 2               # before the save, and again after it (in the run and each resume)
+LR = 1e-2               # RMSprop's first step moves every weight by 10 * lr: 1e-3 for it
+
+RECIPES = ("torch_xla_recipe", "moved_first", "auto_wrap", "grouped_units", "scanned")
+OPTIONS = {
+    "default": {},
+    "offload": {"offload_optimizer": True},
+    "dim0": {"shard_param_on_dim_0": True},
+    "flat": {"flatten_parameters": True},
+    "bf16": {"compute_dtype": torch.bfloat16},
+    "no_reshard": {"reshard_after_forward": False},
+    "sharding_groups": {},   # groups of half the world, each its own data-parallel replica
+}
+OPTIMIZERS = {
+    "SGD": dict(momentum=0.9), "Adam": {}, "AdamW": dict(weight_decay=0.01), "Adafactor": {},
+    "Adagrad": {}, "RMSprop": dict(lr=LR / 10), "Adamax": {}, "NAdam": {}, "RAdam": {}, "Rprop": {},
+}
+FORMATS = ("sharded", "consolidated", "dcp", "hf")
+AXES = {"recipe": RECIPES, "option": tuple(OPTIONS), "optimizer": tuple(OPTIMIZERS),
+        "foreach": (False, True), "format": FORMATS, "resumed_at": ("same", "other")}
+
+
+class Cell(NamedTuple):
+    recipe: str
+    option: str
+    optimizer: str
+    foreach: bool
+    format: str
+    resumed_at: str
+
+    def __str__(self) -> str:
+        return "-".join(str(v) for v in self)
+
+
+# Cell patterns (None for any value) -> words the refusal must contain. Each refusal is the
+# behaviour users get by the choice made in issue 53; nothing else may be refused.
+REFUSALS = [
+    # Adafactor's update reads the whole parameter (its norm, its row and column means):
+    # refused on any shard but a whole parameter in its own shape ([Note: optimizers that
+    # read the whole tensor]), which only dim-0 shards of a one-rank group are; a flat shard
+    # of one rank is 1-D, which Adafactor does not factor as it does the 2-D parameter
+    (dict(optimizer="Adafactor"), "Adafactor's update reads row and column means"),
+]
+
+
+def _pairs(cell: Dict[str, object]) -> Iterator[Tuple[str, object, str, object]]:
+    for (a, x), (b, y) in itertools.combinations(cell.items(), 2):
+        yield (a, x, b, y) if a < b else (b, y, a, x)
+
+
+def all_pairs(axes: Dict[str, Sequence] = AXES) -> set:
+    return {p for a, b in itertools.combinations(axes, 2) for x in axes[a] for y in axes[b]
+            for p in _pairs({a: x, b: y})}
+
+
+def covering(axes: Dict[str, Sequence] = AXES) -> List[Cell]:
+    """Cells in which every value of each axis meets every value of every other axis
+    ([Note: covering the matrix]): the product of the two largest axes, each cell's other
+    values chosen to cover the most pairs not yet covered, then a cell for each pair left."""
+    big = sorted(axes, key=lambda a: -len(axes[a]))[:2]
+    uncovered = all_pairs(axes)
+    uses = {(a, v): 0 for a in axes for v in axes[a]}
+
+    def complete(cell):
+        for axis in axes:
+            if axis not in cell:
+                cell[axis] = max(axes[axis], key=lambda v: (
+                    sum(p in uncovered for p in _pairs({**cell, axis: v})), -uses[axis, v]))
+        for axis, value in cell.items():
+            uses[axis, value] += 1
+        uncovered.difference_update(_pairs(cell))
+        return Cell(**{a: cell[a] for a in axes})
+
+    cells = [complete({big[0]: x, big[1]: y}) for x in axes[big[0]] for y in axes[big[1]]]
+    while uncovered:
+        a, x, b, y = min(uncovered, key=str)
+        cells.append(complete({a: x, b: y}))
+    return cells
+
+
+def product(axes: Dict[str, Sequence] = AXES) -> List[Cell]:
+    return [Cell(*values) for values in itertools.product(*axes.values())]
+
+
+def expected_refusal(cell: Cell) -> str:
+    """The words the cell's refusal must contain, or "" if it must train."""
+    for pattern, words in REFUSALS:
+        if all(getattr(cell, k) == v for k, v in pattern.items()):
+            return words
+    return ""
+
+
+def _lr(name: str) -> float:
+    return OPTIMIZERS[name].get("lr", LR)
+
+
+def make_optimizer(name: str, foreach: bool, params):
+    return getattr(torch.optim, name)(params, foreach=foreach, **dict(
+        OPTIMIZERS[name], lr=_lr(name)))
+
+
+# -- one rank's side of a launch ------------------------------------------------------------------
+def _groups(option: str, world: int):
+    if option != "sharding_groups" or world == 1:
+        return None
+    size = max(world // 2, 1)
+    return [list(range(i, i + size)) for i in range(0, world, size)]
+
+
+def wrap(model: torch.nn.Module, recipe: str, option: str, world: int):
+    import torch_xla
+    import torch_xla.runtime as xr
+    from xla_fsdp import FSDP, ScannedLayers
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    kw = dict(OPTIONS[option], pin_layout_in_collective_ops=True)
+    groups = _groups(option, world)
+    if groups:
+        size = len(groups[0])
+        kw.update(sharding_groups=groups, sharding_rank=xr.global_ordinal() % size,
+                  sharding_world_size=size)
+    device = torch_xla.device()
+    layers = model.layers
+    if recipe == "torch_xla_recipe":   # as torch_xla's docs nest: move, wrap, move the root
+        for i in range(len(layers)):
+            layers[i] = FSDP(layers[i].to(device), **kw)
+        return FSDP(model.to(device), **kw)
+    if recipe == "moved_first":
+        model = model.to(device)
+        for i in range(len(layers)):
+            layers[i] = FSDP(layers[i], **kw)
+        return FSDP(model, **kw)
+    if recipe == "auto_wrap":
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        return FSDP(model, auto_wrap_policy=policy, **kw)
+    if recipe == "grouped_units":   # the input layer and the head in one unit
+        FSDP([model.inp, model.head], **kw)
+        for i in range(len(layers)):
+            layers[i] = FSDP(layers[i], **kw)
+        return FSDP(model, **kw)
+    assert recipe == "scanned", recipe
+    model.layers = ScannedLayers(layers, **kw)
+    return FSDP(model, **kw)
+
+
+def _split(option: str, world: int, rank: int) -> Tuple[int, int]:
+    """(parts the global batch is cut into, this rank's part)."""
+    groups = _groups(option, world)
+    split = len(groups[0]) if groups else world
+    return split, rank % split
+
+
+def _train(model, opt, steps, option: str, world: int, rank: int) -> List[float]:
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    device = torch_xla.device()
+    split, part = _split(option, world, rank)
+    local = GLOBAL_BATCH // split
+    losses = []
+    for step in steps:
+        x, y = batch(KIND, step)
+        x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
+        opt.zero_grad()
+        loss = loss_fn(KIND, model(x.to(device)), y.to(device))
+        loss.backward()
+        opt.step()
+        loss = loss.detach()
+        if split > 1:
+            loss = xm.all_reduce(xm.REDUCE_SUM, loss, scale=1.0 / split,
+                                 groups=_groups(option, world))
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
+
+def _parameters(model) -> Dict[str, torch.Tensor]:
+    from xla_fsdp._sharding.names import clean_name
+    return {clean_name(k): v.float() for k, v in model.full_state_dict(rank0_only=False).items()}
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _path(root: str, cell: Cell) -> str:
+    return os.path.join(root, str(cell), {"consolidated": "full.pth"}.get(cell.format, "ck"))
+
+
+def _save(cell: Cell, path: str, model, opt) -> None:
+    from xla_fsdp.checkpoint import save_consolidated, save_dcp, save_sharded
+    if cell.format == "sharded":
+        save_sharded(path, model, opt)
+    elif cell.format == "dcp":
+        save_dcp(path, model, opt)
+    elif cell.format == "hf":   # a Hugging Face directory holds the model alone
+        save_consolidated(path, model, format="hf")
+    else:
+        save_consolidated(path, model, opt)
+
+
+def _load(cell: Cell, path: str, model, opt) -> None:
+    from xla_fsdp.checkpoint import load_consolidated, load_dcp, load_sharded
+    load = {"sharded": load_sharded, "dcp": load_dcp}.get(cell.format, load_consolidated)
+    load(path, model, None if cell.format == "hf" else opt)
+
+
+def _attempt(what: str, result: Dict, fn):
+    """``fn()``, or None with ``result["refused"]`` saying where and why."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - a refusal, judged against REFUSALS
+        result["refused"] = f"{what}: {_error(exc)}"
+        return None
+
+
+def _wrapped(cell: Cell, world: int, seed: int):
+    torch.manual_seed(seed)
+    model = wrap(build_model(KIND), cell.recipe, cell.option, world)
+    return model, make_optimizer(cell.optimizer, cell.foreach, model.parameters())
+
+
+def resume(cell: Cell, root: str, world: int, rank: int) -> Dict:
+    """A fresh wrapped model (from other initial weights) loads the cell's checkpoint and
+    trains the second half of the steps; from a Hugging Face directory, the model alone is
+    loaded and compared with what was saved."""
+    result = {}
+    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=1))
+    if built is None:
+        return result
+    model, opt = built
+    _attempt("load", result, lambda: _load(cell, _path(root, cell), model, opt))
+    if "refused" in result:
+        return result
+    if cell.format != "hf":
+        losses = _attempt("training on", result, lambda: _train(
+            model, opt, range(STEPS, 2 * STEPS), cell.option, world, rank))
+        if losses is None:
+            return result
+        result["losses"] = losses
+    result["params"] = _parameters(model)
+    return result
+
+
+def _trained(cell: Cell, root: str, world: int, rank: int) -> Dict:
+    """The cell trained at ``world`` ranks, saved, trained on, and resumed here when
+    ``resumed_at`` is "same"."""
+    result = {}
+    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=0))
+    if built is None:
+        return result
+    model, opt = built
+    first = _attempt("training", result, lambda: _train(
+        model, opt, range(STEPS), cell.option, world, rank))
+    if first is None:
+        return result
+    result["saved_params"] = _parameters(model)
+    _attempt("save", result, lambda: _save(cell, _path(root, cell), model, opt))
+    if "refused" in result:
+        return result
+    result["losses"] = first + _train(model, opt, range(STEPS, 2 * STEPS), cell.option,
+                                      world, rank)
+    result["params"] = _parameters(model)
+    if cell.resumed_at == "same":
+        result["resumed"] = resume(cell, root, world, rank)
+    return result
+
+
+def _each(rank: int, cells: Sequence[Cell], run, what: str) -> Dict:
+    """{cell: run(cell)}, each cell starting clean: a refused step leaves its forward and
+    backward pending on the device, and the next sync would run them inside another cell's
+    graph, so they are dropped with the cell's model once it returns."""
+    import gc
+    import torch_xla
+    import torch_xla.runtime as xr
+    out = {}
+    for cell in cells:
+        if rank == 0:   # an abort's log then names the cell it happened in
+            print(f"matrix: {what} {cell} at N={xr.world_size()}", file=sys.stderr, flush=True)
+        out[cell] = run(cell)
+        gc.collect()
+        torch_xla.sync()
+    return out
+
+
+def run_cells(rank: int, cells: Sequence[Cell], root: str) -> Dict:
+    """Every cell trained at this launch's world size (see ``_trained``)."""
+    import torch_xla.runtime as xr
+    world = xr.world_size()
+    return _each(rank, cells, lambda cell: _trained(cell, root, world, rank), "training")
+
+
+def resume_cells(rank: int, cells: Sequence[Cell], root: str) -> Dict:
+    """Another world size resumes every cell given (those saved and "resumed_at" other)."""
+    import torch_xla.runtime as xr
+    world = xr.world_size()
+    return _each(rank, cells, lambda cell: resume(cell, root, world, rank), "resuming")
+
+
+def reference(rank: int, optimizers: Sequence[Tuple[str, bool]]) -> Dict:
+    """Each (optimizer, foreach)'s run of the unsharded model on one device."""
+    import torch_xla
+    device = torch_xla.device()
+    out = {}
+    for name, foreach in optimizers:
+        torch.manual_seed(0)
+        model = build_model(KIND).to(device)
+        opt = make_optimizer(name, foreach, model.parameters())
+        losses = _train(model, opt, range(2 * STEPS), "default", 1, 0)
+        out[name, foreach] = {"losses": losses, "params": {
+            k: v.detach().cpu() for k, v in model.named_parameters()}}
+    return out
+
+
+# -- judging ---------------------------------------------------------------------------------------
+def differences(cell: Cell, got_losses, got_params, ref_losses, ref_params) -> List[str]:
+    """Where a run differs from the reference beyond the suite's parity bounds
+    (``tests/support/parity.py``): 1e-5 relative on losses, 1e-5 on parameters; an
+    adaptive optimizer may move a weight whose gradient is zero up to rounding by up to its
+    learning rate each step, in at most 1% of the weights; bf16 compute 3e-2 and 5e-2."""
+    bf16 = cell.option == "bf16"
+    loss_bound, param_bound = (3e-2, 5e-2) if bf16 else (1e-5, 1e-5)
+    problems = []
+    if len(got_losses) != len(ref_losses):
+        problems.append(f"{len(got_losses)} losses against the reference's {len(ref_losses)}")
+    for step, (a, b) in enumerate(zip(got_losses, ref_losses)):
+        if not abs(a - b) <= loss_bound * abs(b):
+            problems.append(f"loss {a:.7g} vs {b:.7g} at step {step}")
+    if set(got_params) != set(ref_params):
+        return problems + [f"parameters {sorted(set(got_params) ^ set(ref_params))}"]
+    for key, want in ref_params.items():
+        diff = (got_params[key] - want).abs()
+        if cell.optimizer != "SGD" and not bf16:
+            if not (diff.max() <= 2 * _lr(cell.optimizer) * 2 * STEPS and (diff > 1e-5).float().mean() <= 0.01):
+                problems.append(f"{key} max diff {diff.max():.3g}, "
+                                f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
+        elif not diff.max() <= param_bound:
+            problems.append(f"{key} max diff {diff.max():.3g}")
+    return problems
+
+
+def _refusal(result: Dict, expected: str) -> Tuple[str, List[str]]:
+    outcome = "refused (" + result["refused"] + ")"
+    return outcome, [] if expected and expected in result["refused"] else [outcome]
+
+
+def judge(cell: Cell, trained: Dict, resumed: Dict, ref: Dict, world: int,
+          resume_world: int) -> Tuple[str, List[str]]:
+    """(the cell's outcome for the table, its problems: none when it matched, or was refused
+    as ``REFUSALS`` expects)."""
+    expected = expected_refusal(cell)
+    if "refused" in trained:
+        return _refusal(trained, expected)
+    if expected:
+        return "matched", [f"trained, but should be refused ({expected!r})"]
+    problems = differences(cell, trained["losses"], trained["params"], ref["losses"],
+                           ref["params"])
+    where = f"resumed at N={resume_world}"
+    if "refused" in resumed:
+        outcome, refused = _refusal(resumed, expected_refusal(cell))
+        return f"matched; {where}: {outcome}", problems + refused
+    if cell.format == "hf":   # the model alone: exactly what was saved
+        problems += [f"{where}: {k} is not what was saved" for k, v in
+                     trained["saved_params"].items()
+                     if not torch.equal(resumed["params"].get(k, torch.empty(0)), v)]
+    else:
+        problems += [f"{where}: {p}" for p in differences(
+            cell, resumed["losses"], resumed["params"], ref["losses"][STEPS:], ref["params"])]
+    return "matched", problems
+
+
+def run(cells: Sequence[Cell], world: int = 2, other_world: int = 4):
+    """Runs ``cells`` (three launches: the reference, ``world``, ``other_world``); returns
+    ({cell: outcome}, {cell: problems} for the cells that failed)."""
+    import tempfile
+    from xla_fsdp import launch
+    refs = launch(reference, (sorted({(c.optimizer, c.foreach) for c in cells}),),
+                  num_devices=1)[0]
+    with tempfile.TemporaryDirectory() as root:
+        trained = launch(run_cells, (list(cells), root), num_devices=world)[0]
+        later = [c for c in cells if c.resumed_at == "other" and "params" in trained[c]]
+        resumed = launch(resume_cells, (later, root), num_devices=other_world)[0] \
+            if later else {}
+    outcomes, failures = {}, {}
+    for cell in cells:
+        got = trained[cell]
+        outcomes[cell], problems = judge(
+            cell, got, resumed.get(cell, got.get("resumed", {})),
+            refs[cell.optimizer, cell.foreach], world,
+            other_world if cell.resumed_at == "other" else world)
+        if problems:
+            failures[cell] = problems
+    return outcomes, failures
+
+
+def table(outcomes: Dict[Cell, str]) -> str:
+    """The note's table: one row per cell."""
+    rows = ["| " + " | ".join(Cell._fields) + " | outcome |", "|" + "---|" * 7]
+    rows += [f"| {' | '.join(map(str, cell))} | {outcome} |"
+             for cell, outcome in outcomes.items()]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":   # any part of the matrix, outside the suite
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--product", action="store_true",
+                        help="every combination of the chosen values, not the covering")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--other-world", type=int, default=4)
+    for axis, values in AXES.items():
+        parser.add_argument(f"--{axis}", nargs="*", default=None,
+                            help=f"values (default: all of {list(map(str, values))})")
+    args = parser.parse_args()
+    axes = {axis: [v for v in values if getattr(args, axis) is None
+                   or str(v) in getattr(args, axis)] for axis, values in AXES.items()}
+    chosen = product(axes) if args.product else covering(axes)
+    print(f"{len(chosen)} cells", flush=True)
+    outcomes, failures = run(chosen, args.world, args.other_world)
+    print(table(outcomes))
+    for cell, problems in failures.items():
+        print(f"FAILED {cell}: " + "; ".join(problems))
