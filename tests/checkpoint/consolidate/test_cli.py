@@ -135,3 +135,26 @@ def test_refuses_corrupted_and_truncated_files(tmp_path, capsys):
     open(paths[1], "wb").write(bytes(data[:len(data) // 2]))
     err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
     assert paths[1] in err and "truncated" in err
+
+
+def test_a_step_directory_is_a_prefix(tmp_path, capsys):
+    """A CheckpointManager's step directory names its one checkpoint; the output goes
+    beside it. A manager's root, a DCP directory or a directory of several checkpoints
+    gets the prefix to pass instead."""
+    step = tmp_path / "ckpt" / "step000250"
+    step.mkdir(parents=True)
+    write_set(str(step / "checkpoint"), 2)
+    code, out = _run(capsys, "--ckpt_prefix", str(step) + os.sep)
+    assert code == 0, out.err
+    result = torch.load(str(step) + "_consolidated.pth", weights_only=True)
+    assert all(torch.equal(result["model"][k], v) for k, v in full_model().items())
+    code, out = _run(capsys, "--ckpt_prefix", str(tmp_path / "ckpt"))
+    assert code != 0 and f"e.g. {step}" in out.err, out.err
+    write_set(str(step / "other"), 2)
+    code, out = _run(capsys, "--ckpt_prefix", str(step))
+    assert code != 0 and "several per-rank checkpoints" in out.err and "other" in out.err
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"")
+    code, out = _run(capsys, "--ckpt_prefix", str(dcp))
+    assert code != 0 and "is a DCP checkpoint" in out.err, out.err

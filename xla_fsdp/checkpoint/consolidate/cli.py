@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import time
 from typing import List, Optional, Sequence
@@ -26,7 +27,7 @@ from .hf_output import DEFAULT_MAX_SHARD_SIZE
 from .optimizer import why_not_consolidated
 from .plan import ModelPlan, plan_model
 from .redistribute import redistribute
-from .shard_set import ShardSet, find_shard_set
+from .shard_set import ShardSet, find_shard_set, prefix_in_directory
 
 DEFAULT_SUFFIX = RANK_FILES
 
@@ -38,7 +39,8 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
         description="Consolidate per-rank FSDP checkpoints into one state dict, or reshard "
                     "them for another number of ranks.")
     p.add_argument("--ckpt_prefix", required=True,
-                   help="path prefix of the per-rank files")
+                   help="path prefix of the per-rank files, or a CheckpointManager step "
+                        "directory holding them")
     p.add_argument("--ckpt_suffix", default=default_suffix,
                    help=f"glob completing the prefix to the per-rank files "
                         f"(default {default_suffix!r})")
@@ -103,7 +105,11 @@ def _total_elements(plan: ModelPlan, shards: ShardSet) -> int:
 def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
     """Consolidates or redistributes as ``args`` say; returns the paths written. An output that
     matches the input pattern is refused, or with ``skip_outputs`` left out of the inputs."""
-    prefix = args.ckpt_prefix
+    source = prefix_in_directory(args.ckpt_prefix, args.ckpt_suffix)
+    # given a step directory, the outputs go beside it, not into it: a manager's retention
+    # removes the directory
+    prefix = args.ckpt_prefix if source == args.ckpt_prefix else \
+        os.path.normpath(args.ckpt_prefix)
     if args.reshard:
         if args.reshard < 1:
             raise CheckpointError(f"--reshard must be at least 1, got {args.reshard}")
@@ -112,7 +118,7 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
                    for r in range(args.reshard)]
     else:
         outputs = output_paths(args.format, args.save_path, prefix)
-    shards = find_shard_set(prefix, args.ckpt_suffix, outputs, verify=not args.no_verify,
+    shards = find_shard_set(source, args.ckpt_suffix, outputs, verify=not args.no_verify,
                             skip_outputs=skip_outputs)
     print(f"found {shards.world_size} rank files matching {shards.pattern!r}"
           + ("" if args.no_verify else ", every record's CRC-32 checked"))

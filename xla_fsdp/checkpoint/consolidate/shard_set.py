@@ -4,12 +4,15 @@ from __future__ import annotations
 import fnmatch
 import glob
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile
 from ..metadata import MODEL, SHARD_METADATA, RankRecord, ShardMetadata
+
+_RANK_TAIL = re.compile(r"_rank-\d+-of-\d+\.pth$")   # what sharded_checkpoint_path appends
 
 
 @dataclass
@@ -30,6 +33,33 @@ class ShardSet:
 class IncompleteCheckpoint(CheckpointError):
     """The files look like a checkpoint still being written: ranks missing, a file
     unreadable, or files from different saves. Waiting may cure it."""
+
+
+def prefix_in_directory(prefix: str, suffix: str) -> str:
+    """``prefix``, or, when it matches no file and is a directory holding one checkpoint's
+    rank files (a ``CheckpointManager`` step directory holds ``checkpoint_rank-*``), the
+    prefix of those files. A directory holding several, a DCP checkpoint or a manager's
+    steps is refused with the prefix or directory to pass instead."""
+    if glob.glob(prefix + suffix) or not os.path.isdir(prefix):
+        return prefix
+    names = os.listdir(prefix)
+    inside = sorted({os.path.join(prefix, _RANK_TAIL.sub("", n)) for n in names
+                     if _RANK_TAIL.search(n) and fnmatch.fnmatchcase(n, "*" + suffix)})
+    if len(inside) == 1:
+        return inside[0]
+    if inside:
+        raise CheckpointError(f"{prefix} holds several per-rank checkpoints; pass one of the "
+                              f"prefixes {inside} as --ckpt_prefix")
+    if ".metadata" in names:
+        raise CheckpointError(f"{prefix} is a DCP checkpoint, not per-rank files: load it with "
+                              f"xla_fsdp.checkpoint.load_dcp or load_consolidated")
+    steps = sorted(n for n in names if re.fullmatch(r"step\d{6,}", n))
+    if steps:
+        raise CheckpointError(f"{prefix} is a CheckpointManager's directory: pass one of its "
+                              f"step directories as --ckpt_prefix, e.g. "
+                              f"{os.path.join(prefix, steps[-1])}")
+    raise CheckpointError(f"{prefix} is a directory holding no per-rank checkpoint files "
+                          f"(*{suffix})")
 
 
 def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
