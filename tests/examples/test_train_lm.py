@@ -22,8 +22,13 @@ def _command(out, *args):
 
 
 def _run(out, *args):
-    done = subprocess.run(_command(out, *args), capture_output=True, text=True, timeout=600)
+    # as a new user runs it: PJRT_DEVICE unset (importing torch_xla here set it in this
+    # process), and no warning that the CPU was chosen when the launcher chose it
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    done = subprocess.run(_command(out, *args), capture_output=True, text=True, timeout=600,
+                          env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "Defaulting to PJRT_DEVICE" not in done.stderr, done.stderr[-3000:]
     return done.stdout
 
 
