@@ -12,6 +12,32 @@ import torch
 
 from xla_fsdp import LaunchError, launch
 
+from ..support.models import batch, build_model, loss_fn
+
+RPROP_STEPS = 3
+
+
+def rprop_losses(rank: int, world: int, device) -> list:
+    """Each rank's loss over RPROP_STEPS of torch's Rprop on a sharded model."""
+    import torch_xla
+
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = FSDP(build_model("net"))
+    opt = torch.optim.Rprop(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(RPROP_STEPS):
+        x, y = batch("net", step)
+        n = x.shape[0] // world
+        opt.zero_grad()
+        loss = loss_fn("net", model(x[rank * n:(rank + 1) * n].to(device)),
+                       y[rank * n:(rank + 1) * n].to(device))
+        loss.backward()
+        opt.step()
+        torch_xla.sync()
+        losses.append(loss.item())
+    return losses
+
 
 def everyday_calls(rank: int, save_path: str) -> dict:
     """Things real training code does that sync implicitly or wait on devices."""
@@ -40,6 +66,9 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     masked[masked.lt(0)] = 0
     out["masked"] = [masked.cpu().tolist(), torch.nonzero(xm.all_reduce(
         xm.REDUCE_SUM, masked, pin_layout=False)).flatten().cpu().tolist()]
+    # ...and on a sharded model, where each rank's mask counts differ (torch's Rprop on
+    # FSDP's gradient shards); the counts end up in the graphs of the next collectives
+    out["rprop"] = rprop_losses(rank, xr.world_size(), device)
     # pinned (torch_xla's default, as accelerate calls it): rank-specific graphs upstream
     out["pinned"] = [xm.all_gather(x).cpu().tolist(),
                      xm.all_gather(x.reshape(2, 2), dim=1).cpu().tolist()]
@@ -69,6 +98,17 @@ def test_everyday_calls_work(tmp_path):
     results = launch(everyday_calls, (str(saved),), num_devices=2)
     assert torch.load(saved)["total"].tolist() == [6.0] * 4
     r0, r1 = results[0], results[1]
+    torch.manual_seed(0)  # the unsharded model, trained on the CPU on whole batches
+    model = build_model("net")
+    opt = torch.optim.Rprop(model.parameters(), lr=0.01)
+    assert len(r0["rprop"]) == len(r1["rprop"]) == RPROP_STEPS
+    for step, sharded in enumerate(zip(r0["rprop"], r1["rprop"])):
+        x, y = batch("net", step)
+        opt.zero_grad()
+        loss = loss_fn("net", model(x), y)
+        loss.backward()
+        opt.step()
+        assert abs(sum(sharded) / 2 - loss.item()) <= 1e-5 * loss.item()
     assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
     assert r0["draws"] == r1["draws"]
     assert torch.equal(r0["init"], r1["init"])

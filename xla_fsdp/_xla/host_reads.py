@@ -23,6 +23,7 @@ _SHAPE_FROM_VALUES = frozenset(("nonzero", "argwhere", "masked_select", "unique"
                                 "unique_consecutive"))
 # ...and indexing by a boolean mask, which is a nonzero
 _INDEXING = frozenset(("__getitem__", "__setitem__", "index", "index_put", "index_put_"))
+_MASKED_WRITES = frozenset(("__setitem__", "index_put", "index_put_"))
 
 
 def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -37,6 +38,16 @@ def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
     if name == "where":
         return len(args) + len(kwargs) == 1
     return name in _INDEXING and len(args) > 1 and _has_mask(args[1])
+
+
+def masked_write_result(func: Any, args: tuple, result: Any) -> Any:
+    """The tensor that a write through a boolean mask (``t[mask] = v``, ``index_put``) made,
+    or None for any other call. Its shape is static, but its pending graph holds the mask's
+    nonzero indices, whose count depends on the values."""
+    name = getattr(func, "__name__", "")
+    if name not in _MASKED_WRITES or len(args) < 2 or not _has_mask(args[1]):
+        return None
+    return result if name == "index_put" else args[0]
 
 
 def _has_mask(index: Any) -> bool:

@@ -9,6 +9,8 @@ What is routed:
   a collective,
 * implicit syncs in user code: ``.item()``, ``print(t)``, ``bool(t)``, ``.cpu()``,
   ``nonzero``, ``t[mask] = 0``, ... of a tensor whose pending graph holds a collective,
+  and the tensor a write through a boolean mask made, at once and on its own rank (see
+  [Note: a masked write's rank-specific shape]),
 * ``xm.rendezvous`` / ``xm.xla_rendezvous``: exchanged through the ring (the XLA version
   builds rank-specific graphs),
 * ``xm.wait_device_ops()``: waits for this rank's device only (waiting on all devices from
@@ -30,7 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from ..._sharding.tensor_tree import collect_tensors
-from ..._xla.host_reads import runs_graph
+from ..._xla.host_reads import masked_write_result, runs_graph
 from .turn_ring import TurnRing
 
 # a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
@@ -309,6 +311,7 @@ class SyncPoints:
         if (self._rank is None or self._local.compiling
                 or not has_pending_collective(tensors)):
             return orig(tensors, devices, wait=wait, sync_xla_data=sync_xla_data)
+        self._local.collectives_traced = True  # as in materialize
         self._collective("a sync of tensors that depend on a collective", lambda: orig(
             tensors, devices, wait=False, sync_xla_data=sync_xla_data))
         if wait:
@@ -374,15 +377,44 @@ class SyncPoints:
         if self._rank is None or not runs_graph(func, args, kwargs):
             return
         name = getattr(func, "__name__", "")
-        pending = _xla_tensors((args, kwargs))
+        written = masked_write_result(func, args, None)
+        # a write into a view also writes its base, which settle_masked_write syncs alone
+        base = getattr(written, "_base", None)
+        pending = _xla_tensors((args, kwargs, base))
         if not has_pending_collective(pending):
             return
         orig = self._orig["_xla_sync_multi"]
+        # The collective may have been traced before an earlier point that synced other
+        # tensors; it is still in this graph, so the check for differing graphs applies.
+        self._local.collectives_traced = True
         # sync_xla_data=False: with True, torch_xla 2.9 donates the input buffer of a
         # tensor updated in place by a collective (xm.all_reduce on a list) and then reads
         # it ("buffer ... is deleted"). The values are materialized either way.
         self._collective(f"reading a tensor value ({name})", lambda: orig(
             pending, [], wait=False, sync_xla_data=False))
+
+    def settle_masked_write(self, func: Any, args: tuple, result: Any) -> None:
+        """Syncs, on this rank alone, the tensor that a write through a boolean mask made.
+
+        [Note: a masked write's rank-specific shape] ``t[mask] = v`` lowers to an
+        ``index_put`` whose indices are the mask's nonzero positions, so the shape of that
+        index tensor, a count, is baked into ``t``'s pending graph. With sharded state the
+        count differs per rank (torch's Rprop masks the signs of each rank's gradient shard),
+        and any later graph that holds a collective and reads ``t`` (the next write's mask,
+        read with a pending reduce-scatter; the next forward's all-gather of the updated
+        shard) is then a different module on every rank, whose collectives never meet.
+        Syncing ``t`` right after the write leaves the count in a graph of its own. That
+        graph holds no collective, since ``materialize`` synced every pending collective
+        the write read, so each rank runs it alone, outside the ring. On real hardware the
+        ranks' programs may differ in such shapes, so this exists only here."""
+        if self._rank is None:
+            return
+        written = masked_write_result(func, args, result)
+        if written is None:
+            return
+        tensors = _xla_tensors([written, getattr(written, "_base", None)])
+        if tensors:
+            self._orig["_xla_sync_multi"](tensors, [], wait=False, sync_xla_data=False)
 
 
 class MaterializeGuard(TorchFunctionMode):
@@ -395,7 +427,9 @@ class MaterializeGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         self._points.materialize(func, args, kwargs)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        self._points.settle_masked_write(func, args, result)
+        return result
 
 
 def has_pending_collective(tensors: List[torch.Tensor]) -> bool:
