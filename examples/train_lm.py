@@ -34,6 +34,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from xla_fsdp import launch  # noqa: E402
 
+RESUME_FAILED = "cannot resume from"   # how a damaged checkpoint's error starts
+
 
 # -- data ---------------------------------------------------------------------------------
 def stdlib_bytes(limit: int = 3_000_000) -> torch.Tensor:
@@ -145,7 +147,7 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
-    from xla_fsdp.checkpoint import PREEMPTED_EXIT_CODE, CheckpointManager
+    from xla_fsdp.checkpoint import PREEMPTED_EXIT_CODE, CheckpointError, CheckpointManager
 
     device, world = torch_xla.device(), xr.world_size()
     if args.batch % world:
@@ -157,10 +159,14 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     manager = CheckpointManager(os.path.join(args.out, "ckpt"), every=args.checkpoint_every,
                                 keep_last=args.keep_last, async_save=args.async_save)
-    start, history = 0, []
+    start, history, resumes = 0, [], []
     if manager.latest() is not None:  # written at any device count, resharded as it loads
         start = manager.latest()
-        history = manager.restore(model, opt)["history"]
+        try:
+            extra = manager.restore(model, opt)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{RESUME_FAILED} step {start}: {exc}") from None
+        history, resumes = extra["history"], extra.get("resumes", []) + [start]
         if rank == 0:
             print(f"resumed from step {start} ({len(history)} logged losses)", file=sys.stderr)
     elif args.resume:
@@ -191,18 +197,19 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                 sys.stderr.write(f"\rstep {step + 1:>5}/{args.steps} [{bar:<24}] loss {value:.3f} "
                                  f"{rate:,.0f} tokens/s")
                 sys.stderr.flush()
-        manager.maybe_save(step + 1, model, opt, extra={"history": history})
+        manager.maybe_save(step + 1, model, opt, extra={"history": history, "resumes": resumes})
         if manager.stop_requested:  # SIGTERM: every rank saved this step; stop cleanly
             if shown:
                 print(f"\npreempted: saved step {step + 1}; run the same command to continue",
                       file=sys.stderr)
             sys.exit(PREEMPTED_EXIT_CODE)
-    manager.save(args.steps, model, opt, extra={"history": history})  # unless just saved
+    # unless just saved
+    manager.save(args.steps, model, opt, extra={"history": history, "resumes": resumes})
     manager.close()
     if shown:
         sys.stderr.write("\n")
     return {"eval_loss": evaluate(model, eval_data, args, rank, world, device),
-            "history": history, "resumed_from": start}
+            "history": history, "resumed_from": start, "resumes": resumes}
 
 
 # -- the parent process -------------------------------------------------------------------
@@ -233,7 +240,8 @@ def consolidate_and_check(args: argparse.Namespace, sharded_eval: float) -> None
         raise SystemExit("the consolidated model does not reproduce the sharded model's loss")
 
 
-def write_curve(args: argparse.Namespace, history: list) -> None:
+def write_curve(args: argparse.Namespace, history: list, eval_loss: float,
+                resumes: list) -> None:
     path = os.path.join(args.out, "loss.csv")
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
@@ -248,9 +256,14 @@ def write_curve(args: argparse.Namespace, history: list) -> None:
               f"adds matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([s for s, _ in history], [v for _, v in history])
+    ax.plot([s for s, _ in history], [v for _, v in history], label="training loss")
+    ax.plot([args.steps], [eval_loss], "o", label=f"evaluation loss {eval_loss:.3f}")
+    for i, step in enumerate(resumes):
+        ax.axvline(step, color="grey", linestyle=":", label="resumed" if i == 0 else None)
+    ax.set_yscale("log")   # the first drop would flatten the rest
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.legend()
     ax.set_title("GPT on Python stdlib source, FSDP")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "loss.png"), dpi=100)
@@ -261,31 +274,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--devices", type=int, default=None,
                    help="devices to use (default: all accelerators, else 4 virtual CPU devices)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--out", default="runs/train_lm")
+    p.add_argument("--steps", type=int, default=300,
+                   help="train up to this step (default: %(default)s)")
+    p.add_argument("--out", default="runs/train_lm",
+                   help="checkpoints, loss.csv and loss.png go here (default: %(default)s)")
     p.add_argument("--resume", action="store_true",
                    help="fail unless there is a checkpoint to continue from (a run continues "
                         "from OUT/ckpt's latest checkpoint whenever there is one, at any "
                         "device count)")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="save a checkpoint every N steps (default: %(default)s)")
     p.add_argument("--keep-last", type=int, default=None,
                    help="keep only the last K checkpoints (default: all)")
     p.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread while training goes on")
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch", type=int, default=16, help="global batch (sequences per step)")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--eval-batches", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10,
+                   help="record the loss every N steps (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default: %(default)s)")
+    p.add_argument("--dim", type=int, default=128, help="model width (default: %(default)s)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (default: %(default)s)")
+    p.add_argument("--seq", type=int, default=64,
+                   help="tokens (bytes) per sequence (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=16,
+                   help="global batch, sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=3e-3,
+                   help="AdamW's learning rate (default: %(default)s)")
+    p.add_argument("--eval-batches", type=int, default=4,
+                   help="batches in the evaluation (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="data order (default: %(default)s)")
     p.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 reduce-scatter")
     p.add_argument("--flatten", action="store_true", help="flatten_parameters=True")
     p.add_argument("--dim0", action="store_true",
                    help="shard_param_on_dim_0=True (the AWS Neuron setting)")
-    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each layer's activations in backward")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="offload_optimizer=True: the optimizer steps on the host")
     return p.parse_args(argv)
@@ -302,10 +324,16 @@ def main(argv=None) -> None:
     except LaunchError as exc:
         if not isinstance(exc.__cause__, CheckpointError):
             raise
+        ckpt = os.path.join(args.out, "ckpt")
+        if str(exc.__cause__).startswith(RESUME_FAILED):   # the checkpoint itself is damaged
+            raise SystemExit(f"\ntrain_lm.py: {exc.__cause__}\nThat checkpoint cannot be "
+                             f"read. Move its step directory out of {ckpt} to continue from "
+                             f"the checkpoint before it, or pass another --out to start "
+                             f"afresh.") from None
         # a save that failed (a full disk) left the earlier checkpoints as they were
         raise SystemExit(f"\ntrain_lm.py: {exc.__cause__}\nTo continue from the last complete "
-                         f"checkpoint (named in {os.path.join(args.out, 'ckpt', 'latest')}), "
-                         f"free some space and run the same command again.") from None
+                         f"checkpoint (named in {os.path.join(ckpt, 'latest')}), free some "
+                         f"space and run the same command again.") from None
     first = results[0]
     history = first["history"]
     if first["resumed_from"] >= args.steps:
@@ -317,7 +345,7 @@ def main(argv=None) -> None:
               f"device(s) in {time.monotonic() - began:.0f}s: loss {history[0][1]:.3f} at step "
               f"{history[0][0]} -> {history[-1][1]:.3f} at step {history[-1][0]}")
     consolidate_and_check(args, first["eval_loss"])
-    write_curve(args, history)
+    write_curve(args, history, first["eval_loss"], first["resumes"])
 
 
 if __name__ == "__main__":

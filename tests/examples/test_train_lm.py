@@ -86,3 +86,13 @@ def test_train_preempt_resume_elsewhere_consolidate(tmp_path):
     assert float(rows[-1]["loss"]) < float(rows[0]["loss"])  # it learns
     with open(tmp_path / "loss.png", "rb") as f:  # what the README's first command shows
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # a damaged checkpoint gets advice about that checkpoint, not about disk space
+    last = ckpt / f"step{stopped + 4:06d}" / "checkpoint_rank-00000001-of-00000002.pth"
+    with open(last, "r+b") as f:
+        f.truncate(os.path.getsize(last) // 2)
+    env = {k: v for k, v in os.environ.items() if k != "PJRT_DEVICE"}
+    done = subprocess.run(_command(tmp_path, "--steps", str(stopped + 6), "--devices", "2"),
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode != 0
+    assert f"cannot resume from step {stopped + 4}" in done.stderr, done.stderr[-3000:]
+    assert "Move its step directory out of" in done.stderr and "free some" not in done.stderr
