@@ -104,3 +104,14 @@ def _compare(plain, plain_dir, sharded, fsdp_dir):
     moved = max((ours[k].float() - initial.state_dict()[k].float()).abs().max().item()
                 for k in theirs if k in initial.state_dict())
     assert moved > 1e-3  # training changed the weights, so the comparison means something
+
+
+def test_fused_adamw_becomes_one_that_runs_on_xla(patched_here, tmp_path):
+    """transformers' default optim on torch >= 2.8, which torch refuses on XLA tensors
+    ([Note: Trainer's default optimizer on XLA])."""
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], optim="adamw_torch_fused")
+    with pytest.warns(UserWarning, match="does not run on XLA devices; using 'adamw_torch'"):
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is torch.optim.AdamW and not kwargs.get("fused"), kwargs
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], optim="sgd")
+    assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is torch.optim.SGD

@@ -7,6 +7,7 @@ plan traces the program a TPU would be given, not the one this machine's CPU wou
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 # Process-wide: the planner's traced process sets it before it builds anything, on its one
@@ -29,3 +30,23 @@ def plan_for(name: Optional[str]) -> None:
     same step run here; nothing else should, since the defaults it changes are for a TPU."""
     global _PLANNED_FOR
     _PLANNED_FOR = name
+
+
+class _CpuFallbackNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=CPU")
+
+
+def torch_xla_device_type_quietly() -> Optional[str]:
+    """torch_xla's device type, importing it if need be, without the "Defaulting to
+    PJRT_DEVICE=CPU" warning its import logs when ``PJRT_DEVICE`` is unset and it finds no
+    accelerator. Our entry points (the launcher, ``patch_torch_xla``) call it first: with no
+    accelerator they run virtual CPU devices by design, which every command would otherwise
+    open with a warning. torch_xla's choice of an accelerator is still logged."""
+    notice = _CpuFallbackNotice()
+    logging.getLogger().addFilter(notice)
+    try:
+        import torch_xla.runtime as xr  # its import picks a default device type
+        return xr.device_type()
+    finally:
+        logging.getLogger().removeFilter(notice)

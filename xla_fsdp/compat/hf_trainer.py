@@ -56,11 +56,45 @@ def _install(module: Any) -> None:
         if _done:
             return
         _done = True
-        version = getattr(sys.modules.get("transformers"), "__version__", "0")
-        if int(version.split(".")[0]) < 5:
-            return
         trainer = module.Trainer
-        trainer._wrap_model = _keeps_wrapped_model(trainer._wrap_model)
+        trainer.get_optimizer_cls_and_kwargs = staticmethod(
+            _unfused_on_xla(trainer.get_optimizer_cls_and_kwargs))
+        version = getattr(sys.modules.get("transformers"), "__version__", "0")
+        if int(version.split(".")[0]) >= 5:
+            trainer._wrap_model = _keeps_wrapped_model(trainer._wrap_model)
+
+
+_FUSED = "adamw_torch_fused"
+
+
+def _unfused_on_xla(get_optimizer: Callable) -> Callable:
+    """[Note: Trainer's default optimizer on XLA] On torch >= 2.8, transformers makes
+    ``adamw_torch_fused`` the default ``optim``, and torch's fused AdamW refuses XLA tensors
+    at its first step ("fused=True requires all the params to be floating point Tensors of
+    supported devices"), so Trainer fails on any XLA run that does not name an optimizer.
+    Under ``patch_torch_xla()`` that choice becomes ``adamw_torch`` (the same update, not
+    fused), with a warning the first time; an XLA run could not have used the fused one
+    whether it was asked for or defaulted to."""
+    warned = []
+
+    @functools.wraps(get_optimizer)
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        optim = getattr(args, "optim", None)
+        if optim == _FUSED and _on_xla():   # OptimizerNames is a str enum
+            args.optim = type(optim)("adamw_torch")
+            if not warned:
+                warned.append(True)
+                import warnings
+                warnings.warn("xla_fsdp: Trainer's optim 'adamw_torch_fused' (the default on "
+                              "torch >= 2.8) does not run on XLA devices; using "
+                              "'adamw_torch', the same AdamW unfused", stacklevel=2)
+        return get_optimizer(args, model)
+    return get_optimizer_cls_and_kwargs
+
+
+def _on_xla() -> bool:
+    from transformers.utils import is_torch_xla_available   # Trainer's own test for XLA
+    return is_torch_xla_available()
 
 
 def _keeps_wrapped_model(wrap_model: Callable) -> Callable:

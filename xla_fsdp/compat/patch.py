@@ -18,6 +18,8 @@ import os
 import sys
 from typing import List
 
+from .._xla.hardware import torch_xla_device_type_quietly
+
 ENV = "XLA_FSDP_PATCH_TORCH_XLA"  # set by patch_torch_xla; launch's children patch too
 _PACKAGE = "torch_xla.distributed.fsdp"
 # Left for the import system to find in the compat package's __path__ under torch_xla's
@@ -47,6 +49,7 @@ def patch_torch_xla() -> None:
     ``transformers.trainer`` is imported or at once if it is."""
     if is_patched():
         return
+    torch_xla_device_type_quietly()   # torch_xla's import, without its CPU fallback warning
     _refuse_if_mixed()
     from . import torch_xla_fsdp
     from .torch_xla_fsdp import (consolidate_sharded_ckpts, state_dict_utils, utils, wrap,

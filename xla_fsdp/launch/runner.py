@@ -8,7 +8,6 @@ exact and to never hang (see ``launch.virtual``). User code is the same in both 
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing
 import os
 import pickle
@@ -19,6 +18,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
+from .._xla.hardware import torch_xla_device_type_quietly
 from ..checkpoint.manager import preemption
 from ..compat.patch import patch_if_requested
 from .environment import environment_for_child
@@ -69,28 +69,9 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (),
 
 def accelerator_type() -> Optional[str]:
     """'TPU', 'NEURON', ... when torch_xla would run on an accelerator, else None."""
-    device = os.environ.get("PJRT_DEVICE") or _default_device_quietly()
+    device = os.environ.get("PJRT_DEVICE") or torch_xla_device_type_quietly()
     device = (device or "CPU").split("_")[0].upper()
     return None if device == "CPU" else device
-
-
-class _CpuFallbackNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=CPU")
-
-
-def _default_device_quietly() -> Optional[str]:
-    """The device type torch_xla picks when its import finds ``PJRT_DEVICE`` unset, without
-    the "Defaulting to PJRT_DEVICE=CPU" warning it logs when it finds no accelerator: then
-    the launcher runs virtual CPU devices by design, which every command would otherwise
-    open with a warning. Its choice of an accelerator is still logged."""
-    notice = _CpuFallbackNotice()
-    logging.getLogger().addFilter(notice)
-    try:
-        import torch_xla.runtime as xr  # its import picks a default device type
-        return xr.device_type()
-    finally:
-        logging.getLogger().removeFilter(notice)
 
 
 def _launch_on_accelerator(fn: Callable[..., Any], args: tuple,

@@ -31,7 +31,7 @@ from .runner import accelerator_type, launch
 
 def route_torch_xla_launchers() -> bool:
     """Points ``xmp.spawn`` and ``torch_xla.launch`` at ``launch`` when there is no
-    accelerator ([Note: routing torch_xla's launchers]); returns whether it did."""
+    accelerator, and returns whether it did (see [Note: routing torch_xla's launchers])."""
     if accelerator_type() is not None:
         return False
     import torch_xla
