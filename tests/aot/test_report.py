@@ -67,3 +67,19 @@ def test_host_memory_of_an_offloaded_optimizer_is_checked_against_the_vm():
     over = HostMemory(vm.machine_type, 8, vm.memory_bytes, int(96e9 * 5), vm.source)
     assert not over.fits and "DOES NOT FIT" in str(_report(host_memory=over))
     assert HostMemory(vm.machine_type, 8, vm.memory_bytes, int(96e9), vm.source).fits
+
+
+def test_the_memory_table_puts_the_peak_first_in_one_unit_with_parts_that_add_up():
+    mib = 2 ** 20
+    text = str(_report(peak_bytes=int(4.42 * mib), argument_bytes=3 * mib, output_bytes=mib,
+                       alias_bytes=mib, temp_bytes=int(7.54 * mib), bytes_accessed=GIB))
+    rows = [line for line in text.splitlines()[1:] if line.startswith("| ")]
+    assert rows[0].split("|")[1].strip() == "peak per chip"
+    memory = rows[:rows.index(next(r for r in rows if "FLOPs per chip" in r))]
+    # MiB, since some figures would read 0.00 GiB; the limits then read 16128.00 MiB
+    assert all(r.rstrip(" |").endswith("MiB") for r in memory), memory
+    values = {r.split("|")[1].strip(): float(r.split("|")[2].split()[0]) for r in memory}
+    parts = ["  arguments", "  outputs", "  less outputs aliased in donated arguments",
+             "  temporaries"]
+    total = values["allocated in all (not all live at once)"]
+    assert sum(values[p.strip()] for p in parts) == pytest.approx(total, abs=0.02)

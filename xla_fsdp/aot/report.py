@@ -132,25 +132,34 @@ class TpuReport:
                  + ("fits" if self.fits else "DOES NOT FIT")
                  + f" (libtpu, compiled in {self.compile_seconds:.1f} s; the compiler's "
                    f"figures, not a measurement)"]
-        rows = [("HBM per chip (published)", _gib(self.hbm_bytes)),
-                ("HBM the compiler allows", _gib(self.usable_hbm_bytes))]
+        memory = [("HBM the compiler allows one program", self.usable_hbm_bytes),
+                  ("HBM per chip (published, rounded)", self.hbm_bytes)]
         if not self.fits and self.required_bytes:
-            rows.append(("required (compiler)", _gib(self.required_bytes)))
+            memory.insert(0, ("required (compiler)", self.required_bytes))
         if self.peak_bytes:
-            rows += [("peak per chip", _gib(self.peak_bytes)),
-                     ("  arguments", _gib(self.argument_bytes)),
-                     ("  outputs", _gib(self.output_bytes)),
-                     ("  aliased (outputs in donated inputs)", _gib(self.alias_bytes)),
-                     ("  temporaries", _gib(self.temp_bytes)),
-                     ("FLOPs per chip", f"{self.flops:.4g}"),
-                     ("HBM bytes accessed per chip", _gib(self.bytes_accessed))]
+            allocated = (self.argument_bytes + self.output_bytes - self.alias_bytes
+                         + self.temp_bytes)
+            # the peak first; the parts add up to what is allocated, which is more than the
+            # peak because buffers that are never live together share memory
+            memory = [("peak per chip", self.peak_bytes)] + memory + [
+                ("allocated in all (not all live at once)", allocated),
+                ("  arguments", self.argument_bytes),
+                ("  outputs", self.output_bytes),
+                ("  less outputs aliased in donated arguments", -self.alias_bytes),
+                ("  temporaries", self.temp_bytes),
+                ("HBM bytes accessed per chip", self.bytes_accessed)]
+        unit = _unit([v for _, v in memory])
+        rows = [(name, _bytes(v, unit)) for name, v in memory]
+        if self.peak_bytes:
+            rows.append(("FLOPs per chip", f"{self.flops:.4g}"))
         lines += _table(["", ""], rows)
         if self.collectives:
             lines.append("")
             summary = self.collective_summary()
+            unit = _unit([v["bytes"] for v in summary.values()])
             lines += _table(["collective", "count", "bytes per chip", "asynchronous",
                              "overlapped with compute"],
-                            [(k, f"{int(v['count'])}", _gib(v["bytes"]),
+                            [(k, f"{int(v['count'])}", _bytes(v["bytes"], unit),
                               f"{int(v['asynchronous'])}", f"{int(v['overlapped'])}")
                              for k, v in sorted(summary.items())])
         lines += self._estimate_lines()
@@ -200,8 +209,10 @@ class TpuReport:
     def _alternative_lines(self) -> List[str]:
         if not self.alternatives:
             return []
+        unit = _unit([a.peak_bytes if a.fits else a.required_bytes for a in self.alternatives])
         rows = [(a.description, a.topology, "yes" if a.fits else "no",
-                 _gib(a.peak_bytes) if a.fits else f"needs {_gib(a.required_bytes)}",
+                 _bytes(a.peak_bytes, unit) if a.fits
+                 else f"needs {_bytes(a.required_bytes, unit)}",
                  _time(a.step_seconds) if a.step_seconds else "-")
                 for a in self.alternatives]
         return ["", "What would fit (each compiled by libtpu):"] + _table(
@@ -209,7 +220,17 @@ class TpuReport:
 
 
 def _gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2 ** 20:.2f} MiB"
+    return _bytes(n, _unit([n]))
+
+
+def _unit(values) -> str:
+    """One unit for a table's byte figures: GiB unless one of them would read 0.0x GiB."""
+    sizes = [abs(v) for v in values if v]
+    return "GiB" if not sizes or min(sizes) >= GIB / 10 else "MiB"
+
+
+def _bytes(n: float, unit: str) -> str:
+    return f"{n / (GIB if unit == 'GiB' else 2 ** 20):.2f} {unit}"
 
 
 def _time(seconds: Optional[float]) -> str:
