@@ -49,10 +49,11 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
                         "directory with --format dcp (default: <prefix>_dcp); with --reshard, "
                         "the output prefix (default: <prefix>_reshard<N>)")
     p.add_argument("--format", choices=FORMATS, default="pt",
-                   help="pt: {'model', 'optimizer', 'optimizer_param_names'} for torch.load; "
+                   help="pt: {'model', 'optimizer', 'optimizer_param_names'} (and 'extra' "
+                        "when the save had one) for torch.load; "
                         "safetensors: the model state dict, optimizer beside it as "
-                        "<save_path stem>.optimizer.pth; hf: a directory for from_pretrained (model "
-                        "weights only; default <prefix>_hf); dcp: a torch.distributed.checkpoint "
+                        "<save_path stem>.optimizer.pth; hf: a directory for from_pretrained "
+                        "(model weights only; default <prefix>_hf); dcp: a torch.distributed.checkpoint "
                         "directory as get_state_dict + dcp.save of the unwrapped model and "
                         "optimizer write it, for PyTorch FSDP2 and torchtitan")
     p.add_argument("--dcp_keys", choices=sorted(KEY_SCHEMES), default="get_state_dict",
