@@ -112,13 +112,24 @@ def _rebuild_rank_call(payload: bytes) -> "_RankCall":
 
 
 def _launch_virtual(fn: Callable[..., Any], args: tuple, num_devices: int) -> Dict[int, Any]:
-    env = dict(worker.environment(num_devices), XLA_FSDP_IN_LAUNCH="1")
+    env = dict(worker.environment(num_devices), **launched_here())
     return run_device_process(worker.main, (picklable_call(fn, args), num_devices), env)
+
+
+_IN_LAUNCH = "XLA_FSDP_IN_LAUNCH"
+
+
+def launched_here() -> Dict[str, str]:
+    """The variable that marks a device process as launched by this one. It names this
+    process, because the parent holds it in its own environment while the child starts
+    (``environment_for_child``): another thread of the parent that launches meanwhile must
+    not mistake itself for a launched process."""
+    return {_IN_LAUNCH: str(os.getpid())}
 
 
 def picklable_call(fn: Callable[..., Any], args: tuple) -> bytes:
     """``(fn, args)`` pickled for a child process; TypeError naming what cannot be."""
-    if os.environ.get("XLA_FSDP_IN_LAUNCH") == "1":
+    if os.environ.get(_IN_LAUNCH, str(os.getpid())) != str(os.getpid()):
         raise RuntimeError("launch() cannot be called from inside a launched function")
     try:
         return pickle.dumps((fn, args))

@@ -49,6 +49,7 @@ from ..._xla import trace_only
 from ..._xla.hardware import plan_for
 from ..._xla.host_reads import reads_host_value
 from ..._xla.private_api import pretend_world
+from ...launch.runner import launched_here
 from ..report import TRAINING
 from . import pallas
 from .model_flops import ForwardFlops
@@ -107,7 +108,7 @@ def environment(world: int) -> Dict[str, str]:
     first is used, except by SPMD programs (FSDPv2), whose mesh spans all of them; CPU
     devices that never run anything cost nothing."""
     devices = world if world <= MAX_DEVICES else 1
-    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_FSDP_IN_LAUNCH": "1",
+    return {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), **launched_here(),
             "PJRT_CPU_ASYNC_CLIENT": "false"}
 
 
