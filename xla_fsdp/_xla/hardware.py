@@ -20,8 +20,7 @@ def device_type() -> Optional[str]:
     on (None when torch_xla has not been told and will fall back to the CPU)."""
     if _PLANNED_FOR is not None:
         return _PLANNED_FOR
-    import torch_xla.runtime as xr
-    return xr.device_type()
+    return torch_xla_device_type_quietly()
 
 
 def plan_for(name: Optional[str]) -> None:
