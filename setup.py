@@ -10,7 +10,7 @@ setup(
     # torch_xla 2.9.0 declares no torch pin, but its C++ ABI needs torch 2.9.x.
     install_requires=["torch==2.9.0", "torch_xla==2.9.0", "numpy"],
     # the clients that import torch_xla's FSDP themselves, tested through patch_torch_xla()
-    extras_require={"test": ["pytest>=7", "safetensors", "transformers<5", "accelerate",
+    extras_require={"test": ["pytest>=7", "pytest-xdist>=3.5", "safetensors", "transformers<5", "accelerate",
                              "peft", "lightning==2.6.6", "matplotlib",
                              "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
                     # torch_xla's Pallas kernels (flash and splash attention) need the jax

@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Set, Tuple
+from .support.checks import every
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -553,7 +554,7 @@ def test_glossary_reshard_means_freeing_full_parameters():
 def test_only_xla_fsdp_is_installed():
     roots, scripts = _installed_roots()
     assert roots == [PACKAGE], f"setup.py installs the top-level packages {roots}"
-    assert all(s.split("=")[1].strip().startswith(PACKAGE + ".") for s in scripts), scripts
+    assert every(s.split("=")[1].strip().startswith(PACKAGE + ".") for s in scripts), scripts
 
 
 IMPORT_EVERYTHING = """

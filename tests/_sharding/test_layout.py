@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout
+from ..support.checks import every
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -11,13 +12,13 @@ def test_flat_layout_round_trip(world, shapes):
     tensors = [torch.randn(s) for s in shapes]
     layout = FlatLayout(tuple(torch.Size(s) for s in shapes), world)
     shards = [layout.shard(tensors, r) for r in range(world)]
-    assert all(s.shape == layout.shard_shape for s in shards)
+    assert every(s.shape == layout.shard_shape for s in shards)
     assert layout.padded_numel - layout.numel < world  # padding only to a multiple of N
     for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
         assert torch.equal(got, want)
     # the group's content as one flat tensor shards the same way
     content = torch.cat([t.reshape(-1) for t in tensors])
-    assert all(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
+    assert every(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -27,7 +28,7 @@ def test_interleaved_layout_round_trip(world, multiple, shapes):
     tensors = [torch.randn(s) for s in shapes]
     layout = InterleavedLayout(tuple(torch.Size(s) for s in shapes), world, multiple)
     shards = [layout.shard(tensors, r) for r in range(world)]
-    assert all(s.shape == layout.shard_shape for s in shards)
+    assert every(s.shape == layout.shard_shape for s in shards)
     # each parameter is padded on its own, only to a multiple of N (times ``multiple``)
     for n, piece in zip(layout.numels, layout.piece_numels):
         assert piece % multiple == 0 and 0 <= piece * world - n < world * multiple
@@ -39,10 +40,10 @@ def test_interleaved_layout_round_trip(world, multiple, shapes):
     for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
         assert torch.equal(got, want)
     content = torch.cat([t.reshape(-1) for t in tensors])
-    assert all(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
+    assert every(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
     # what a reduce-scatter of ``pad`` leaves rank r is rank r's shard
     rows = layout.pad(tensors).view(world, -1)
-    assert all(torch.equal(rows[r], s) for r, s in enumerate(shards))
+    assert every(torch.equal(rows[r], s) for r, s in enumerate(shards))
 
 
 def test_interleaved_shard_holds_a_piece_of_every_parameter():
@@ -59,10 +60,10 @@ def test_dim0_layout_round_trip(world, shape):
     t = torch.randn(shape)
     layout = Dim0Layout(torch.Size(shape), world)
     shards = [layout.shard([t], r) for r in range(world)]
-    assert all(s.shape == layout.shard_shape for s in shards)
+    assert every(s.shape == layout.shard_shape for s in shards)
     assert layout.shard_shape[1:] == torch.Size(shape[1:])  # never flattened
     assert torch.equal(layout.unshard(torch.cat(shards))[0], t)
-    assert all(torch.equal(layout.shard([t.reshape(-1)], r), s) for r, s in enumerate(shards))
+    assert every(torch.equal(layout.shard([t.reshape(-1)], r), s) for r, s in enumerate(shards))
 
 
 def test_padding_is_minimal_and_visible():
@@ -97,9 +98,10 @@ def test_stacked_layout_is_a_layout_like_the_others(world, layer):
     layout = StackedLayout(layer(world), 3)
     tensors = [torch.randn(s) for s in layout.shapes]
     shards = [layout.shard(tensors, r) for r in range(world)]
-    assert all(s.shape == layout.shard_shape for s in shards)
+    assert every(s.shape == layout.shard_shape for s in shards)
     blocks = layout.pad(tensors).chunk(world)
-    assert all(torch.equal(b.view(layout.shard_shape), s) for b, s in zip(blocks, shards))
+    assert len(blocks) == len(shards) == world
+    assert every(torch.equal(b.view(layout.shard_shape), s) for b, s in zip(blocks, shards))
     gathered = [torch.cat([layout.pieces(s)[i] for s in shards])
                 for i in range(len(layout.pieces(shards[0])))]
     for got, want in zip(layout.unshard_pieces(gathered), tensors):

@@ -6,6 +6,7 @@ from torch.testing import assert_close
 
 from tests.support.fake_collectives import FakeWorld
 from xla_fsdp._unit.param_record import ParamRecord, placeholders_in, taken_name
+from ..support.checks import every
 
 
 class Tied(nn.Module):
@@ -51,7 +52,7 @@ def test_install_puts_full_values_in_and_free_puts_dummies_back():
         assert not r.gathered and not p._has_full_param
     assert [p._version for p in placeholders] == versions
     assert not ParamRecord.free(records, [torch.ones(1)] * len(records))  # nothing held
-    assert all(p.data_ptr() == dummy.data_ptr() for p in placeholders)
+    assert every(p.data_ptr() == dummy.data_ptr() for p in placeholders)
 
 
 def test_free_swaps_only_the_placeholders_that_hold_full_values():

@@ -7,6 +7,7 @@ import torch.nn as nn
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout
 from xla_fsdp._unit.shard_group import shard_group_of
+from ..support.checks import every
 
 LAYOUTS = {"flat": ({}, FlatLayout), "flatten": ({"flatten_parameters": True}, InterleavedLayout),
            "dim0": ({"shard_param_on_dim_0": True}, Dim0Layout)}
@@ -66,8 +67,8 @@ def test_a_frozen_parameter_gives_a_frozen_shard_and_placeholder():
     world = FakeWorld(m)
     *trainable, frozen = world.shard_groups[0]
     assert not frozen.shard.requires_grad and not frozen.records[0].placeholder.requires_grad
-    assert all(g.shard.requires_grad and g.records[0].placeholder.requires_grad
-               for g in trainable)
+    assert every(g.shard.requires_grad and g.records[0].placeholder.requires_grad
+                 for g in trainable)
 
 
 def test_note_gradient_says_when_every_trainable_record_has_arrived():
@@ -145,7 +146,7 @@ def test_drop_unreduced_keeps_only_a_no_sync_accumulation(accumulating):
     g.note_gradient(1)
     g.drop_unreduced()
     assert not g.arrived and not g.reduced
-    assert all((r.placeholder.grad is not None) == accumulating for r in g.records)
+    assert every((r.placeholder.grad is not None) == accumulating for r in g.records)
 
 
 @pytest.mark.parametrize("update, counted", [(data_update(1.0), True),

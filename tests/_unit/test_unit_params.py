@@ -13,6 +13,7 @@ from torch.testing import assert_close
 
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._unit.unit_params import FullParams
+from ..support.checks import every
 
 LAYOUTS = {"flat": {}, "flatten": {"flatten_parameters": True},
            "dim0": {"shard_param_on_dim_0": True}}
@@ -78,9 +79,9 @@ def expected_grad(world, shard_group, grads, rank, divisor=1.0):
 
 
 def dummies(params):
-    return all(r.placeholder.shape == (1,) and not r.gathered
-               and not r.placeholder._has_full_param
-               for g in params.shard_groups for r in g.records)
+    return every(r.placeholder.shape == (1,) and not r.gathered
+                 and not r.placeholder._has_full_param
+                 for g in params.shard_groups for r in g.records)
 
 
 def holds_full_values(world, rank, offset=0.0):
@@ -124,14 +125,14 @@ def test_unshard_installs_every_rank_shards_and_reshard_puts_dummies_back(layout
 def test_low_precision_compute_gathers_and_frees_in_the_compute_dtype():
     world = FakeWorld(model(), compute_dtype=torch.bfloat16)
     params = world.params[1]
-    assert all(g.shard.dtype == torch.float32 for g in params.shard_groups)
+    assert every(g.shard.dtype == torch.float32 for g in params.shard_groups)
     params.unshard([], barrier=False)
     assert holds_full_values(world, 1)  # compared in bfloat16
-    assert all(r.placeholder.dtype == torch.bfloat16 for g in params.shard_groups
-               for r in g.records)
+    assert every(r.placeholder.dtype == torch.bfloat16 for g in params.shard_groups
+                 for r in g.records)
     params.reshard(params.shard_groups, [], barrier=False)
-    assert dummies(params) and all(r.placeholder.dtype == torch.bfloat16
-                                   for g in params.shard_groups for r in g.records)
+    assert dummies(params) and every(r.placeholder.dtype == torch.bfloat16
+                                     for g in params.shard_groups for r in g.records)
 
 
 def test_resharding_some_shard_groups_keeps_the_others_gathered():
@@ -142,7 +143,7 @@ def test_resharding_some_shard_groups_keeps_the_others_gathered():
     params.reshard([first], [], barrier=False)
     assert params.state is FullParams.UNSHARDED
     assert not first.records[0].gathered and first.records[0].placeholder.shape == (1,)
-    assert all(r.gathered for g in rest for r in g.records)
+    assert every(r.gathered for g in rest for r in g.records)
     params.reshard(rest, [], barrier=False)
     assert params.state is FullParams.SHARDED and dummies(params)
 
@@ -184,7 +185,7 @@ def test_a_backward_that_never_reached_the_unit_drops_its_prefetch():
     a.unshard([], barrier=False, prefetch=[b])
     b.finalize_backward(took_part=False)
     assert b.state is FullParams.SHARDED and other.collectives[0].reductions == []
-    assert all(g.shard.grad is None for g in b.shard_groups)
+    assert every(g.shard.grad is None for g in b.shard_groups)
 
 
 # -- stale generations ---------------------------------------------------------------------------
@@ -246,7 +247,7 @@ def test_each_shard_gets_its_slice_of_the_summed_gradients_divided(layout, rank)
     for g in params.shard_groups:
         assert g.shard.grad.dtype == torch.float32
         assert_close(g.shard.grad, expected_grad(world, g, grads, rank, divisor=8.0))
-        assert all(r.placeholder.grad is None for r in g.records)
+        assert every(r.placeholder.grad is None for r in g.records)
     assert params.state is FullParams.SHARDED and dummies(params)
 
 
@@ -272,7 +273,7 @@ def test_low_precision_gradients_are_pre_divided_or_reduced_in_float32(fp32_redu
     x = data(1, torch.bfloat16)
     run_pass(world, 1, x)
     want_dtype = torch.float32 if fp32_reduce_scatter else torch.bfloat16
-    assert all(dtype == want_dtype for call in fake.reductions for _, dtype in call)
+    assert every(dtype == want_dtype for call in fake.reductions for _, dtype in call)
     # float32 sums take the whole division as the reduce-scatter's scale; bfloat16 ones
     # were divided by the pre factor before it, for headroom
     assert fake.scales == [1 / 8 if fp32_reduce_scatter else 1 / 4] * len(fake.scales)
@@ -307,7 +308,7 @@ def test_held_reductions_wait_for_run_reductions():
     x = data(1)
     run_pass(world, 0, x, finalize=False)
     assert answers[-1] and fake.reductions == []  # all complete, none issued
-    assert all(g.shard.grad is None for g in params.shard_groups)
+    assert every(g.shard.grad is None for g in params.shard_groups)
     params.run_reductions()
     assert [len(call) for call in fake.reductions] == [len(params.shard_groups)]
     params.finalize_backward(took_part=True)
@@ -361,7 +362,7 @@ def test_no_sync_gradients_stay_on_placeholders_until_a_synced_reduction_adds_th
     run_pass(world, 1, x2)
     both = reference_grads(world, [x1, x2])
     for g in params.shard_groups:
-        assert g.sentinel is None and all(r.placeholder.grad is None for r in g.records)
+        assert g.sentinel is None and every(r.placeholder.grad is None for r in g.records)
         assert_close(g.shard.grad, expected_grad(world, g, both, 1))
 
 
@@ -396,7 +397,7 @@ def test_an_accumulation_is_reduced_when_the_synced_backward_skips_it(took_part)
         loss(ref(x2, False)).backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
     for g in params.shard_groups:
-        assert g.sentinel is None and all(r.placeholder.grad is None for r in g.records)
+        assert g.sentinel is None and every(r.placeholder.grad is None for r in g.records)
         assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
 
 
@@ -409,8 +410,8 @@ def test_an_accumulation_whose_shard_gradient_was_dropped_is_dropped(zero_grad):
     params.set_sync_gradients(False)
     run_pass(world, 1, x1)
     params.drop_abandoned()  # the shard gradients are the accumulation's: nothing dropped
-    assert all(g.accumulating() and r.placeholder.grad is not None
-               for g in params.shard_groups for r in g.records)
+    assert every(g.accumulating() and r.placeholder.grad is not None
+                 for g in params.shard_groups for r in g.records)
 
     for g in params.shard_groups:  # optimizer.zero_grad(set_to_none=...)
         if zero_grad == "set_to_none":
@@ -418,8 +419,8 @@ def test_an_accumulation_whose_shard_gradient_was_dropped_is_dropped(zero_grad):
         else:
             g.shard.grad.zero_()
     params.drop_abandoned()
-    assert all(g.sentinel is None and r.placeholder.grad is None
-               for g in params.shard_groups for r in g.records)
+    assert every(g.sentinel is None and r.placeholder.grad is None
+                 for g in params.shard_groups for r in g.records)
 
     params.set_sync_gradients(True)
     run_pass(world, 1, x2)
@@ -477,10 +478,10 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
         g.drop_unreduced()
     assert a.state is FullParams.SHARDED and dummies(a)
     assert b.state is FullParams.SHARDED and dummies(b)
-    assert all(r.placeholder.grad is None for g in a.shard_groups for r in g.records)
-    assert all(not g.arrived and not g.reduced for g in a.shard_groups)
+    assert every(r.placeholder.grad is None for g in a.shard_groups for r in g.records)
+    assert every(not g.arrived and not g.reduced for g in a.shard_groups)
     a.run_reductions()
-    assert fake.reductions == [] and all(g.shard.grad is None for g in a.shard_groups)
+    assert fake.reductions == [] and every(g.shard.grad is None for g in a.shard_groups)
 
     # the next pass is the one a model that never saw the error would take
     wire(a)

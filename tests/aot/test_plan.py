@@ -14,6 +14,7 @@ from tests.support import tpu_plans
 from xla_fsdp.aot import compile_for_tpu, tpu_compiler
 from xla_fsdp.aot.plan import trace_step
 from xla_fsdp.launch import LaunchError
+from ..support.checks import every
 
 FIELDS = ("peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
           "alias_size_in_bytes", "temp_size_in_bytes")
@@ -22,7 +23,7 @@ FIELDS = ("peak_memory_in_bytes", "argument_size_in_bytes", "output_size_in_byte
 def _compile(hlos, topology, replicas, partitions=1):
     compiled = tpu_compiler.compile_programs(
         topology, [tpu_compiler.Program(h, replicas, partitions) for h in hlos]).programs
-    assert all(c.status == "ok" for c in compiled), [c.message for c in compiled]
+    assert every(c.status == "ok" for c in compiled), [c.message for c in compiled]
     return [({k: c.memory[k] for k in FIELDS}, c.cost["flops"]) for c in compiled]
 
 

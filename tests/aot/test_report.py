@@ -6,6 +6,7 @@ from xla_fsdp.aot.report import Alternative, HostMemory, TpuReport
 from xla_fsdp.aot.step_time import StepTime
 from xla_fsdp.aot.topology import resolve
 from xla_fsdp.aot.tpu_schedule import Collective
+from ..support.checks import every
 
 GIB = 2 ** 30
 
@@ -77,7 +78,7 @@ def test_the_memory_table_puts_the_peak_first_in_one_unit_with_parts_that_add_up
     assert rows[0].split("|")[1].strip() == "peak per chip"
     memory = rows[:rows.index(next(r for r in rows if "FLOPs per chip" in r))]
     # MiB, since some figures would read 0.00 GiB; the limits then read 16128.00 MiB
-    assert all(r.rstrip(" |").endswith("MiB") for r in memory), memory
+    assert every(r.rstrip(" |").endswith("MiB") for r in memory), memory
     values = {r.split("|")[1].strip(): float(r.split("|")[2].split()[0]) for r in memory}
     parts = ["  arguments", "  outputs", "  less outputs aliased in donated arguments",
              "  temporaries"]

@@ -16,6 +16,7 @@ from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
 
 from ..support.checkpoint_workloads import assert_same_tree
 from ..support.consolidated_workloads import CONFIG, FORMATS, WORLD, llama, save_everything
+from ..support.checks import every
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def _offline(root, fmt, tmp_path):
 def test_only_the_first_rank_writes(saved):
     root, results = saved
     for rank in range(1, WORLD):
-        assert all(results[rank][f] is None for f in FORMATS), results[rank]
+        assert every(results[rank][f] is None for f in FORMATS), results[rank]
         assert results[rank]["files"] == [], results[rank]["files"]
     assert results[0]["files"] == sorted(
         ["online_pt", "online_safetensors", "online_safetensors.optimizer.pth", "online_hf",

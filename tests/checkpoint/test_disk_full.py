@@ -22,6 +22,7 @@ from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
+from ..support.checks import every
 
 WORLD, FULL_RANK = 4, 2
 PAGE = 4096
@@ -107,7 +108,8 @@ def _attempt(save, *args, **kwargs):
 
 def _same_full_state(model, saved):
     full = model.full_state_dict()
-    return sorted(full) == sorted(saved) and all(torch.equal(full[k], v) for k, v in saved.items())
+    return sorted(full) == sorted(saved) and every(torch.equal(full[k], v)
+                                                   for k, v in saved.items())
 
 
 def at_four(rank, own_disks, shared, plain_prefix):

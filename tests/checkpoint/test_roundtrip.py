@@ -20,6 +20,7 @@ from ..support import any_world_workloads as layouts
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
 from ..support.models import Net
 from ..support.parity import paired
+from ..support.checks import every
 
 FIRST, THEN = range(0, 5), range(5, 10)
 
@@ -94,12 +95,12 @@ def resumed(rank, prefix, consolidated_path, layouts_dir, upstream_prefix):
     consolidated = torch.load(consolidated_path, weights_only=True)["model"]
     seeded.load_full_state_dict(consolidated)
     back = seeded.full_state_dict()
-    same = rank != 0 or all(torch.equal(back[k], v) for k, v in consolidated.items())
+    same = rank != 0 or every(torch.equal(back[k], v) for k, v in consolidated.items())
     return {"extra": extra, "losses": losses, "seeded_round_trip": same,
             "keys": sorted(back) == sorted(consolidated) if rank == 0 else True,
             "direct_extra": direct_extra, "direct_losses": direct_losses,
-            "other_wrapping": all(torch.equal(other_wrapping[k], v)
-                                  for k, v in consolidated.items()),
+            "other_wrapping": every(torch.equal(other_wrapping[k], v)
+                                    for k, v in consolidated.items()),
             "upstream": upstream_state, "layouts": layouts.resume_layouts(rank, layouts_dir)}
 
 
@@ -136,7 +137,7 @@ def test_consolidated_matches_unsharded_training(saved, reference):
     # the library's own gather agrees exactly with the file-based consolidation
     full = saved["at_four"][0]["full"]
     assert sorted(full) == sorted(ckpt["model"])
-    assert all(torch.equal(full[k], v) for k, v in ckpt["model"].items())
+    assert every(torch.equal(full[k], v) for k, v in ckpt["model"].items())
 
 
 def test_safetensors_equals_pt(saved):
@@ -147,7 +148,7 @@ def test_safetensors_equals_pt(saved):
     pt = torch.load(saved["consolidated"], weights_only=True)
     st = load_file(out)
     assert sorted(st) == sorted(pt["model"])
-    assert all(torch.equal(st[k], v) for k, v in pt["model"].items())
+    assert every(torch.equal(st[k], v) for k, v in pt["model"].items())
     opt = torch.load(str(saved["root"] / "net.optimizer.pth"), weights_only=True)
     assert opt["optimizer_param_names"] == pt["optimizer_param_names"]
 
@@ -276,9 +277,9 @@ def test_consolidates_torch_xla_checkpoints(saved, resumes):
     assert consolidate_main(["--ckpt_prefix", saved["upstream"], "--save_path", out]) == 0
     ours = torch.load(out, weights_only=True)["model"]
     assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[k], v) for k, v in theirs.items())
+    assert every(torch.equal(ours[k], v) for k, v in theirs.items())
     Net().load_state_dict(ours, strict=True)
     # load_sharded reads them too, at another world size and into our wrapping
     for rank, result in resumes(2).items():
         assert sorted(result["upstream"]) == sorted(theirs)
-        assert all(torch.equal(result["upstream"][k], v) for k, v in theirs.items()), rank
+        assert every(torch.equal(result["upstream"][k], v) for k, v in theirs.items()), rank

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ..support.synthetic_checkpoints import SHAPES, full_model, write_set
+from ..support.checks import every
 
 PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "support",
                      "surface_probe.py")
@@ -27,8 +28,8 @@ def test_every_name_and_signature_of_torch_xla_fsdp():
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["problems"] == []
     assert report["checked"] >= 80  # torch_xla 2.9 has 83 public names and members
-    assert all(name.startswith(("xla_fsdp.", "torch_xla.distributed.fsdp.consolidate"))
-               for name in report["ours"].values()), report["ours"]
+    assert every(name.startswith(("xla_fsdp.", "torch_xla.distributed.fsdp.consolidate"))
+                 for name in report["ours"].values()), report["ours"]
 
 
 @pytest.mark.slow
@@ -47,7 +48,7 @@ def test_patch_is_idempotent_and_python_m_consolidates(tmp_path):
         run = _python(code, prefix)
         assert "verified" in run.stdout, run.stdout + run.stderr[-3000:]
     saved = torch.load(prefix + "_consolidated.pth", weights_only=True)
-    assert all(torch.equal(saved["model"][n], full_model()[n]) for n in SHAPES)
+    assert every(torch.equal(saved["model"][n], full_model()[n]) for n in SHAPES)
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from xla_fsdp import launch
 from ..support.hlo import opcodes, traced_hlo
 from ..support.models import Block, Net
 from ..support.parity import full_parameters
+from ..support.checks import every
 
 WORLD = 2
 
@@ -43,7 +44,7 @@ def _nested_names(out):
     out["nested_names"] = sorted(n for n, _ in named)
     out["plain_names"] = sorted(n for n, _ in plain.named_parameters())
     # each shard is this rank's block of the original parameter
-    out["nested_shards_match"] = all(
+    out["nested_shards_match"] = every(
         torch.equal(shard.cpu(), dict(plain.named_parameters())[name].detach().reshape(-1)
                     [model.rank * shard.numel():][:shard.numel()].reshape(shard.shape).cpu())
         for name, shard in named if dict(plain.named_parameters())[name].numel() % WORLD == 0)
@@ -106,8 +107,8 @@ def _torch_xla_arguments(out, device):
     from xla_fsdp._sharding.layout import Dim0Layout
     from xla_fsdp._unit.options import FsdpOptions
     from xla_fsdp._unit.training_state import TrainingState
-    out["on_neuron_dim0"] = all(isinstance(g.layout, Dim0Layout)
-                                for g in FSDP(Net(), on_neuron=True).shard_groups)
+    out["on_neuron_dim0"] = every(isinstance(g.layout, Dim0Layout)
+                                  for g in FSDP(Net(), on_neuron=True).shard_groups)
     # the aliases set their options, and the arguments an auto-wrapped child gets rebuild them
     aliased = FSDP(Net(), mark_step_on_finalization=True, on_neuron=True,
                    reduce_scatter_bucket_size_mb=None,
@@ -128,7 +129,8 @@ def _torch_xla_arguments(out, device):
     ops = opcodes(traced_hlo([p.grad for p in model.params_with_grad] + [norm]))
     out["dummy_step_collectives"] = [op for op in ("all-gather", "reduce-scatter", "all-reduce",
                                                    "opt-barrier") if op in ops]
-    out["params_with_grad"] = len(model.params_with_grad) == len(list(model.parameters()))
+    out["params_with_grad"] = [id(p) for p in model.params_with_grad] == \
+        [id(p) for p in model.parameters()]  # every one, itself, in order
     try:
         model.assert_state(TrainingState.FORWARD)
     except ValueError as exc:  # torch_xla raises ValueError

@@ -3,6 +3,7 @@ import torch
 import torch.nn as nn
 
 from xla_fsdp import launch
+from ..support.checks import every
 
 
 class Tiny(nn.Module):
@@ -101,7 +102,7 @@ def _conversions(out):
             out[f"{name}_offload_{offload}"] = _error(convert)
             kept.append(list(model.parameters()) == before and
                         [(p.device, p.dtype) for p in model.parameters()] == places)
-        out[f"conversions_keep_shards_offload_{offload}"] = all(kept)
+        out[f"conversions_keep_shards_offload_{offload}"] = every(kept)
         out[f"shard_devices_offload_{offload}"] = sorted({str(p.device) for p in before})
 
 
@@ -190,8 +191,8 @@ def whole_tensor_optimizers(rank, directory):
             model(x).sum().backward()
             before = [p.detach().cpu().clone() for p in model.parameters()]
             out[f"{name}_{dim0}"] = _error(opt.step)
-            out[f"{name}_{dim0}_unchanged"] = all(torch.equal(a, p.detach().cpu()) for a, p in
-                                                  zip(before, model.parameters()))
+            out[f"{name}_{dim0}_unchanged"] = every(torch.equal(a, p.detach().cpu()) for a, p in
+                                                    zip(before, model.parameters()))
             opt.zero_grad()
     model = FSDP(nn.Sequential(FSDP(Tiny(), shard_param_on_dim_0=True), Tiny()),
                  shard_param_on_dim_0=True)

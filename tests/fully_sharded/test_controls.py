@@ -11,6 +11,7 @@ from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
 from ..support.hlo import ancestors, entry, find, traced_hlo
+from ..support.checks import every
 
 WORLD, BATCH = 2, 4
 DIMS = [16, 24, 40, 56, 8]  # distinct, so each layer's tensors have shapes of their own
@@ -70,8 +71,8 @@ def controls(rank, prefix):
     names = [n for n in full if n.startswith("layers.1.")]
     layer.unshard()
     torch_xla.sync()
-    out["unshard_values"] = all(torch.equal(getattr(layer.module, n.split(".")[-1]).cpu(),
-                                            full[n]) for n in names)
+    out["unshard_values"] = every(torch.equal(getattr(layer.module, n.split(".")[-1]).cpu(),
+                                              full[n]) for n in names)
     out["forward_after_unshard"] = traced_hlo([root(x)])
     layer.reshard()
     out["after_reshard"] = (layer.has_full_params, layer.module.weight.numel())
@@ -104,7 +105,7 @@ def _checkpoint(out, root, opt, prefix, x):
     fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, foreach=True)
     load_sharded(prefix, fresh, fresh_opt)
     loaded = fresh.full_state_dict(rank0_only=False)
-    out["loaded_equal"] = sorted(loaded) == sorted(out["saved_full"]) and all(
+    out["loaded_equal"] = sorted(loaded) == sorted(out["saved_full"]) and every(
         torch.equal(loaded[k], v) for k, v in out["saved_full"].items())
 
 
@@ -146,7 +147,7 @@ def test_controls(tmp_path):
         both = [ins.type for _, ins in find(step, "all-gather", "(")
                 if _weight(0) in ins.type and _weight(3) in ins.type]
         assert len(both) == 2, both
-        assert all(_weight(3) in ins.type for _, ins in _gathers_of(step, 0))  # never alone
+        assert every(_weight(3) in ins.type for _, ins in _gathers_of(step, 0))  # never alone
     assert out["root_params"] == []
     assert out["ends_names"] == ["layers.0.bias", "layers.0.weight",
                                  "layers.3.bias", "layers.3.weight"]
@@ -165,4 +166,4 @@ def test_controls(tmp_path):
     assert consolidate_main(["--ckpt_prefix", prefix]) == 0
     consolidated = torch.load(prefix + "_consolidated.pth", weights_only=True)["model"]
     assert sorted(consolidated) == sorted(out["saved_full"])
-    assert all(torch.equal(consolidated[k], v) for k, v in out["saved_full"].items())
+    assert every(torch.equal(consolidated[k], v) for k, v in out["saved_full"].items())

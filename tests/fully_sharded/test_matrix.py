@@ -6,6 +6,7 @@ import itertools
 import pytest
 
 from ..support import matrix
+from ..support.checks import every
 
 
 def test_the_covering_meets_every_pair_of_values():
@@ -31,8 +32,8 @@ def test_every_refusal_names_values_on_the_axes():
     adafactor = matrix.Cell("moved_first", "sharding_groups", "Adafactor", False, "dcp", "same")
     assert matrix.expected_refusal(adafactor)
     assert matrix.expected_refusal(adafactor._replace(optimizer="AdamW")) == ""
-    assert all(matrix.expected_refusal(matrix.Cell(*values)) == "" for values in
-               itertools.product(matrix.RECIPES, matrix.OPTIONS, ["SGD", "AdamW"],
+    assert every(matrix.expected_refusal(matrix.Cell(*values)) == "" for values in
+                 itertools.product(matrix.RECIPES, matrix.OPTIONS, ["SGD", "AdamW"],
                                  (False, True), matrix.FORMATS, ("same", "other")))
 
 

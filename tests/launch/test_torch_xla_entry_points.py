@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from xla_fsdp.launch.__main__ import main
+from ..support.checks import every
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(__file__)), "support",
                       "torch_xla_launch_script.py")
@@ -46,7 +47,7 @@ def test_torch_xla_launchers_run_scripts_unchanged():
     for args, index in ((("spawn", "2"), None), (("launch",), "from torch_xla.launch")):
         ranks = _ranks(*args)
         assert [(r, w) for r, w, *_ in ranks] == [("0", "2"), ("1", "2")], ranks
-        assert all(module == "xla_fsdp.fully_sharded" for *_, module, _ in ranks), ranks
+        assert every(module == "xla_fsdp.fully_sharded" for *_, module, _ in ranks), ranks
         assert [i for _, _, i, _, _ in ranks] == [index or "0", index or "1"]
         got = [float(loss) for *_, loss in ranks]
         assert got == pytest.approx(want, rel=1e-5), (args, got, want)

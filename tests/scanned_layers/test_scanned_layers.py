@@ -19,6 +19,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 from ..support.hlo import some_dot_reads_a_gather, traced_hlo
 from ..support.models import (MEM_DIM, MEM_HIDDEN, MEM_LAYERS, Block, MemStack,
                               ScaledByDepth, indexed)
+from ..support.checks import every
 
 MEM_TOKENS, MEM_WORLD = 8, 4  # 8 tokens per rank
 
@@ -61,7 +62,7 @@ def test_peak_memory_is_one_layer_beyond_the_sharded_state(tmp_path, monkeypatch
     monkeypatch.setenv("PT_XLA_DEBUG_LEVEL", "2")
     monkeypatch.setenv("PT_XLA_DEBUG_FILE", str(debug))
     new_graphs = launch(_train_stack, (), num_devices=MEM_WORLD)
-    assert all(n == 0 for n in new_graphs.values()), new_graphs
+    assert every(n == 0 for n in new_graphs.values()), new_graphs
     stats = re.findall(r"Graph input size: ([\d.]+) GB\n.*?Graph output size: ([\d.]+) GB\n"
                        r".*?Aliased Input size: ([\d.]+) GB\n.*?Intermediate tensor size: "
                        r"([\d.]+) GB", debug.read_text(), re.S)
@@ -127,7 +128,7 @@ def test_scanned_checkpoints_name_every_layer_and_load_into_unscanned_models(tmp
     got = results[0]
     assert got["full_keys"] == sorted(MemStack(layers=3, dim=16, hidden=24).state_dict())
     for what in ("eval_diff", "reload_diff", "into_unscanned_diff", "back_to_scanned_diff"):
-        assert all(r[what] <= 1e-6 for r in results.values()), (what, got[what])
+        assert every(r[what] <= 1e-6 for r in results.values()), (what, got[what])
 
     merged, _ = consolidate_checkpoint_files(str(tmp_path / "scanned"), "_rank-*-of-*.pth",
                                              save_model=False, wait_seconds=0)
@@ -272,7 +273,7 @@ def test_dropout_trains_with_the_masks_its_forward_drew(two_ranks):
     for r in results.values():
         masks = r["masks"]
         assert masks.shape == (DROP_LAYERS, 8, DROP_DIM)
-        assert all(not torch.equal(masks[0], masks[i]) for i in range(1, DROP_LAYERS))
+        assert every(not torch.equal(masks[0], masks[i]) for i in range(1, DROP_LAYERS))
         assert abs(masks.float().mean().item() - (1 - DROP_P)) < 0.1
         h = r["x"]
         for layer, mask in zip(reference.layers, masks):

@@ -2,6 +2,7 @@
 import torch
 
 from .models import GLOBAL_BATCH, Net, batch, loss_fn
+from .checks import every
 
 LR, MOMENTUM = 0.1, 0.9
 
@@ -57,7 +58,7 @@ def same_state(a, b):
 
 def same_snapshot(a, b):
     """Whether two ``snapshot``s (model and optimizer) are equal."""
-    return all(same_state(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and every(same_state(x, y) for x, y in zip(a, b))
 
 
 def tree_differences(a, b, where=""):

@@ -16,6 +16,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from xla_fsdp.wrap import transformer_auto_wrap_policy
 
 from .consolidated_workloads import CONFIG
+from .checks import every
 
 LR, STEPS = 1e-2, 3
 GLOBAL_BATCH = 4
@@ -168,7 +169,7 @@ def load_everything(rank: int, root: str, train: bool) -> Dict[str, Any]:
     out["errors"]["unnamed_optimizer"] = _attempt(
         lambda: model.load_full_optim_state_dict(opt, torch.load(
             os.path.join(root, "ck.pth"), weights_only=True)["optimizer"]))
-    out["unchanged_after_errors"] = all(
+    out["unchanged_after_errors"] = every(
         torch.equal(v, untouched[k]) for k, v in model.full_state_dict(rank0_only=False).items())
     if not train:  # on every rank: a sync is a collective point on the virtual devices
         out["reference"] = _reference(root)

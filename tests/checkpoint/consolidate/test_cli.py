@@ -12,6 +12,7 @@ from xla_fsdp.checkpoint.consolidate import main
 from xla_fsdp.checkpoint.files import CheckpointFile
 
 from ...support.synthetic_checkpoints import full_model, write_set
+from ...support.checks import every
 
 
 def _run(capsys, *args):
@@ -31,7 +32,7 @@ def test_consolidates_model_and_optimizer(tmp_path, capsys, world, flattened):
     full = full_model()
     lin = torch.nn.Linear(3, 5)
     lin.load_state_dict({k.split(".", 1)[1]: v for k, v in result["model"].items()})
-    assert all(torch.equal(result["model"][k], v) for k, v in full.items())
+    assert every(torch.equal(result["model"][k], v) for k, v in full.items())
     opt = torch.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9)
     opt.load_state_dict(result["optimizer"])
     assert torch.equal(opt.state[lin.weight]["momentum_buffer"], full["lin.weight"] * 0.5)
@@ -50,7 +51,7 @@ def test_reshard_round_trip(tmp_path, capsys, flattened):
     assert _run(capsys, "--ckpt_prefix", str(tmp_path / "r"),
                 "--save_path", str(tmp_path / "out.pth"))[0] == 0
     result = torch.load(tmp_path / "out.pth", weights_only=True)
-    assert all(torch.equal(result["model"][k], v) for k, v in full_model().items())
+    assert every(torch.equal(result["model"][k], v) for k, v in full_model().items())
 
 
 def test_python_dash_m_and_console_script(tmp_path):
@@ -147,7 +148,7 @@ def test_a_step_directory_is_a_prefix(tmp_path, capsys):
     code, out = _run(capsys, "--ckpt_prefix", str(step) + os.sep)
     assert code == 0, out.err
     result = torch.load(str(step) + "_consolidated.pth", weights_only=True)
-    assert all(torch.equal(result["model"][k], v) for k, v in full_model().items())
+    assert every(torch.equal(result["model"][k], v) for k, v in full_model().items())
     code, out = _run(capsys, "--ckpt_prefix", str(tmp_path / "ckpt"))
     assert code != 0 and f"e.g. {step}" in out.err, out.err
     write_set(str(step / "other"), 2)

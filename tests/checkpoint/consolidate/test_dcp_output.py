@@ -10,6 +10,7 @@ from xla_fsdp.checkpoint.consolidate import main
 
 from ...support.synthetic_checkpoints import (SHAPES, full_model, stacked_full_model,
                                               stacked_names, write_set, write_stacked)
+from ...support.checks import every
 
 
 def _convert(tmp_path, prefix, *extra):
@@ -40,14 +41,14 @@ def test_model_and_optimizer_by_name(tmp_path, recipe):
 def test_flattened_and_stacked_groups_by_name(tmp_path):
     write_set(str(tmp_path / "flat"), 4, flattened=True)
     back = _convert(tmp_path, str(tmp_path / "flat"), "--no_optimizer")
-    assert all(torch.equal(back["model"][n], full_model()[n]) for n in SHAPES)
+    assert every(torch.equal(back["model"][n], full_model()[n]) for n in SHAPES)
     assert "optimizer" not in back
     (tmp_path / "dcp").rename(tmp_path / "dcp_flat")
     write_stacked(str(tmp_path / "stack"), 3, "interleaved", multiple=2)
     back = _convert(tmp_path, str(tmp_path / "stack"), "--no_optimizer")
     full = stacked_full_model()
     assert sorted(back["model"]) == sorted(stacked_names())
-    assert all(torch.equal(back["model"][n], full[n]) for n in stacked_names())
+    assert every(torch.equal(back["model"][n], full[n]) for n in stacked_names())
 
 
 def test_torchtitan_keys(tmp_path):
@@ -59,7 +60,7 @@ def test_torchtitan_keys(tmp_path):
     optimizer = back.pop("optimizer")
     full = full_model()
     assert sorted(back) == sorted(SHAPES)
-    assert all(torch.equal(back[n], full[n]) for n in SHAPES)
+    assert every(torch.equal(back[n], full[n]) for n in SHAPES)
     assert sorted(optimizer) == sorted([f"state.{n}.{k}" for n in SHAPES
                                         for k in ("momentum_buffer", "step")]
                                        + [f"param_groups.{n}.lr" for n in SHAPES])

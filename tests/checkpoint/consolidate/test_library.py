@@ -15,6 +15,7 @@ from xla_fsdp.checkpoint.consolidate.shard_set import IncompleteCheckpoint
 from xla_fsdp.checkpoint.files import CheckpointError
 
 from ...support.synthetic_checkpoints import SHAPES, full_model, write_set
+from ...support.checks import every
 
 
 def _later(seconds, fn, *args, **kwargs):
@@ -32,7 +33,7 @@ def test_waits_for_ranks_still_writing(tmp_path):
     writer.join()
     assert time.monotonic() - start >= 1.0 and path is None
     full = full_model()
-    assert all(torch.equal(state[n], full[n]) for n in SHAPES)
+    assert every(torch.equal(state[n], full[n]) for n in SHAPES)
 
 
 def test_timeout_names_the_missing_ranks(tmp_path):
@@ -107,7 +108,7 @@ def test_state_dicts_consolidate_like_files(tmp_path):
     from_memory = consolidate_state_dicts([t["model"] for t in trees], trees[0]["shard_metadata"])
     from_files, _ = consolidate_checkpoint_files(prefix, "_rank-*-of-*.pth", save_model=False)
     assert list(from_memory) == list(from_files) == list(SHAPES)
-    assert all(torch.equal(from_memory[k], from_files[k]) for k in SHAPES)
+    assert every(torch.equal(from_memory[k], from_files[k]) for k in SHAPES)
     with pytest.raises(CheckpointError, match="3 state dicts for a world of 4"):
         consolidate_state_dicts([t["model"] for t in trees[:3]], trees[0]["shard_metadata"])
 

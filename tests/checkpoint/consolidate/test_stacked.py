@@ -10,6 +10,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_state_dicts
 
 from ...support.synthetic_checkpoints import (LAYERS, STACK_PATH, stacked_full_model, stacked_names,
                         write_stacked)
+from ...support.checks import every
 
 KINDS = ["flat", "interleaved", "dim0", "flat_multi"]
 
@@ -90,7 +91,7 @@ def test_safetensors_output(tmp_path, capsys):
                  "--save_path", str(tmp_path / "out.safetensors")]) == 0
     model = load_file(str(tmp_path / "out.safetensors"))
     full = stacked_full_model()
-    assert set(model) == set(full) and all(torch.equal(model[n], full[n]) for n in full)
+    assert set(model) == set(full) and every(torch.equal(model[n], full[n]) for n in full)
 
 
 def test_state_dicts_in_memory(tmp_path):
@@ -98,7 +99,7 @@ def test_state_dicts_in_memory(tmp_path):
     trees = [torch.load(p, weights_only=True) for p in paths]
     out = consolidate_state_dicts([t["model"] for t in trees], trees[0]["shard_metadata"])
     full = stacked_full_model()
-    assert list(out) == stacked_names() and all(torch.equal(out[n], full[n]) for n in full)
+    assert list(out) == stacked_names() and every(torch.equal(out[n], full[n]) for n in full)
 
 
 def _edit_metadata(paths, edit):

@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from xla_fsdp.checkpoint.dcp.planners import ChunkSavePlanner, OnDemand
 from xla_fsdp.checkpoint.dcp.save import write_alone
+from ...support.checks import every
 
 COUNT, NUMEL = 8, 12 << 20  # float32: 48 MiB each, above glibc's largest mmap threshold
 
@@ -35,4 +36,4 @@ def test_a_write_holds_one_file_worth(tmp_path):
     assert max(seen) < 3 * NUMEL * 4, [s >> 20 for s in seen]  # MiB, for the message
     back = {f"t{i}": torch.empty(NUMEL) for i in (0, COUNT - 1)}
     dcp.load(back, checkpoint_id=str(tmp_path), no_dist=True)
-    assert all(torch.equal(back[f"t{i}"], torch.full((NUMEL,), float(i))) for i in (0, COUNT - 1))
+    assert every(torch.equal(back[f"t{i}"], torch.full((NUMEL,), float(i))) for i in (0, COUNT - 1))
