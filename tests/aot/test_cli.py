@@ -25,6 +25,7 @@ def _said(done) -> list:
             if line.strip() and not line.startswith("WARNING:root:Defaulting to PJRT_DEVICE")]
 
 
+@pytest.mark.slow
 def test_a_finished_runs_directory_still_plans_the_training_step(tmp_path):
     """The script resumes from a CheckpointManager whose last checkpoint is its last step:
     run, it would only evaluate. In a plan checkpoints read as absent, so the plan is its

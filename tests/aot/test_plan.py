@@ -53,6 +53,7 @@ def test_the_planned_step_is_the_executed_one(workload, tmp_path):
     assert results[3][0]["peak_memory_in_bytes"] > results[0][0]["peak_memory_in_bytes"]
 
 
+@pytest.mark.slow
 def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
     report = compile_for_tpu(tpu_plans.ours, "v5e-4", args=("meta",))
     assert report.fits and report.programs == 1 and report.notes == []
@@ -115,6 +116,7 @@ def test_an_unknown_topology_is_refused_before_anything_runs():
         compile_for_tpu(tpu_plans.ours, "v4-8")
 
 
+@pytest.mark.slow
 def test_a_step_with_pallas_flash_attention_is_planned_and_its_kernels_costed():
     """torch_xla's flash attention kernels, lowered for the TPU here and compiled by libtpu:
     each kernel carries the analytic cost the step-time model reads (forward 2 matmuls over

@@ -19,6 +19,8 @@ from ..support.load_workloads import STEPS, llama, load_everything, trained_stat
 from ..support.parity import paired
 from ..support.checks import every
 
+pytestmark = pytest.mark.slow  # the module's launch loads every format at N = 2 and 4
+
 LOSS_BOUND, ADAM_PARAM_BOUND = 1e-5, 1e-5
 
 

@@ -22,6 +22,8 @@ from ..support.models import Net
 from ..support.parity import paired
 from ..support.checks import every
 
+pytestmark = pytest.mark.slow  # training, saving and resuming at N = 4 and 2 (8 too)
+
 FIRST, THEN = range(0, 5), range(5, 10)
 
 

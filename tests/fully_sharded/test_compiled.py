@@ -91,8 +91,8 @@ def _problems(results, name):
     return problems
 
 
-@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                   pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow  # a launch per N of every placement; the quick tier keeps the refusals
+@pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
 def test_compiled_trains_as_eager(world, name):
     runs = net_runs(world)
@@ -123,7 +123,8 @@ TRACED = ("compile_root", "compile_autowrapped")
 TRACED_EXECUTIONS = 4
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
 def test_traced_placements_run_four_programs_per_step(world):
     results = net_runs(world)[0]
     for name, (placement, kwargs, extra) in SETTINGS.items():
@@ -134,6 +135,7 @@ def test_traced_placements_run_four_programs_per_step(world):
     assert results["eager"]["executions"] == 1
 
 
+@pytest.mark.slow
 def test_traced_programs_keep_zero3_memory():
     """ZeRO-3 under compile, at N = 4 on the traced path.
 

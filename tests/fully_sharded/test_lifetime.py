@@ -25,6 +25,8 @@ from xla_fsdp import launch
 from ..support.models import CLASSES, DIM, Block
 from ..support.parity import paired
 
+pytestmark = pytest.mark.slow  # one launch of many models: the full suite's
+
 WORLD, ROUNDS, STEPS = 2, 20, 7
 FAIL_FORWARD, FAIL_BACKWARD = 2, 4  # the steps whose forward, and backward, raise
 SETTINGS = ({}, {"flatten_parameters": True}, {"reshard_after_forward": False})

@@ -7,8 +7,12 @@ import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from tests.support import hlo, tpu_plans
 from xla_fsdp.aot import compile_for_tpu
+
+pytestmark = pytest.mark.slow  # compiles a whole offloaded step to read it
 
 
 def _array_parameters(text):

@@ -93,6 +93,7 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_everyday_calls_work(tmp_path):
     saved = tmp_path / "saved.pt"
     results = launch(everyday_calls, (str(saved),), num_devices=2)

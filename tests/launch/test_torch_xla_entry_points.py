@@ -42,6 +42,7 @@ def _unsharded_losses():
     return [h.item() for h in halves]
 
 
+@pytest.mark.slow
 def test_torch_xla_launchers_run_scripts_unchanged():
     want = _unsharded_losses()
     for args, index in ((("spawn", "2"), None), (("launch",), "from torch_xla.launch")):

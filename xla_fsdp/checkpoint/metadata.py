@@ -49,6 +49,10 @@ MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
     "model", "shard_metadata", "optimizer", "extra", "xla_fsdp")
 FORMAT_VERSION = 1
 LAYER_KINDS = ("flat", "interleaved", "dim0")  # how one layer (or an unstacked group) is cut
+# a saved optimizer param group's keys that are not its settings
+GROUP_MEMBERS = ("params", "param_names")
+# a Hugging Face directory's weights: one file, or shards listed by an index
+HF_WEIGHTS, HF_INDEX = "model.safetensors", "model.safetensors.index.json"
 MemberTable = Tuple[List[str], List[List[int]], List[int]]  # names, shapes, numels
 
 

@@ -34,9 +34,8 @@ import torch
 
 from ..files import CheckpointError, SafetensorsWriter, StagedFile
 from ..files.writer import SAFETENSORS_DTYPES
+from ..metadata import HF_INDEX, HF_WEIGHTS
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -77,7 +76,7 @@ def split_into_files(specs: Sequence[Spec], max_bytes: int) -> List[Tuple[str, L
     if current:
         per_file.append(current)
     if len(per_file) <= 1:
-        return [(WEIGHTS_NAME, list(specs))]
+        return [(HF_WEIGHTS, list(specs))]
     return [(f"model-{i + 1:05d}-of-{len(per_file):05d}.safetensors", g)
             for i, g in enumerate(per_file)]
 
@@ -193,7 +192,7 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
     stored_as: Dict[str, List[str]] = {}
     for (name, _, _), source in order:
         stored_as.setdefault(source, []).append(name)
-    names = [f for f, _ in files] + list(configs) + ([INDEX_NAME] if len(files) > 1 else [])
+    names = [f for f, _ in files] + list(configs) + ([HF_INDEX] if len(files) > 1 else [])
     staged = {f: StagedFile(os.path.join(directory, f)) for f in names}
 
     def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
@@ -220,7 +219,7 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
             index = {"metadata": {"total_parameters": sum(math.prod(s) for _, _, s in stored),
                                   "total_size": sum(_nbytes(s) for s in stored)},
                      "weight_map": {n: file_of[n] for n, _, _ in stored}}
-            contents[INDEX_NAME] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+            contents[HF_INDEX] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         for name, data in contents.items():
             with staged[name].writing() as tmp, open(tmp, "wb") as out:
                 out.write(data)
@@ -231,7 +230,7 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
     for f in names:  # the index last: a reader never sees it name a file not yet in place
         staged[f].put_in_place()
     for f in os.listdir(directory):
-        if (_SHARD_FILE.fullmatch(f) or f in (WEIGHTS_NAME, INDEX_NAME)) and f not in staged:
+        if (_SHARD_FILE.fullmatch(f) or f in (HF_WEIGHTS, HF_INDEX)) and f not in staged:
             os.remove(os.path.join(directory, f))  # an earlier save's, not in the new index
     return [os.path.join(directory, f) for f in names]
 

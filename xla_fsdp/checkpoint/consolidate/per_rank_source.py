@@ -20,13 +20,12 @@ from __future__ import annotations
 from typing import Any, Dict, Tuple
 
 from ..files import CheckpointError
-from ..metadata import EXTRA, MODEL, OPTIMIZER
+from ..metadata import EXTRA, GROUP_MEMBERS, MODEL, OPTIMIZER
 from ..sources.entries import EntrySource, model_entries, optimizer_entries
 from .optimizer import optimizer_param_keys, saved_param_groups, saved_state
 from .plan import ModelPlan, plan_model, unwrapped_tensors
 from .shard_set import ShardSet, find_shard_set
 
-_GROUP_NAMES = ("params", "param_names")
 
 
 def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
@@ -92,6 +91,6 @@ def named_optimizer_state(shards: ShardSet, plan: ModelPlan) -> Dict[str, Any]:
         for param, spec, index in members:
             if opt0["state"].get(index):
                 state[param.name] = saved_state(shards, spec, param, index)
-        settings = {k: v for k, v in param_group.items() if k not in _GROUP_NAMES}
+        settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
         param_groups.append(dict(settings, params=[p.name for p, _, _ in members]))
     return {"state": state, "param_groups": param_groups}

@@ -56,8 +56,8 @@ from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
-from ..metadata import (persistent_buffers, refuse_foreign_params, refuse_per_rank_state,
-                        sharded_like)
+from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
+                        refuse_per_rank_state, sharded_like)
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from .coordination import agree, agree_or_undo, exchange
@@ -315,8 +315,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                         elif first:
                             paths[key], objects[key] = path, v
             if first:
-                settings = {k: v for k, v in param_group.items()
-                            if k not in ("params", "param_names")}
+                settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
                 names.sort(key=lambda n: order.get(n, len(order)))
                 for key, path, value in scheme.param_group(index, names, settings):
                     paths[key], objects[key] = path, value

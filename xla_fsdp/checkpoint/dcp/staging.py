@@ -25,14 +25,13 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 
 from ..._sharding.chunks import Chunk
 from ..files import CheckpointError
-from ..metadata import (persistent_buffers, refuse_foreign_params, refuse_per_rank_state,
-                        sharded_like)
+from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
+                        refuse_per_rank_state, sharded_like)
 from ..unit_protocol import ShardedModel
 from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
                      extra_key, param_slots, slots_by_shard)
 from .planners import TensorPieces
 
-_GROUP_NAMES = ("params", "param_names")
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
 
 
@@ -193,10 +192,10 @@ class StagedLoad:
             value = self.objects.pop(key)
             if owner.isdigit():
                 indexed.setdefault(int(owner), {})[setting] = value
-            elif setting not in _GROUP_NAMES:
+            elif setting not in GROUP_MEMBERS:
                 out.setdefault(owner, {})[setting] = value
         for saved in indexed.values():
-            settings = {k: v for k, v in saved.items() if k not in _GROUP_NAMES}
+            settings = {k: v for k, v in saved.items() if k not in GROUP_MEMBERS}
             out.update((name, settings) for name in saved.get("params", []))
         if not out:
             raise CheckpointError(f"{self.where}: its optimizer state has no param_groups")

@@ -15,10 +15,8 @@ from ..dcp.load import DcpSource
 from ..dcp.save import METADATA_FILE
 from ..dcp.staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
+from ..metadata import HF_INDEX, HF_WEIGHTS
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
-
-HF_INDEX = "model.safetensors.index.json"
-HF_SINGLE = "model.safetensors"
 
 
 def open_consolidated(path: str, safetensors: bool = False) -> Source:
@@ -30,10 +28,10 @@ def open_consolidated(path: str, safetensors: bool = False) -> Source:
             return DcpSource(path)
         if os.path.exists(os.path.join(path, HF_INDEX)):
             return _hf_sharded(path)
-        if os.path.exists(os.path.join(path, HF_SINGLE)):
-            return _safetensors(os.path.join(path, HF_SINGLE), optimizer_file=False)
+        if os.path.exists(os.path.join(path, HF_WEIGHTS)):
+            return _safetensors(os.path.join(path, HF_WEIGHTS), optimizer_file=False)
         raise CheckpointError(f"{path}: neither a DCP checkpoint ({METADATA_FILE}) nor a "
-                              f"Hugging Face directory ({HF_INDEX} or {HF_SINGLE})")
+                              f"Hugging Face directory ({HF_INDEX} or {HF_WEIGHTS})")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     if safetensors or path.endswith(".safetensors"):
