@@ -107,7 +107,7 @@ def _attempt(save, *args, **kwargs):
 
 
 def _same_full_state(model, saved):
-    full = model.full_state_dict()
+    full = model.full_state_dict(rank0_only=False)
     return sorted(full) == sorted(saved) and every(torch.equal(full[k], v)
                                                    for k, v in saved.items())
 
@@ -132,7 +132,7 @@ def at_four(rank, own_disks, shared, plain_prefix):
     # consolidated from training code: rank 0 writes it on its own host's disk
     consolidated = os.path.join(own_disks[rank], "consolidated.pth")
     save_consolidated(consolidated, model, opt, extra={"step": 2})
-    saved = model.full_state_dict()
+    saved = model.full_state_dict(rank0_only=False)  # every rank checks its loads
     train(model, opt, range(2, 3), rank, WORLD)  # a state unlike the saved one, to save next
     save_sharded(plain_prefix + "_later", model, opt, extra={"step": 3})
     out = {}
