@@ -18,8 +18,9 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), FAST
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: a long launch (large world sizes, real architectures, third-party "
-                   "trainers, the example); `pytest -m 'not slow' tests` is the quick tier")
+        "markers", "slow: a long launch (large world sizes, whole compiled or resumed steps, "
+                   "real architectures, third-party trainers, the example, the larger TPU "
+                   "plans); `pytest -n 2 --dist loadscope -m 'not slow' tests` is the quick tier")
 
 
 # The modules that take a minute or more, heaviest first (seconds of one run alone on 2
