@@ -34,6 +34,7 @@ import functools
 import importlib.abc
 import sys
 import threading
+import warnings
 from typing import Any, Callable
 
 _MODULE = "transformers.trainer"
@@ -84,7 +85,6 @@ def _unfused_on_xla(get_optimizer: Callable) -> Callable:
             args.optim = type(optim)("adamw_torch")
             if not warned:
                 warned.append(True)
-                import warnings
                 warnings.warn("xla_fsdp: Trainer's optim 'adamw_torch_fused' (the default on "
                               "torch >= 2.8) does not run on XLA devices; using "
                               "'adamw_torch', the same AdamW unfused", stacklevel=2)
