@@ -1,7 +1,17 @@
-"""The README and ``docs/`` point at what exists: every relative link names a file of the
-repository and, with a ``#`` part, a heading of that file (GitHub's anchors)."""
+"""The README and ``docs/`` say what is true: every relative link names a file of the
+repository and, with a ``#`` part, a heading of that file (GitHub's anchors); every command
+block marked ``<!-- runnable -->`` runs, in a directory holding the checkpoint the docs
+name (``ckpt/step100``, saved at N = 4), and writes the files its ``# ->`` comments name."""
+import glob
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
+
+from xla_fsdp import launch
+
+from .support.checkpoint_workloads import optimizer_for, train, wrapped_net
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -38,3 +48,35 @@ def test_the_readme_stays_a_first_read():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 400, f"README.md has {len(lines)} lines"
     assert not [line for line in lines if re.search(r"\bissue \d+", line)]
+
+
+def save_the_docs_checkpoint(rank, prefix):
+    import torch_xla.runtime as xr
+
+    from xla_fsdp.checkpoint import save_sharded
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    train(model, opt, range(2), rank, xr.world_size())
+    save_sharded(prefix, model, opt, extra={"step": 100})
+
+
+def _runnable_blocks():
+    return [(page.relative_to(ROOT), block) for page in PAGES for block in
+            re.findall(r"<!-- runnable -->\n```bash\n(.*?)```", page.read_text(), re.S)]
+
+
+@pytest.mark.slow
+def test_the_marked_command_blocks_run_and_write_what_they_say(tmp_path):
+    blocks = _runnable_blocks()
+    assert blocks, "no command block is marked runnable"
+    launch(save_the_docs_checkpoint, (str(tmp_path / "ckpt" / "step100"),), num_devices=4)
+    for page, block in blocks:
+        for line in filter(str.strip, block.splitlines()):
+            command, _, comment = line.partition("#")
+            done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True,
+                                  text=True, timeout=600)
+            assert done.returncode == 0, f"{page}: {command}\n{done.stderr[-2000:]}"
+            claimed = re.search(r"-> (\S+)", comment)
+            if claimed:
+                assert glob.glob(str(tmp_path / claimed.group(1).rstrip("/"))), \
+                    f"{page}: {command} wrote no {claimed.group(1)}"
