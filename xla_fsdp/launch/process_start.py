@@ -16,10 +16,11 @@ was imported. The child gets the parent's whole environment at launch, with the 
 own variables, before anything runs, and XLA parses ``XLA_FLAGS`` at its first compile,
 after the fork. But when a variable read at import or at process start (``_READ_AT_IMPORT``,
 ``_READ_AT_START``) differs from the server's, which has the environment of the first
-launch, the process is spawned as before, so that the variable takes effect. Standard output is the
-parent's at launch too, not the server's, and the child runs its atexit handlers as a
-spawned one does (a forked one ends in ``os._exit``). Spawning remains the path on platforms without
-fork, and the accelerator path (torch_xla's own runner) never comes here.
+launch, the process is spawned as before, so that the variable takes effect. Standard
+output is the parent's at launch too, not the server's, and the child runs its atexit
+handlers as a spawned one does (a forked one ends in ``os._exit``). Where fork is not
+available the process is spawned, and the accelerator path (torch_xla's own runner) never
+comes here.
 """
 from __future__ import annotations
 
