@@ -66,9 +66,9 @@ def start(target: Callable[..., None], args: Tuple[Any, ...],
     return process
 
 
-def _fingerprint(environment: Mapping[str, str], own: Mapping[str, str]) -> Dict[str, str]:
+def _fingerprint(environment: Mapping[str, str]) -> Dict[str, str]:
     return {k: v for k, v in environment.items()
-            if (k in _READ_AT_IMPORT or k.startswith(_READ_AT_START)) and k not in own}
+            if k in _READ_AT_IMPORT or k.startswith(_READ_AT_START)}
 
 
 def _warm_context(env: Mapping[str, str]):
@@ -78,7 +78,7 @@ def _warm_context(env: Mapping[str, str]):
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return None
     with _LOCK:
-        now = _fingerprint(os.environ, env)
+        now = _fingerprint(os.environ)
         if _server_environment is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
