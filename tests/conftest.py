@@ -31,14 +31,13 @@ def pytest_configure(config):
 # of them starting a five-minute module while the other is done. Other modules keep their
 # order after these.
 HEAVY_FIRST = (
-    "tests/fully_sharded/test_parity.py",          # 378
+    "tests/fully_sharded/test_parity.py",          # 321
     "tests/fully_sharded/test_compiled.py",        # 366
     "tests/aot/test_plan.py",                      # 264
     "tests/fully_sharded/test_matrix.py",          # 253
     "tests/aot/test_large_model.py",               # 183
     "tests/fully_sharded/test_hf_models.py",       # 176
     "tests/checkpoint/test_roundtrip.py",          # 131
-    "tests/launch/test_collectives.py",            # 109
     "tests/launch/test_behaviour.py",              # 95
     "tests/compat/test_transformers_5.py",         # 81
     "tests/aot/test_alternatives.py",              # 66

@@ -8,9 +8,6 @@ The expected values are every rank's inputs summed, gathered or maxed on the CPU
 are threads of one launched process that run Python one at a time, so each step's inputs of
 every rank and their sum are drawn once and shared by the ranks (``_everyone``), instead of
 eight times over at N = 8, where they were most of the test's time.
-
-The launch at each N also runs ``test_data_parallel.py``'s training loop after the
-collectives (``launched``): both files read the one launch.
 """
 import threading
 
@@ -115,28 +112,10 @@ def run_collectives(rank: int) -> dict:
     return {"max_error": max_error, "checked": checked, "world": world}
 
 
-def collectives_then_data_parallel(rank: int) -> dict:
-    """This folder's two checks at N ranks in one launch: the collectives, then
-    ``test_data_parallel``'s loop (which seeds the RNG it draws from itself)."""
-    from .test_data_parallel import train_data_parallel
-    return {"collectives": run_collectives(rank), "data_parallel": train_data_parallel(rank)}
-
-
-_LAUNCHED = {}
-
-
-def launched(world: int) -> dict:
-    """``{rank: {"collectives": ..., "data_parallel": ...}}`` at ``world`` ranks, launched
-    once, when this file or ``test_data_parallel.py`` first asks for it."""
-    if world not in _LAUNCHED:
-        _LAUNCHED[world] = launch(collectives_then_data_parallel, num_devices=world)
-    return _LAUNCHED[world]
-
-
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow),
                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_collectives_exact(world):
-    results = {rank: r["collectives"] for rank, r in launched(world).items()}
+    results = launch(run_collectives, num_devices=world)
     assert sorted(results) == list(range(world))
     per_step = len(SIZES) * 7 + 3
     for rank, r in results.items():

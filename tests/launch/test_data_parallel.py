@@ -11,8 +11,6 @@ import torch
 
 from xla_fsdp import launch
 
-from .test_collectives import launched
-
 STEPS = 20
 GLOBAL_BATCH = 32
 
@@ -78,8 +76,7 @@ def reference():
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow),
                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_matches_single_device(reference, world):
-    # the launch test_collectives.py makes at this N, which runs this loop after its own
-    results = {rank: r["data_parallel"] for rank, r in launched(world).items()}
+    results = launch(train_data_parallel, num_devices=world)
     for rank in range(1, world):  # replicas stay bitwise identical
         for name in ("sgd", "adamw"):
             assert results[rank]["losses"][name] == results[0]["losses"][name]
