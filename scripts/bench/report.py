@@ -54,6 +54,14 @@ SPMD_MEMORY_TEXT = (
     "collective inside a while loop (scan) is counted once.")
 
 
+def publish(lines: List[str], path: str) -> None:
+    """Writes a report's markdown ``lines`` to ``path`` (its folder made) and prints them."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def _pairs(results: List[dict]):
     """[((setting, devices), {impl: result})] in the order measured."""
     grouped = {}

@@ -79,6 +79,7 @@ def train_step(rank: int, impl: str, options: Dict, environment: Dict[str, str])
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from .report import publish
     from xla_fsdp.aot import compile_for_tpu
     lines = ["# Our step's HBM traffic on TPU, one setting at a time", "",
              "`python -m scripts.bench.tpu_levers`: the benchmark's GPT (D=512, 4 blocks, "
@@ -99,10 +100,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     for name, peak, accessed, count, overlapped in rows:
         lines.append(f"| {name} | {peak:.1f} | {accessed:.0f} | {accessed / reference:.2f} | "
                      f"{count} | {overlapped} |")
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, OUT)
 
 
 if __name__ == "__main__":

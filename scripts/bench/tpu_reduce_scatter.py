@@ -126,6 +126,7 @@ def describe(optimized_hlo: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    from .report import publish
     lines = ["# Reduce-scatters on libtpu's schedule: ours and JAX's", "",
              f"`python -m scripts.bench.tpu_reduce_scatter`: three gradient matmuls of "
              f"{TOKENS} tokens per chip, each reduce-scattered over the {CHIPS} chips of a "
@@ -141,10 +142,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                    describe(jax_optimized(rows, cols, flags)))
             print(json.dumps(row), flush=True)
             lines.append("| " + " | ".join(row) + " |")
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    publish(lines, OUT)
 
 
 if __name__ == "__main__":
