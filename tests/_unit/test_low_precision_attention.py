@@ -2,6 +2,9 @@
 ``scaled_dot_product_attention`` semantics, matmuls in the inputs' dtype and nothing the size of
 the attention matrix kept in float32, on CPU; and on XLA, inside bf16 units with activation
 checkpointing, every matmul of forward, recompute and backward in bf16."""
+import re
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,13 +169,48 @@ def test_torchscript_compiles_the_wrapped_functions_as_torchs_operators():
     assert torch.equal(torch.jit.script(_scripted)(x), want)
 
 
+def _count_dots(hlo, into):
+    for dtype in re.findall(r"= (\w+)\[[^\]]*\]\S* dot\(", hlo):
+        into[dtype] = into.get(dtype, 0) + 1
+
+
+# the ranks are threads of one process, sharing the compile cache: whichever reaches a region
+# first compiles it, under the placement its thread is running
+_COMPILED_DOTS = {}
+_PLACEMENT = threading.local()
+
+
+def _read_compiled_dots():
+    """Counts the dots of every program the openxla bridge compiles (read as it warms its
+    cache) under the compiling thread's placement; installed once per process."""
+    import torch_xla
+    warm_up = torch_xla._XLAC._xla_warm_up_cache
+    if getattr(warm_up, "reads_dots", False):
+        return
+
+    def reading_dots(tensors, devices):
+        placement = getattr(_PLACEMENT, "name", None)
+        if placement is not None:
+            _count_dots(torch_xla._XLAC._get_xla_tensors_hlo(tensors),
+                        _COMPILED_DOTS.setdefault(placement, {}))
+        return warm_up(tensors, devices)
+    reading_dots.reads_dots = True
+    torch_xla._XLAC._xla_warm_up_cache = reading_dots
+
+
 def _bf16_step_dots(rank):
-    """{dtype: count} of the dots in the HLO of a bf16 step (forward, recompute and backward)
-    of the attention model in checkpointed units: ``checkpoint_module`` inside each unit (its
-    recompute bypasses the unit's hooks), and torch's ``checkpoint_wrapper`` around each (its
-    recompute runs the unit's forward again, as Hugging Face's gradient checkpointing does)."""
+    """{placement: {dtype: count}} of the dots in a bf16 step of the attention model.
+
+    Eager, in checkpointed units: the HLO of forward, recompute and backward, with
+    ``checkpoint_module`` inside each unit (its recompute bypasses the unit's hooks) and
+    torch's ``checkpoint_wrapper`` around each (its recompute runs the unit's forward again,
+    as Hugging Face's gradient checkpointing does).
+
+    Under ``torch.compile``: every program the openxla bridge compiles over three steps (read
+    as it warms its cache), with the blocks compiled inside their units and with the root
+    compiled around them (whose hooks Dynamo traces). Their losses too, and the eager
+    model's, from the same weights and batches."""
     import functools
-    import re
 
     import torch_xla
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -181,28 +219,61 @@ def _bf16_step_dots(rank):
     from xla_fsdp import FSDP, checkpoint_module
     from xla_fsdp.wrap import transformer_auto_wrap_policy
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    device = torch_xla.device()
     results = {}
     for where, unit in (("inside", lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)),
                         ("around", lambda m, *a, **k: checkpoint_wrapper(FSDP(m, *a, **k)))):
         torch.manual_seed(0)
         model = FSDP(build_model("attention"), compute_dtype=torch.bfloat16,
                      auto_wrap_policy=policy, auto_wrapper_callable=unit)
-        x, y = (t.to(torch_xla.device()) for t in batch("attention", 0))
+        x, y = (t.to(device) for t in batch("attention", 0))
         loss_fn("attention", model(x), y).backward()
         hlo = torch_xla._XLAC._get_xla_tensors_hlo([p.grad for p in model.parameters()])
         torch_xla.sync()
         results[where] = {}
-        for dtype in re.findall(r"= (\w+)\[[^\]]*\]\S* dot\(", hlo):
-            results[where][dtype] = results[where].get(dtype, 0) + 1
+        _count_dots(hlo, results[where])
+
+    _read_compiled_dots()
+    bf16 = {"compute_dtype": torch.bfloat16}
+    for placement in ("eager", "compile_blocks", "compile_root"):
+        torch.manual_seed(0)
+        net = build_model("attention")
+        compile_block = (lambda b: torch.compile(b, backend="openxla")) \
+            if placement == "compile_blocks" else (lambda b: b)
+        net.b1, net.b2 = FSDP(compile_block(net.b1), **bf16), FSDP(compile_block(net.b2), **bf16)
+        model = FSDP(net, **bf16)
+        if placement == "compile_root":
+            model = torch.compile(model, backend="openxla")
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        _PLACEMENT.name = placement
+        losses = []
+        for step in range(3):
+            x, y = (t.to(device) for t in batch("attention", step))
+            loss = loss_fn("attention", model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch_xla.sync()
+            losses.append(loss.item())
+        _PLACEMENT.name = None
+        results[placement] = dict(_COMPILED_DOTS.get(placement, {}), losses=losses)
     return results
 
 
-def test_every_matmul_of_a_bf16_checkpointed_step_is_bf16():
-    # outside the scope, or in a recompute outside it, sdpa's matmuls would be float32
+def test_every_matmul_of_a_bf16_step_is_bf16_checkpointed_or_compiled():
+    # outside the scope, in a recompute outside it, or under torch.compile when Dynamo traced
+    # torch's functions instead of the scope's, sdpa's matmuls would be float32
     results = launch(_bf16_step_dots, num_devices=2)
     assert results[0] == results[1], results
+    eager_losses = results[0].pop("eager")["losses"]
     for where, dots in results[0].items():
+        losses = dots.pop("losses", eager_losses)
         assert set(dots) == {"bf16"}, (where, dots)
-        # qkv, out, up and down of 2 blocks and the head: 3 dots each, forward and backward;
-        # 2 attention matmuls of 2 blocks: 3 each; the recompute's forward: 6 per block
-        assert dots["bf16"] >= 3 * 9 + 3 * 4, (where, dots)
+        # eager: qkv, out, up and down of 2 blocks and the head, 3 dots each (forward and
+        # backward), 2 attention matmuls of 2 blocks, 3 each, and a recompute's forward;
+        # compiled: at least each block's 6 forward matmuls (the blocks' programs)
+        least = 12 if where.startswith("compile") else 3 * 9 + 3 * 4
+        assert dots["bf16"] >= least, (where, dots)
+        # the compiled steps train as the eager one does, within the bf16 parity bound
+        for step, (got, want) in enumerate(zip(losses, eager_losses, strict=True)):
+            assert abs(got - want) <= 3e-2 * abs(want), (where, step, got, want)

@@ -29,15 +29,20 @@ Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean 
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
 The two functions are wrapped once per process (``install``, from ``process_effects``) and
-act only on a thread that holds the scope; anywhere else, under ``torch.compile`` and for
-tensor subclasses they are torch's own, and TorchScript compiles them as torch's operators.
+act only on a thread that holds the scope; anywhere else and for tensor subclasses they are
+torch's own, and TorchScript compiles them as torch's operators. Under ``torch.compile`` they
+act as they do eagerly: Dynamo traces the scope's flag, a thread-local boolean, and guards the
+compiled code on its value. So a block compiled inside a low-precision unit computes
+attention as the eager block does, the same code outside any unit compiles with torch's, and
+every rank (thread) passes the same guards.
 Not a torch-function mode: a mode would run Python for every operation of the forward (about
 4 us each here), a wrapper only for these two. Code that bound torch's functions to its own
 names before the first unit was built keeps torch's; Hugging Face looks them up at each
 call, and so does ``nn.MultiheadAttention``.
 
 Where the scope holds: from a low-precision unit's pre-forward hook to its post-forward hook
-(the outermost such unit's, so the root's covers the model), whether the forward runs first
+(the outermost such unit's, so the root's covers the model; hooks that Dynamo traces, under a
+compiled root, take and end it too), whether the forward runs first
 or again as a recompute in backward (``torch.utils.checkpoint`` around or inside the unit,
 e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
 bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, takes it again when the
@@ -119,8 +124,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 def _holds(x: Any) -> bool:
     """Whether ``x`` is a plain low-precision tensor on a thread inside the scope."""
-    return (not torch.compiler.is_compiling() and active() and type(x) is torch.Tensor
-            and x.dtype in LOW_PRECISION)
+    return active() and type(x) is torch.Tensor and x.dtype in LOW_PRECISION
 
 
 def install() -> None:
@@ -153,24 +157,26 @@ def install() -> None:
 
 def active() -> bool:
     """Whether this thread computes inside a low-precision unit's forward."""
-    return getattr(_SCOPE, "owner", None) is not None
+    # a boolean beside the owner: Dynamo guards on its value, where a guard on the owner
+    # (another object on every rank) would recompile per rank
+    return getattr(_SCOPE, "held", False)
 
 
 def enter(owner: Any) -> None:
     """Starts the scope for ``owner`` unless it holds already (an outer unit's);
     ``leave(owner)`` ends what ``owner`` started."""
     if not active():
-        _SCOPE.owner = owner
+        _SCOPE.owner, _SCOPE.held = owner, True
 
 
 def leave(owner: Any) -> None:
     if active() and _SCOPE.owner == owner:
-        _SCOPE.owner = None
+        abandon()
 
 
 def abandon() -> None:
     """Ends the scope after a forward that raised between ``enter`` and ``leave``."""
-    _SCOPE.owner = None
+    _SCOPE.owner, _SCOPE.held = None, False
 
 
 @contextlib.contextmanager

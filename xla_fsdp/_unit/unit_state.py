@@ -229,7 +229,7 @@ class UnitState:
     def _pre_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                           args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
-            return self._pre_traced(args, kwargs)
+            return self._pre_traced(member, args, kwargs)
         return self._pre_eager(member, args, kwargs,
                                on_compiled or torch.compiler.is_compiling())
 
@@ -237,6 +237,7 @@ class UnitState:
                            _args: tuple, outputs: Any) -> Any:
         if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
             give_back(self._records())
+            attention_scope.leave((id(self), id(member)))
             return outputs
         return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
 
@@ -246,11 +247,12 @@ class UnitState:
     def _records(self) -> List[ParamRecord]:
         return [r for g in self.shard_groups for r in g.records]
 
-    def _pre_traced(self, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+    def _pre_traced(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if self is self.context.root:
             self._check_at_trace()
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
+        self._enter_attention_scope(member)
         # the first positional input that carries a gradient is tied to the unit's
         # reductions (see [Note: one unit's reductions before the next unit's backward])
         at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
@@ -260,6 +262,12 @@ class UnitState:
             args = args[:at] + (x,) + args[at + 1:]
         put(self._records(), values)
         return args, kwargs
+
+    def _enter_attention_scope(self, member: nn.Module) -> None:
+        # see [Note: attention under a low-precision compute_dtype]; traced by Dynamo too,
+        # which guards the compiled code on the scope
+        if self.options.compute_dtype in attention_scope.LOW_PRECISION:
+            attention_scope.enter((id(self), id(member)))
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
                     compiled: bool) -> Tuple[tuple, dict]:
@@ -284,9 +292,7 @@ class UnitState:
             self.training_state = TrainingState.FORWARD
         if self.options.compute_dtype != torch.float32:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        if self.options.compute_dtype in attention_scope.LOW_PRECISION:
-            # see [Note: attention under a low-precision compute_dtype]
-            attention_scope.enter((id(self), id(member)))
+        self._enter_attention_scope(member)
         inputs = collect_tensors((args, kwargs))
         barrier = self.options.optimization_barrier_in_forward
         if compiled:
