@@ -1,7 +1,8 @@
 """Attention inside a low-precision unit (``_unit/low_precision_attention.py``): torch's
 ``scaled_dot_product_attention`` semantics, matmuls in the inputs' dtype and nothing the size of
 the attention matrix kept in float32, on CPU; and on XLA, inside bf16 units with activation
-checkpointing, every matmul of forward, recompute and backward in bf16."""
+checkpointing or under ``torch.compile`` (blocks or root), every matmul of forward, recompute
+and backward in bf16."""
 import re
 import threading
 
