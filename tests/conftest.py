@@ -5,7 +5,8 @@ LLVM optimising their machine code: 4 to 24 s a graph on this 2-core machine, un
 without. Every comparison in the suite is between runs compiled with the same flags, and
 what the tests read from XLA (collectives, barriers, aliasing in the traced HLO) comes
 before code generation, so the suite compiles unoptimised code. A test that reads XLA's
-optimised module sets its own ``XLA_FLAGS`` (``tests/fsdp/test_donation_order.py``).
+optimised module (``tests/_xla/test_donation_order.py``) adds its dump flags to these: what
+it reads is decided by XLA's HLO passes, before code generation.
 """
 import os
 
@@ -31,24 +32,25 @@ def pytest_configure(config):
 # of them starting a five-minute module while the other is done. Other modules keep their
 # order after these.
 HEAVY_FIRST = (
-    "tests/fully_sharded/test_parity.py",          # 321
-    "tests/fully_sharded/test_compiled.py",        # 366
-    "tests/aot/test_plan.py",                      # 264
-    "tests/fully_sharded/test_matrix.py",          # 253
-    "tests/aot/test_large_model.py",               # 183
-    "tests/fully_sharded/test_hf_models.py",       # 176
-    "tests/checkpoint/test_roundtrip.py",          # 131
-    "tests/launch/test_behaviour.py",              # 95
-    "tests/compat/test_transformers_5.py",         # 81
-    "tests/aot/test_alternatives.py",              # 66
-    "tests/compat/test_peft.py",                   # 65
-    "tests/checkpoint/dcp/test_roundtrip.py",      # 62
-    "tests/examples/test_train_lm.py",             # 60
-    "tests/checkpoint/manager/test_preemption.py", # 53
-    "tests/compat/test_hf_trainer.py",             # 50
-    "tests/aot/test_cli.py",                       # 50
-    "tests/compat/test_surface.py",                # 49
-    "tests/checkpoint/test_disk_full.py",          # 48
+    "tests/fully_sharded/test_compiled.py",        # 273
+    "tests/fully_sharded/test_parity.py",          # 269
+    "tests/aot/test_plan.py",                      # 267
+    "tests/fully_sharded/test_matrix.py",          # 250
+    "tests/aot/test_large_model.py",               # 230
+    "tests/fully_sharded/test_hf_models.py",       # 130
+    "tests/compat/test_transformers_5.py",         # 116
+    "tests/checkpoint/test_roundtrip.py",          # 84
+    "tests/compat/test_peft.py",                   # 68
+    "tests/aot/test_alternatives.py",              # 67
+    "tests/launch/test_behaviour.py",              # 65
+    "tests/compat/test_hf_trainer.py",             # 63
+    "tests/examples/test_train_lm.py",             # 61
+    "tests/aot/test_cli.py",                       # 55
+    "tests/compat/test_surface.py",                # 54
+    "tests/launch/test_collectives.py",            # 48
+    "tests/checkpoint/dcp/test_roundtrip.py",      # 43
+    "tests/launch/test_data_parallel.py",          # 40
+    "tests/checkpoint/manager/test_preemption.py", # 39
 )
 
 

@@ -11,8 +11,7 @@ measurement.
 Builds on ``scripts.bench.tpu_plan``: its shapes, ``Setting`` (with activation checkpointing
 per decoder layer and autocast) and ``train_step``. Each
 implementation is traced once and the trace compiled for every slice side by side (a
-libtpu process each), as ``tests/aot/test_large_model.py`` does. The planning process's
-peak RSS is read after each trace (the traced child's, the largest so far: the offloaded
+libtpu process each). The planning process's peak RSS is read after each trace (the traced child's, the largest so far: the offloaded
 plan is traced first so its figure is its own) and after the compiles.
 Results go to ``benchmarks/results/offload/``.
 """

@@ -146,6 +146,26 @@ def test_rank_failure_releases_everyone_and_names_the_rank():
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def aborts_on_rank_one(rank: int) -> None:
+    import torch_xla
+    torch_xla.sync()
+    if rank == 1:
+        os.abort()   # as XLA does when a collective times out
+    torch_xla.sync()
+
+
+def test_a_process_killed_by_a_fatal_error_says_where_each_rank_stood():
+    with pytest.raises(LaunchError) as info:
+        launch(aborts_on_rank_one, num_devices=2)
+    message = str(info.value)
+    assert "killed by signal SIGABRT" in message
+    where = message.split("Where each rank stood (innermost frames first):\n")[1]
+    rank0, rank1 = where.split("\n  rank 1: ")
+    assert rank0.startswith("  rank 0: File") and "turn_ring.py" in rank0, where
+    assert "in aborts_on_rank_one" in rank1.split("\n")[0], where
+    assert "Fatal Python error" not in message.split("Last log lines:")[1]
+
+
 def exits(rank: int, code_on_rank_one) -> int:
     import sys
     import torch_xla

@@ -161,17 +161,19 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     # SIGTERM handler])
     forwarding = preemption.Forwarding(process.pid)
     try:
-        return _collect(process, receiver, tail)
+        return _collect(process, receiver, tail, worker.rank_threads_path(log_path))
     finally:
         tail.stop()
         if process.is_alive():
             process.kill()
         process.join()
         os.unlink(log_path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(worker.rank_threads_path(log_path))
         forwarding.end(process.exitcode)
 
 
-def _collect(process, receiver, tail) -> Dict[int, Any]:
+def _collect(process, receiver, tail, threads_path: str) -> Dict[int, Any]:
     first_error = None
     failed_at = None
     while True:
@@ -192,7 +194,7 @@ def _collect(process, receiver, tail) -> Dict[int, Any]:
     process.join(timeout=5)
     if first_error is not None:
         _raise_rank_error(first_error)
-    raise LaunchError(_death_message(process.exitcode, tail.text()))
+    raise LaunchError(_death_message(process.exitcode, tail.text(), threads_path))
 
 
 def _values_or_exit(values: Dict[int, Any]) -> Dict[int, Any]:
@@ -214,16 +216,51 @@ def _raise_rank_error(message):
     raise LaunchError(f"{who} raised:\n{formatted.rstrip()}", rank) from original
 
 
-def _death_message(exitcode, log_text: str) -> str:
+def _death_message(exitcode, log_text: str, threads_path: str) -> str:
     how = (f"was killed by signal {signal.Signals(-exitcode).name}"
            if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
+    stacks = _rank_stacks(log_text, threads_path)
     if "Termination timeout" in log_text and "RendezvousKey" in log_text:
         return (
             f"the device process {how}: XLA gave up on a collective that not every rank "
             f"joined. The ranks ran different graphs, or did not reach their collectives "
-            f"in the same order (see the launcher's limits in the README).\n"
-            f"Last lines of XLA's log:\n{_last_lines(log_text)}")
-    return f"the device process {how} before returning.\nLast log lines:\n{_last_lines(log_text)}"
+            f"in the same order (see the launcher's limits in the README).\n{stacks}"
+            f"Last lines of XLA's log:\n{_last_lines(_without_dump(log_text))}")
+    return (f"the device process {how} before returning.\n{stacks}"
+            f"Last log lines:\n{_last_lines(_without_dump(log_text))}")
+
+
+_DUMP_START = "Fatal Python error:"
+
+
+def _without_dump(log_text: str) -> str:
+    """The log before the stacks Python's fault handler wrote as the process died."""
+    return log_text.split(_DUMP_START, 1)[0]
+
+
+def _rank_stacks(log_text: str, threads_path: str, frames: int = 6) -> str:
+    """Where each rank's thread stood when the process died, innermost frames first
+    (Python's own threading frames left out), read from the fault handler's dump; empty
+    when there is none."""
+    if _DUMP_START not in log_text or not os.path.exists(threads_path):
+        return ""
+    with open(threads_path) as f:
+        ranks = {int(ident): int(rank) for rank, ident in
+                 (line.split() for line in f if line.strip())}
+    found = {}
+    for block in log_text.split(_DUMP_START, 1)[1].split("\n\n"):
+        head, _, body = block.strip().partition("\n")
+        if "hread 0x" not in head:
+            continue
+        rank = ranks.get(int(head.split("hread ")[1].split()[0], 16))
+        if rank is not None:
+            found[rank] = [line.strip() for line in body.splitlines()
+                           if line.strip().startswith("File")
+                           and "/threading.py" not in line][:frames]
+    if not found:
+        return ""
+    lines = [f"  rank {rank}: " + "\n          ".join(found[rank]) for rank in sorted(found)]
+    return "Where each rank stood (innermost frames first):\n" + "\n".join(lines) + "\n"
 
 
 def _last_lines(text: str, count: int = 15) -> str:

@@ -10,6 +10,7 @@ torch_xla's launcher does.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import threading
@@ -37,6 +38,12 @@ def environment(num_devices: int) -> Dict[str, str]:
     }
 
 
+def rank_threads_path(stderr_path: str) -> str:
+    """The file in which each rank's thread id is written, one ``rank ident`` line per
+    rank, so that the launcher can tell whose stack is whose in a fatal error's dump."""
+    return stderr_path + ".ranks"
+
+
 def _dumps_or_none(obj: Any) -> bytes | None:
     try:
         return pickle.dumps(obj)
@@ -49,6 +56,9 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
     log_fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(log_fd, 2)
     os.close(log_fd)
+    # when XLA aborts the process (a collective not every rank joined), every thread's
+    # Python stack goes to the log too: where each rank stood (see rank_threads_path)
+    faulthandler.enable(all_threads=True)
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:
@@ -61,7 +71,7 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
         from ...checkpoint.manager import preemption
         preemption.watch_for_preemption()  # the ranks' threads cannot; see its Note
         fn, args = pickle.loads(payload)
-        results = _run(fn, args, num_devices, send)
+        results = _run(fn, args, num_devices, send, rank_threads_path(stderr_path))
         send(("results", results))
     except BaseException as exc:  # a failure of the launcher itself, not of a rank
         send(("error", None, _dumps_or_none(exc), traceback.format_exc()))
@@ -69,7 +79,7 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
         conn.close()
 
 
-def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
+def _run(fn, args: tuple, num_devices: int, send, threads_path: str) -> Dict[int, bytes]:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -91,6 +101,8 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
     results: Dict[int, bytes] = {}
 
     def run_rank(rank: int) -> None:
+        with open(threads_path, "a") as f:
+            f.write(f"{rank} {threading.get_ident()}\n")
         torch_xla._XLAC._xla_set_default_device(devices[rank])
         guard = points.bind_rank(rank)
         try:
