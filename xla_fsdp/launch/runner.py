@@ -11,6 +11,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
@@ -143,7 +144,8 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
                        env: Dict[str, str]) -> Dict[int, Any]:
     """Runs ``target(sender, *target_args, log_path)`` in a spawned child process born with
     ``env``, and returns the ``{rank: value}`` it reports. The child reports over
-    ``sender`` as ``worker`` does: ``("error", rank, pickled exception or None,
+    ``sender`` as ``worker`` does: ``("thread", rank, thread id)`` as a rank starts (to
+    name the stacks of a fatal error's dump), ``("error", rank, pickled exception or None,
     traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at the
     end; it writes its fd 2 to ``log_path``, which is forwarded to our stderr."""
     ctx = multiprocessing.get_context("spawn")
@@ -161,20 +163,19 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     # SIGTERM handler])
     forwarding = preemption.Forwarding(process.pid)
     try:
-        return _collect(process, receiver, tail, worker.rank_threads_path(log_path))
+        return _collect(process, receiver, tail)
     finally:
         tail.stop()
         if process.is_alive():
             process.kill()
         process.join()
         os.unlink(log_path)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(worker.rank_threads_path(log_path))
         forwarding.end(process.exitcode)
 
 
-def _collect(process, receiver, tail, threads_path: str) -> Dict[int, Any]:
+def _collect(process, receiver, tail) -> Dict[int, Any]:
     first_error = None
+    threads: Dict[int, int] = {}  # thread id -> rank
     failed_at = None
     while True:
         if receiver.poll(0.2):
@@ -185,7 +186,9 @@ def _collect(process, receiver, tail, threads_path: str) -> Dict[int, Any]:
             if message[0] == "results":
                 return _values_or_exit({rank: pickle.loads(blob)
                                         for rank, blob in sorted(message[1].items())})
-            if first_error is None:
+            if message[0] == "thread":
+                threads[message[2]] = message[1]
+            elif first_error is None:
                 first_error, failed_at = message, time.monotonic()
         elif not process.is_alive():
             break
@@ -194,7 +197,7 @@ def _collect(process, receiver, tail, threads_path: str) -> Dict[int, Any]:
     process.join(timeout=5)
     if first_error is not None:
         _raise_rank_error(first_error)
-    raise LaunchError(_death_message(process.exitcode, tail.text(), threads_path))
+    raise LaunchError(_death_message(process.exitcode, tail.text(), threads))
 
 
 def _values_or_exit(values: Dict[int, Any]) -> Dict[int, Any]:
@@ -216,10 +219,10 @@ def _raise_rank_error(message):
     raise LaunchError(f"{who} raised:\n{formatted.rstrip()}", rank) from original
 
 
-def _death_message(exitcode, log_text: str, threads_path: str) -> str:
+def _death_message(exitcode, log_text: str, threads: Dict[int, int]) -> str:
     how = (f"was killed by signal {signal.Signals(-exitcode).name}"
            if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
-    stacks = _rank_stacks(log_text, threads_path)
+    stacks = _rank_stacks(log_text, threads)
     if "Termination timeout" in log_text and "RendezvousKey" in log_text:
         return (
             f"the device process {how}: XLA gave up on a collective that not every rank "
@@ -238,24 +241,17 @@ def _without_dump(log_text: str) -> str:
     return log_text.split(_DUMP_START, 1)[0]
 
 
-def _rank_stacks(log_text: str, threads_path: str, frames: int = 6) -> str:
+def _rank_stacks(log_text: str, threads: Dict[int, int], frames: int = 6) -> str:
     """Where each rank's thread stood when the process died, innermost frames first
-    (Python's own threading frames left out), read from the fault handler's dump; empty
-    when there is none."""
-    if _DUMP_START not in log_text or not os.path.exists(threads_path):
-        return ""
-    with open(threads_path) as f:
-        ranks = {int(ident): int(rank) for rank, ident in
-                 (line.split() for line in f if line.strip())}
+    (Python's own threading frames left out), read from the fault handler's dump of every
+    thread; ``threads`` maps thread ids to ranks. Empty when there is no dump."""
     found = {}
-    for block in log_text.split(_DUMP_START, 1)[1].split("\n\n"):
-        head, _, body = block.strip().partition("\n")
-        if "hread 0x" not in head:
-            continue
-        rank = ranks.get(int(head.split("hread ")[1].split()[0], 16))
+    for block in log_text.partition(_DUMP_START)[2].split("\n\n"):
+        head = re.match(r"\s*(?:Current thread|Thread) (0x[0-9a-f]+)", block)
+        rank = threads.get(int(head.group(1), 16)) if head else None
         if rank is not None:
-            found[rank] = [line.strip() for line in body.splitlines()
-                           if line.strip().startswith("File")
+            found[rank] = [line.strip() for line in block.splitlines()
+                           if line.strip().startswith("File ")
                            and "/threading.py" not in line][:frames]
     if not found:
         return ""

@@ -2,6 +2,7 @@
 
 It runs ``fn(rank, *args)`` on every device thread under the turn ring and sends the
 parent one message per event over a pipe:
+``("thread", rank, thread id)`` as each rank starts,
 ``("error", rank, pickled exception or None, formatted traceback)`` as soon as a rank
 fails, and ``("results", {rank: pickled value})`` at the end. A rank that calls
 ``sys.exit(code)`` ends there, as a process of its own would, and its value is a
@@ -38,12 +39,6 @@ def environment(num_devices: int) -> Dict[str, str]:
     }
 
 
-def rank_threads_path(stderr_path: str) -> str:
-    """The file in which each rank's thread id is written, one ``rank ident`` line per
-    rank, so that the launcher can tell whose stack is whose in a fatal error's dump."""
-    return stderr_path + ".ranks"
-
-
 def _dumps_or_none(obj: Any) -> bytes | None:
     try:
         return pickle.dumps(obj)
@@ -57,7 +52,7 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
     os.dup2(log_fd, 2)
     os.close(log_fd)
     # when XLA aborts the process (a collective not every rank joined), every thread's
-    # Python stack goes to the log too: where each rank stood (see rank_threads_path)
+    # Python stack goes to the log too; the "thread" messages say which stack is whose
     faulthandler.enable(all_threads=True)
     send_lock = threading.Lock()
 
@@ -71,7 +66,7 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
         from ...checkpoint.manager import preemption
         preemption.watch_for_preemption()  # the ranks' threads cannot; see its Note
         fn, args = pickle.loads(payload)
-        results = _run(fn, args, num_devices, send, rank_threads_path(stderr_path))
+        results = _run(fn, args, num_devices, send)
         send(("results", results))
     except BaseException as exc:  # a failure of the launcher itself, not of a rank
         send(("error", None, _dumps_or_none(exc), traceback.format_exc()))
@@ -79,7 +74,7 @@ def main(conn, payload: bytes, num_devices: int, stderr_path: str) -> None:
         conn.close()
 
 
-def _run(fn, args: tuple, num_devices: int, send, threads_path: str) -> Dict[int, bytes]:
+def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -101,8 +96,7 @@ def _run(fn, args: tuple, num_devices: int, send, threads_path: str) -> Dict[int
     results: Dict[int, bytes] = {}
 
     def run_rank(rank: int) -> None:
-        with open(threads_path, "a") as f:
-            f.write(f"{rank} {threading.get_ident()}\n")
+        send(("thread", rank, threading.get_ident()))
         torch_xla._XLAC._xla_set_default_device(devices[rank])
         guard = points.bind_rank(rank)
         try:
