@@ -26,6 +26,10 @@ class RankExit:
     code: Any
 
 
+# see [Note: collectives in program order on XLA:CPU]
+_IN_ORDER = "xla_cpu_enable_concurrency_optimized_scheduler"
+
+
 def environment(num_devices: int) -> Dict[str, str]:
     """Variables that must be set before the XLA runtime starts in the child."""
     return {
@@ -36,7 +40,28 @@ def environment(num_devices: int) -> Dict[str, str]:
         "XLA_THREAD_POOL_SIZE": str(max(64, 8 * num_devices)),
         # The asynchronous CPU client starved replicas of threads on small machines.
         "PJRT_CPU_ASYNC_CLIENT": "false",
+        "XLA_FLAGS": xla_flags(os.environ.get("XLA_FLAGS", "")),
     }
+
+
+def xla_flags(inherited: str) -> str:
+    """The parent's XLA flags, and XLA:CPU's list scheduler unless they choose one.
+
+    [Note: collectives in program order on XLA:CPU]
+    The virtual devices' collectives meet in XLA:CPU's in-process rendezvous, keyed by the
+    collective's kind and its module, not by which of the module's collectives it is: each
+    device's collectives must start one at a time and in the same order. XLA:CPU's default
+    scheduler for concurrency let a device run two collectives of one scanned step at once
+    (the all-gathers and reduce-scatters of its layer loops and those around them): the
+    rendezvous then saw three arrivals for two devices, or each device waiting first at a
+    different collective, and XLA aborted the process after 10 s. It happened in about one
+    launch in four of the matrix's scanned cells on 2 cores, and in every launch with 16
+    XLA:CPU threads (``PJRT_NPROC=16``); with the list scheduler, in none of 14. Real
+    hardware runs each device's program on its own and keeps its own order, so this exists
+    only here."""
+    if _IN_ORDER in inherited:
+        return inherited
+    return " ".join(f for f in (inherited, f"--{_IN_ORDER}=false") if f)
 
 
 def _dumps_or_none(obj: Any) -> bytes | None:

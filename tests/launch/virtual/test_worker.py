@@ -1,0 +1,38 @@
+"""The device process's environment: what XLA:CPU must be told before it starts, and a
+scanned step whose collectives stay in order on every device (see [Note: collectives in
+program order on XLA:CPU])."""
+import math
+
+import pytest
+
+from tests.support import matrix
+from xla_fsdp import launch
+from xla_fsdp.launch.virtual.worker import xla_flags
+
+
+def test_the_list_scheduler_is_added_to_inherited_flags_unless_they_choose_one():
+    assert xla_flags("") == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    assert xla_flags("--xla_backend_optimization_level=0") == (
+        "--xla_backend_optimization_level=0 "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    chosen = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    assert xla_flags(chosen) == chosen
+
+
+@pytest.mark.slow
+def test_a_scanned_step_keeps_its_collectives_in_order_with_many_xla_threads(
+        monkeypatch, tmp_path):
+    # With 16 XLA:CPU threads and the default scheduler, every launch of these steps
+    # aborted within seconds (a rendezvous with three arrivals for two devices).
+    monkeypatch.setenv("PJRT_NPROC", "16")
+    cell = matrix.Cell("scanned", "default", "AdamW", False, "dcp", "same")
+    out = launch(_train_repeatedly, (cell, str(tmp_path), 4), num_devices=2)
+    assert out[0] == out[1]
+    assert len(out[0]) == 4 and all(math.isfinite(x) for losses in out[0] for x in losses)
+
+
+def _train_repeatedly(rank, cell, root, times):
+    results = [matrix.run_cells(rank, [cell], root)[cell] for _ in range(times)]
+    for r in results:
+        assert "refused" not in r, r["refused"]
+    return [r["losses"] for r in results]
