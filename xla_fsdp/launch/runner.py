@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from .._xla.hardware import torch_xla_device_type_quietly
 from ..checkpoint.manager import preemption
 from ..compat.patch import patch_if_requested
-from .environment import environment_for_child
+from . import process_start
 from .virtual import worker
 
 DEFAULT_VIRTUAL_DEVICES = 4
@@ -148,15 +148,11 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     name the stacks of a fatal error's dump), ``("error", rank, pickled exception or None,
     traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at the
     end; it writes its fd 2 to ``log_path``, which is forwarded to our stderr."""
-    ctx = multiprocessing.get_context("spawn")
-    receiver, sender = ctx.Pipe(duplex=False)
+    receiver, sender = multiprocessing.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile("w+b", prefix="xla_fsdp_launch_", suffix=".log",
                                      delete=False) as log:
         log_path = log.name
-    with environment_for_child(env):  # before torch_xla starts in the child
-        process = ctx.Process(target=target, name="xla_fsdp-devices",
-                              args=(sender,) + tuple(target_args) + (log_path,))
-        process.start()
+    process = process_start.start(target, (sender,) + tuple(target_args) + (log_path,), env)
     sender.close()
     tail = _LogTail(log_path)
     # a preemption notice to this process is the devices' (see [Note: who installs the
