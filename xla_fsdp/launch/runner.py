@@ -142,8 +142,8 @@ def picklable_call(fn: Callable[..., Any], args: tuple) -> bytes:
 
 def run_device_process(target: Callable[..., None], target_args: tuple,
                        env: Dict[str, str]) -> Dict[int, Any]:
-    """Runs ``target(sender, *target_args, log_path)`` in a spawned child process born with
-    ``env``, and returns the ``{rank: value}`` it reports. The child reports over
+    """Runs ``target(sender, *target_args, log_path)`` in a child process that starts with
+    ``env`` (``process_start``), and returns the ``{rank: value}`` it reports. The child reports over
     ``sender`` as ``worker`` does: ``("thread", rank, thread id)`` as a rank starts (to
     name the stacks of a fatal error's dump), ``("error", rank, pickled exception or None,
     traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at the
