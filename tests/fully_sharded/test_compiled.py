@@ -18,12 +18,10 @@ from xla_fsdp import launch
 
 from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
                                           traced_programs)
+from ..support.bounds import LOSS, PARAM, precision
 from ..support.models import DIM, HIDDEN
 from ..support.parity import paired
 
-# fp32: the parity bounds; bf16: the parity settings' bf16 bounds (tests/support/parity.py)
-LOSS_RTOL = {False: 1e-5, True: 3e-2}
-PARAM_ATOL = {False: 1e-5, True: 5e-2}
 NET = [n for n, (_, _, extra) in SETTINGS.items() if not extra.get("llama")]
 LLAMA = [n for n, (_, _, extra) in SETTINGS.items() if extra.get("llama")]
 
@@ -49,12 +47,12 @@ def _unsharded_problems(results, world, name):
     """Against the unsharded run: the full parameters, and the ranks' mean loss (the global
     batch's loss; not under no_sync, whose recorded loss is the second micro-batch's)."""
     ref = results[0]["unsharded"]
-    low = "compute_dtype" in SETTINGS[name][1]
+    bound = precision(SETTINGS[name][1].get("compute_dtype"))
     problems = []
     if not SETTINGS[name][2].get("no_sync"):
         for step, want in enumerate(ref["losses"]):
             got = sum(r[name]["losses"][step] for r in results.values()) / world
-            if abs(got - want) > LOSS_RTOL[low] * abs(want):
+            if abs(got - want) > LOSS[bound] * abs(want):
                 problems.append(f"step {step}: mean loss {got} vs unsharded {want}")
     full = results[0][name]["full"]
     if sorted(full) != sorted(ref["full"]):
@@ -62,7 +60,7 @@ def _unsharded_problems(results, world, name):
     else:
         for key, value in ref["full"].items():
             diff = (full[key].float() - value.float()).abs().max().item()
-            if diff > PARAM_ATOL[low]:
+            if diff > PARAM[bound]:
                 problems.append(f"{key}: differs from unsharded by {diff}")
     return problems
 
@@ -70,16 +68,16 @@ def _unsharded_problems(results, world, name):
 def _problems(results, name):
     ref = results[_reference(name)]
     got = results[name]
-    low = "compute_dtype" in SETTINGS[name][1]
+    bound = precision(SETTINGS[name][1].get("compute_dtype"))
     problems = []
     if sorted(got["full"]) != sorted(ref["full"]):
         problems.append(f"parameter names differ: {sorted(got['full'])} vs {sorted(ref['full'])}")
     for step, (a, b) in paired(got["losses"], ref["losses"]):
-        if abs(a - b) > LOSS_RTOL[low] * abs(b):
+        if abs(a - b) > LOSS[bound] * abs(b):
             problems.append(f"step {step}: loss {a} vs eager {b}")
     for key, value in ref["full"].items():
         diff = (got["full"][key].float() - value.float()).abs().max().item()
-        if diff > PARAM_ATOL[low]:
+        if diff > PARAM[bound]:
             problems.append(f"{key}: differs from eager by {diff}")
     frames, graphs = got["per_step"][0]
     if frames == 0:

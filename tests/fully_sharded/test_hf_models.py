@@ -23,6 +23,7 @@ import torch
 from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 
+from ..support.bounds import LOSS, PARAM
 from ..support.hf_architectures import (ARCHITECTURES, EXPERTS, GLOBAL_BATCH, STEPS, build,
                                         moe_batch, rank_slice, tokens_per_expert,
                                         train_and_compare)
@@ -30,7 +31,7 @@ from ..support.parity import paired
 
 pytestmark = pytest.mark.slow
 
-LOSS_BOUND, PARAM_BOUND = 1e-5, 1e-5
+LOSS_BOUND, PARAM_BOUND = LOSS["float32"], PARAM["float32"]   # [Note: parity bounds]
 # compiled with the suite's fast flags (tests/conftest.py)
 WORLDS = [2, 4]
 NAMES = list(ARCHITECTURES)

@@ -1,5 +1,6 @@
 """FSDP at N = 1, 2, 4, 8 trains like the unsharded model on one device, step by step, in
-every setting of ``tests/support/parity.py`` (bounds in its docstring).
+every setting of ``tests/support/parity.py``, within the suite's bounds ([Note: parity bounds]
+in ``tests/support/bounds.py``), which are checked here too.
 
 Every rank compiles the same step graph: the launcher raises ``DivergentGraphs`` when a rank
 other than 0 compiles at a collective point, so a passing launch proves it.
@@ -9,6 +10,8 @@ import torch
 
 from xla_fsdp import launch
 
+from ..support.bounds import parameter_problems
+from ..support.models import Net, forward_in
 from ..support.parity import SETTINGS, compare, train
 
 
@@ -37,3 +40,38 @@ def test_parity_with_unsharded(reference, world):
                 if not torch.equal(value, results[0][name]["params"][key]):
                     problems.append(f"{name}: rank {rank} {key} differs from rank 0")
     assert not problems, "\n".join(problems)
+
+
+def test_the_low_precision_reference_computes_as_a_bf16_unit_and_steps_float32_masters():
+    torch.manual_seed(0)
+    model, x = Net(batchnorm=True), torch.randn(4, 32)
+    copy = Net(batchnorm=True).to(torch.bfloat16)
+    copy.load_state_dict(model.state_dict())
+    copy.bn.float()   # BatchNorm computes in float32, between bf16 neighbours
+    copy.bn.register_forward_pre_hook(lambda _m, args: (args[0].float(),))
+    copy.bn.register_forward_hook(lambda _m, _args, out: out.to(torch.bfloat16))
+    got = forward_in(model, x, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, copy(x.to(torch.bfloat16)))
+    got.float().sum().backward()
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    assert torch.equal(forward_in(model, x), model(x))   # float32: the model itself
+
+
+def test_the_bounds_catch_a_wrong_shard_in_either_precision():
+    want = {"w": torch.zeros(20, 10)}
+    shard = {"w": torch.zeros(20, 10).index_fill_(0, torch.arange(10), 2e-2)}  # a rank's rows
+    flipped = {"w": torch.zeros(20, 10)}
+    flipped["w"][0, 0] = 2e-2   # one weight of 200: an adaptive step taken the other way
+    too_far = {"w": torch.zeros(20, 10)}
+    too_far["w"][0, 0] = 5e-2
+    for key in ("float32", "low"):
+        assert parameter_problems(shard, want, key) and parameter_problems(
+            shard, want, key, moved=4e-2), key
+        assert parameter_problems(flipped, want, key), key   # SGD moves no weight so far
+        assert parameter_problems(flipped, want, key, moved=4e-2) == [], key
+        assert parameter_problems(too_far, want, key, moved=4e-2), key
+    # two of a LayerNorm's 32 weights a step apart: bf16 rounding, float32 never
+    norm = {"w": torch.zeros(32)}
+    two = {"w": torch.zeros(32).index_fill_(0, torch.tensor([3, 17]), 2e-2)}
+    assert parameter_problems(two, norm, "float32", moved=4e-2)
+    assert parameter_problems(two, norm, "low", moved=4e-2) == []

@@ -33,7 +33,8 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from .models import GLOBAL_BATCH, Block, batch, build_model, loss_fn
+from .bounds import loss_problems, parameter_problems, precision
+from .models import GLOBAL_BATCH, Block, batch, build_model, forward_in, loss_fn
 
 KIND = "stack"          # inp, three blocks in a ModuleList, head: the shape every recipe takes
 STEPS = 2               # before the save, and again after it (in the run and each resume)
@@ -188,7 +189,8 @@ def _split(option: str, world: int, rank: int) -> Tuple[int, int]:
     return split, rank % split
 
 
-def _train(model, opt, steps, option: str, world: int, rank: int) -> List[float]:
+def _train(model, opt, steps, option: str, world: int, rank: int,
+           compute_dtype: Optional[torch.dtype] = None) -> List[float]:
     import torch_xla
     import torch_xla.core.xla_model as xm
     device = torch_xla.device()
@@ -199,7 +201,7 @@ def _train(model, opt, steps, option: str, world: int, rank: int) -> List[float]
         x, y = batch(KIND, step)
         x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
         opt.zero_grad()
-        loss = loss_fn(KIND, model(x.to(device)), y.to(device))
+        loss = loss_fn(KIND, forward_in(model, x.to(device), compute_dtype), y.to(device))
         loss.backward()
         opt.step()
         loss = loss.detach()
@@ -334,47 +336,47 @@ def resume_cells(rank: int, cells: Sequence[Cell], root: str) -> Dict:
     return _each(rank, cells, lambda cell: resume(cell, root, world, rank), "resuming")
 
 
-def reference(rank: int, optimizers: Sequence[Tuple[str, bool]]) -> Dict:
-    """Each (optimizer, foreach)'s run of the unsharded model on one device."""
+def _compute_dtype(cell: Cell) -> Optional[torch.dtype]:
+    return OPTIONS[cell.option].get("compute_dtype")
+
+
+def reference(rank: int, runs: Sequence[Tuple[str, bool, Optional[torch.dtype]]]) -> Dict:
+    """Each (optimizer, foreach, compute dtype)'s run of the unsharded model on one device,
+    computing in that dtype as a unit does (``forward_in``)."""
     import torch_xla
     device = torch_xla.device()
     out = {}
-    for name, foreach in optimizers:
+    for name, foreach, dtype in runs:
         torch.manual_seed(0)
         model = build_model(KIND).to(device)
         opt = make_optimizer(name, foreach, model.parameters())
-        losses = _train(model, opt, range(2 * STEPS), "default", 1, 0)
-        out[name, foreach] = {"losses": losses, "params": {
+        losses = _train(model, opt, range(2 * STEPS), "default", 1, 0, dtype)
+        out[name, foreach, dtype] = {"losses": losses, "params": {
             k: v.detach().cpu() for k, v in model.named_parameters()}}
     return out
 
 
 # -- judging ---------------------------------------------------------------------------------------
+def _moved(optimizer: str, steps: int) -> Optional[float]:
+    """Twice the most an adaptive optimizer's steps can move a weight in all, None for SGD
+    ([Note: parity bounds]). A step moves a weight by at most lr, except RMSprop's (lr /
+    sqrt(1 - alpha), 10 lr, for a gradient above its running root mean square, as every
+    first one is) and Rprop's (lr, growing by 1.2 each step)."""
+    if optimizer == "SGD":
+        return None
+    lr = _lr(optimizer)
+    if optimizer == "RMSprop":
+        return 2 * steps * lr / (1 - 0.99) ** 0.5
+    growth = 1.2 if optimizer == "Rprop" else 1.0
+    return 2 * lr * sum(growth ** k for k in range(steps))
+
+
 def differences(cell: Cell, got_losses, got_params, ref_losses, ref_params) -> List[str]:
-    """Where a run differs from the reference beyond the suite's parity bounds
-    (``tests/support/parity.py``): 1e-5 relative on losses, 1e-5 on parameters; an
-    adaptive optimizer may move a weight whose gradient is zero up to rounding by up to its
-    learning rate each step, in at most 1% of the weights; bf16 compute 3e-2 and 5e-2."""
-    bf16 = cell.option == "bf16"
-    loss_bound, param_bound = (3e-2, 5e-2) if bf16 else (1e-5, 1e-5)
-    problems = []
-    if len(got_losses) != len(ref_losses):
-        problems.append(f"{len(got_losses)} losses against the reference's {len(ref_losses)}")
-    for step, (a, b) in enumerate(zip(got_losses, ref_losses)):
-        if not abs(a - b) <= loss_bound * abs(b):
-            problems.append(f"loss {a:.7g} vs {b:.7g} at step {step}")
-    if set(got_params) != set(ref_params):
-        return problems + [f"parameters {sorted(set(got_params) ^ set(ref_params))}"]
-    for key, want in ref_params.items():
-        diff = (got_params[key] - want).abs()
-        if cell.optimizer != "SGD" and not bf16:
-            moved = 2 * _lr(cell.optimizer) * 2 * STEPS   # in either run, every step
-            if not (diff.max() <= moved and (diff > 1e-5).float().mean() <= 0.01):
-                problems.append(f"{key} max diff {diff.max():.3g}, "
-                                f"{(diff > 1e-5).float().mean():.2%} beyond 1e-5")
-        elif not diff.max() <= param_bound:
-            problems.append(f"{key} max diff {diff.max():.3g}")
-    return problems
+    """Where a run differs from the reference (which computes in the cell's dtype) beyond
+    the suite's parity bounds ([Note: parity bounds] in ``bounds.py``)."""
+    key = precision(_compute_dtype(cell))
+    return loss_problems(got_losses, ref_losses, key) + parameter_problems(
+        got_params, ref_params, key, _moved(cell.optimizer, 2 * STEPS))
 
 
 def _refusal(result: Dict, expected: str) -> Tuple[str, List[str]]:
@@ -415,8 +417,8 @@ def run(cells: Sequence[Cell], world: int = 2, other_world: int = 4):
     ({cell: outcome}, {cell: problems} for the cells that failed)."""
     import tempfile
     from xla_fsdp import launch
-    refs = launch(reference, (sorted({(c.optimizer, c.foreach) for c in cells}),),
-                  num_devices=1)[0]
+    refs = launch(reference, (list({(c.optimizer, c.foreach, _compute_dtype(c)): None
+                                    for c in cells}),), num_devices=1)[0]
     with tempfile.TemporaryDirectory() as root:
         trained = launch(run_cells, (list(cells), root), num_devices=world)[0]
         later = [c for c in cells if c.resumed_at == "other" and "params" in trained[c]
@@ -428,7 +430,7 @@ def run(cells: Sequence[Cell], world: int = 2, other_world: int = 4):
         got = trained[cell]
         outcomes[cell], problems = judge(
             cell, got, resumed.get(cell, got.get("resumed")),
-            refs[cell.optimizer, cell.foreach], world,
+            refs[cell.optimizer, cell.foreach, _compute_dtype(cell)], world,
             other_world if cell.resumed_at == "other" else world)
         if problems:
             failures[cell] = problems

@@ -127,6 +127,29 @@ class Stack(nn.Module):
         return self.head(x)
 
 
+def forward_in(model, x, dtype=None):
+    """``model(x)`` unsharded, computing as a unit with ``compute_dtype=dtype`` does: from
+    ``dtype`` copies of the float32 parameters and floating inputs, the gradients reaching
+    the float32 masters through the casts; BatchNorm in float32, its input cast up and its
+    output down. The reference of the low-precision settings whose models hold no attention
+    (which a unit computes its own way)."""
+    if dtype in (None, torch.float32):
+        return model(x)
+    batch_norms = [m for m in model.modules() if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d,
+                                                            nn.BatchNorm3d))]
+    kept = {id(p) for m in batch_norms for p in m.parameters()}
+    params = {k: p if id(p) in kept else p.to(dtype) for k, p in model.named_parameters()}
+    hooks = [h for m in batch_norms for h in (
+        m.register_forward_pre_hook(lambda _m, args: tuple(a.float() for a in args)),
+        m.register_forward_hook(lambda _m, _args, out: out.to(dtype)))]
+    try:
+        return torch.func.functional_call(model, params, (x.to(dtype) if x.is_floating_point()
+                                                          else x,))
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 def build_model(kind):
     if kind.startswith("stack"):
         return Stack(block=MaskedBlock if kind == "stack_masked" else Block)
