@@ -18,9 +18,8 @@ from xla_fsdp import launch
 
 from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
                                           traced_programs)
-from ..support.bounds import LOSS, PARAM, precision
+from ..support.bounds import loss_problems, parameter_problems, precision
 from ..support.models import DIM, HIDDEN
-from ..support.parity import paired
 
 NET = [n for n, (_, _, extra) in SETTINGS.items() if not extra.get("llama")]
 LLAMA = [n for n, (_, _, extra) in SETTINGS.items() if extra.get("llama")]
@@ -50,35 +49,21 @@ def _unsharded_problems(results, world, name):
     bound = precision(SETTINGS[name][1].get("compute_dtype"))
     problems = []
     if not SETTINGS[name][2].get("no_sync"):
-        for step, want in enumerate(ref["losses"]):
-            got = sum(r[name]["losses"][step] for r in results.values()) / world
-            if abs(got - want) > LOSS[bound] * abs(want):
-                problems.append(f"step {step}: mean loss {got} vs unsharded {want}")
-    full = results[0][name]["full"]
-    if sorted(full) != sorted(ref["full"]):
-        problems.append(f"parameter names differ from the unsharded model's: {sorted(full)}")
-    else:
-        for key, value in ref["full"].items():
-            diff = (full[key].float() - value.float()).abs().max().item()
-            if diff > PARAM[bound]:
-                problems.append(f"{key}: differs from unsharded by {diff}")
-    return problems
+        means = [sum(r[name]["losses"][step] for r in results.values()) / world
+                 for step in range(len(ref["losses"]))]
+        problems += [f"against unsharded: {p}" for p in
+                     loss_problems(means, ref["losses"], bound, "mean loss")]
+    return problems + [f"against unsharded: {p}" for p in
+                       parameter_problems(results[0][name]["full"], ref["full"], bound)]
 
 
 def _problems(results, name):
     ref = results[_reference(name)]
     got = results[name]
     bound = precision(SETTINGS[name][1].get("compute_dtype"))
-    problems = []
-    if sorted(got["full"]) != sorted(ref["full"]):
-        problems.append(f"parameter names differ: {sorted(got['full'])} vs {sorted(ref['full'])}")
-    for step, (a, b) in paired(got["losses"], ref["losses"]):
-        if abs(a - b) > LOSS[bound] * abs(b):
-            problems.append(f"step {step}: loss {a} vs eager {b}")
-    for key, value in ref["full"].items():
-        diff = (got["full"][key].float() - value.float()).abs().max().item()
-        if diff > PARAM[bound]:
-            problems.append(f"{key}: differs from eager by {diff}")
+    problems = [f"against eager: {p}" for p in
+                loss_problems(got["losses"], ref["losses"], bound)
+                + parameter_problems(got["full"], ref["full"], bound)]
     frames, graphs = got["per_step"][0]
     if frames == 0:
         problems.append("Dynamo compiled nothing: the model did not run compiled")
