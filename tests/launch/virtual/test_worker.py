@@ -7,7 +7,7 @@ import pytest
 
 from tests.support import matrix
 from xla_fsdp import launch
-from xla_fsdp.launch.virtual.worker import xla_flags
+from xla_fsdp.launch.virtual.worker import MAPS_PER_PROGRAM, environment, xla_flags
 
 
 def test_the_list_scheduler_is_added_to_inherited_flags_unless_they_choose_one():
@@ -17,6 +17,38 @@ def test_the_list_scheduler_is_added_to_inherited_flags_unless_they_choose_one()
         "--xla_cpu_enable_concurrency_optimized_scheduler=false")
     chosen = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
     assert xla_flags(chosen) == chosen
+
+
+def test_the_compiled_programs_kept_fit_in_half_the_process_memory_maps():
+    # see [Note: compiled programs within the process's memory maps]
+    per_program, kept, limit = launch(_maps_per_compiled_program, (24,), num_devices=1)[0]
+    assert 10 < per_program <= MAPS_PER_PROGRAM, per_program
+    assert kept * per_program < limit / 2, (kept, per_program, limit)
+
+
+def test_a_users_compilation_cache_size_is_kept(monkeypatch):
+    monkeypatch.setenv("XLA_COMPILATION_CACHE_SIZE", "100")
+    assert environment(2)["XLA_COMPILATION_CACHE_SIZE"] == "100"
+
+
+def _maps_per_compiled_program(rank, graphs):
+    import os
+
+    import torch
+    import torch_xla
+
+    def maps():
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    torch_xla.sync()
+    before = maps()
+    for i in range(graphs):
+        x = torch.ones(8 + i, 16, device=torch_xla.device())
+        (torch.relu(x @ x.T).sum(0).softmax(0) * 3).sum().item()
+    with open("/proc/sys/vm/max_map_count") as f:
+        limit = int(f.read())
+    return (maps() - before) / graphs, int(os.environ["XLA_COMPILATION_CACHE_SIZE"]), limit
 
 
 @pytest.mark.slow

@@ -41,7 +41,42 @@ def environment(num_devices: int) -> Dict[str, str]:
         # The asynchronous CPU client starved replicas of threads on small machines.
         "PJRT_CPU_ASYNC_CLIENT": "false",
         "XLA_FLAGS": xla_flags(os.environ.get("XLA_FLAGS", "")),
+        _KEPT: os.environ.get(_KEPT) or str(programs_kept(_max_map_count())),
     }
+
+
+# see [Note: compiled programs within the process's memory maps]
+_KEPT = "XLA_COMPILATION_CACHE_SIZE"
+# a program's memory maps, measured: 40 for a small step's graph on XLA:CPU, more for
+# large ones; this leaves room for both
+MAPS_PER_PROGRAM = 64
+
+
+def programs_kept(max_map_count: int) -> int:
+    """How many compiled programs the device process keeps, so that they fit in half of
+    the kernel's limit on its memory maps.
+
+    [Note: compiled programs within the process's memory maps]
+    XLA:CPU maps each compiled program's machine code into the process in pieces, about
+    40 memory maps for a small graph, and unmaps them when torch_xla's compilation cache
+    evicts the program. That cache keeps 2,048 programs by default: 80,000 maps or more,
+    beyond Linux's default limit of 65,530 per process (``vm.max_map_count``). A launch
+    that compiles that many graphs (a matrix of many cells, an optimizer that syncs per
+    tensor) then had LLVM fail with "Cannot allocate memory" and the process die of
+    SIGSEGV. The device process keeps fewer programs instead: 511 at the default limit,
+    more where the limit is higher. A launch's steps reuse far fewer programs than that
+    (its graphs times its devices), so eviction only drops programs of finished work. A
+    user's own ``XLA_COMPILATION_CACHE_SIZE`` wins. On a TPU the program lives on the
+    device, not in the host's maps, and torch_xla's launchers keep their default."""
+    return max(64, min(2048, max_map_count // 2 // MAPS_PER_PROGRAM))
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
 
 
 def xla_flags(inherited: str) -> str:
