@@ -17,7 +17,7 @@ check values, so a barrier issued where it should not be fails on the CPU tensor
 """
 import contextlib
 import copy
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -117,10 +117,15 @@ class FakeWorld:
     """``world_size`` copies of ``model`` (which stays as it is: the unwrapped reference),
     each sharded for its rank; ``params[r]`` is rank ``r``'s ``UnitParams`` over its shard
     groups ``shard_groups[r]`` and modules ``modules[r]``, and ``found[r]`` the members
-    construction found there (their original parameters, owners and names)."""
+    construction found there (their original parameters, owners and names).
+
+    A world shards the module at ``path`` below each rank's copy. Nested units share their
+    copies: the inner unit's world first, then ``FakeWorld(model, modules=inner.modules)``
+    shards what the inner one left, as an outer unit's construction does."""
 
     def __init__(self, model: nn.Module, world_size: int = 2, *,
                  compute_dtype: torch.dtype = torch.float32, peer_scale: float = 3.0,
+                 path: str = "", modules: Optional[List[nn.Module]] = None,
                  **option_overrides) -> None:
         self.reference = model
         self.world_size = world_size
@@ -132,8 +137,8 @@ class FakeWorld:
         for rank in range(world_size):
             options = fsdp_options(world_size, rank, compute_dtype=compute_dtype,
                                    **option_overrides)
-            module = copy.deepcopy(model)
-            found = find_parameters([("", module)], None)
+            module = copy.deepcopy(model) if modules is None else modules[rank]
+            found = find_parameters([(path, module.get_submodule(path))], None)
             shard_groups = [
                 build_shard_group(members, index, flatten=options.flatten_parameters,
                                   dim0=options.shard_param_on_dim_0, world_size=world_size,
