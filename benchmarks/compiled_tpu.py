@@ -37,7 +37,7 @@ def record_programs(rank, mode, layers, dim):
     import torch_xla
 
     from scripts.bench.model import Config, batch, build_model, wrap
-    from xla_fsdp.aot.traced.compiled_programs import compiled_programs
+    from scripts.bench.compiled_programs import compiled_programs
     from xla_fsdp.aot.traced.step_graphs import StepGraphs
 
     cfg = Config(layers=layers, dim=dim, steps=STEPS)

@@ -271,7 +271,7 @@ def traced_programs(rank, world):
     from torch._dynamo.backends.torchxla import openxla_eval_boxed
 
     from xla_fsdp import FSDP
-    from xla_fsdp.aot.traced.compiled_programs import compiled_programs
+    from scripts.bench.compiled_programs import compiled_programs
     device = torch_xla.device()
     out = {"saved": {}}
     for reshard in (True, False):

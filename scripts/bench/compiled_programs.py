@@ -1,13 +1,15 @@
 """The programs torch_xla's ``torch.compile`` bridge compiles: each region's HLO, as the
 bridge hands it to XLA, so that a compiled step can be compiled again by libtpu
-(``benchmarks/compiled_tpu.py``). A traced process (``process.py``) cannot plan such a step:
-the bridge runs its programs, which a traced process never does."""
+(``benchmarks/compiled_tpu.py``) and a test can read them. A traced process
+(``xla_fsdp/aot/traced/process.py``) cannot plan such a step: the bridge runs its programs,
+which a traced process never does. It swaps a private torch_xla binding for the block, so it
+lives with the benchmarks and tests that use it, not in the package."""
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator, List
 
-from ..._xla.private_api import graph_hlo
+from xla_fsdp._xla.private_api import graph_hlo
 
 
 @contextlib.contextmanager
