@@ -78,7 +78,15 @@ def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, b
 
 @dataclass(frozen=True)
 class _FilePrefix:
-    """What ``FileSystemWriter.write_data`` names a rank's files after."""
+    """What ``FileSystemWriter.write_data`` names a rank's files after.
+
+    [Note: naming DCP's files]
+    A save names each of its files itself, so that a failed save removes exactly its own
+    files and a committed one keeps exactly those ``.metadata`` lists. DCP's writer has no
+    public way to be told a name: it reads ``plan.storage_data.prefix`` (a private class in
+    torch 2.9, given here by its one attribute) and writes ``{prefix}{n}.distcp``. That is
+    checked on every write (``_check_names``), so a torch whose writer names its files
+    otherwise fails the save with the file it wrote, and leaves nothing behind."""
     prefix: str
 
 
@@ -193,7 +201,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
         prefix = f"{plan.storage_data.prefix}{i}_"
         part = dataclasses.replace(plan, items=items, storage_data=_FilePrefix(prefix))
         try:
-            results += writer.write_data(part, planner).value()
+            written_now = writer.write_data(part, planner).value()
         except Exception as exc:
             directory = os.fspath(writer.path)
             partial = [os.path.join(directory, n) for n in _names(directory, prefix)]
@@ -205,7 +213,26 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
                 raise
             raise no_space_error(name, exc, sum(size(item) for item in items),
                                  written=written) from exc
+        _check_names(os.fspath(writer.path), prefix, written_now)
+        results += written_now
     return results
+
+
+def _check_names(directory: str, prefix: str, results: List[WriteResult]) -> None:
+    """Raises, having removed them, if DCP's writer named files other than ``prefix``'s
+    (see [Note: naming DCP's files])."""
+    names = {r.storage_data.relative_path for r in results}
+    other = sorted(n for n in names if not (n.startswith(prefix) and n.endswith(SUFFIX)))
+    if other:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(directory, name))
+        raise RuntimeError(
+            f"torch.distributed.checkpoint's FileSystemWriter (torch {torch.__version__}) "
+            f"wrote {os.path.join(directory, other[0])}, where xla_fsdp expects "
+            f"{prefix}<n>{SUFFIX}: this torch names DCP's files in a way xla_fsdp does not "
+            f"know, so it cannot tell its own files from others'. The save was undone; "
+            f"xla_fsdp is tested with torch 2.9")
 
 
 def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
