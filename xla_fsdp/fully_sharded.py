@@ -39,7 +39,7 @@ from ._unit.options import FsdpOptions, default_predivide_factor
 from ._unit.param_record import Owner
 from ._unit.shard_group import ShardGroup, build_shard_group
 from ._unit.training_state import TrainingState
-from ._unit.unit_params import UnitParams
+from ._unit.unit_params import FullParams, UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
 from ._xla.private_api import CollectiveBindings
@@ -288,7 +288,7 @@ class XlaFullyShardedDataParallel(FallThrough):
 
     @property
     def has_full_params(self) -> bool:
-        return self._state.has_full_params
+        return self._state.params.state is FullParams.UNSHARDED
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -350,7 +350,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         headroom, so there both divisions happen after it."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
-            unit._state.set_divide(pre, post)
+            unit._state.params.set_divide(float(pre), float(post))
 
     # -- explicit control (FSDP2's names) ---------------------------------------------------
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
@@ -369,7 +369,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         load) has changed since they were gathered are gathered again, never reused."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recurse else [self]):
-            unit._state.set_reshard_after_backward(reshard_after_backward)
+            unit._state.params.set_reshard_after_backward(bool(reshard_after_backward))
 
     def set_modules_to_forward_prefetch(
             self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
@@ -418,14 +418,14 @@ class XlaFullyShardedDataParallel(FallThrough):
         ``model.zero_grad()``) before a synchronised backward is dropped, as the unsharded
         gradients would be."""
         self.check_root_call("no_sync")
-        saved = [(u._state, u._state.params.sync_gradients) for u in self.units()]
-        for state, _ in saved:
-            state.set_require_grad_sync(False)
+        saved = [(u._state.params, u._state.params.sync_gradients) for u in self.units()]
+        for params, _ in saved:
+            params.set_sync_gradients(False)
         try:
             yield
         finally:
-            for state, flag in saved:
-                state.set_require_grad_sync(flag)
+            for params, flag in saved:
+                params.set_sync_gradients(flag)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0,
@@ -465,7 +465,7 @@ class XlaFullyShardedDataParallel(FallThrough):
         """Also drops full gradients a ``no_sync`` backward left unreduced."""
         super().zero_grad(set_to_none)
         for unit in self.units():
-            unit._state.drop_abandoned()
+            unit._state.params.drop_abandoned()
 
     def get_original_names_and_sharded_parameters(self) -> List[Tuple[str, nn.Parameter]]:
         """(name in the unwrapped model, shard) for every shard of every unit in this tree."""

@@ -21,6 +21,7 @@ from .._xla.private_api import in_backward, queue_backward_callback
 from .host_offload import fetch_gradients
 from .shard_group import ShardGroup
 from .training_state import TrainingState
+from .unit_params import UnitParams
 
 
 class Participant(Protocol):
@@ -32,6 +33,8 @@ class Participant(Protocol):
     members: List[nn.Module]
     training_state: TrainingState
 
+    params: UnitParams
+
     @property
     def shard_groups(self) -> List[ShardGroup]: ...
 
@@ -40,10 +43,6 @@ class Participant(Protocol):
     def traceable(self) -> bool: ...
 
     def finish_backward(self) -> None: ...
-
-    def shard_gradients(self) -> List[torch.Tensor]: ...
-
-    def run_reductions(self) -> None: ...
 
     def abandon_pass(self) -> None: ...
 
@@ -134,7 +133,7 @@ class RootContext:
         for state in self.states:
             state.finish_backward()
         if self._barrier:
-            grads = [g for s in self.states for g in s.shard_gradients()]
+            grads = [g for s in self.states for g in s.params.shard_gradients()]
             optimization_barrier(grads + self.backward_barrier)
         self.backward_barrier.clear()
         if self._sync:

@@ -134,24 +134,12 @@ class UnitState:
         for i, r in enumerate(shard_group.records):
             r.hook_gradient(functools.partial(_gradient_arrived, state, held, i))
 
-    def shard_gradients(self) -> List[torch.Tensor]:
-        return self.params.shard_gradients()
-
     # -- settings (the public API's setters) -------------------------------------------------
-    # The reduction's settings are the unit's parameters' (``UnitParams``), which decide
-    # with them; these read and set them.
+    # The reduction's own settings (``set_divide``, ``set_sync_gradients``,
+    # ``set_reshard_after_backward``) are set on ``params``, which decides with them.
     def set_reshard_after_forward(self, value: bool) -> None:
         self.explicit_reshard_after_forward = bool(value)
         self._update_reshard_after_forward()
-
-    def set_reshard_after_backward(self, value: bool) -> None:
-        self.params.set_reshard_after_backward(bool(value))
-
-    def set_require_grad_sync(self, value: bool) -> None:
-        self.params.set_sync_gradients(bool(value))
-
-    def set_divide(self, pre: float, post: float) -> None:
-        self.params.set_divide(float(pre), float(post))
 
     def set_prefetch(self, forward: Optional[List["UnitState"]] = None,
                      backward: Optional[List["UnitState"]] = None) -> None:
@@ -169,13 +157,6 @@ class UnitState:
 
     def reshard_now(self) -> None:
         self.params.reshard(self.shard_groups, [], self.options.optimization_barrier_in_forward)
-
-    def drop_abandoned(self) -> None:
-        self.params.drop_abandoned()
-
-    @property
-    def has_full_params(self) -> bool:
-        return self.params.state is FullParams.UNSHARDED
 
     # -- structure -------------------------------------------------------------------------
     @property
@@ -416,7 +397,7 @@ class UnitState:
         prefetch = [] if compiled else [s.params for s in self.backward_prefetch]
         if compiled:  # the reductions held so far, before this unit's compiled backward
             for state in context.states:
-                state.run_reductions()
+                state.params.run_reductions()
         if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
                                prefetch, run_now=compiled):
             context.backward_barrier.clear()
@@ -448,10 +429,7 @@ class UnitState:
             self._took_part = True
             if self.params.post_backward(shard_group, index, hold=self._compiled) \
                     and self._compiled:
-                self.run_reductions()  # the unit's last: all of them, as one execution
-
-    def run_reductions(self) -> None:
-        self.params.run_reductions()
+                self.params.run_reductions()  # the unit's last: all of them, as one execution
 
     def finish_backward(self) -> None:
         """The end of a backward, for every unit of the model (from the root context)."""
