@@ -36,7 +36,12 @@ import torch
 from .bounds import loss_problems, parameter_problems, precision
 from .models import GLOBAL_BATCH, Block, batch, build_model, forward_in, loss_fn
 
-KIND = "stack"          # inp, three blocks in a ModuleList, head: the shape every recipe takes
+# The model (a kind of ``models.Stack``: inp, three blocks in a ModuleList, head, the shape
+# every recipe takes) and the seed of its initial weights and data: the suite's are "stack"
+# and 0; ``--model`` and ``--seed`` run the same matrix on others. Read from the environment,
+# which the launched device processes inherit.
+KIND = os.environ.get("XLA_FSDP_MATRIX_MODEL", "stack")
+SEED = int(os.environ.get("XLA_FSDP_MATRIX_SEED", "0"))
 STEPS = 2               # before the save, and again after it (in the run and each resume)
 LR = 1e-2               # RMSprop's first step moves every weight by 10 * lr: 1e-3 for it
 
@@ -198,7 +203,7 @@ def _train(model, opt, steps, option: str, world: int, rank: int,
     local = GLOBAL_BATCH // split
     losses = []
     for step in steps:
-        x, y = batch(KIND, step)
+        x, y = batch(KIND, step + 1000 * SEED)
         x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
         opt.zero_grad()
         loss = loss_fn(KIND, forward_in(model, x.to(device), compute_dtype), y.to(device))
@@ -264,7 +269,7 @@ def resume(cell: Cell, root: str, world: int, rank: int) -> Dict:
     trains the second half of the steps; from a Hugging Face directory, the model alone is
     loaded and compared with what was saved."""
     result = {}
-    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=1))
+    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=SEED + 1))
     if built is None:
         return result
     model, opt = built
@@ -285,7 +290,7 @@ def _trained(cell: Cell, root: str, world: int, rank: int) -> Dict:
     """The cell trained at ``world`` ranks, saved, trained on, and resumed here when
     ``resumed_at`` is "same"."""
     result = {}
-    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=0))
+    built = _attempt("construction", result, lambda: _wrapped(cell, world, seed=SEED))
     if built is None:
         return result
     model, opt = built
@@ -347,7 +352,7 @@ def reference(rank: int, runs: Sequence[Tuple[str, bool, Optional[torch.dtype]]]
     device = torch_xla.device()
     out = {}
     for name, foreach, dtype in runs:
-        torch.manual_seed(0)
+        torch.manual_seed(SEED)
         model = build_model(KIND).to(device)
         opt = make_optimizer(name, foreach, model.parameters())
         losses = _train(model, opt, range(2 * STEPS), "default", 1, 0, dtype)
@@ -452,10 +457,16 @@ if __name__ == "__main__":   # any part of the matrix, outside the suite
                         help="every combination of the chosen values, not the covering")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--other-world", type=int, default=4)
+    parser.add_argument("--model", choices=("stack", "stack_masked"), default=KIND,
+                        help="the model's kind in tests/support/models.py")
+    parser.add_argument("--seed", type=int, default=SEED,
+                        help="seeds the initial weights and the data")
     for axis, values in AXES.items():
         parser.add_argument(f"--{axis}", nargs="*", default=None,
                             help=f"values (default: all of {list(map(str, values))})")
     args = parser.parse_args()
+    os.environ.update(XLA_FSDP_MATRIX_MODEL=args.model, XLA_FSDP_MATRIX_SEED=str(args.seed))
+    KIND, SEED = args.model, args.seed
     axes = {axis: [v for v in values if getattr(args, axis) is None
                    or str(v) in getattr(args, axis)] for axis, values in AXES.items()}
     chosen = product(axes) if args.product else covering(axes)
