@@ -1,5 +1,5 @@
 """ShardGroup on its own: construction (``build_shard_group`` through the real member
-finding), and the facts of one backward and of a ``no_sync`` accumulation. No XLA."""
+finding), its generation, and the facts of a ``no_sync`` accumulation. No XLA."""
 import pytest
 import torch
 import torch.nn as nn
@@ -49,7 +49,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
         assert list(g0.shard._orig_size) == size
         assert "." not in g0.shard_name and g0.shard_name.startswith("_fsdp_shard")
         assert shard_group_of(g0.shard) is g0 and shard_group_of(g1.shard) is g1
-        assert g0.updates == 0 and g0.sentinel is None and not g0.arrived
+        assert g0.updates == 0 and g0.sentinel is None
     for rank, module in enumerate(world.modules):
         # no parameter is registered any more: placeholders stand where they were
         assert list(module.parameters()) == []
@@ -69,43 +69,6 @@ def test_a_frozen_parameter_gives_a_frozen_shard_and_placeholder():
     assert not frozen.shard.requires_grad and not frozen.records[0].placeholder.requires_grad
     assert every(g.shard.requires_grad and g.records[0].placeholder.requires_grad
                  for g in trainable)
-
-
-def test_note_gradient_says_when_every_trainable_record_has_arrived():
-    _, g = flattened()
-    assert g.trainable_records() == [0, 1, 2, 3]
-    assert [g.note_gradient(i) for i in (2, 0, 0, 3)] == [False, False, False, False]
-    assert g.note_gradient(1)
-    g.end_backward()
-    assert not g.arrived and not g.note_gradient(1)
-
-    g.end_backward()
-    g.records[1].agree_requires_grad(False)  # frozen since: no gradient to wait for
-    assert g.trainable_records() == [0, 2, 3]
-    assert [g.note_gradient(i) for i in (0, 2, 3)] == [False, False, True]
-
-
-def test_needs_reduction_at_the_end_of_backward():
-    _, g = flattened()
-    assert not g.needs_reduction(zero_fill=False)
-    assert g.needs_reduction(zero_fill=True)       # nothing arrived, never reduced: zeros
-    g.note_gradient(0)
-    assert g.needs_reduction(zero_fill=False)      # a gradient arrived, not reduced yet
-    g.start_reduction()
-    assert g.reduced and not g.arrived
-    assert not g.needs_reduction(zero_fill=False) and not g.needs_reduction(zero_fill=True)
-    g.note_gradient(1)                             # arrived after its shard group's reduction
-    assert g.needs_reduction(zero_fill=False)
-    g.end_backward()
-    assert not g.reduced and not g.arrived and g.needs_reduction(zero_fill=True)
-
-
-def test_a_frozen_shard_group_never_needs_reduction():
-    world = FakeWorld(model(), flatten_parameters=True)
-    g = world.shard_groups[0][0]
-    g.shard.requires_grad_(False)
-    g.note_gradient(0)
-    assert not g.needs_reduction(zero_fill=False) and not g.needs_reduction(zero_fill=True)
 
 
 def test_the_accumulation_sentinel_tells_a_kept_gradient_from_a_dropped_one():
@@ -141,11 +104,7 @@ def test_drop_unreduced_keeps_only_a_no_sync_accumulation(accumulating):
         r.placeholder.grad = torch.ones_like(r.placeholder)
     if accumulating:
         g.mark_accumulation()
-    g.note_gradient(0)
-    g.start_reduction()
-    g.note_gradient(1)
     g.drop_unreduced()
-    assert not g.arrived and not g.reduced
     assert every((r.placeholder.grad is not None) == accumulating for r in g.records)
 
 

@@ -429,6 +429,44 @@ def test_an_accumulation_whose_shard_gradient_was_dropped_is_dropped(zero_grad):
         assert_close(g.shard.grad, expected_grad(world, g, second, 1))
 
 
+# -- when a shard group is reduced --------------------------------------------------------------
+def test_a_shard_group_is_reduced_once_every_trainable_record_has_its_gradient():
+    world = FakeWorld(model(), flatten_parameters=True)
+    params, fake = world.params[0], world.collectives[0]
+    (g,) = params.shard_groups
+    params.unshard([], barrier=False)
+    _give_gradients(params)
+    assert [params.post_backward(g, i, hold=False) for i in (2, 0, 0, 3)] == [False] * 4
+    assert fake.reductions == []
+    assert params.post_backward(g, 1, hold=False)  # complete: reduced, the unit's last
+    assert len(fake.reductions) == 1
+    params.finalize_backward(took_part=True)
+    assert len(fake.reductions) == 1               # nothing arrived since
+
+    g.records[1].agree_requires_grad(False)        # frozen since: no gradient to wait for
+    params.unshard([], barrier=False)
+    _give_gradients(params)
+    assert [params.post_backward(g, i, hold=False) for i in (0, 2)] == [False, False]
+    assert params.post_backward(g, 3, hold=False) and len(fake.reductions) == 2
+
+
+def test_a_gradient_arriving_after_its_shard_groups_reduction_is_reduced_at_the_end():
+    world = FakeWorld(model(), flatten_parameters=True)
+    params, fake = world.params[0], world.collectives[0]
+    (g,) = params.shard_groups
+    params.set_reshard_after_backward(False)
+    params.unshard([], barrier=False)
+    _give_gradients(params)
+    for i in range(4):
+        params.post_backward(g, i, hold=False)
+    g.records[0].placeholder.grad = torch.ones_like(g.records[0].placeholder)  # used again
+    assert not params.post_backward(g, 0, hold=False) and len(fake.reductions) == 1
+    params.finalize_backward(took_part=True)
+    assert len(fake.reductions) == 2
+    params.finalize_backward(took_part=True)       # the next backward starts afresh
+    assert len(fake.reductions) == 2
+
+
 # -- parameters without a gradient --------------------------------------------------------------
 @pytest.mark.parametrize("zero_missing", [False, True])
 def test_shard_groups_without_a_gradient(zero_missing):
@@ -474,13 +512,11 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
     # ... the backward raised here: the other shard groups have gradients, unreduced
     a.abandon()
     b.abandon()
-    for g in a.shard_groups:
-        g.drop_unreduced()
     assert a.state is FullParams.SHARDED and dummies(a)
     assert b.state is FullParams.SHARDED and dummies(b)
     assert every(r.placeholder.grad is None for g in a.shard_groups for r in g.records)
-    assert every(not g.arrived and not g.reduced for g in a.shard_groups)
     a.run_reductions()
+    a.finalize_backward(took_part=True)  # nothing of the pass that raised is left to reduce
     assert fake.reductions == [] and every(g.shard.grad is None for g in a.shard_groups)
 
     # the next pass is the one a model that never saw the error would take

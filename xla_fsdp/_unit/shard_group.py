@@ -1,18 +1,19 @@
-"""Shard groups: parameters sharded as one tensor, and the per-backward facts about them.
+"""Shard groups: parameters sharded as one tensor.
 
 A unit owns one or more shard groups (one per parameter, or per flattened set). A shard group
 knows its layout, its shard (the ``nn.Parameter`` the optimizer sees), the records of its
-original parameters, how often the shard was updated (optimizer steps and loads), which of
-its gradients arrived in the current backward, and whether a ``no_sync`` accumulation is
-pending. Those facts change only through the methods here.
+original parameters, how often the shard was updated (optimizer steps and loads), and
+whether a ``no_sync`` accumulation is pending on its shard's gradient. Those facts change
+only through the methods here. What one backward has done with the shard group (which
+gradients arrived, whether it was reduced) is the unit's reduction's (``UnitParams``).
 
 With ``offload_optimizer`` the shard is on the host and the device holds a copy of it
 (``local()``): see [Note: the optimizer on the host].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -37,8 +38,6 @@ class ShardGroup:
     orig_name: str                       # torch_xla's name for it, relative to the unit
     compute_dtype: torch.dtype           # dtype of the gathered full parameters
     updates: int = 0                     # optimizer steps and loads, equal on every rank
-    arrived: Set[int] = field(default_factory=set)   # records whose gradient arrived
-    reduced: bool = False                # reduced in this backward
     # a gradient left by a no_sync backward stands for the full gradients still held by
     # the placeholders; if the optimizer drops it, the accumulation was abandoned
     sentinel: Optional[Tuple[torch.Tensor, int]] = None
@@ -92,28 +91,9 @@ class ShardGroup:
     def mark_updated(self) -> None:
         self.updates += 1
 
-    # -- gradients of one backward ------------------------------------------------------------
+    # -- gradients ---------------------------------------------------------------------------
     def trainable_records(self) -> List[int]:
         return [i for i, r in enumerate(self.records) if r.placeholder.requires_grad]
-
-    def note_gradient(self, index: int) -> bool:
-        """Record ``index`` got its gradient; returns whether every trainable one has."""
-        self.arrived.add(index)
-        return self.arrived.issuperset(self.trainable_records())
-
-    def start_reduction(self) -> None:
-        self.arrived.clear()
-        self.reduced = True
-
-    def needs_reduction(self, zero_fill: bool) -> bool:
-        """At the end of backward: whether a gradient arrived that was not reduced yet, or,
-        with ``zero_fill``, whether the shard group was not reduced at all (see [Note:
-        parameters without a gradient])."""
-        return self.shard.requires_grad and (bool(self.arrived) or zero_fill and not self.reduced)
-
-    def end_backward(self) -> None:
-        self.arrived.clear()
-        self.reduced = False
 
     def drop_unreduced(self) -> None:
         """After a backward that raised: drops the full gradients it left on the placeholders,
@@ -125,7 +105,6 @@ class ShardGroup:
         if self.sentinel is None:
             for r in self.records:
                 r.placeholder.grad = None
-        self.end_backward()
 
     # -- no_sync accumulation -----------------------------------------------------------------
     def mark_accumulation(self) -> None:

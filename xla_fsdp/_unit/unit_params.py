@@ -37,7 +37,7 @@ unwrapped model's and torch_xla's FSDP's.
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -70,6 +70,10 @@ class UnitParams:
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
         self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
         self._queue_bytes = 0
+        # this backward's facts: each shard group's records whose gradient arrived since
+        # it was last reduced, and the shard groups reduced
+        self._arrived: Dict[ShardGroup, Set[int]] = {}
+        self._reduced: Set[ShardGroup] = set()
         # the reduction's settings, changed only through the unit's setters
         self.reshard_after_forward = options.reshard_after_forward
         self.reshard_after_backward = True
@@ -165,6 +169,9 @@ class UnitParams:
         self._queue, self._queue_bytes = [], 0
         self.drop_prefetch()
         self.reshard(self.shard_groups, [], barrier=False)
+        for g in self.shard_groups:
+            g.drop_unreduced()
+        self._end_backward()
 
     def _dummy(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._dummies:
@@ -215,10 +222,24 @@ class UnitParams:
         the end of backward: see [Note: parameters without a gradient]). ``hold`` keeps
         its reduce-scatter for ``run_reductions``. Returns whether every trainable shard
         group of the unit is reduced."""
-        if shard_group.note_gradient(index) and not self.options.zero_missing_gradients:
+        arrived = self._arrived.setdefault(shard_group, set())
+        arrived.add(index)
+        if arrived.issuperset(shard_group.trainable_records()) \
+                and not self.options.zero_missing_gradients:
             self._reduce(shard_group, hold)
-            return all(g.reduced for g in self.shard_groups if g.shard.requires_grad)
+            return all(g in self._reduced for g in self.shard_groups if g.shard.requires_grad)
         return False
+
+    def _needs_reduction(self, shard_group: ShardGroup, zero_fill: bool) -> bool:
+        """At the end of backward: whether a gradient arrived that was not reduced yet, or,
+        with ``zero_fill``, whether the shard group was not reduced at all (see [Note:
+        parameters without a gradient])."""
+        return shard_group.shard.requires_grad and (
+            bool(self._arrived.get(shard_group)) or zero_fill and shard_group not in self._reduced)
+
+    def _end_backward(self) -> None:
+        self._arrived.clear()
+        self._reduced.clear()
 
     @torch.no_grad()
     def finalize_backward(self, took_part: bool) -> None:
@@ -238,13 +259,12 @@ class UnitParams:
         zero_fill = self.options.zero_missing_gradients
         for g in self.shard_groups:
             carried = self.sync_gradients and g.shard.requires_grad and g.accumulating()
-            if carried or took_part and g.needs_reduction(zero_fill):
+            if carried or took_part and self._needs_reduction(g, zero_fill):
                 self._reduce(g, hold=False)
         if took_part and not self.sync_gradients:
             self._mark_accumulating()
         self._flush(self.options.optimization_barrier_in_backward)
-        for g in self.shard_groups:
-            g.end_backward()
+        self._end_backward()
         self.drop_prefetch()  # prefetched for a backward that did not reach the unit
         if self.reshard_after_backward_now():
             self.reshard(self.shard_groups, [], self.options.optimization_barrier_in_backward)
@@ -267,7 +287,8 @@ class UnitParams:
         after backward; when gradients are synced queues its reduce-scatter (issued when
         the bucket is full, unless ``hold``: then at the next flush), otherwise leaves the
         full gradients on the placeholders."""
-        shard_group.start_reduction()
+        self._arrived.pop(shard_group, None)
+        self._reduced.add(shard_group)
         grads = [r.placeholder.grad for r in shard_group.records]
         if any(g is not None and g.requires_grad for g in grads):
             raise RuntimeError("FSDP does not support gradients that require grad "

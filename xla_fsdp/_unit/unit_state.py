@@ -456,8 +456,6 @@ class UnitState:
             handle.remove()
         self._leaf_hooks.clear()
         self.params.abandon()
-        for g in self.shard_groups:
-            g.drop_unreduced()
         self.training_state = TrainingState.IDLE
         self._took_part = False
         self._members_run.clear()
