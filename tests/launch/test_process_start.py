@@ -1,6 +1,6 @@
 """A device process forked from the warm server is the process a spawned one would be: the
 parent's environment (XLA's flags included) and standard output at launch, atexit handlers
-run; a changed import-time variable gets a spawned process ([Note: device processes fork from a warm
+run, and what they print reaches the parent; a changed import-time variable gets a spawned process ([Note: device processes fork from a warm
 server])."""
 import os
 
@@ -15,11 +15,22 @@ def _report(rank, done_path):
     import torch
     import torch_xla
     atexit.register(lambda: open(f"{done_path}.{rank}", "w").close())
+    if done_path.endswith("forked"):
+        atexit.register(_late_word, rank)
     print(f"rank {rank} prints", flush=True)
     total = (torch.ones(2, device=torch_xla.device()) * (rank + 1)).sum().item()
     return {"parent": os.getppid(), "mark": os.environ.get("XLA_FSDP_TEST_MARK"),
             "flags": os.environ.get("XLA_FLAGS"), "total": total,
             "eager": os.environ.get("XLA_USE_EAGER_DEBUG_MODE")}
+
+
+def _late_word(rank):
+    """An exit handler that takes its time, as the report of a save never published waits
+    for the save's write: what it prints reaches the parent's stderr all the same."""
+    import sys
+    import time
+    time.sleep(1)
+    print(f"rank {rank} leaves a last word", file=sys.stderr, flush=True)
 
 
 def test_a_forked_device_process_is_what_a_spawned_one_is(tmp_path, monkeypatch, capfd):
@@ -28,8 +39,9 @@ def test_a_forked_device_process_is_what_a_spawned_one_is(tmp_path, monkeypatch,
     monkeypatch.setenv("XLA_FSDP_TEST_MARK", "set after the server started")
     capfd.readouterr()
     forked = launch(_report, (str(tmp_path / "forked"),), num_devices=2)
-    out = capfd.readouterr().out
+    out, err = capfd.readouterr()
     assert "rank 0 prints" in out and "rank 1 prints" in out
+    assert "rank 0 leaves a last word" in err and "rank 1 leaves a last word" in err
     for rank, got in forked.items():
         assert got["parent"] != os.getpid(), "not forked from the server"
         assert got["mark"] == "set after the server started"

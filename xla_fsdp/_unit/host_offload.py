@@ -63,6 +63,10 @@ class DeviceCopy:
     def add_gradient(self, reduced: torch.Tensor) -> None:
         self.reduced = reduced if self.reduced is None else self.reduced + reduced
 
+    def drop_gradient(self) -> None:
+        """After a backward that raised: its reduced gradient never reaches the host."""
+        self.reduced = None
+
 
 def host_master(value: torch.Tensor) -> torch.Tensor:
     """The host copy of a freshly cut shard that becomes the offloaded parameter: never a

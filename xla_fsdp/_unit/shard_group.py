@@ -101,7 +101,7 @@ class ShardGroup:
         offloaded shard's reduced gradient that never reached the host goes too: left on the
         device, the next backward would add it to a ``.grad`` that ``zero_grad()`` cleared."""
         if self.offload is not None:
-            self.offload.reduced = None
+            self.offload.drop_gradient()
         if self.sentinel is None:
             for r in self.records:
                 r.placeholder.grad = None

@@ -158,15 +158,27 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     # a preemption notice to this process is the devices' (see [Note: who installs the
     # SIGTERM handler])
     forwarding = preemption.Forwarding(process.pid)
+    returned = False
     try:
-        return _collect(process, receiver, tail)
+        values = _collect(process, receiver, tail)
+        returned = True
+        return values
     finally:
+        if returned:
+            # the child sends its results before its exit handlers run (torch_xla's
+            # teardown, the report of a save never published: see [Note: a save never
+            # waited on]); they print to the log, which is forwarded until the child ends
+            process.join(timeout=_EXIT_SECONDS)
         tail.stop()
         if process.is_alive():
             process.kill()
         process.join()
         os.unlink(log_path)
         forwarding.end(process.exitcode)
+
+
+# a save's report waits up to 60 s for its write to finish
+_EXIT_SECONDS = 120
 
 
 def _collect(process, receiver, tail) -> Dict[int, Any]:
