@@ -356,8 +356,9 @@ def reference(rank: int, runs: Sequence[Tuple[str, bool, Optional[torch.dtype]]]
         model = build_model(KIND).to(device)
         opt = make_optimizer(name, foreach, model.parameters())
         losses = _train(model, opt, range(2 * STEPS), "default", 1, 0, dtype)
+        # the state, buffers included: a cell's model is compared by its full_state_dict
         out[name, foreach, dtype] = {"losses": losses, "params": {
-            k: v.detach().cpu() for k, v in model.named_parameters()}}
+            k: v.detach().cpu() for k, v in model.state_dict().items()}}
     return out
 
 
