@@ -2,11 +2,17 @@
 torch_xla's format with a record of ours), DCP checkpoints that PyTorch FSDP2 and torchtitan
 read and write (``save_dcp``/``load_dcp``), consolidated checkpoints written from training
 code with no shared filesystem and loaded back in any of their formats
-(``save_consolidated``/``load_consolidated``), the unwrapped model's full state dict, the
-per-rank format itself (``metadata``), the file reading and writing under them (``files``),
-asynchronous saves (``async_save=True``, ``async_save``), ``CheckpointManager`` (periodic,
-retained checkpoints that stop cleanly on a preemption: ``manager``), and the
-``consolidate_sharded_ckpts`` tool (``consolidate``)."""
+(``save_consolidated``/``load_consolidated``), the unwrapped model's full state dict, asynchronous
+saves (``async_save=True``, ``async_save``), and ``CheckpointManager`` (periodic, retained
+checkpoints that stop cleanly on a preemption: ``manager``).
+
+Laid out by the path data takes. A load: a source (``sources``) -> the one staging loader
+(``staging``), which checks everything and reads it all before the ranks agree
+(``coordination``) -> the live model. A save: the live model -> a writer (``sharded`` for
+per-rank files, ``dcp`` for DCP, ``writers`` for the consolidated formats, through the per-rank
+plan in ``per_rank``). Under them: the per-rank format's record (``metadata``), what they need
+of a wrapped model (``unit_protocol``), and the files' bytes (``files``). The offline
+``consolidate_sharded_ckpts`` tool (``consolidate``) imports these; nothing here imports it."""
 from .async_save import PendingSave
 from .consolidated import load_consolidated, save_consolidated
 from .dcp import load_dcp, save_dcp

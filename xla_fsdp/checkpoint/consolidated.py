@@ -14,13 +14,13 @@ from typing import Any, List, Optional
 import torch
 
 from .._xla.trace_only import refuse_reads
-from .dcp.coordination import agree
-from .dcp.load import load_staged
-from .consolidate.formats import FORMATS, OutputOptions, write_output
-from .consolidate.gathered import gathered_shard_set
-from .consolidate.hf_output import DEFAULT_MAX_SHARD_SIZE
-from .consolidate.optimizer import why_not_consolidated
-from .consolidate.plan import plan_model
+from .coordination import agree
+from .staging import load_staged
+from .writers.formats import FORMATS, OutputOptions, write_output
+from .per_rank.gathered import gathered_shard_set
+from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
+from .per_rank.optimizer import why_not_consolidated
+from .per_rank.plan import plan_model
 from .files import CheckpointError
 from .metadata import MODEL
 from .sources.consolidated_files import open_consolidated

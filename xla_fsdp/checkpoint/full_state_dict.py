@@ -7,7 +7,7 @@ import torch
 
 from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
-from .dcp.load import load_staged
+from .staging import load_staged
 from .metadata import persistent_buffers, unwrapped_name
 from .sources.entries import EntrySource, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit

@@ -39,10 +39,10 @@ import torch
 from .._sharding.tensor_tree import collect_tensors
 from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from .consolidate.per_rank_source import open_per_rank_files
-from .dcp.coordination import agree, agree_or_undo, exchange
-from .dcp.load import commit_on_every_rank, load_staged
-from .dcp.staging import load_module_state, load_optimizer_state, put_in_place
+from .sources.per_rank_files import open_per_rank_files
+from .coordination import agree, agree_or_undo, exchange
+from .staging import (commit_on_every_rank, load_module_state, load_optimizer_state, load_staged,
+                      put_in_place)
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RANK_FILES, RankRecord, optimizer_shard_keys,
@@ -159,7 +159,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     alone. Otherwise (another world size, another wrapping, torch_xla's recipe files) the
     checkpoint is read as the loader reads a consolidated one: every rank opens all of its
     files (so every rank must see them, as on a shared filesystem) and reads only the runs
-    its own shards hold (``consolidate.per_rank_source``); the ranks share the CRC-32
+    its own shards hold (``sources.per_rank_files``); the ranks share the CRC-32
     checks. Everything is checked against the model first, and the model and optimizer
     change only once every rank has read all it needs: a checkpoint that does not fit raises
     ``CheckpointError`` on every rank, naming the file or key at fault, and changes nothing

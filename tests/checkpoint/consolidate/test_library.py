@@ -11,7 +11,7 @@ import torch
 
 from xla_fsdp.checkpoint.consolidate.library import (consolidate_checkpoint_files,
                                                      consolidate_state_dicts)
-from xla_fsdp.checkpoint.consolidate.shard_set import IncompleteCheckpoint
+from xla_fsdp.checkpoint.per_rank.shard_set import IncompleteCheckpoint
 from xla_fsdp.checkpoint.files import CheckpointError
 
 from ...support.synthetic_checkpoints import SHAPES, full_model, write_set

@@ -19,15 +19,15 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from ..dcp.layout import KEY_SCHEMES
+from ..dcp_format.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_path
 from ..metadata import MODEL, RANK_FILES, sharded_checkpoint_path
-from .formats import FORMATS, OutputOptions, output_paths, write_output
-from .hf_output import DEFAULT_MAX_SHARD_SIZE
-from .optimizer import why_not_consolidated
-from .plan import ModelPlan, plan_model
+from ..writers.formats import FORMATS, OutputOptions, output_paths, write_output
+from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
+from ..per_rank.optimizer import why_not_consolidated
+from ..per_rank.plan import ModelPlan, plan_model
 from .redistribute import redistribute
-from .shard_set import ShardSet, find_shard_set, prefix_in_directory
+from ..per_rank.shard_set import ShardSet, find_shard_set, prefix_in_directory
 
 DEFAULT_SUFFIX = RANK_FILES
 

@@ -16,11 +16,11 @@ import torch
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
 from ..metadata import MODEL, SHARD_METADATA, ShardMetadata
-from .formats import OutputOptions, write_output
-from .optimizer import why_not_consolidated
-from .output import model_entries
-from .plan import ModelPlan, plan_model
-from .shard_set import ShardSet, check_shard_set, wait_for_shard_set
+from ..writers.formats import OutputOptions, write_output
+from ..per_rank.optimizer import why_not_consolidated
+from ..writers.consolidated_file import model_entries
+from ..per_rank.plan import ModelPlan, plan_model
+from ..per_rank.shard_set import ShardSet, check_shard_set, wait_for_shard_set
 
 DEFAULT_WAIT_SECONDS = 600.0
 

@@ -1,9 +1,9 @@
 """A checkpoint rewritten for another number of ranks (the CLI's ``--reshard N``).
 
 No arithmetic of its own: the old rank files are read as the loader's source
-(``per_rank_source``), and each new rank's shard of a group is filled with the chunks the
+(``sources.per_rank_files``), and each new rank's shard of a group is filled with the chunks the
 group's layout at the new world size says that rank holds (``Layout.owned``, as
-``dcp.layout.ParamSlot`` gives a live model's), read from the source as ``load_sharded``
+``dcp_format.layout.ParamSlot`` gives a live model's), read from the source as ``load_sharded``
 reads them into a live model at that world size. The new files are in ``save_sharded``'s
 format (the shard metadata and our record as a save at the new world size writes them), so
 ``load_sharded`` there takes them as its own. Memory stays near one new shard: each is
@@ -19,17 +19,17 @@ import torch
 
 from ..._sharding.chunks import run_chunks
 from ..._sharding.layout import Layout
-from ..dcp.layout import GET_STATE_DICT, extra_key
-from ..dcp.planners import TensorPieces
-from ..dcp.staging import Source
+from ..dcp_format.layout import GET_STATE_DICT, extra_key
+from ..dcp_format.planners import TensorPieces
+from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
                         sharded_like, wrapping_fingerprint)
-from .optimizer import optimizer_param_keys
-from .per_rank_source import shard_set_source
-from .plan import ModelPlan, ShardGroupSpec
-from .shard_set import ShardSet
+from ..per_rank.optimizer import optimizer_param_keys
+from ..sources.per_rank_files import shard_set_source
+from ..per_rank.plan import ModelPlan, ShardGroupSpec
+from ..per_rank.shard_set import ShardSet
 
 
 def read_shard(source: Source, keys: Sequence[str], spec: ShardGroupSpec, layout: Layout,

@@ -1,5 +1,6 @@
-"""Checkpoints in ``torch.distributed.checkpoint`` (DCP) format, in the layout PyTorch FSDP2 and
-torchtitan use (``layout``): ``save_dcp`` and ``load_dcp`` from training code."""
+"""``save_dcp`` (``save``) and ``load_dcp`` (``load``): a wrapped model and its optimizer to and
+from a ``torch.distributed.checkpoint`` (DCP) directory that PyTorch FSDP2 and torchtitan
+read and write, in the format of ``dcp_format``."""
 from .load import load_dcp
 from .save import save_dcp
 

@@ -60,12 +60,12 @@ from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params
                         refuse_per_rank_state, sharded_like)
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
-from .coordination import agree, agree_or_undo, exchange
-from .layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
-                     slots_by_shard)
-from .planners import ChunkSavePlanner, OnDemand, TensorPieces
+from ..coordination import agree, agree_or_undo, exchange
+from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
+                                 slots_by_shard)
+from ..dcp_format.metadata_file import METADATA_FILE
+from ..dcp_format.planners import ChunkSavePlanner, OnDemand, TensorPieces
 
-METADATA_FILE = ".metadata"
 SUFFIX = ".distcp"
 FILE_BYTES = 64 << 20
 
@@ -94,7 +94,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
              keys: str = "get_state_dict", async_save: bool = False) -> Any:
     """Saves ``model`` (and ``optimizer``, and ``extra``) as a DCP checkpoint in
-    ``checkpoint_dir``, in the layout of ``dcp.layout`` with the key scheme ``keys``
+    ``checkpoint_dir``, in the layout of ``dcp_format.layout`` with the key scheme ``keys``
     (``"get_state_dict"``, what FSDP2's recipe loads, or ``"torchtitan"``). Every rank calls
     it; each writes only its own chunks, never a full parameter it does not hold. Returns
     the directory (None on a replica that does not write).

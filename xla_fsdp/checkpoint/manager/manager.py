@@ -41,8 +41,8 @@ import torch
 from ..._xla import trace_only
 from ..async_save import PendingSave
 from ..dcp import load_dcp, save_dcp
-from ..dcp.coordination import exchange
-from ..dcp.save import METADATA_FILE
+from ..coordination import exchange
+from ..dcp_format.metadata_file import METADATA_FILE
 from ..files import CheckpointError
 from ..sharded import load_sharded, save_sharded
 from ..unit_protocol import ShardedModel

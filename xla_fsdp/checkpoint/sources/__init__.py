@@ -1,6 +1,6 @@
-"""Checkpoints other than DCP directories as the loader reads them (``dcp.staging.Source``):
-consolidated ``.pth`` files, safetensors files, Hugging Face directories and state dicts in
-memory (``consolidated_files``, over ``entries``), and any source read by the first rank
-alone and sent to the others over the collectives (``first_rank``). Per-rank files are read
-through ``entries`` too, by ``consolidate.per_rank_source``, beside the layout arithmetic
-they are read by (this package does not import ``consolidate``)."""
+"""Where a load reads from, each as a ``staging.Source``: a DCP directory (``dcp_files``),
+one checkpoint's per-rank files at any world size (``per_rank_files``), consolidated ``.pth``
+and safetensors files, Hugging Face directories and state dicts in memory
+(``consolidated_files``), and any of these read by the first rank alone and sent to the others
+over the collectives (``first_rank``). All but DCP's describe their tensors through
+``entries``."""

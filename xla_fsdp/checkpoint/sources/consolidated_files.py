@@ -11,9 +11,9 @@ import json
 import os
 from typing import Any, Callable, Dict, List
 
-from ..dcp.load import DcpSource
-from ..dcp.save import METADATA_FILE
-from ..dcp.staging import Source
+from .dcp_files import DcpSource
+from ..dcp_format.metadata_file import METADATA_FILE
+from ..staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
 from ..metadata import HF_INDEX, HF_WEIGHTS
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries

@@ -1,5 +1,5 @@
 """A checkpoint held as named entries, each a tensor (in memory or in a file, read by runs of
-elements) or another object, as a ``dcp.staging.Source``.
+elements) or another object, as a ``staging.Source``.
 
 The unwrapped model's state dict and an optimizer state dict, in any of the forms they are
 saved in, become entries under the keys of the DCP layout's ``get_state_dict`` scheme
@@ -7,7 +7,7 @@ saved in, become entries under the keys of the DCP layout's ``get_state_dict`` s
 
 [Note: a rank reads the runs its shards hold]
 A shard holds runs of a parameter's row-major elements (``Layout.owned``), which the loader
-asks for as chunks (``dcp.layout.ParamSlot``). A tensor stored contiguously, as a
+asks for as chunks (``dcp_format.layout.ParamSlot``). A tensor stored contiguously, as a
 ``.safetensors`` or ``torch.save`` file stores it, gives any run with one read at its
 offset; so a rank reads the bytes of its own shards, and of the whole tensors it needs
 (buffers, a step count), and nothing else, whatever the world size.
@@ -21,9 +21,9 @@ import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    TensorProperties, TensorStorageMetadata)
 
-from ..dcp.layout import GET_STATE_DICT, OPTIMIZER
-from ..dcp.planners import TensorPieces
-from ..dcp.staging import Stored
+from ..dcp_format.layout import GET_STATE_DICT, OPTIMIZER
+from ..dcp_format.planners import TensorPieces
+from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
 
@@ -31,7 +31,7 @@ from ..files.reader import materialized
 @runtime_checkable
 class StoredTensor(Protocol):
     """A tensor not in memory, read by runs of its row-major elements: a ``TensorRef`` in
-    a file, or a parameter spread over per-rank files (``consolidate.per_rank_source``)."""
+    a file, or a parameter spread over per-rank files (``sources.per_rank_files``)."""
     dtype: torch.dtype
 
     @property

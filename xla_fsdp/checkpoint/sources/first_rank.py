@@ -30,9 +30,9 @@ import torch
 from ..._sharding.chunks import run_chunks
 from ..._sharding.collectives import broadcast_bytes
 from ..._sharding.layout import FlatLayout
-from ..dcp.coordination import agree, exchange
-from ..dcp.planners import TensorPieces
-from ..dcp.staging import Source, Stored
+from ..coordination import agree, exchange
+from ..dcp_format.planners import TensorPieces
+from ..staging import Source, Stored
 
 BUCKET_BYTES = 16 << 20
 _ALIGN = 8

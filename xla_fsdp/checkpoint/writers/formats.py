@@ -19,14 +19,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dcp.layout import EXTRA, GET_STATE_DICT, OPTIMIZER, KeyScheme, key_scheme
+from ..dcp_format.layout import EXTRA, GET_STATE_DICT, OPTIMIZER, KeyScheme, key_scheme
 from ..files import CheckpointError, CheckpointFile
 from ..sources.consolidated_files import open_consolidated
-from .dcp_output import write_dcp
-from .hf_output import DEFAULT_MAX_SHARD_SIZE, hf_directory
-from .output import entry_specs, model_entries, write_consolidated
-from .plan import ModelPlan
-from .shard_set import ShardSet
+from .dcp_directory import write_dcp
+from .hf_directory import DEFAULT_MAX_SHARD_SIZE, hf_directory
+from .consolidated_file import entry_specs, model_entries, write_consolidated
+from ..per_rank.plan import ModelPlan
+from ..per_rank.shard_set import ShardSet
 
 FORMATS = ("pt", "safetensors", "hf", "dcp")
 Expected = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]  # model entry -> dtype, shape

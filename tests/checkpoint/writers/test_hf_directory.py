@@ -6,8 +6,8 @@ import pytest
 import torch
 from huggingface_hub import split_torch_state_dict_into_shards
 
-from xla_fsdp.checkpoint.consolidate.hf_output import (hf_directory, parse_size,
-                                                        split_into_files, tied_names_to_drop)
+from xla_fsdp.checkpoint.writers.hf_directory import (hf_directory, parse_size, split_into_files,
+                                                      tied_names_to_drop)
 from xla_fsdp.checkpoint.files import CheckpointError
 
 

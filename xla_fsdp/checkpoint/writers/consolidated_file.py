@@ -10,9 +10,9 @@ import torch
 
 from ..files import SafetensorsWriter, StagedFile, TorchFileWriter, atomic_path
 from ..files.reader import materialized
-from .optimizer import consolidate_optimizer
-from .plan import ModelPlan, unwrapped_tensors
-from .shard_set import ShardSet
+from ..per_rank.optimizer import consolidate_optimizer
+from ..per_rank.plan import ModelPlan, unwrapped_tensors
+from ..per_rank.shard_set import ShardSet
 
 
 def model_entries(plan: ModelPlan, shards: ShardSet) -> Iterator[Tuple[str, torch.Tensor]]:

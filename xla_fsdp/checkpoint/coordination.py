@@ -21,7 +21,7 @@ def exchange(tag: str, obj: Any) -> List[Any]:
 def agree(tag: str, error: Any) -> None:
     """Raises on every rank if any rank had an ``error`` (an exception or None): its own,
     or one naming the first rank that failed, so that no rank goes on alone."""
-    from ..files import CheckpointError
+    from .files import CheckpointError
     errors = exchange(tag, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error

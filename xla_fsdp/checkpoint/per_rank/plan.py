@@ -12,7 +12,7 @@ flat group does.
 
 ``SpreadTensor`` reads any run of a full tensor's elements from the rank files that hold it
 and from nothing else; consolidation reads whole tensors through it, and the per-rank
-files' source (``per_rank_source``) the runs a loading rank's shards hold.
+files' source (``sources.per_rank_files``) the runs a loading rank's shards hold.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from xla_fsdp.checkpoint.consolidate import main
-from xla_fsdp.checkpoint.consolidate.formats import output_paths, verify_written
-from xla_fsdp.checkpoint.dcp.layout import key_scheme
+from xla_fsdp.checkpoint.writers.formats import output_paths, verify_written
+from xla_fsdp.checkpoint.dcp_format.layout import key_scheme
 from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile
 
 from ...support.synthetic_checkpoints import full_model, write_set

@@ -1,4 +1,4 @@
-"""One checkpoint's per-rank files as the loader's source (``dcp.staging.Source``): what
+"""One checkpoint's per-rank files as the loader's source (``staging.Source``): what
 ``load_sharded`` reads at another world size or wrapping, and what ``--reshard N`` reads
 each new rank's shards from.
 
@@ -21,10 +21,10 @@ from typing import Any, Dict, Tuple
 
 from ..files import CheckpointError
 from ..metadata import EXTRA, GROUP_MEMBERS, MODEL, OPTIMIZER
-from ..sources.entries import EntrySource, model_entries, optimizer_entries
-from .optimizer import optimizer_param_keys, saved_param_groups, saved_state
-from .plan import ModelPlan, plan_model, unwrapped_tensors
-from .shard_set import ShardSet, find_shard_set
+from .entries import EntrySource, model_entries, optimizer_entries
+from ..per_rank.optimizer import optimizer_param_keys, saved_param_groups, saved_state
+from ..per_rank.plan import ModelPlan, plan_model, unwrapped_tensors
+from ..per_rank.shard_set import ShardSet, find_shard_set
 
 
 

@@ -26,7 +26,7 @@ import torch
 
 from ..._sharding.names import join_name
 from ..._unit.buffers import original_dtype
-from ..dcp.coordination import exchange
+from ..coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,

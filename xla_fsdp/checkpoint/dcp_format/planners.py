@@ -2,7 +2,7 @@
 
 DCP's default planners take a state dict of whole tensors or DTensors. Our shards are
 neither: a rank holds runs of each parameter's elements, as one or a few chunks
-(``dcp.layout``). These planners take those chunks directly, through DCP's public planner
+(``dcp_format.layout``). These planners take those chunks directly, through DCP's public planner
 interface, and leave everything else to DCP: the global metadata (``.metadata``), the file
 format, and which saved chunks overlap which requested ones.
 

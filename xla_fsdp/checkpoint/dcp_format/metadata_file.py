@@ -48,6 +48,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..files import CheckpointError
 
+METADATA_FILE = ".metadata"  # the name DCP gives it in every checkpoint directory
+
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
 # torch 2.0 and 2.1 pickled TensorProperties from the sharded tensor's module.
 _LEGACY_PROPERTIES = "torch.distributed._shard.sharded_tensor.metadata"

@@ -1,6 +1,6 @@
 """Loading the unwrapped model's checkpoint into a wrapped model (and its optimizer) at any
 world size, from whatever holds it: a ``Source`` describes what is stored, in the DCP
-layout's keys and DCP's metadata types (``dcp.layout``), and reads the pieces a rank asks
+layout's keys and DCP's metadata types (``dcp_format.layout``), and reads the pieces a rank asks
 for. ``load_dcp`` reads DCP directories through one; ``load_consolidated`` reads
 ``.pth``, safetensors files and Hugging Face directories through others (``sources``).
 
@@ -23,14 +23,16 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Un
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorStorageMetadata)
 
-from ..._sharding.chunks import Chunk
-from ..files import CheckpointError
-from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
-                        refuse_per_rank_state, sharded_like)
-from ..unit_protocol import ShardedModel
-from .layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme, ParamSlot,
-                     extra_key, param_slots, slots_by_shard)
-from .planners import TensorPieces
+from .._sharding.chunks import Chunk
+from .async_save import wait_for_pending
+from .coordination import agree, agree_or_undo
+from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
+                                ParamSlot, extra_key, param_slots, slots_by_shard)
+from .dcp_format.planners import TensorPieces
+from .files import CheckpointError
+from .metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
+                       refuse_per_rank_state, sharded_like)
+from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
 
@@ -307,3 +309,40 @@ def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None
     before = target.detach().clone()
     target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
     return lambda: target.copy_(before)
+
+
+def load_staged(open_source: Callable[[], Source], model: ShardedModel,
+                optimizer: Optional[torch.optim.Optimizer], tag: str,
+                with_model: bool = True) -> Any:
+    """Stages on every rank, agrees, commits (see [Note: nothing changes unless everything
+    was read]); returns the ``extra`` saved, if any."""
+    import torch_xla
+    wait_for_pending(model)  # a save of this model in flight is published first
+    torch_xla.sync()
+    staged, error, source = None, None, None
+    try:
+        source = open_source()
+        staged = StagedLoad(source, model, optimizer, with_model)
+    except Exception as exc:  # every rank must reach the agreement below
+        error = exc
+    finally:
+        if source is not None:
+            source.close()
+    agree(f"{tag}.read", error)
+    commit_on_every_rank(tag, staged.where, staged.commit)
+    torch_xla.sync()
+    return staged.extra
+
+
+def commit_on_every_rank(tag: str, where: str, commit: Callable[[], Callable[[], None]]
+                         ) -> None:
+    """Every rank runs ``commit`` (which puts a load in place, undoes itself if it raises, and
+    returns its undo) and the ranks agree: when one failed, every rank undoes its commit and
+    raises, naming the failing rank and ``where`` (see [Note: nothing changes unless
+    everything was read])."""
+    error, undo = None, None
+    try:
+        undo = commit()
+    except Exception as exc:  # every rank must reach the agreement
+        error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+    agree_or_undo(f"{tag}.commit", error, undo)

@@ -1,5 +1,5 @@
 """The consolidated checkpoint as a DCP directory (``--format dcp``), in the layout of
-``dcp.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
+``dcp_format.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
 would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that FSDP2
 and torchtitan start from it. Every tensor is read from the
 per-rank files when DCP's writer asks for it and written whole, one at a time: memory stays
@@ -11,15 +11,15 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 
-from ..dcp.layout import KeyScheme, Path, extra_key
-from ..dcp.planners import ChunkSavePlanner, OnDemand
+from ..dcp_format.layout import KeyScheme, Path, extra_key
+from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..dcp.save import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA
-from .per_rank_source import named_optimizer_state
-from .plan import ModelPlan, SpreadTensor, unwrapped_tensors
-from .shard_set import ShardSet
+from ..sources.per_rank_files import named_optimizer_state
+from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
+from ..per_rank.shard_set import ShardSet
 
 
 def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer: bool,
