@@ -31,7 +31,7 @@ from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, K
 from .dcp_format.planners import TensorPieces
 from .files import CheckpointError
 from .metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
-                       refuse_per_rank_state, sharded_like)
+                       state_is_sharded)
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
@@ -222,15 +222,14 @@ class StagedLoad:
             if isinstance(stored, BytesStorageMetadata):
                 self.objects[keys[0]] = None
                 out[name] = lambda key=keys[0]: self.objects[key]
-            elif all(sharded_like(name, self.stored[k], s.shape) for k, s in zip(keys, slots)):
+            elif all(state_is_sharded(f"{self.where}: {k}", name, self.stored[k], s.shape)
+                     for k, s in zip(keys, slots)):
                 stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
                 for key, slot in zip(keys, slots):
                     self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),
                                stage)
                 out[name] = lambda stage=stage: stage.view(shard.shape)
             else:  # the same for every parameter (a step count)
-                refuse_per_rank_state(f"{self.where}: {keys[0]}", name, stored,
-                                      slots[0].shape)
                 stage = self._want_whole(keys[0])
                 out[name] = lambda stage=stage, size=stored.size: stage.view(size)
         return out

@@ -25,7 +25,7 @@ from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
-                        sharded_like, wrapping_fingerprint)
+                        state_is_sharded, wrapping_fingerprint)
 from ..per_rank.optimizer import optimizer_param_keys
 from ..sources.per_rank_files import shard_set_source
 from ..per_rank.plan import ModelPlan, ShardGroupSpec
@@ -103,7 +103,8 @@ def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,
         layout = spec.layout(len(writers))
         shard0 = head[MODEL][spec.key]
         for name, value in saved.items():
-            if sharded_like(name, value, shard0.shape):
+            if state_is_sharded(f"{shards.files[0].path}, optimizer index {index}", name, value,
+                                shard0.shape):
                 state_keys = [GET_STATE_DICT.state(p.name, name)[0] for p in spec.params]
                 for r, writer in enumerate(writers):
                     piece = read_shard(source, state_keys, spec, layout, r, value.dtype)

@@ -57,7 +57,7 @@ from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
-                        refuse_per_rank_state, sharded_like)
+                        state_is_sharded)
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange
@@ -331,11 +331,11 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
             for p in param_group["params"]:
                 names += [s.name for s in by_shard[id(p)]]
                 for k, v in optimizer.state.get(p, {}).items():
-                    refuse_per_rank_state(f"DCP save of {by_shard[id(p)][0].name}", k, v,
-                                          p.shape)
+                    sharded = state_is_sharded(f"DCP save of {by_shard[id(p)][0].name}", k, v,
+                                               p.shape)
                     for slot in by_shard[id(p)]:
                         key, path = scheme.state(slot.name, k)
-                        if sharded_like(k, v, p.shape):
+                        if sharded:
                             add_pieces((key, path), slot, v)
                         elif first and torch.is_tensor(v):
                             add_whole((key, path), v, v.dtype)

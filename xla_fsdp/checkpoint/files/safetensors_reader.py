@@ -12,7 +12,7 @@ import json
 import math
 import os
 import struct
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 from .reader import CheckpointError, PreadFile, TensorRef, contiguous_strides
 from .writer import SAFETENSORS_DTYPES

@@ -31,8 +31,7 @@ from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
                         ShardMetadata, optimizer_shard_keys, persistent_buffers,
-                        refuse_per_rank_state, sharded_like, units_by_saved_path,
-                        wrapping_fingerprint)
+                        state_is_sharded, units_by_saved_path, wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -162,9 +161,8 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
             if optimizer is not None:
                 for name, value in optimizer.state.get(g.shard, {}).items():
                     # on every rank, before any serves: they refuse together
-                    refuse_per_rank_state(f"consolidated save of {key}", name, value,
-                                          g.shard.shape)
-                    if sharded_like(name, value, g.shard.shape):
+                    if state_is_sharded(f"consolidated save of {key}", name, value,
+                                        g.shard.shape):
                         tid = f"{key}#{name}"
                         tensors[tid] = (value, unit.collectives)
                         state_ids.setdefault(key, {})[name] = tid

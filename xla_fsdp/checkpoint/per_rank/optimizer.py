@@ -1,6 +1,6 @@
 """Optimizer state: from per-rank shards to the unwrapped model's layout.
 
-State sharded like its shard (``metadata.sharded_like``) is spread over the rank files as
+State sharded like its shard (``metadata.state_is_sharded``) is spread over the rank files as
 the parameter is (``plan.SpreadTensor``); anything else (``step``) is the same on every rank
 and is taken from rank 0 (``saved_state``). The sharded optimizer's parameter indices are
 resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is
@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord, refuse_per_rank_state, sharded_like
+from ..metadata import MODEL, OPTIMIZER, RankRecord, per_rank_state, state_is_sharded
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -62,8 +62,7 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
                 return f"{f.path}: optimizer index {index} has no shard to belong to"
             shard = model[keys[index]]
             for name, value in opt.get("state", {}).get(index, {}).items():
-                if (isinstance(value, TensorRef) and len(value.shape) >= 1
-                        and value.shape != shard.shape):
+                if per_rank_state(name, value, shard.shape):
                     return (f"{f.path}: optimizer index {index}'s {name!r} has shape "
                             f"{list(value.shape)}, but shard {keys[index]} has "
                             f"{list(shard.shape)}: the optimizer was not built over "
@@ -78,11 +77,10 @@ def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     ``TensorRef`` for a tensor)."""
     saved = shards.files[0].tree[OPTIMIZER]["state"].get(index, {})
     shape = shards.files[0].tree[MODEL][spec.key].shape
-    for name, value in saved.items():
-        refuse_per_rank_state(f"{shards.files[0].path}, optimizer index {index} ({spec.key})",
-                              name, value, shape)
+    where = f"{shards.files[0].path}, optimizer index {index} ({spec.key})"
     return {name: SpreadTensor(_state_of_every_rank(shards, index, name), spec, param)
-            if sharded_like(name, value, shape) else value for name, value in saved.items()}
+            if state_is_sharded(where, name, value, shape) else value
+            for name, value in saved.items()}
 
 
 def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:

@@ -1,0 +1,53 @@
+"""Which shard each saved optimizer index holds, and the one rule for what optimizer state is
+sharded like its tensor (``metadata.state_is_sharded``), as the per-rank readers apply it.
+No XLA."""
+import pytest
+import torch
+
+from xla_fsdp.checkpoint.files import CheckpointError
+from xla_fsdp.checkpoint.metadata import MODEL, OPTIMIZER, state_is_sharded
+from xla_fsdp.checkpoint.per_rank.optimizer import optimizer_param_keys
+from xla_fsdp.checkpoint.per_rank.plan import plan_model
+from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
+
+from ...support.synthetic_checkpoints import SHAPES, shard_key, write_set
+
+
+def _keys(prefix):
+    shards = find_shard_set(prefix, "_rank-*-of-*.pth", verify=False)
+    try:
+        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        return optimizer_param_keys(shards, plan)
+    finally:
+        shards.close()
+
+
+def test_torch_xla_recipe_files_are_read_in_parameter_order_unless_a_state_says_otherwise(
+        tmp_path):
+    prefix = str(tmp_path / "ckpt")
+    paths = write_set(prefix, 2, recipe=True)   # no record of which shard an index holds
+    keys, reason = _keys(prefix)
+    assert reason is None and keys == [shard_key(n) for n in SHAPES]
+    # an optimizer built over the parameters in another order: index 0's momentum has the
+    # bias shard's shape, not the weight shard's
+    tree = torch.load(paths[1], weights_only=False)
+    state = tree[OPTIMIZER]["state"]
+    state[0], state[1] = state[1], state[0]
+    torch.save(tree, paths[1])
+    keys, reason = _keys(prefix)
+    assert reason.startswith(f"{paths[1]}: optimizer index 0's 'momentum_buffer' has shape "
+                             f"[3], but shard {shard_key('lin.weight')} has [8]"), reason
+    assert "not built over model.parameters() in order" in reason
+
+
+def test_one_rule_for_state_sharded_like_its_tensor():
+    shard = torch.zeros(8)
+    assert state_is_sharded("w", "exp_avg", torch.zeros(8), shard.shape)
+    assert not state_is_sharded("w", "step", torch.tensor(3.0), shard.shape)
+    assert not state_is_sharded("w", "lr_scale", 0.5, shard.shape)           # not a tensor
+    # a 0-d parameter's step count has its shape but is not cut as the parameter is
+    assert not state_is_sharded("s", "step", torch.tensor(1.0), ())
+    assert state_is_sharded("s", "exp_avg", torch.tensor(1.0), ())
+    with pytest.raises(CheckpointError, match=r"^f.pth, index 2: optimizer state 'row_var' "
+                                              r"has shape \[2\], neither its tensor's \[8\]"):
+        state_is_sharded("f.pth, index 2", "row_var", torch.zeros(2), shard.shape)
