@@ -47,19 +47,17 @@ from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
                        RANK_FILES, RankRecord, optimizer_shard_keys,
                        sharded_checkpoint_path, wrapping_fingerprint)
-from .unit_protocol import ShardedModel, require_root, sharding_group_index
+from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
+                            writes_sharding_group_copy)
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 
 
 def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
     """Where this rank's sharding group writes, or None for a replica that does not write."""
-    index = sharding_group_index(model)
-    if index is None:
-        return prefix
-    if model.options.replicate_across_groups:
-        return prefix if index == 0 else None
-    return f"{prefix}_group-{index:03d}"
+    if not writes_sharding_group_copy(model):
+        return None
+    return sharding_group_path(prefix, model, is_prefix=True)[0]
 
 
 def save_sharded(path_prefix: str, model: ShardedModel,
@@ -167,7 +165,7 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     require_root(model, "load_sharded")
     refuse_reads(path_prefix)
     wait_for_pending(model)  # a save of this model in flight is published first
-    path_prefix = _sharding_group_prefix(path_prefix, model) or path_prefix
+    path_prefix = sharding_group_path(path_prefix, model, is_prefix=True)[0]
     own = _own_file(path_prefix, model, optimizer)
     # one way for every rank (the other is collective), and the own files of one save only
     everyone = exchange("xla_fsdp.load_sharded.own", None if own is None else own[1].save_index)

@@ -81,17 +81,19 @@ def sharding_group_index(model: ShardedModel) -> Optional[int]:
 _FILE_EXTENSIONS = (".pth", ".pt", ".bin", ".safetensors")
 
 
-def sharding_group_path(path: str, model: ShardedModel) -> Tuple[str, bool]:
+def sharding_group_path(path: str, model: ShardedModel, is_prefix: bool = False
+                        ) -> Tuple[str, bool]:
     """Where this rank's sharding group keeps a checkpoint named ``path``, and whether the
     groups are independent. Independent ``sharding_groups`` (parts of a model-parallel
-    model) each have one of their own (``out/dcp_group-001``, ``out/ck_group-001.pth``);
-    replicas (``replicate_across_groups``) share the first group's, which it writes."""
+    model) each have one of their own (``out/dcp_group-001``, ``out/ck_group-001.pth``, or
+    for the ``is_prefix`` of per-rank files ``out/ck_group-001``); replicas
+    (``replicate_across_groups``) share the first group's, which it writes."""
     import os
     index = sharding_group_index(model)
     if index is None or model.options.replicate_across_groups:
         return path, False
     stem, ext = os.path.splitext(path)
-    if ext not in _FILE_EXTENSIONS:
+    if is_prefix or ext not in _FILE_EXTENSIONS:
         stem, ext = path, ""
     return f"{stem}_group-{index:03d}{ext}", True
 
