@@ -1,5 +1,5 @@
-"""``load_dcp``: a DCP checkpoint in the layout of ``dcp_format.layout`` into a wrapped model (and its
-optimizer) at any world size, whoever wrote it: ``save_dcp``, PyTorch FSDP2's
+"""``load_dcp``: a DCP checkpoint in the layout of ``dcp_format.layout`` into a wrapped model
+(and its optimizer) at any world size, whoever wrote it: ``save_dcp``, PyTorch FSDP2's
 ``get_state_dict`` + ``dcp.save``, torchtitan, or a plain single-process ``dcp.save``. Each
 rank asks DCP for its own chunks, and reads only the saved chunks that overlap them
 (``sources.dcp_files``); what it reads is checked and staged as for every source
