@@ -158,17 +158,14 @@ def run_device_process(target: Callable[..., None], target_args: tuple,
     # a preemption notice to this process is the devices' (see [Note: who installs the
     # SIGTERM handler])
     forwarding = preemption.Forwarding(process.pid)
-    returned = False
     try:
         values = _collect(process, receiver, tail)
-        returned = True
+        # the child sends its results before its exit handlers run (torch_xla's teardown,
+        # the report of a save never published: see [Note: a save never waited on]); they
+        # print to the log, which is forwarded until the child ends
+        process.join(timeout=_EXIT_SECONDS)
         return values
     finally:
-        if returned:
-            # the child sends its results before its exit handlers run (torch_xla's
-            # teardown, the report of a save never published: see [Note: a save never
-            # waited on]); they print to the log, which is forwarded until the child ends
-            process.join(timeout=_EXIT_SECONDS)
         tail.stop()
         if process.is_alive():
             process.kill()

@@ -47,8 +47,8 @@ def environment(num_devices: int) -> Dict[str, str]:
 
 # see [Note: compiled programs within the process's memory maps]
 _KEPT = "XLA_COMPILATION_CACHE_SIZE"
-# a program's memory maps, measured: 20 to 40 for small graphs on XLA:CPU, about 77 on
-# average for the matrix's Rprop steps (39,000 maps held with 511 programs)
+# a program's memory maps, measured: 20 to 40 for small graphs on XLA:CPU, about 80 on
+# average for the matrix's Rprop steps (at most 47,009 maps held with 511 programs)
 MAPS_PER_PROGRAM = 64
 
 
@@ -64,7 +64,8 @@ def programs_kept(max_map_count: int) -> int:
     that compiles that many graphs (a matrix of many cells, an optimizer that syncs per
     tensor) then had LLVM fail with "Cannot allocate memory" and the process die of
     SIGSEGV. The device process keeps fewer programs instead: 511 at the default limit,
-    more where the limit is higher; the matrix's Rprop launch then held 35,000 to 39,000. A launch's steps reuse far fewer programs than that
+    more where the limit is higher (the matrix's 35-cell Rprop launch then peaked at 47,009
+    maps, 72% of the limit). A launch's steps reuse far fewer programs than that
     (its graphs times its devices), so eviction only drops programs of finished work. A
     user's own ``XLA_COMPILATION_CACHE_SIZE`` wins. On a TPU the program lives on the
     device, not in the host's maps, and torch_xla's launchers keep their default."""
