@@ -20,12 +20,13 @@ level 2^16 times as often, so all but 2^-5 = 3.1% within 1e-3, or all but two el
 more of a parameter at N <= 8, fails either.
 Against which reference: the unsharded model computing in the run's dtype
 (``models.forward_in``: bf16 copies of the float32 parameters); the matrix's also sums its
-gradients as the ranks do (see [Note: a low-precision reference reduces as the ranks do]).
-A float32 reference puts 1.2% to 1.9% of an adaptive optimizer's weights beyond 1e-3 in
-bf16, from the rounding of the forward alone, against 0.24% to 0.38% for the bf16 reference
-(the matrix's optimizers, N = 2). With SGD either reference is within the bounds, so attention (which a bf16 unit computes
-its own way, see [Note: attention under a low-precision compute_dtype]) and the compiled
-settings keep a float32 one: within 7e-5 on losses and 4.1e-4 on parameters.
+gradients as the ranks do (see [Note: a low-precision reference reduces as the ranks do]). A
+float32 reference puts 1.2% to 1.9% of an adaptive optimizer's weights beyond 1e-3 in bf16,
+from the rounding of the forward alone, against 0.24% to 0.38% for the bf16 reference (the
+matrix's optimizers, N = 2). With SGD either reference is within the bounds, so attention
+(which a bf16 unit computes its own way, see [Note: attention under a low-precision
+compute_dtype]) and the compiled settings keep a float32 one: within 7e-5 on losses and
+4.1e-4 on parameters.
 """
 from typing import Dict, List, Optional, Sequence
 
