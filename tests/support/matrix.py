@@ -215,8 +215,35 @@ def _split(option: str, world: int, rank: int) -> Tuple[int, int]:
     return split, rank % split
 
 
+def _backward_as_ranks(model, x, y, split: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """The unsharded model's loss on (x, y), its gradients set as ``split`` data-parallel
+    ranks computing in ``dtype`` reduce theirs ([Note: a low-precision reference reduces as
+    the ranks do]): each rank's part in ``dtype``, summed in rank order in ``dtype``."""
+    if split == 1:
+        loss = loss_fn(KIND, forward_in(model, x, dtype), y)
+        loss.backward()
+        return loss
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = len(x) // split
+    losses, total = [], None
+    for part in range(split):
+        loss = loss_fn(KIND, forward_in(model, x[part * local:(part + 1) * local], dtype),
+                       y[part * local:(part + 1) * local])
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        # a power of two: the division is exact, before the sum or after it
+        grads = [(g if g is not None else torch.zeros_like(p)).to(dtype) / split
+                 for g, p in zip(grads, params)]
+        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        losses.append(loss)
+    for p, g in zip(params, total):
+        p.grad = g.float()
+    return sum(losses) / split
+
+
 def _train(model, opt, steps, option: str, world: int, rank: int,
-           compute_dtype: Optional[torch.dtype] = None) -> List[float]:
+           compute_dtype: Optional[torch.dtype] = None, ranks: int = 1) -> List[float]:
+    """Each step's loss (the ranks' mean); ``compute_dtype`` and ``ranks``: how the unsharded
+    reference computes and reduces (``_backward_as_ranks``)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     device = torch_xla.device()
@@ -227,8 +254,7 @@ def _train(model, opt, steps, option: str, world: int, rank: int,
         x, y = batch(KIND, step + 1000 * SEED)
         x, y = x[part * local:(part + 1) * local], y[part * local:(part + 1) * local]
         opt.zero_grad()
-        loss = loss_fn(KIND, forward_in(model, x.to(device), compute_dtype), y.to(device))
-        loss.backward()
+        loss = _backward_as_ranks(model, x.to(device), y.to(device), ranks, compute_dtype)
         opt.step()
         loss = loss.detach()
         if split > 1:
@@ -366,31 +392,6 @@ def _compute_dtype(cell: Cell) -> Optional[torch.dtype]:
     return OPTIONS[cell.option].get("compute_dtype")
 
 
-def _backward_as_ranks(model, x, y, split: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    """The unsharded model's loss on (x, y), its gradients set as ``split`` data-parallel
-    ranks computing in ``dtype`` reduce theirs ([Note: a low-precision reference reduces as
-    the ranks do]): each rank's part in ``dtype``, summed in rank order in ``dtype``."""
-    if split == 1:
-        loss = loss_fn(KIND, forward_in(model, x, dtype), y)
-        loss.backward()
-        return loss
-    params = [p for p in model.parameters() if p.requires_grad]
-    local = len(x) // split
-    losses, total = [], None
-    for part in range(split):
-        loss = loss_fn(KIND, forward_in(model, x[part * local:(part + 1) * local], dtype),
-                       y[part * local:(part + 1) * local])
-        grads = torch.autograd.grad(loss, params, allow_unused=True)
-        # a power of two: the division is exact, before the sum or after it
-        grads = [(g if g is not None else torch.zeros_like(p)).to(dtype) / split
-                 for g, p in zip(grads, params)]
-        total = grads if total is None else [a + b for a, b in zip(total, grads)]
-        losses.append(loss)
-    for p, g in zip(params, total):
-        p.grad = g.float()
-    return sum(losses) / split
-
-
 def reference(rank: int, runs: Sequence[Tuple[str, bool, Optional[torch.dtype], Tuple[int, int]]]
               ) -> Dict:
     """Each (optimizer, foreach, compute dtype, splits)'s run of the unsharded model on one
@@ -404,15 +405,8 @@ def reference(rank: int, runs: Sequence[Tuple[str, bool, Optional[torch.dtype], 
         torch.manual_seed(SEED)
         model = build_model(KIND).to(device)
         opt = make_optimizer(name, foreach, model.parameters())
-        losses = []
-        for step in range(2 * STEPS):
-            x, y = batch(KIND, step + 1000 * SEED)
-            opt.zero_grad()
-            loss = _backward_as_ranks(model, x.to(device), y.to(device),
-                                      splits[step >= STEPS], dtype)
-            opt.step()
-            torch_xla.sync()
-            losses.append(loss.item())
+        losses = [loss for half, ranks in enumerate(splits) for loss in _train(
+            model, opt, range(half * STEPS, (half + 1) * STEPS), "default", 1, 0, dtype, ranks)]
         # the state, buffers included: a cell's model is compared by its full_state_dict
         out[name, foreach, dtype, splits] = {"losses": losses, "params": {
             k: v.detach().cpu() for k, v in model.state_dict().items()}}
