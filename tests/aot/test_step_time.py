@@ -82,6 +82,9 @@ def test_the_wraparound_follows_the_slice_and_the_group():
         pytest.approx(collective_seconds("all-gather", mb, everyone, eight))
     assert collective_seconds("all-reduce", mb, everyone, eight) == \
         pytest.approx(2 * 7 / 8 * mb / (2 * V5E["link"]))
+    # an all-to-all of n results a quarter of the all-gather of them (the scaling book)
+    assert collective_seconds("all-to-all", mb / 8, everyone, eight) == \
+        pytest.approx(collective_seconds("all-gather", mb, everyone, eight) / 4)
     # tiny transfers are bound by the hops of the longest path, a microsecond each
     assert collective_seconds("all-gather", 64, everyone, eight) == pytest.approx(4e-6)
     assert collective_seconds("all-gather", 64, row, pod) == pytest.approx(8e-6)

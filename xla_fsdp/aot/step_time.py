@@ -19,7 +19,8 @@ schedule on two clocks:
   wraparound]), ``(n-1)/n`` of the bytes it moves over the bandwidth of the torus axes
   its rank group spans (each axis: one link one way without a wraparound, both ways with
   one), and at least one microsecond per hop of the longest path. An all-gather moves its
-  result, a reduce-scatter its operand, an all-reduce twice its result; transfers queue
+  result, a reduce-scatter its operand, an all-reduce twice its result, an all-to-all a
+  quarter of its results over every chip of the group; transfers queue
   on the ICI one at a time. A transfer to or from host memory queues likewise on the host
   link;
 * the step is the time the TensorCore's clock reaches the end. What the collectives add is
@@ -159,9 +160,11 @@ def collective_seconds(opcode: str, result_bytes: float, rank_group: Sequence[Tu
     if n <= 1:
         return 0.0
     share = (n - 1) / n
+    # an all-to-all sends each byte to one chip, on average a quarter of the way round a
+    # ring: a quarter of what an all-gather of its n results moves
     moved = {"all-gather": result_bytes, "reduce-scatter": result_bytes * n,
-             "all-reduce": 2 * result_bytes, "all-to-all": result_bytes / 4,
-             "ragged-all-to-all": result_bytes / 4, "collective-broadcast": result_bytes}
+             "all-reduce": 2 * result_bytes, "all-to-all": result_bytes * n / 4,
+             "ragged-all-to-all": result_bytes * n / 4, "collective-broadcast": result_bytes}
     link = topology.chip.ici_link_bytes_per_s * efficiency.collective
     if opcode not in moved:    # a permute: each chip sends its buffer to one neighbour
         return max(HOP_SECONDS, result_bytes / link)
