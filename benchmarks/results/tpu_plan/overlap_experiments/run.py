@@ -1,0 +1,29 @@
+"""Plans one step with the experiments' variables set and prints the estimate's parts:
+``python benchmarks/results/tpu_plan/overlap_experiments/run.py SPEC...`` from a tree with
+``experiments.patch`` applied. SPEC: ``1b[,VAR...]`` (Llama 3.2 1B, v5e-8) or
+``gpt[,VAR...]`` (``scripts.bench.tpu_levers``' GPT, v5e-4); each VAR is set to 1."""
+import os
+import sys
+
+from scripts.bench import tpu_levers, tpu_plan
+from xla_fsdp.aot import compile_for_tpu
+
+VARIABLES = ("BWD_OFF", "PREFETCH", "LAG", "RING_RS", "A2A_RS")
+
+if __name__ == "__main__":
+    for spec in sys.argv[1:]:
+        model, *names = spec.split(",")
+        for name in VARIABLES:
+            os.environ.pop(name, None)
+        os.environ.update({name: "1" for name in names})
+        if model == "1b":
+            r = compile_for_tpu(tpu_plan.train_step, "v5e-8",
+                                args=(tpu_plan.Setting("xla_fsdp", "llama-3.2-1b", 16, 2048),))
+        else:
+            r = compile_for_tpu(tpu_levers.train_step, "v5e-4", args=("xla_fsdp", {}, {}))
+        e, s = r.estimate, r.collective_summary()
+        print(spec, f"peak {r.peak_bytes / 2 ** 20:.1f} MiB, HBM {r.bytes_accessed / 2 ** 20:.0f} "
+              f"MiB, step {e.seconds * 1e3:.3f} ms, busy {e.busy_seconds * 1e3:.3f} ms, waiting "
+              f"{e.exposed_collective_seconds * 1e3:.3f} ms, overlapped "
+              f"{sum(int(v['overlapped']) for v in s.values())} / "
+              f"{sum(int(v['count']) for v in s.values())}", flush=True)
