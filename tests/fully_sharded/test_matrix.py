@@ -44,3 +44,30 @@ def test_every_cell_matches_or_is_refused():
                                    for cell, problems in failures.items())
     refused = [c for c, outcome in outcomes.items() if "refused" in outcome]
     assert refused, "no cell was refused: REFUSALS no longer describes the wrapper"
+
+
+def _refused_with_work_held_on_one_rank(rank):
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    held = []
+
+    def refused_step(cell):
+        # the pending work of a refused step, a collective in it; rank 1 still holds a
+        # tensor of it at the cell's end, as autograd's device thread sometimes does
+        pending = xm.all_reduce(xm.REDUCE_SUM, torch.ones(4).to(torch_xla.device()))
+        if rank == 1:
+            held.append(pending)
+        return {"refused": "training: refused"}
+
+    def trained(cell):
+        return {"loss": xm.all_reduce(xm.REDUCE_SUM, torch.ones(2).to(torch_xla.device()))
+                .sum().item()}
+    return matrix._each(rank, ["refused", "next"],
+                        lambda c: refused_step(c) if c == "refused" else trained(c), "training")
+
+
+def test_a_refused_cell_leaves_no_work_pending_on_any_rank():
+    from xla_fsdp import launch
+    out = launch(_refused_with_work_held_on_one_rank, num_devices=2)
+    assert [o["next"]["loss"] for o in out.values()] == [4.0, 4.0]

@@ -360,7 +360,10 @@ def _trained(cell: Cell, root: str, world: int, rank: int) -> Dict:
 def _each(rank: int, cells: Sequence[Cell], run, what: str) -> Dict:
     """{cell: run(cell)}, each cell starting clean: a refused step leaves its forward and
     backward pending on the device, and the next sync would run them inside another cell's
-    graph, so they are dropped with the cell's model once it returns."""
+    graph, so every rank drops them when the cell is refused. Letting the cell's model die
+    was not enough: autograd's device thread may hold a finished backward's tensors a moment
+    longer on one rank than on another, and the ranks then met at the sync with different
+    work pending (``DivergentGraphs``, once under load in stops 70 and 72)."""
     import gc
     import torch_xla
     import torch_xla.runtime as xr
@@ -369,6 +372,8 @@ def _each(rank: int, cells: Sequence[Cell], run, what: str) -> Dict:
         if rank == 0:   # an abort's log then names the cell it happened in
             print(f"matrix: {what} {cell} at N={xr.world_size()}", file=sys.stderr, flush=True)
         out[cell] = run(cell)
+        if "refused" in out[cell] or "refused" in out[cell].get("resumed", {}):
+            torch_xla._XLAC._clear_pending_irs(str(torch_xla.device()))
         gc.collect()
         torch_xla.sync()
     return out
