@@ -20,7 +20,8 @@ schedule on two clocks:
   its rank group spans (each axis: one link one way without a wraparound, both ways with
   one), and at least one microsecond per hop of the longest path. An all-gather moves its
   result, a reduce-scatter its operand, an all-reduce twice its result, an all-to-all a
-  quarter of its results over every chip of the group; transfers queue
+  quarter of the group's results (each byte goes to one chip, on average a quarter of the
+  way round a ring); transfers queue
   on the ICI one at a time. A transfer to or from host memory queues likewise on the host
   link;
 * the step is the time the TensorCore's clock reaches the end. What the collectives add is
@@ -160,8 +161,6 @@ def collective_seconds(opcode: str, result_bytes: float, rank_group: Sequence[Tu
     if n <= 1:
         return 0.0
     share = (n - 1) / n
-    # an all-to-all sends each byte to one chip, on average a quarter of the way round a
-    # ring: a quarter of what an all-gather of its n results moves
     moved = {"all-gather": result_bytes, "reduce-scatter": result_bytes * n,
              "all-reduce": 2 * result_bytes, "all-to-all": result_bytes * n / 4,
              "ragged-all-to-all": result_bytes * n / 4, "collective-broadcast": result_bytes}
