@@ -31,7 +31,8 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Container, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, Container, Dict, Iterable, Iterator, List, Mapping,
+                    Optional, Sequence, Tuple)
 
 import torch
 import torch.nn as nn
@@ -265,6 +266,38 @@ def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) ->
             f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
             f"ranks; per-rank files (save_sharded) keep every rank's.")
     return sharded_like(name, value, shape)
+
+
+@dataclass(frozen=True)
+class StateValue:
+    """One value of an optimizer's state, and what ``state_is_sharded`` says of it."""
+    index: int      # the optimizer's index of the tensor it belongs to
+    name: str       # "exp_avg", "step"
+    value: Any      # a tensor, a ``TensorRef``, or any other object
+    sharded: bool   # cut, saved and read as its tensor is
+
+
+def walk_state(state: Mapping[int, Mapping[str, Any]], shape_of: Callable[[int], Sequence[int]],
+               where: Callable[[int], str], indices: Optional[Iterable[int]] = None
+               ) -> Iterator[StateValue]:
+    """THE walk over optimizer state for every writer and every reader of saved optimizer
+    state dicts: each value of ``state`` (an optimizer state dict's ``"state"``, index ->
+    name -> value: a live optimizer's, ``live_state``, or a file's), in index order or that
+    of ``indices``, judged by ``state_is_sharded`` against the shape ``shape_of(index)`` of
+    its tensor, with ``where(index)`` naming it in a refusal."""
+    for index in sorted(state) if indices is None else indices:
+        shape = shape_of(index)
+        for name, value in state.get(index, {}).items():
+            yield StateValue(index, name, value,
+                             state_is_sharded(where(index), name, value, shape))
+
+
+def live_state(optimizer: torch.optim.Optimizer
+               ) -> Tuple[List[torch.Tensor], Dict[int, Dict[str, Any]]]:
+    """A live optimizer's tensors by index (the order ``state_dict()`` numbers them in) and
+    its state by index: its own dicts, nothing copied."""
+    params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+    return params, {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}
 
 
 def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:

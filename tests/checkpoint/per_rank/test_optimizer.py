@@ -1,11 +1,12 @@
-"""Which shard each saved optimizer index holds, and the one rule for what optimizer state is
-sharded like its tensor (``metadata.state_is_sharded``), as the per-rank readers apply it.
-No XLA."""
+"""Which shard each saved optimizer index holds, the one rule for what optimizer state is
+sharded like its tensor (``metadata.state_is_sharded``), and the one walk that applies it to a
+live optimizer or a saved state dict (``metadata.walk_state``). No XLA."""
 import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
-from xla_fsdp.checkpoint.metadata import MODEL, OPTIMIZER, state_is_sharded
+from xla_fsdp.checkpoint.metadata import (MODEL, OPTIMIZER, live_state, state_is_sharded,
+                                          walk_state)
 from xla_fsdp.checkpoint.per_rank.optimizer import optimizer_param_keys
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
@@ -51,3 +52,26 @@ def test_one_rule_for_state_sharded_like_its_tensor():
     with pytest.raises(CheckpointError, match=r"^f.pth, index 2: optimizer state 'row_var' "
                                               r"has shape \[2\], neither its tensor's \[8\]"):
         state_is_sharded("f.pth, index 2", "row_var", torch.zeros(2), shard.shape)
+
+
+def test_one_walk_over_a_live_optimizer_or_its_state_dict():
+    weight, bias, frozen = (torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2)),
+                            torch.nn.Parameter(torch.ones(3)))
+    optimizer = torch.optim.Adam([{"params": [weight]}, {"params": [frozen, bias]}])
+    weight.grad, bias.grad = torch.ones(4), torch.ones(2)   # frozen gets no state
+    optimizer.step()
+    params, state = live_state(optimizer)
+    assert params == [weight, frozen, bias] and sorted(state) == [0, 2]
+    assert frozen not in optimizer.state   # looking did not add it
+    assert state[0]["exp_avg"] is optimizer.state[weight]["exp_avg"]   # nothing copied
+
+    def walked(by_index, **kw):
+        return [(v.index, v.name, v.sharded) for v in
+                walk_state(by_index, lambda i: params[i].shape, lambda i: f"index {i}", **kw)]
+    want = [(i, n, n != "step") for i in (0, 2) for n in ("step", "exp_avg", "exp_avg_sq")]
+    assert walked(state) == want
+    assert walked(optimizer.state_dict()["state"]) == want   # the saved form walks alike
+    assert walked(state, indices=[2]) == want[3:]
+    optimizer.state[bias]["exp_avg_sq"] = torch.ones(1)   # statistics over a shard's rows
+    with pytest.raises(CheckpointError, match=r"^index 2: optimizer state 'exp_avg_sq'"):
+        walked(state)

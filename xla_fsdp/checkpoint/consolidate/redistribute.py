@@ -25,7 +25,7 @@ from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
-                        state_is_sharded, wrapping_fingerprint)
+                        walk_state, wrapping_fingerprint)
 from ..per_rank.optimizer import optimizer_param_keys
 from ..sources.per_rank_files import shard_set_source
 from ..per_rank.plan import ModelPlan, ShardGroupSpec
@@ -98,22 +98,21 @@ def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,
     specs = plan.spec_of()
     head = shards.files[0].tree
     out: List[Dict[int, Any]] = [{} for _ in writers]
-    for index, saved in sorted(head[OPTIMIZER]["state"].items()):
-        spec = specs[keys[index]]
-        layout = spec.layout(len(writers))
-        shard0 = head[MODEL][spec.key]
-        for name, value in saved.items():
-            if state_is_sharded(f"{shards.files[0].path}, optimizer index {index}", name, value,
-                                shard0.shape):
-                state_keys = [GET_STATE_DICT.state(p.name, name)[0] for p in spec.params]
-                for r, writer in enumerate(writers):
-                    piece = read_shard(source, state_keys, spec, layout, r, value.dtype)
-                    out[r].setdefault(index, {})[name] = writer.add(piece)
-            else:
-                value = materialized(value)
-                for r, writer in enumerate(writers):
-                    out[r].setdefault(index, {})[name] = (
-                        writer.add(value) if isinstance(value, torch.Tensor) else value)
+    where = shards.files[0].path
+    for s in walk_state(head[OPTIMIZER]["state"], lambda i: head[MODEL][specs[keys[i]].key].shape,
+                        lambda i: f"{where}, optimizer index {i}"):
+        spec = specs[keys[s.index]]
+        if s.sharded:
+            state_keys = [GET_STATE_DICT.state(p.name, s.name)[0] for p in spec.params]
+            layout = spec.layout(len(writers))
+            for r, writer in enumerate(writers):
+                piece = read_shard(source, state_keys, spec, layout, r, s.value.dtype)
+                out[r].setdefault(s.index, {})[s.name] = writer.add(piece)
+        else:
+            value = materialized(s.value)
+            for r, writer in enumerate(writers):
+                out[r].setdefault(s.index, {})[s.name] = (
+                    writer.add(value) if isinstance(value, torch.Tensor) else value)
     return out
 
 

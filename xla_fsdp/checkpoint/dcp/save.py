@@ -56,8 +56,8 @@ from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..files import StagedFile, is_out_of_space, no_space_error
-from ..metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
-                        state_is_sharded)
+from ..metadata import (GROUP_MEMBERS, live_state, persistent_buffers, refuse_foreign_params,
+                        walk_state)
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange
@@ -325,25 +325,23 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
         for name, buf in persistent_buffers(model):
             add_whole(scheme.model(name), buf, original_dtype(buf))
     if optimizer is not None:
-        order = {n: i for i, n in enumerate(model.get_shard_metadata()["param_order"])}
-        for index, param_group in enumerate(optimizer.param_groups):
-            names: List[str] = []
-            for p in param_group["params"]:
-                names += [s.name for s in by_shard[id(p)]]
-                for k, v in optimizer.state.get(p, {}).items():
-                    sharded = state_is_sharded(f"DCP save of {by_shard[id(p)][0].name}", k, v,
-                                               p.shape)
-                    for slot in by_shard[id(p)]:
-                        key, path = scheme.state(slot.name, k)
-                        if sharded:
-                            add_pieces((key, path), slot, v)
-                        elif first and torch.is_tensor(v):
-                            add_whole((key, path), v, v.dtype)
-                        elif first:
-                            paths[key], objects[key] = path, v
-            if first:
+        params, state = live_state(optimizer)
+        for entry in walk_state(state, lambda i: params[i].shape,
+                                lambda i: f"DCP save of {by_shard[id(params[i])][0].name}"):
+            for slot in by_shard[id(params[entry.index])]:
+                key, path = scheme.state(slot.name, entry.name)
+                if entry.sharded:
+                    add_pieces((key, path), slot, entry.value)
+                elif first and torch.is_tensor(entry.value):
+                    add_whole((key, path), entry.value, entry.value.dtype)
+                elif first:
+                    paths[key], objects[key] = path, entry.value
+        if first:
+            order = {n: i for i, n in enumerate(model.get_shard_metadata()["param_order"])}
+            for index, param_group in enumerate(optimizer.param_groups):
+                names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
+                               key=lambda n: order.get(n, len(order)))
                 settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
-                names.sort(key=lambda n: order.get(n, len(order)))
                 for key, path, value in scheme.param_group(index, names, settings):
                     paths[key], objects[key] = path, value
     if first and extra is not None:

@@ -30,8 +30,9 @@ from ..coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
-                        ShardMetadata, optimizer_shard_keys, persistent_buffers,
-                        state_is_sharded, units_by_saved_path, wrapping_fingerprint)
+                        ShardMetadata, StateValue, live_state, optimizer_shard_keys,
+                        persistent_buffers, units_by_saved_path, walk_state,
+                        wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 
@@ -152,20 +153,21 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
     world = metadata["world_size"]
     tensors: Dict[str, Tuple[torch.Tensor, Any]] = {}
     shard_keys: List[str] = []   # model state dict keys, also the shards' tensor ids
-    state_ids: Dict[str, Dict[str, str]] = {}  # shard key -> {state name: tensor id}
     for path, unit in units_by_saved_path(model, model.named_units()):  # keys as saved
         for g in unit.shard_groups:
             key = join_name(path, g.shard_name)
             tensors[key] = (g.shard, unit.collectives)
             shard_keys.append(key)
-            if optimizer is not None:
-                for name, value in optimizer.state.get(g.shard, {}).items():
-                    # on every rank, before any serves: they refuse together
-                    if state_is_sharded(f"consolidated save of {key}", name, value,
-                                        g.shard.shape):
-                        tid = f"{key}#{name}"
-                        tensors[tid] = (value, unit.collectives)
-                        state_ids.setdefault(key, {})[name] = tid
+    param_keys = optimizer_shard_keys(model, optimizer) if optimizer is not None else None
+    state: List[StateValue] = []  # the optimizer's; sharded values gathered as "<key>#<name>"
+    if optimizer is not None:
+        # on every rank, before any serves: they refuse together
+        params, by_index = live_state(optimizer)
+        state = list(walk_state(by_index, lambda i: params[i].shape,
+                                lambda i: f"consolidated save of {param_keys[i]}"))
+        for s in state:
+            if s.sharded:
+                tensors[_state_id(param_keys, s)] = (s.value, tensors[param_keys[s.index]][1])
     channel = _Channel(tensors, writes)
     if not writes:
         channel.serve()
@@ -173,7 +175,6 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         return
     buffers = {name: (buf, original_dtype(buf)) for name, buf in persistent_buffers(model)}
     local = _LocalView(buffers)
-    param_keys = optimizer_shard_keys(model, optimizer) if optimizer is not None else None
     files = []
     for rank in range(world):
         view = _RankView(channel, rank, world, None)
@@ -185,7 +186,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         if rank == 0:
             tree[MODEL].update({n: _ref(local, n, b, d) for n, (b, d) in buffers.items()})
         if optimizer is not None:
-            tree[OPTIMIZER] = _optimizer_tree(optimizer, view, tensors, state_ids, param_keys)
+            tree[OPTIMIZER] = _optimizer_tree(optimizer, view, tensors, state, param_keys)
         if extra is not None:
             tree["extra"] = extra
         view.tree = tree
@@ -196,20 +197,21 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         channel.finish()
 
 
+def _state_id(param_keys: List[str], value: StateValue) -> str:
+    return f"{param_keys[value.index]}#{value.name}"
+
+
 def _optimizer_tree(optimizer: torch.optim.Optimizer, view: _RankView,
-                    tensors: Dict[str, Tuple[torch.Tensor, Any]],
-                    state_ids: Dict[str, Dict[str, str]], param_keys: List[str]
-                    ) -> Dict[str, Any]:
+                    tensors: Dict[str, Tuple[torch.Tensor, Any]], state: List[StateValue],
+                    param_keys: List[str]) -> Dict[str, Any]:
     """``optimizer.state_dict()``'s structure, sharded state as references into the gathered
     tensors, the rest (``step``) as this rank's copy: it is the same on every rank."""
-    saved = optimizer.state_dict()
-    state: Dict[int, Dict[str, Any]] = {}
-    for index, values in saved["state"].items():
-        ids = state_ids.get(param_keys[index], {})
-        state[index] = {name: (_ref(view, ids[name], tensors[ids[name]][0]) if name in ids
-                               else _host(value))
-                        for name, value in values.items()}
-    return {"state": state, "param_groups": saved["param_groups"]}
+    tree: Dict[int, Dict[str, Any]] = {}
+    for s in state:
+        tid = _state_id(param_keys, s)
+        tree.setdefault(s.index, {})[s.name] = (_ref(view, tid, tensors[tid][0]) if s.sharded
+                                                else _host(s.value))
+    return {"state": tree, "param_groups": optimizer.state_dict()["param_groups"]}
 
 
 def _host(value: Any) -> Any:

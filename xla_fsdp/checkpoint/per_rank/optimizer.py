@@ -1,6 +1,6 @@
 """Optimizer state: from per-rank shards to the unwrapped model's layout.
 
-State sharded like its shard (``metadata.state_is_sharded``) is spread over the rank files as
+State sharded like its shard (``metadata.walk_state``) is spread over the rank files as
 the parameter is (``plan.SpreadTensor``); anything else (``step``) is the same on every rank
 and is taken from rank 0 (``saved_state``). The sharded optimizer's parameter indices are
 resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is
@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord, per_rank_state, state_is_sharded
+from ..metadata import MODEL, OPTIMIZER, RankRecord, per_rank_state, walk_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -75,12 +75,12 @@ def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     """``param``'s optimizer state as saved under optimizer index ``index``: state sharded
     like the shard as a ``SpreadTensor`` over every rank's, the rest as rank 0 holds it (a
     ``TensorRef`` for a tensor)."""
-    saved = shards.files[0].tree[OPTIMIZER]["state"].get(index, {})
-    shape = shards.files[0].tree[MODEL][spec.key].shape
+    head = shards.files[0].tree
     where = f"{shards.files[0].path}, optimizer index {index} ({spec.key})"
-    return {name: SpreadTensor(_state_of_every_rank(shards, index, name), spec, param)
-            if state_is_sharded(where, name, value, shape) else value
-            for name, value in saved.items()}
+    return {s.name: SpreadTensor(_state_of_every_rank(shards, index, s.name), spec, param)
+            if s.sharded else s.value
+            for s in walk_state(head[OPTIMIZER]["state"], lambda _: head[MODEL][spec.key].shape,
+                                lambda _: where, indices=[index])}
 
 
 def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:
