@@ -1,5 +1,6 @@
-"""ParamRecord on its own: the one swap of a placeholder's ``.data`` (install, free), its
-trainability, its gradient hook, and finding names and placeholders. No XLA."""
+"""ParamRecord on its own: its two transitions on the eager path (install, free: the one swap
+of a placeholder's ``.data``) and on the traced one (lend, take_back), its trainability, its
+gradient hook, and finding names and placeholders. No XLA."""
 import torch
 import torch.nn as nn
 from torch.testing import assert_close
@@ -82,6 +83,26 @@ def test_a_forward_survives_free_and_install_before_its_backward():
     assert_close(x.grad, ref_x.grad)
     for r, p in zip(records, world.reference.parameters()):
         assert_close(r.placeholder.grad, p.grad)
+
+
+def test_lend_sets_the_full_values_in_every_holder_and_take_back_the_placeholders():
+    # the traced path: the modules read the graph's values, the placeholders stay untouched
+    world = FakeWorld(Tied(), world_size=1)
+    records, module = records_of(world), world.modules[0]
+    values = full_values(world)
+    data = [r.placeholder.data_ptr() for r in records]
+    embed = records[0]
+    assert len(embed.owners) == 2   # the embedding's and the head's attribute
+    ParamRecord.lend(records, values)
+    for r, v in zip(records, values):
+        assert every(getattr(m, a) is v for m, a in r.owners)
+        assert not r.gathered
+    x = torch.randn(4, 3)
+    assert_close(module(x), world.reference(x))
+    ParamRecord.take_back(records)
+    for r in records:
+        assert every(getattr(m, a) is r.placeholder for m, a in r.owners)
+    assert [r.placeholder.data_ptr() for r in records] == data
 
 
 def test_agree_requires_grad_freezes_and_unfreezes_the_placeholder():

@@ -1,5 +1,9 @@
 """One record per original parameter of a unit: the placeholder that stands in its modules,
-every place and name it has, and whether the placeholder holds the full value now.
+every place and name it has, and whether the placeholder holds the full value now. The
+record owns the parameter's two transitions, to its full value and back, on both paths:
+eagerly by swapping the placeholder's data (``install``, ``free``), and in a graph that
+``torch.compile`` traces by setting the full value where the placeholder stands (``lend``,
+``take_back``; see [Note: collectives traced into the compiled graph] in ``traced_unshard``).
 
 No FSDP state lives on tensors except what code written for torch_xla's FSDP reads there:
 ``_is_sharded``, ``_orig_size`` and ``_orig_name`` on a shard, and ``_has_full_param`` on a
@@ -78,6 +82,21 @@ class ParamRecord:
                 record.placeholder.data = dummy
                 record.gathered = record.placeholder._has_full_param = False
         return True
+
+    @staticmethod
+    def lend(records: Sequence["ParamRecord"], values: Sequence[torch.Tensor]) -> None:
+        """In a traced forward: each full value set where its record's placeholder stands, in
+        every module that holds it (a plain ``setattr``, which Dynamo replays)."""
+        for record, value in zip(records, values):
+            for module, attr in record.owners:
+                setattr(module, attr, value)
+
+    @staticmethod
+    def take_back(records: Sequence["ParamRecord"]) -> None:
+        """The placeholders back where ``lend`` set the full values."""
+        for record in records:
+            for module, attr in record.owners:
+                setattr(module, attr, record.placeholder)
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
         """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no

@@ -1,5 +1,6 @@
-"""A unit's full parameters as values of a graph that ``torch.compile`` traces: gathered in
-the graph, put where the modules read them for one forward, and given back after it.
+"""A unit's full parameters as values of a graph that ``torch.compile`` traces, gathered in
+the graph (each record then lends its value to its modules for one forward:
+``ParamRecord.lend``).
 
 [Note: collectives traced into the compiled graph]
 Under ``torch.compile`` a unit's forward hooks are traced by Dynamo like the modules' code.
@@ -41,7 +42,6 @@ import torch
 
 from .._xla.traced_collectives import traced_gather
 from .options import FsdpOptions
-from .param_record import ParamRecord
 from .shard_group import ShardGroup
 
 
@@ -100,17 +100,3 @@ def _recompute_all(_ctx: object, _op: object, *_args: object, **_kwargs: object)
 def _save_all(_ctx: object, _op: object, *_args: object, **_kwargs: object) -> object:
     from torch.utils.checkpoint import CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE
-
-
-def put(records: Sequence[ParamRecord], values: Sequence[torch.Tensor]) -> None:
-    """Each full value where its record's placeholder stands, for one traced forward."""
-    for record, value in zip(records, values):
-        for module, attr in record.owners:
-            setattr(module, attr, value)
-
-
-def give_back(records: Sequence[ParamRecord]) -> None:
-    """The placeholders back where ``put`` replaced them."""
-    for record in records:
-        for module, attr in record.owners:
-            setattr(module, attr, record.placeholder)

@@ -42,7 +42,6 @@ from .param_record import ParamRecord
 from .registry import WeakRegistry
 from .root_context import RootContext
 from .shard_group import ShardGroup
-from .traced_unshard import give_back, put
 from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
@@ -217,7 +216,7 @@ class UnitState:
     def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                            _args: tuple, outputs: Any) -> Any:
         if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
-            give_back(self._records())
+            ParamRecord.take_back(self._records())
             attention_scope.leave((id(self), id(member)))
             return outputs
         return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
@@ -241,7 +240,7 @@ class UnitState:
         x, values = self.params.traced_full_values(None if at is None else args[at])
         if at is not None:
             args = args[:at] + (x,) + args[at + 1:]
-        put(self._records(), values)
+        ParamRecord.lend(self._records(), values)
         return args, kwargs
 
     def _enter_attention_scope(self, member: nn.Module) -> None:
