@@ -278,16 +278,15 @@ class StateValue:
 
 
 def walk_state(state: Mapping[int, Mapping[str, Any]], shape_of: Callable[[int], Sequence[int]],
-               where: Callable[[int], str], indices: Optional[Iterable[int]] = None
-               ) -> Iterator[StateValue]:
+               where: Callable[[int], str]) -> Iterator[StateValue]:
     """THE walk over optimizer state for every writer and every reader of saved optimizer
     state dicts: each value of ``state`` (an optimizer state dict's ``"state"``, index ->
-    name -> value: a live optimizer's, ``live_state``, or a file's), in index order or that
-    of ``indices``, judged by ``state_is_sharded`` against the shape ``shape_of(index)`` of
-    its tensor, with ``where(index)`` naming it in a refusal."""
-    for index in sorted(state) if indices is None else indices:
+    name -> value: a live optimizer's, ``live_state``, or a file's), in index order, judged
+    by ``state_is_sharded`` against the shape ``shape_of(index)`` of its tensor, with
+    ``where(index)`` naming it in a refusal."""
+    for index in sorted(state):
         shape = shape_of(index)
-        for name, value in state.get(index, {}).items():
+        for name, value in state[index].items():
             yield StateValue(index, name, value,
                              state_is_sharded(where(index), name, value, shape))
 

@@ -79,8 +79,8 @@ def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     where = f"{shards.files[0].path}, optimizer index {index} ({spec.key})"
     return {s.name: SpreadTensor(_state_of_every_rank(shards, index, s.name), spec, param)
             if s.sharded else s.value
-            for s in walk_state(head[OPTIMIZER]["state"], lambda _: head[MODEL][spec.key].shape,
-                                lambda _: where, indices=[index])}
+            for s in walk_state({index: head[OPTIMIZER]["state"].get(index, {})},
+                                lambda _: head[MODEL][spec.key].shape, lambda _: where)}
 
 
 def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[TensorRef]:
