@@ -153,6 +153,33 @@ def test_a_loop_runs_its_trips_and_a_fusion_reads_only_the_slice_it_takes():
     assert slower.seconds == pytest.approx(2 * e.seconds)
 
 
+# libtpu prefetches a weight into on-chip memory (S(1)) in four row blocks by asynchronous
+# slices, DMAs whose starts hold ((operand), result, context), as in our 1B step's schedule
+SLICES = """HloModule step, is_scheduled=true
+
+ENTRY %main (w: f32[1024,2048]) -> (f32[256,2048], f32[256,2048], f32[256,2048], f32[256,2048]) {
+  %w = f32[1024,2048]{1,0:T(8,128)} parameter(0)
+  STARTS
+  DONES
+  ROOT %t = (f32[256,2048]{1,0:T(8,128)S(1)}, f32[256,2048]{1,0:T(8,128)S(1)}, f32[256,2048]{1,0:T(8,128)S(1)}, f32[256,2048]{1,0:T(8,128)S(1)}) tuple(%d0, %d1, %d2, %d3)
+}
+"""
+
+
+def test_an_asynchronous_slice_reads_its_slice_of_hbm_once():
+    starts = "\n".join(
+        f"  %s{i} = ((f32[1024,2048]{{1,0:T(8,128)}}), f32[256,2048]{{1,0:T(8,128)S(1)}}, "
+        f"s32[]{{:S(2)}}) slice-start(%w), slice={{[{256 * i}:{256 * (i + 1)}], [0:2048]}}"
+        for i in range(4))
+    dones = "\n".join(f"  %d{i} = f32[256,2048]{{1,0:T(8,128)S(1)}} slice-done(%s{i})"
+                       for i in range(4))
+    e = estimate(SLICES.replace("STARTS", starts).replace("DONES", dones), resolve("v5e-1"),
+                 PEAKS)
+    weight = 1024 * 2048 * 4   # read out of HBM once, in four slices; written to VMEM
+    assert e.hbm_bytes == pytest.approx(weight)
+    assert e.seconds == pytest.approx(weight / V5E["hbm"])
+
+
 def test_the_default_rates_are_the_calibrated_ones():
     """The fitted fractions of the peaks (scripts.bench.tpu_calibration) slow the estimate
     of a matmul-bound instruction by the matmul fraction."""

@@ -43,7 +43,7 @@ _FREE = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitca
                    "after-all", "opt-barrier", "add-dependency", "partition-id", "replica-id",
                    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
                    "dynamic-slice-start", "dynamic-slice-done", "dynamic-update-slice-start",
-                   "dynamic-update-slice-done",
+                   "dynamic-update-slice-done", "slice-done",
                    "async-start", "async-update", "async-done")
                   + tuple(COLLECTIVE_OPS)
                   + tuple(op + "-start" for op in COLLECTIVE_OPS)
@@ -88,6 +88,8 @@ class Costs:
                 work.mxu_flops += m
                 work.multipass_flops += p
             work.hbm_bytes = self._fusion_bytes(ins, shapes)
+        elif ins.opcode == "slice-start":
+            work.hbm_bytes = _async_slice_bytes(ins)
         elif ins.opcode in ("dynamic-update-slice",):
             operands = operand_shapes(ins, shapes)
             work.hbm_bytes = 2 * hbm_bytes(operands[1]) if len(operands) > 1 else 0.0
@@ -311,6 +313,19 @@ def _valid_window_positions(size_in: int, k: int, size_out: int, stride: int, pa
             if 0 <= pos < extent and pos % lhs_dilate == 0:
                 count += 1
     return float(count)
+
+
+def _async_slice_bytes(ins: Instruction) -> float:
+    """HBM bytes of an asynchronous slice (``slice-start``: a DMA libtpu schedules to bring
+    part of an operand, often into on-chip memory, ahead of the instruction that reads it):
+    the slice read out of HBM and, if its result is in HBM, written there; once, at its
+    start. Its start holds ``((operand), result, context)``."""
+    elements = tuple_elements(ins.shape)
+    if len(elements) < 2:
+        return 0.0
+    sources = tuple_elements(elements[0]) or [elements[0]]
+    read = hbm_bytes(elements[1], tuple(range(8))) if hbm_bytes(sources[0]) else 0.0
+    return read + hbm_bytes(elements[1])
 
 
 def host_transfer_bytes(ins: Instruction) -> float:

@@ -9,7 +9,9 @@ schedule on two clocks:
   instruction, not per step): its dots' FLOPs at the chip's bf16 peak, times the passes
   their precision needs (a float32 dot at HIGH runs 3 bf16 passes, at HIGHEST 6, at DEFAULT
   1), and the bytes it reads from and writes to HBM (operands and results not held in
-  on-chip memory; of an operand it only slices, the slices) at the chip's HBM bandwidth.
+  on-chip memory; of an operand it only slices, the slices; of an asynchronous slice, a DMA
+  that brings part of an operand on chip ahead of its reader, that part, once) at the
+  chip's HBM bandwidth.
   Both rates are scaled by achievable fractions fitted on measured runs (``Efficiency``,
   ``CALIBRATED``). A Pallas kernel (a ``tpu_custom_call``) is costed by the estimate its
   lowering attached, or, an attention kernel without one (jax's splash kernels carry
