@@ -15,8 +15,9 @@ setup(
                              "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
                     # torch_xla's Pallas kernels (flash and splash attention) need the jax
                     # torch_xla 2.9 pins (its own 'pallas' extra), splash torchax too; a
-                    # plan of a step that calls them lowers them with it
-                    "pallas": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7"],
+                    # plan of a step that calls them lowers them with it; torchax 0.0.7
+                    # imports flax without declaring it
+                    "pallas": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.7", "flax==0.12.0"],
                     "example": ["matplotlib"],  # examples/train_lm.py's loss curve
                     # the TPU compiler for xla_fsdp.aot; on Python < 3.12 it lives in an
                     # environment of its own: `python -m xla_fsdp.aot install`
