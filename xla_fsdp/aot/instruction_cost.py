@@ -324,7 +324,7 @@ def _async_slice_bytes(ins: Instruction) -> float:
     if len(elements) < 2:
         return 0.0
     sources = tuple_elements(elements[0]) or [elements[0]]
-    read = hbm_bytes(elements[1], tuple(range(8))) if hbm_bytes(sources[0]) else 0.0
+    read = array_bytes(elements[1]) if hbm_bytes(sources[0]) else 0.0
     return read + hbm_bytes(elements[1])
 
 
@@ -339,6 +339,6 @@ def host_transfer_bytes(ins: Instruction) -> float:
     if len(elements) < 2 or not hbm_bytes(ins.shape, (HOST_SPACE,)):
         return 0.0
     if ins.opcode != "dynamic-update-slice-start":    # a copy or a slice: its result
-        return hbm_bytes(elements[1], tuple(range(8)))
+        return array_bytes(elements[1])
     operands = tuple_elements(elements[0])     # (buffer, update, indices...)
-    return hbm_bytes(operands[1], tuple(range(8))) if len(operands) > 1 else 0.0
+    return array_bytes(operands[1]) if len(operands) > 1 else 0.0
