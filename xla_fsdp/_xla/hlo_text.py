@@ -3,11 +3,15 @@ module (the TPU compiler's optimized programs in ``aot``, the optimizer guard's 
 what happened to reduced gradients). Pure text; no torch, no jax."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, Optional, Tuple
+
+
+_OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
 
 
 @dataclass(frozen=True)
@@ -30,29 +34,29 @@ class Instruction:
             [c for listed in re.findall(r"branch_computations=\{([^}]*)\}", self.text)
              for c in re.findall(r"%?([\w.\-]+)", listed)]
 
-    @property
+    @functools.cached_property
     def operands(self) -> List[str]:
         """Names of the instructions this one reads, in order (its parenthesised operand
         list, not the computations its attributes name)."""
-        body = self.text[len(self.opcode):]
-        depth = 0
-        for i, ch in enumerate(body):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                return re.findall(r"%([\w.\-]+)", body[:i + 1])
-        return []
+        return [name for name, _ in self.operand_elements]
 
-    @property
+    @functools.cached_property
     def operand_elements(self) -> List[Tuple[str, Optional[int]]]:
         """The operands with the tuple element each reads: ``%t#2`` (jax's printing of
-        element 2 of ``t``) is ``("t", 2)``, a plain ``%x`` is ``("x", None)``."""
+        element 2 of ``t``) is ``("t", 2)``, a plain ``%x`` is ``("x", None)``.
+
+        Cached, as ``operands`` is: graph walks read an instruction's operands once per
+        path through it, and finding the closing parenthesis is a scan of the text."""
         body = self.text[len(self.opcode):]
         depth = 0
         for i, ch in enumerate(body):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
             if depth == 0:
                 return [(name, int(index) if index else None) for name, index in
-                        re.findall(r"%([\w.\-]+)(?:#(\d+))?", body[:i + 1])]
+                        _OPERAND.findall(body, 0, i + 1)]
         return []
 
     @property
@@ -129,11 +133,21 @@ def _split_shape(rest: str) -> Tuple[str, str]:
     if rest.startswith("("):
         depth = 0
         for i, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if ch == "(":
+                depth += 1
+            elif ch == ")":
+                depth -= 1
             if depth == 0:
                 return rest[:i + 1], rest[i + 1:].lstrip()
     shape, _, remainder = rest.partition(" ")
     return shape, remainder
+
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", re.S)
+_INSTRUCTION_LINE = re.compile(r"^\s+(?:ROOT )?%?[\w.\-]+ = ")
+_OPCODE = re.compile(r"([a-z][a-z0-9\-]*)\(")
+_COMPUTATION = re.compile(r"^(ENTRY )?%?[\w.\-]+ \(")
+_COMPUTATION_NAME = re.compile(r"^(ENTRY )?%?([\w.\-]+)\s")
 
 
 def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]]:
@@ -148,20 +162,20 @@ def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]
     def finish() -> None:
         if current is None or not lines:
             return
-        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$", " ".join(lines), re.S)
+        m = _INSTRUCTION.match(" ".join(lines))
         lines.clear()
         if not m:
             return
         shape, remainder = _split_shape(m.group(2))
-        op = re.match(r"([a-z][a-z0-9\-]*)\(", remainder)
+        op = _OPCODE.match(remainder)
         if op:
             computations[current].append(Instruction(m.group(1), shape, op.group(1), remainder))
 
     for line in text.splitlines():
         if not line.startswith(" ") and line.rstrip().endswith("{") and \
-                re.match(r"^(ENTRY )?%?[\w.\-]+ \(", line):
+                _COMPUTATION.match(line):
             finish()
-            m = re.match(r"^(ENTRY )?%?([\w.\-]+)\s", line)
+            m = _COMPUTATION_NAME.match(line)
             current = m.group(2)
             computations[current] = []
             if m.group(1) and entry is None:
@@ -169,7 +183,7 @@ def parse_module(text: str) -> Tuple[Dict[str, List[Instruction]], Optional[str]
         elif line.rstrip() == "}":
             finish()
             current = None
-        elif re.match(r"^\s+(?:ROOT )?%?[\w.\-]+ = ", line):
+        elif _INSTRUCTION_LINE.match(line):
             finish()
             lines.append(line)
         elif lines:
