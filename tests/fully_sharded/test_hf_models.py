@@ -12,8 +12,8 @@ Per architecture and N:
 (d) the per-rank checkpoint written by ``save_sharded`` consolidates into a state dict that
     loads into a fresh plain model with ``strict=True`` and equals the reference's.
 
-One launch per N trains every architecture, sharded and unsharded, on every rank: the
-unsharded reference needs no collective, so each rank trains its own and compares itself.
+One launch on one device trains every architecture unsharded; one launch per N trains them
+all sharded, each rank comparing its gathered model with that reference.
 """
 import time
 
@@ -26,7 +26,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 from ..support.bounds import LOSS, PARAM
 from ..support.hf_architectures import (ARCHITECTURES, EXPERTS, GLOBAL_BATCH, STEPS, build,
                                         moe_batch, rank_slice, tokens_per_expert,
-                                        train_and_compare)
+                                        train_and_compare, train_unsharded)
 from ..support.parity import paired
 
 pytestmark = pytest.mark.slow
@@ -37,12 +37,17 @@ WORLDS = [2, 4]
 NAMES = list(ARCHITECTURES)
 
 
+@pytest.fixture(scope="module")
+def references():
+    return launch(train_unsharded, (NAMES,), num_devices=1)[0]
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda n: f"N{n}")
-def launched(request, tmp_path_factory):
+def launched(request, tmp_path_factory, references):
     world = request.param
     ckpt_dir = tmp_path_factory.mktemp(f"hf_ckpt_n{world}")
     start = time.monotonic()
-    results = launch(train_and_compare, (NAMES, str(ckpt_dir)), num_devices=world)
+    results = launch(train_and_compare, (NAMES, str(ckpt_dir), references), num_devices=world)
     print(f"\nlaunch at N={world}: {time.monotonic() - start:.1f} s")
     return world, results
 

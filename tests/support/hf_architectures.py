@@ -1,10 +1,11 @@
 """Tiny Hugging Face architectures (and one mixture-of-experts model of our own), their
-data, and the per-rank function that trains each of them sharded and unsharded.
+data, and the launched functions that train each of them unsharded and sharded.
 
-Every rank builds each model twice from the same seed: once wrapped in FSDP, trained on its
-slice of the global batch, and once plain on its own device, trained on the whole global
-batch. The plain model needs no collective, so every rank can carry its own reference and
-one launch per world size covers the whole suite.
+The reference (``train_unsharded``) is each model built from the seed and trained plain on
+one device, on the whole global batch: one launch for every world size. Each rank of a
+sharded launch (``train_and_compare``) builds the same model, wraps it in FSDP, trains it
+on its slice of the global batch and compares its gathered model with the reference, which
+the launch is handed.
 """
 from __future__ import annotations
 
@@ -279,15 +280,56 @@ def _routing(model: nn.Module) -> torch.Tensor:
 
 
 # -- the launched function ------------------------------------------------------------------
-def train_and_compare(rank: int, names: List[str], ckpt_dir: str) -> Dict[str, Any]:
-    """Trains each architecture sharded (this rank's slice) and unsharded (the global
-    batch) on this rank's device; returns, per architecture, the losses of both, each
-    parameter's largest difference, the checkpoint prefix, and (rank 0) the full state
+def train_unsharded(rank: int, names: List[str]) -> Dict[str, Any]:
+    """The reference of each architecture: trained plain on this device, on the global batch;
+    per architecture, its losses and final state dict (on the CPU), or the traceback."""
+    results = {}
+    for name in names:
+        try:
+            results[name] = _train_plain(name)
+        except Exception as exc:  # noqa: BLE001 - reported per architecture by the test
+            if type(exc).__module__.startswith("xla_fsdp.launch.virtual"):
+                raise
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def _train_plain(name: str) -> Dict[str, Any]:
+    import torch_xla
+    arch = ARCHITECTURES[name]
+    device = torch_xla.device()
+    plain = build(name)
+    distinct = len(list(plain.parameters()))
+    plain = plain.to(device)
+    if arch.hf:
+        plain.tie_weights()  # moving to XLA unties tied parameters
+    assert len(list(plain.parameters())) == distinct, f"{name}: the reference is not re-tied"
+    plain_opt = optimizer(plain)
+    plain_losses = []
+    for step in range(STEPS):
+        batch = arch.batch(name, step)
+        plain_opt.zero_grad()
+        plain_loss = loss_of(arch, plain, {k: v.to(device) for k, v in batch.items()})
+        plain_loss.backward()
+        plain_opt.step()
+        plain_losses.append(plain_loss.detach())
+        torch_xla.sync()
+    return {"plain_losses": torch.stack(plain_losses).cpu().tolist(),
+            "plain_sd": {k: v.detach().cpu() for k, v in plain.state_dict().items()}}
+
+
+def train_and_compare(rank: int, names: List[str], ckpt_dir: str,
+                      references: Dict[str, Any]) -> Dict[str, Any]:
+    """Trains each architecture sharded (this rank's slice of the global batch) and compares
+    it with its reference from ``train_unsharded``: per architecture, the losses of both,
+    each parameter's largest difference, the checkpoint prefix, and (rank 0) the full state
     dict, or the traceback if the architecture raised."""
     results = {}
     for name in names:
         try:
-            results[name] = _train_one(rank, name, ckpt_dir)
+            if "error" in references[name]:
+                raise RuntimeError(f"the unsharded reference raised:\n{references[name]['error']}")
+            results[name] = _train_one(rank, name, ckpt_dir, references[name])
         except Exception as exc:  # noqa: BLE001 - reported per architecture by the test
             if type(exc).__module__.startswith("xla_fsdp.launch.virtual"):
                 raise  # the launcher's own errors: the ranks are no longer in step
@@ -295,7 +337,8 @@ def train_and_compare(rank: int, names: List[str], ckpt_dir: str) -> Dict[str, A
     return results
 
 
-def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
+def _train_one(rank: int, name: str, ckpt_dir: str, reference: Dict[str, Any]
+               ) -> Dict[str, Any]:
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -317,15 +360,7 @@ def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
     sharded = FSDP(model, auto_wrap_policy=policy)
     opt = optimizer(sharded)
 
-    plain = build(name)
-    distinct = len(list(plain.parameters()))
-    plain = plain.to(device)
-    if arch.hf:
-        plain.tie_weights()  # moving to XLA unties tied parameters
-    assert len(list(plain.parameters())) == distinct, f"{name}: the reference is not re-tied"
-    plain_opt = optimizer(plain)
-
-    losses, plain_losses, routing = [], [], []
+    losses, routing = [], []
     for step in range(STEPS):
         batch = arch.batch(name, step)
         local = {k: v.to(device) for k, v in rank_slice(batch, rank, world).items()}
@@ -338,21 +373,14 @@ def _train_one(rank: int, name: str, ckpt_dir: str) -> Dict[str, Any]:
             routing.append(_routing(sharded))
         torch_xla.sync()
 
-        plain_opt.zero_grad()
-        plain_loss = loss_of(arch, plain, {k: v.to(device) for k, v in batch.items()})
-        plain_loss.backward()
-        plain_opt.step()
-        plain_losses.append(plain_loss.detach())
-        torch_xla.sync()
-
     out: Dict[str, Any] = {"losses": torch.stack(losses).cpu().tolist(),
-                           "plain_losses": torch.stack(plain_losses).cpu().tolist()}
+                           "plain_losses": reference["plain_losses"]}
     if routing:
         out["routing"] = torch.stack(routing).cpu()  # (steps, layers, experts), this slice
 
-    plain_sd = {k: v.detach().cpu() for k, v in plain.state_dict().items()}
+    plain_sd = reference["plain_sd"]
     full_sd = sharded.full_state_dict(rank0_only=False)
-    # each rank compares its own gathered model with its own reference
+    # each rank compares its own gathered model with the reference
     out["diffs"] = {k: (full_sd[k].double() - v.double()).abs().max().item()
                     for k, v in plain_sd.items() if k in full_sd}
     out["missing"] = sorted(set(plain_sd) - set(full_sd))
