@@ -18,6 +18,10 @@ os.environ["XLA_FLAGS"] = " ".join(f for f in (os.environ.get("XLA_FLAGS"), FAST
 
 
 def pytest_configure(config):
+    # pytest-xdist (3.6 on) reorders loadscope's modules by their number of tests, which
+    # would start the one-test modules of HEAVY_FIRST last; keep the order below instead
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     config.addinivalue_line(
         "markers", "slow: a long launch (large world sizes, whole compiled or resumed steps, "
                    "real architectures, third-party trainers, the example, the larger TPU "
