@@ -283,13 +283,19 @@ def _routing(model: nn.Module) -> torch.Tensor:
 def train_unsharded(rank: int, names: List[str]) -> Dict[str, Any]:
     """The reference of each architecture: trained plain on this device, on the global batch;
     per architecture, its losses and final state dict (on the CPU), or the traceback."""
+    return _each_architecture(names, _train_plain)
+
+
+def _each_architecture(names: List[str], train: Callable[[str], Dict[str, Any]]
+                       ) -> Dict[str, Any]:
+    """``train(name)`` per architecture, or ``{"error": traceback}`` where it raised."""
     results = {}
     for name in names:
         try:
-            results[name] = _train_plain(name)
+            results[name] = train(name)
         except Exception as exc:  # noqa: BLE001 - reported per architecture by the test
             if type(exc).__module__.startswith("xla_fsdp.launch.virtual"):
-                raise
+                raise  # the launcher's own errors: the ranks are no longer in step
             results[name] = {"error": traceback.format_exc()}
     return results
 
@@ -324,17 +330,11 @@ def train_and_compare(rank: int, names: List[str], ckpt_dir: str,
     it with its reference from ``train_unsharded``: per architecture, the losses of both,
     each parameter's largest difference, the checkpoint prefix, and (rank 0) the full state
     dict, or the traceback if the architecture raised."""
-    results = {}
-    for name in names:
-        try:
-            if "error" in references[name]:
-                raise RuntimeError(f"the unsharded reference raised:\n{references[name]['error']}")
-            results[name] = _train_one(rank, name, ckpt_dir, references[name])
-        except Exception as exc:  # noqa: BLE001 - reported per architecture by the test
-            if type(exc).__module__.startswith("xla_fsdp.launch.virtual"):
-                raise  # the launcher's own errors: the ranks are no longer in step
-            results[name] = {"error": traceback.format_exc()}
-    return results
+    def train(name: str) -> Dict[str, Any]:
+        if "error" in references[name]:
+            raise RuntimeError(f"the unsharded reference raised:\n{references[name]['error']}")
+        return _train_one(rank, name, ckpt_dir, references[name])
+    return _each_architecture(names, train)
 
 
 def _train_one(rank: int, name: str, ckpt_dir: str, reference: Dict[str, Any]

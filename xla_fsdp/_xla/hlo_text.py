@@ -48,16 +48,9 @@ class Instruction:
         Cached, as ``operands`` is: graph walks read an instruction's operands once per
         path through it, and finding the closing parenthesis is a scan of the text."""
         body = self.text[len(self.opcode):]
-        depth = 0
-        for i, ch in enumerate(body):
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-            if depth == 0:
-                return [(name, int(index) if index else None) for name, index in
-                        _OPERAND.findall(body, 0, i + 1)]
-        return []
+        end = _closing_paren(body)
+        return [(name, int(index) if index else None) for name, index in
+                _OPERAND.findall(body, 0, end)] if end else []
 
     @property
     def replica_groups(self) -> Optional[List[List[int]]]:
@@ -128,17 +121,25 @@ def tuple_elements(shape: str) -> List[str]:
     return [e for e in out if e]
 
 
+def _closing_paren(text: str) -> int:
+    """The index just past the parenthesis that closes the one ``text`` opens (0 if none
+    does)."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+        if depth == 0:
+            return i + 1
+    return 0
+
+
 def _split_shape(rest: str) -> Tuple[str, str]:
     """(shape, remainder) of ``rest``, which starts with an instruction's result shape."""
-    if rest.startswith("("):
-        depth = 0
-        for i, ch in enumerate(rest):
-            if ch == "(":
-                depth += 1
-            elif ch == ")":
-                depth -= 1
-            if depth == 0:
-                return rest[:i + 1], rest[i + 1:].lstrip()
+    end = _closing_paren(rest) if rest.startswith("(") else 0
+    if end:
+        return rest[:end], rest[end:].lstrip()
     shape, _, remainder = rest.partition(" ")
     return shape, remainder
 
