@@ -30,13 +30,13 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, List
+from typing import Any, Dict, List
 
 import torch
 
 from .._sharding.layout import Dim0Layout
 from .._xla import reduced_gradients
-from .._xla.private_api import graph_hlo, needs_computation
+from .._xla.private_api import graph_hash, graph_hlo, needs_computation
 from .param_record import taken_name
 from .shard_group import shard_group_of
 
@@ -72,6 +72,11 @@ def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
 
 
 _audited: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# the audit's findings by graph (``graph_hash``): they are positions among the graph's
+# outputs, so a graph seen before, such as every virtual rank's identical first step in
+# one process, is read once
+_findings: Dict[bytes, List[reduced_gradients.Finding]] = {}
+_FINDINGS_KEPT = 64
 _PER_SHARD_ALLOWED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 # optimizers whose update reads the whole tensor (module.class, under each name torch has
 # given the class), and what they read
@@ -173,7 +178,14 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
         audited = [p for p, waits in zip(audited, pending) if waits]
     if not audited:
         return
-    findings = reduced_gradients.audit(graph_hlo([p.grad for p in audited]))
+    grads = [p.grad for p in audited]
+    key = graph_hash(grads)
+    findings = _findings.get(key)
+    if findings is None:
+        findings = reduced_gradients.audit(graph_hlo(grads))
+        if len(_findings) >= _FINDINGS_KEPT:
+            _findings.clear()
+        _findings[key] = findings
     if not findings:
         return
     names = [shard_group_of(audited[f.output]).names[0] for f in findings]

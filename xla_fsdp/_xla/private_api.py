@@ -288,6 +288,13 @@ def graph_hlo(outputs: Sequence[torch.Tensor]) -> str:
     return torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
 
 
+def graph_hash(outputs: Sequence[torch.Tensor]) -> bytes:
+    """torch_xla's hash of the graph computing ``outputs``: equal hashes are the same
+    computation (torch_xla reuses a compiled program by it)."""
+    import torch_xla
+    return torch_xla._XLAC._get_graph_hash(list(outputs))
+
+
 def graph_inputs(outputs: Sequence[torch.Tensor]) -> Tuple[List[int], List[torch.Tensor]]:
     """The device data the graph computing ``outputs`` reads, in parameter order: for each,
     the id of the lazy tensor that held it when the graph first used it, and a tensor
