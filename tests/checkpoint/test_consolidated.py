@@ -104,3 +104,17 @@ def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, caps
                         "--hf_config", str(root / "wrong_config"), "--save_path", out]) == 2
     assert "does not describe these weights" in capsys.readouterr().err
     assert not os.path.exists(out)
+
+
+def test_each_optimizer_state_is_gathered_once_per_run_of_its_shard(saved):
+    """The writer gathers a shard's optimizer state as often as the shard itself: once for
+    each run of its parameters in the model's order (the root's embedding, then its final
+    norm and head), not once per parameter (a decoder layer's flat shard holds nine)."""
+    root, results = saved
+    for fmt in ("pt", "dcp"):
+        tids = results[0]["gathered"][fmt]
+        shards = {t for t in tids if "#" in t}
+        assert shards, f"{fmt}: no optimizer state was gathered"
+        for state in shards:
+            shard = state.split("#")[0]
+            assert tids.count(state) == tids.count(shard) >= 1, (fmt, state, tids)

@@ -2,9 +2,10 @@
 training code in every format (``save_consolidated``), each rank in a directory of its own."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Iterator, List
 
 import torch
 # Imported here, never inside the launched function: lazy imports race in device threads.
@@ -18,6 +19,27 @@ CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_l
               use_cache=False, tie_word_embeddings=True, attn_implementation="eager")
 FORMATS = ("pt", "safetensors", "hf", "dcp")
 WORLD = 4
+
+
+@contextlib.contextmanager
+def _writer_gathers(rank: int) -> Iterator[List[str]]:
+    """On rank 0, the writer, the tensors its ``save_consolidated`` gathers, in order; the
+    other ranks, whose threads share the class, leave it alone and record nothing."""
+    from xla_fsdp.checkpoint.per_rank import gathered
+    original, tids = gathered._Channel._gather, []
+    if rank != 0:
+        yield tids
+        return
+
+    def recording(channel: Any, tid: str) -> Any:
+        if channel._writes:
+            tids.append(tid)
+        return original(channel, tid)
+    gathered._Channel._gather = recording
+    try:
+        yield tids
+    finally:
+        gathered._Channel._gather = original
 
 
 def llama() -> LlamaForCausalLM:
@@ -43,10 +65,12 @@ def save_everything(rank: int, root: str) -> Dict[str, Any]:
     opt.step()
     torch_xla.sync()
     save_sharded(os.path.join(root, "shared", "ck"), model, opt, extra={"step": 1})
-    out: Dict[str, Any] = {}
+    out: Dict[str, Any] = {"gathered": {}}
     for fmt in FORMATS:
-        out[fmt] = save_consolidated(os.path.join(own, f"online_{fmt}"), model, opt,
-                                     format=fmt, extra={"step": 1})
+        with _writer_gathers(rank) as gathered:
+            out[fmt] = save_consolidated(os.path.join(own, f"online_{fmt}"), model, opt,
+                                         format=fmt, extra={"step": 1})
+        out["gathered"][fmt] = gathered
     try:
         save_consolidated(os.path.join(own, "bad"), model, opt, format="hf",
                           hf_config=os.path.join(root, "wrong_config"))

@@ -8,6 +8,7 @@ resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -130,13 +131,23 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
     param_groups, names = [], []
     for param_group, members in saved_param_groups(shards, plan):
         new_indices = []
+        saved = []  # (new index, optimizer index, its state as saved)
         for param, spec, index in members:
             new_indices.append(len(names))
             names.append(param.name)
             if index in opt0["state"]:
-                state[new_indices[-1]] = {
-                    name: add(value.read()) if isinstance(value, (SpreadTensor, TensorRef))
-                    else value for name, value in saved_state(shards, spec, param, index).items()}
+                saved.append((new_indices[-1], index, saved_state(shards, spec, param, index)))
+        # the parameters that share a shard are read state by state, so that each state
+        # tensor of the shard is read in one pass (one gather, when the files are a live
+        # model's: ``gathered``), not once per parameter
+        for _, run in itertools.groupby(saved, key=lambda entry: entry[1]):
+            run = list(run)
+            for name in run[0][2]:
+                for new_index, _, values in run:
+                    value = values[name]
+                    state.setdefault(new_index, {})[name] = (
+                        add(value.read()) if isinstance(value, (SpreadTensor, TensorRef))
+                        else value)
         new_param_group = dict(param_group, params=new_indices)
         if "param_names" in param_group:
             new_param_group["param_names"] = [names[i] for i in new_indices]
