@@ -9,7 +9,7 @@ resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -122,6 +122,19 @@ def saved_param_groups(shards: ShardSet, plan: ModelPlan
     return out
 
 
+def state_by_state(states: Iterable[Tuple[Any, Hashable, Dict[str, Any]]]
+                   ) -> Iterator[Tuple[Any, str, Any]]:
+    """(owner, state name, value) of ``states``, each (owner, its shard, its state): the
+    owners that share a shard (consecutive, with the same state names) one state name at a
+    time, so that each state tensor of a shard is read in one pass (one gather, when the
+    files are a live model's: ``gathered``), not once per parameter."""
+    for _, run in itertools.groupby(states, key=lambda entry: entry[1]):
+        run = list(run)
+        for name in run[0][2]:
+            for owner, _, state in run:
+                yield owner, name, state[name]
+
+
 def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
                           add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
     """The optimizer state dict an optimizer over the unwrapped model's parameters would
@@ -137,17 +150,9 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
             names.append(param.name)
             if index in opt0["state"]:
                 saved.append((new_indices[-1], index, saved_state(shards, spec, param, index)))
-        # the parameters that share a shard are read state by state, so that each state
-        # tensor of the shard is read in one pass (one gather, when the files are a live
-        # model's: ``gathered``), not once per parameter
-        for _, run in itertools.groupby(saved, key=lambda entry: entry[1]):
-            run = list(run)
-            for name in run[0][2]:
-                for new_index, _, values in run:
-                    value = values[name]
-                    state.setdefault(new_index, {})[name] = (
-                        add(value.read()) if isinstance(value, (SpreadTensor, TensorRef))
-                        else value)
+        for new_index, name, value in state_by_state(saved):
+            state.setdefault(new_index, {})[name] = (
+                add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
         new_param_group = dict(param_group, params=new_indices)
         if "param_names" in param_group:
             new_param_group["param_names"] = [names[i] for i in new_indices]

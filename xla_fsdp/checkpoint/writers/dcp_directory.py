@@ -7,7 +7,6 @@ near the largest tensor. The directory becomes a checkpoint when its ``.metadata
 written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
 from __future__ import annotations
 
-import itertools
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -18,6 +17,7 @@ from ..dcp.save import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA
+from ..per_rank.optimizer import state_by_state
 from ..sources.per_rank_files import named_optimizer_state
 from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet
@@ -61,28 +61,23 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callab
     """The optimizer state by parameter name, and param groups listing names, as the
     per-rank files' source names them (``named_optimizer_state``)."""
     named = named_optimizer_state(shards, plan)
-    # parameters that share a shard, state by state: DCP reads in this order, and then each
-    # state tensor of the shard is read in one pass (see ``consolidate_optimizer``)
-    for _, run in itertools.groupby(named["state"].items(), key=_shard_of):
-        run = list(run)
-        for name in run[0][1]:
-            for param_name, state in run:
-                value = state[name]
-                key_path = scheme.state(param_name, name)
-                if isinstance(value, (SpreadTensor, TensorRef)):
-                    add(key_path, value.shape, value.dtype, value.read)
-                else:
-                    key, paths[key] = key_path
-                    objects[key] = value
+    # DCP reads the state in the order it is added
+    for param_name, name, value in state_by_state(
+            (p, _shard_of(p, state), state) for p, state in named["state"].items()):
+        key_path = scheme.state(param_name, name)
+        if isinstance(value, (SpreadTensor, TensorRef)):
+            add(key_path, value.shape, value.dtype, value.read)
+        else:
+            key, paths[key] = key_path
+            objects[key] = value
     for i, param_group in enumerate(named["param_groups"]):
         settings = {k: v for k, v in param_group.items() if k != "params"}
         for key, path, value in scheme.param_group(i, param_group["params"], settings):
             paths[key], objects[key] = path, value
 
 
-def _shard_of(item: Tuple[str, Dict[str, Any]]) -> Tuple[str, str]:
+def _shard_of(param_name: str, state: Dict[str, Any]) -> Tuple[str, str]:
     """The shard a parameter's state is spread over (its ``SpreadTensor``s say), or the
-    parameter itself when none is: parameters of one shard have the same state names."""
-    param_name, state = item
+    parameter itself when none is."""
     key = next((v.spec.key for v in state.values() if isinstance(v, SpreadTensor)), None)
     return ("shard", key) if key is not None else ("parameter", param_name)
