@@ -149,9 +149,10 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
             new_indices.append(len(names))
             names.append(param.name)
             if index in opt0["state"]:
+                state[new_indices[-1]] = {}
                 saved.append((new_indices[-1], index, saved_state(shards, spec, param, index)))
         for new_index, name, value in state_by_state(saved):
-            state.setdefault(new_index, {})[name] = (
+            state[new_index][name] = (
                 add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
         new_param_group = dict(param_group, params=new_indices)
         if "param_names" in param_group:
