@@ -13,10 +13,9 @@ asks: each read of a device tensor not in hand is a round in which every rank le
 piece of optimizer state, within its sharding group). The other ranks loop on rounds until
 the writer says it is done. The writer keeps the last tensor gathered (every rank's shard
 of it) and nothing else, so its host holds one shard group's full size at a time, and a
-parameter read from several ranks' "files" costs one gather. So the writers read a shard's
-parameters together, and its optimizer state state by state across them
-(``consolidate_optimizer``, the DCP writer): a flat shard of nine parameters costs one
-gather per state, not nine. With ``sharding_groups``
+parameter read from several ranks' "files" costs one gather. So the writers read the
+optimizer state state by state across the parameters of a shard (``state_by_state``): a
+flat shard of nine parameters costs one gather per state, not nine. With ``sharding_groups``
 every group's writer reads the same tensors in the same order (the groups are alike), so
 a round names one tensor for all of them; they are checked to agree.
 """
