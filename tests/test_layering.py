@@ -40,8 +40,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("TPU planning", ["xla_fsdp.aot.*"]),
     ("launcher", ["xla_fsdp.launch.*"]),
     ("torch_xla compatibility", ["xla_fsdp.compat.*"]),
-    ("public API", ["xla_fsdp.fully_sharded", "xla_fsdp.scanned_layers", "xla_fsdp.wrap",
-                    "xla_fsdp.activation_checkpoint"]),
+    ("public API", ["xla_fsdp.fully_sharded", "xla_fsdp.scanned_layers", "xla_fsdp.unit_module",
+                    "xla_fsdp.wrap", "xla_fsdp.activation_checkpoint"]),
     ("the consolidation tool", ["xla_fsdp.checkpoint.consolidate.*"]),
     ("checkpoints and the scan", ["xla_fsdp.checkpoint.*", "xla_fsdp.scan.*"]),
     ("construction", ["xla_fsdp._init.*"]),
@@ -526,7 +526,7 @@ def test_every_cited_note_exists_once():
 # param group; these are torch_xla's or torch's own parameter names, kept as they are
 GROUP_WORD = re.compile(r"^_*groups?(_|$)")
 EXTERNAL_GROUP_NAMES = {
-    ("xla_fsdp.fully_sharded", "groups"),          # clip_grad_norm_(..., groups=None)
+    ("xla_fsdp.unit_module", "groups"),            # clip_grad_norm_(..., groups=None)
     ("xla_fsdp.compat.torch_xla_fsdp.utils", "groups"),  # torch_xla's dummy collectives
     ("xla_fsdp.launch.virtual.sync_points", "groups"),   # xm.all_gather(..., groups=None)
 }

@@ -20,7 +20,7 @@ does (``layers.3.mlp.fc1.weight``); the shards are ``StackedLayout`` groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -31,11 +31,13 @@ from ._unit.buffers import place_buffers
 from ._unit.param_record import Owner
 from ._unit.shard_group import build_stacked_shard_group
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
-from .fully_sharded import ShardedParameters, XlaFullyShardedDataParallel
+from ._init.validate import validate_module
+from .fully_sharded import options_from_keywords
 from .scan.checks import (check_identical, forward_graph, refuse_input_mutation,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
 from .scan.loop import ScanFunction, ScanLoop, run_forward_only
 from .scan.trace import LayerGraphs, trace_layer
+from .unit_module import ShardedParameters, UnitModule
 
 # attributes that may differ between layers because they only index a per-layer cache,
 # which training does not use (Hugging Face's ``layer_idx``); see
@@ -43,7 +45,7 @@ from .scan.trace import LayerGraphs, trace_layer
 IGNORED_ATTRIBUTES = ("layer_idx",)
 
 
-class ScannedLayers(XlaFullyShardedDataParallel):
+class ScannedLayers(UnitModule):
     """Shards a stack of structurally identical layers as one unit and runs them as a scan.
 
     Takes an ``nn.ModuleList`` (or ``nn.Sequential``, or a list of modules) and the
@@ -54,36 +56,36 @@ class ScannedLayers(XlaFullyShardedDataParallel):
     layer beside the current layer's compute, at the cost of a second layer's full
     parameters (see [Note: gathering the next layer ahead] in ``scan.loop``)."""
 
-    _calls_wrapped_module = False  # its forward runs the layers, not the ModuleList
-
     def __init__(self, layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
                  ignored_attributes: Sequence[str] = IGNORED_ATTRIBUTES,
                  prefetch_next_layer: bool = False, **kwargs: Any) -> None:
-        if kwargs.get("auto_wrap_policy") is not None:
+        if kwargs.pop("auto_wrap_policy", None) is not None:
             raise ValueError("ScannedLayers shards the stack as one unit; auto_wrap_policy "
                              "would wrap inside its layers, which the scan cannot run")
+        kwargs.pop("auto_wrapper_callable", None)
         if isinstance(layers, (list, tuple)):
             layers = nn.ModuleList(layers)
+        validate_module(layers, needs_forward=False)
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
             raise TypeError(f"ScannedLayers takes a non-empty nn.ModuleList or nn.Sequential "
                             f"of identical layers, got {type(layers).__name__}")
         check_identical(list(layers), tuple(ignored_attributes))
+        options = options_from_keywords(kwargs, "ScannedLayers")
         self.__dict__["_varying"] = varying_attributes(list(layers), tuple(ignored_attributes))
         self.__dict__["_scan_cache"] = {}
         self.__dict__["_tracing"] = False
         self.__dict__["_prefetch"] = bool(prefetch_next_layer)
-        super().__init__(layers, **kwargs)
+        refusal = (f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) cannot run "
+                   f"inside torch.compile: Dynamo cannot trace the scan, whose loop is already "
+                   f"one compiled XLA computation. Either keep the scan and run the model "
+                   f"without torch.compile, or compile per layer instead of ScannedLayers: "
+                   f"each layer its own unit around its compiled module, "
+                   f"FSDP(torch.compile(layer)) (auto-wrap builds these for layers compiled "
+                   f"before wrapping)")
+        super().__init__([layers], layers, options, type(layers).__name__, detached=False,
+                         compile_refusal=refusal)
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._refuse_direct_call(i))
-
-    def compile_refusal(self) -> Optional[str]:
-        layers = self.wrapped_module
-        return (f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) cannot run inside "
-                f"torch.compile: Dynamo cannot trace the scan, whose loop is already one "
-                f"compiled XLA computation. Either keep the scan and run the model without "
-                f"torch.compile, or compile per layer instead of ScannedLayers: each layer its "
-                f"own unit around its compiled module, FSDP(torch.compile(layer)) (auto-wrap "
-                f"builds these for layers compiled before wrapping)")
 
     # -- the stack as Hugging Face's loops see it ------------------------------------------
     def __len__(self) -> int:
@@ -103,7 +105,7 @@ class ScannedLayers(XlaFullyShardedDataParallel):
     def _fall_through_to(self) -> Sequence[Any]:
         # the model's loop may read a setting off the layer it calls (Qwen2 picks its mask by
         # ``layer.attention_type``): the layers agree on every setting (``check_identical``)
-        return (*super()._fall_through_to(), self.wrapped_module[0])
+        return (self.wrapped_module, self.wrapped_module[0])
 
     def _refuse_direct_call(self, index: int) -> Callable:
         def hook(_module: nn.Module, _args: Any) -> None:
@@ -111,10 +113,6 @@ class ScannedLayers(XlaFullyShardedDataParallel):
                 raise RuntimeError(f"layer {index} of a ScannedLayers stack runs only inside "
                                    f"the scan: call (or iterate) the stack, not its layers")
         return hook
-
-    def unshard(self) -> None:
-        raise RuntimeError("ScannedLayers gathers one layer at a time inside its loop; there "
-                           "are no full parameters to gather for the whole stack")
 
     # -- sharding at construction ----------------------------------------------------------
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str

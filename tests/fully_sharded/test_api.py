@@ -171,6 +171,19 @@ def _attribute_fall_through(out):
     out["fall_through"] = (unit.setting, unit.module.setting, unit.module.module is net,
                            unit.head is net.head, stack.attention_type,
                            stack.append.__self__ is stack.wrapped_module, missing)
+    _unit_kinds(out, stack)
+
+
+def _unit_kinds(out, stack):
+    """A scanned stack is a unit of its own kind: the unit surface, not the wrapper's hooks
+    around its modules, which its loop would have to switch off."""
+    from xla_fsdp import FSDP, UnitModule
+    root = FSDP(nn.Sequential(stack))
+    out["unit_kinds"] = (isinstance(stack, UnitModule), isinstance(stack, FSDP),
+                         len(stack.wrapped_module._forward_pre_hooks),
+                         len(stack.wrapped_module._forward_hooks),
+                         [type(u).__name__ for u in root.units()],
+                         hasattr(stack, "unshard"), stack.world_size == root.world_size)
 
 
 def checks(rank):
@@ -215,6 +228,8 @@ def test_wrapper_api():
     assert out["assert_state"] == "TrainingStateError"
     assert out["has_full_param"] == ([[True, True]], [False, False])
     assert out["has_full_param_kept"] == [True, True]
+    assert out["unit_kinds"] == (True, False, 0, 0,
+                                 ["XlaFullyShardedDataParallel", "ScannedLayers"], False, True)
     assert out["fall_through"] == ("s", "s", True, True, "full", True, [
         "'Net' object has no attribute 'absent'", "'Net' object has no attribute 'absent'",
         "'Block' object has no attribute 'absent'"])

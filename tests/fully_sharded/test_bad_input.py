@@ -46,6 +46,10 @@ def misuses(rank):
     out = {}
     out["double_wrap"] = _error(lambda: FSDP(FSDP(Tiny())))
     out["module_list"] = _error(lambda: FSDP(nn.ModuleList([Tiny()])))
+    from xla_fsdp import ScannedLayers
+    out["scan_unknown_option"] = _error(
+        lambda: ScannedLayers(nn.ModuleList([Tiny(), Tiny()]), reshard_after_fwd=False))
+    out["scan_twice"] = _error(lambda: ScannedLayers(ScannedLayers([Tiny(), Tiny()])))
     int_param = Tiny()
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     out["int_param"] = _error(lambda: FSDP(int_param))
@@ -236,6 +240,9 @@ def test_misuse_errors():
     out = launch(misuses, num_devices=2)[0]
     assert "already wrapped" in out["double_wrap"]
     assert "ModuleList" in out["module_list"] and "no forward()" in out["module_list"]
+    assert out["scan_unknown_option"].startswith("TypeError: ScannedLayers") and \
+        "['reshard_after_fwd']" in out["scan_unknown_option"]
+    assert "already wrapped" in out["scan_twice"]
     assert "TypeError" in out["int_param"] and "'lin.steps'" in out["int_param"]
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
     assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]

@@ -52,17 +52,26 @@ def apply(switches: Switches) -> "type[_Seen]":
     counts the units built."""
     from ...activation_checkpoint import checkpoint_module
     from ...fully_sharded import XlaFullyShardedDataParallel as Unit
+    from ...scanned_layers import ScannedLayers
+    from ...unit_module import UnitModule
 
-    init, forward = Unit.__init__, Unit.forward
+    init, forward, scanned_init = Unit.__init__, Unit.forward, ScannedLayers.__init__
 
-    def switched_init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+    def switched_options(kwargs: Dict[str, Any]) -> None:
         _Seen.units += 1
         if switches.bf16_compute:
             kwargs["compute_dtype"] = torch.bfloat16
         if switches.offload_optimizer:
             kwargs["offload_optimizer"] = True
+
+    def switched_scanned_init(self: Any, layers: Any, *args: Any, **kwargs: Any) -> None:
+        switched_options(kwargs)
+        scanned_init(self, layers, *args, **kwargs)
+
+    def switched_init(self: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        switched_options(kwargs)
         if switches.activation_checkpointing and isinstance(module, torch.nn.Module) and \
-                not any(isinstance(m, Unit) for m in module.modules()) and \
+                not any(isinstance(m, UnitModule) for m in module.modules()) and \
                 not hasattr(module, "_xla_checkpointed_forward_original"):
             module = checkpoint_module(module)
         init(self, module, *args, **kwargs)
@@ -77,6 +86,7 @@ def apply(switches: Switches) -> "type[_Seen]":
             _Seen.depth -= 1
 
     Unit.__init__, Unit.forward = switched_init, switched_forward
+    ScannedLayers.__init__ = switched_scanned_init
     return _Seen
 
 
