@@ -202,10 +202,21 @@ def padded_gradient(layout: Layout, grads: Sequence[Optional[torch.Tensor]], dty
     flat = layout.pad(full)
     if fp32_reduce_scatter and flat.dtype != torch.float32:
         flat = flat.float()
-    pre, _ = divide
-    if flat.dtype != torch.float32 and pre != 1:
-        flat = flat / pre
-    return flat
+    before, _ = reduction_divisors(flat.dtype, divide)
+    return flat / before if before != 1 else flat
+
+
+def reduction_divisors(dtype: torch.dtype, divide: Tuple[float, float]) -> Tuple[float, float]:
+    """(what a full gradient summed in ``dtype`` is divided by before its reduce-scatter,
+    what the reduced shard is divided by after it), for the gradient divide factors
+    ``divide`` = (pre, post); the one rule of the eager and the traced reductions.
+
+    A low-precision sum is pre-divided for headroom. A float32 sum cannot overflow where
+    the pre-division would matter, so its whole division is the reduce-scatter's scale on
+    the shard: one pass over the full gradients fewer, and the same bits when both factors
+    are powers of two."""
+    pre, post = divide
+    return (1.0, post * pre) if dtype == torch.float32 else (pre, post)
 
 
 def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
@@ -216,11 +227,7 @@ def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
     casts them for a float32 shard on the device; an offloaded shard's gradient leaves the
     device as it was reduced, in half the bytes when that is bf16, and is cast on the host
     to the same values."""
-    # A float32 sum cannot overflow where the pre-division would matter, so the whole
-    # division is the reduce-scatter's scale on the shard: one pass over the full
-    # gradients fewer, and the same bits when both factors are powers of two.
-    pre, post = divide
-    divisor = post * pre if inputs[0].dtype == torch.float32 else post
+    _, divisor = reduction_divisors(inputs[0].dtype, divide)
     if replica_groups:  # then averaged over the sharding groups too
         divisor *= len(replica_groups[0])
     outputs = collectives.reduce_scatter(inputs, scale=1.0 / divisor)

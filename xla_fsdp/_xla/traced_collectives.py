@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._sharding.collectives import optimization_barrier
+from .._sharding.collectives import optimization_barrier, reduction_divisors
 from .private_api import functional_all_gather, functional_reduce_scatter
 
 
@@ -31,11 +31,11 @@ def _(tensors: List[torch.Tensor]) -> List[torch.Tensor]:
 class _TracedUnitGather(torch.autograd.Function):
     """A unit's all-gathers over every rank, whose backward is the matching reduce-scatters,
     in the ops Dynamo traces into a compiled graph (torch's functional collectives, which
-    torch_xla lowers to XLA's own: ``private_api.functional_all_gather``): see [Note: collectives traced into the
-    compiled graph]. Each piece is cast to the compute dtype inside, so that its gradient
+    torch_xla lowers to XLA's own: ``private_api.functional_all_gather``): see [Note:
+    collectives traced into the compiled graph]. Each piece is cast to the compute dtype inside, so that its gradient
     comes back in the shard's dtype with the rounding of the eager reduction
-    (``padded_gradient`` then ``scatter_gradients``): reduced in ``reduce_dtype``,
-    pre-divided only when that is not float32, and cast to the shard's dtype after the scale.
+    (``padded_gradient`` then ``scatter_gradients``): reduced in ``reduce_dtype``, divided
+    by the one rule of both (``reduction_divisors``), and cast to the shard's dtype after.
 
     [Note: one unit's reductions before the next unit's backward] Traced reduce-scatters
     are independent ops, and libtpu rewrote a backward program's 101 of them into 2
@@ -64,12 +64,9 @@ class _TracedUnitGather(torch.autograd.Function):
         reduced = []
         for grad, dtype, reduce_dtype in zip(grads, ctx.dtypes, reduce_dtypes):
             flat = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
-            if flat.dtype == torch.float32:
-                scale = 1.0 / (pre * post)
-            else:
-                flat = flat / pre if pre != 1 else flat
-                scale = 1.0 / post
-            out = functional_reduce_scatter(flat.contiguous(), world) * scale
+            before, after = reduction_divisors(flat.dtype, (pre, post))
+            flat = flat / before if before != 1 else flat
+            out = functional_reduce_scatter(flat.contiguous(), world) * (1.0 / after)
             reduced.append(out if out.dtype == dtype else out.to(dtype))
         if grad_x is not None:
             *reduced, grad_x = torch.ops.xla_fsdp.barrier(reduced + [grad_x])
