@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,22 @@ class Chunk:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+@dataclass
+class TensorPieces:
+    """A tensor of the checkpoint as one rank holds (saving) or wants (loading) it: chunks,
+    each a run of a flat host buffer from where it starts there. The buffer is asked for
+    only when DCP reaches a chunk, so a save can copy its sources to the host one at a time
+    (``HostCopies`` in ``checkpoint/dcp/save.py``)."""
+    size: torch.Size
+    dtype: torch.dtype
+    chunks: List[Tuple[Chunk, int]]
+    flat: Callable[[], torch.Tensor]
+
+    def view(self, i: int) -> torch.Tensor:
+        chunk, at = self.chunks[i]
+        return self.flat()[at:at + chunk.numel].view(chunk.sizes)
 
 
 def range_chunks(shape: Sequence[int], start: int, end: int) -> List[Chunk]:

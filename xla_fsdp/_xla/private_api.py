@@ -20,6 +20,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree
 
 
+# -- torch.distributed.checkpoint -------------------------------------------------------------
+def dcp_file_prefix(prefix: str) -> Any:
+    """The storage data of a save plan that makes ``FileSystemWriter`` name its files
+    ``{prefix}{n}.distcp`` (see [Note: naming DCP's files])."""
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    return _StoragePrefix(prefix)
+
+
 # -- autograd -------------------------------------------------------------------------------
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs ``fn`` when the current backward pass ends (what FSDP finishes a backward with)."""

@@ -23,12 +23,11 @@ from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Un
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorStorageMetadata)
 
-from .._sharding.chunks import Chunk
+from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree, agree_or_undo
 from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
                                 ParamSlot, extra_key, param_slots, slots_by_shard)
-from .dcp_format.planners import TensorPieces
 from .files import CheckpointError
 from .metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
                        state_is_sharded)

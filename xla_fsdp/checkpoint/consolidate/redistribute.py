@@ -17,10 +17,9 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
-from ..._sharding.chunks import run_chunks
+from ..._sharding.chunks import TensorPieces, run_chunks
 from ..._sharding.layout import Layout
 from ..dcp_format.layout import GET_STATE_DICT, extra_key
-from ..dcp_format.planners import TensorPieces
 from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized

@@ -25,69 +25,39 @@ rank's save holds one of its tensors on the host at a time, never all of its sta
 everything in one transfer, as ``xm.save`` does, doubles for a moment what the rank holds,
 on a host that serves several ranks (benchmarks/save_memory.py).
 
-[Note: DCP's writer keeps a file's tensors until it closes]
-``FileSystemWriter.write_data`` (torch 2.9) keeps every tensor it writes to a file in a dict
-(for its safetensors format, whichever format is chosen) until the file is closed. With one
-file per rank, as ``single_file_per_rank`` writes, a rank would hold everything it saves
-by the end of its save; the offline conversion, the whole checkpoint. ``write_in_files``
-therefore calls it once per run of the plan's items worth ``FILE_BYTES`` (or one tensor, if
-larger), each a file of its own: what is held at once is one such file's worth.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import math
-import os
-import pickle
 import secrets
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
+from ..._sharding.chunks import TensorPieces
 from ..._unit.buffers import original_dtype
 from ..._xla.private_api import to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..files import StagedFile, is_out_of_space, no_space_error
 from ..metadata import (GROUP_MEMBERS, live_state, persistent_buffers, refuse_foreign_params,
                         walk_state)
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange
+from ..dcp_format.files import commit, file_prefix, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                                  slots_by_shard)
-from ..dcp_format.metadata_file import METADATA_FILE
-from ..dcp_format.planners import ChunkSavePlanner, OnDemand, TensorPieces
+from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 
-SUFFIX = ".distcp"
-FILE_BYTES = 64 << 20
 
 
 def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, bool]:
     """Where this rank's sharding group keeps its checkpoint, and whether it writes there
     (``unit_protocol.sharding_group_path``)."""
     return sharding_group_path(checkpoint_dir, model)[0], writes_sharding_group_copy(model)
-
-
-@dataclass(frozen=True)
-class _FilePrefix:
-    """What ``FileSystemWriter.write_data`` names a rank's files after.
-
-    [Note: naming DCP's files]
-    A save names each of its files itself, so that a failed save removes exactly its own
-    files and a committed one keeps exactly those ``.metadata`` lists. DCP's writer has no
-    public way to be told a name: it reads ``plan.storage_data.prefix`` (a private class in
-    torch 2.9, given here by its one attribute) and writes ``{prefix}{n}.distcp``. That is
-    checked on every write (``_check_names``), so a torch whose writer names its files
-    otherwise fails the save with the file it wrote, and leaves nothing behind."""
-    prefix: str
 
 
 def save_dcp(checkpoint_dir: str, model: ShardedModel,
@@ -115,14 +85,14 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     host = HostCopies(all_at_once=async_save)
     planner = (_planner(model, optimizer, copy_of_extra(extra), scheme, rank == 0, host)
                if writes else None)
-    writer, local = _local_plan(directory, planner, rank) if writes else (None, None)
+    writer, local = local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
     central = None
     if writes and rank == 0:
         mine = sorted((r, p) for g, r, p in plans if g == sharding_group and p is not None)
         global_plans, metadata = planner.create_global_plan([p for _, p in mine])
         token = secrets.token_hex(4)
-        central = ({r: dataclasses.replace(p, storage_data=_FilePrefix(f"__{r}_{token}_"))
+        central = ({r: dataclasses.replace(p, storage_data=file_prefix(f"__{r}_{token}_"))
                     for (r, _), p in zip(mine, global_plans)}, metadata)
     centrals = exchange("xla_fsdp.dcp.save.central", (sharding_group, central))
     host.copy_all()  # last, after the collectives: a rank's copy keeps no other rank waiting
@@ -130,16 +100,6 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     if writes:
         job.plan = next(c for g, c in centrals if g == sharding_group and c is not None)[0][rank]
     return run_save(model, job, async_save, f"save_dcp {directory}")
-
-
-def _local_plan(directory: str, planner: ChunkSavePlanner, rank: int
-                ) -> Tuple[FileSystemWriter, SavePlan]:
-    """DCP's writer of ``directory`` and ``rank``'s local plan, set up as DCP's save does."""
-    writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=1)
-    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
-    planner.set_up_planner({}, writer.storage_meta(), rank == 0)
-    return writer, writer.prepare_local_plan(planner.create_local_plan())
 
 
 class _DcpRankSave:
@@ -164,100 +124,17 @@ class _DcpRankSave:
         prefix = None if self.plan is None else self.plan.storage_data.prefix
         directory, ours = self.directory, self.sharding_group
         agree_or_undo("xla_fsdp.dcp.save.written", error,
-                      None if prefix is None else lambda: _remove_files(directory, prefix))
+                      None if prefix is None else lambda: remove_files(directory, prefix))
         all_results = exchange("xla_fsdp.dcp.save.results", (ours, self.results))
         error = None
         if self.plan is not None and self.rank == 0:
             try:
-                _commit(directory, self.central[1],
+                commit(directory, self.central[1],
                         [r for g, r in all_results if g == ours and r], self.writer)
             except Exception as exc:
                 error = exc
         agree("xla_fsdp.dcp.save.committed", error)
         return directory if self.plan is not None else None
-
-
-def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSavePlanner,
-                   least_bytes: int = FILE_BYTES) -> List[WriteResult]:
-    """Writes a rank's plan as files of about ``least_bytes`` each, or of one tensor when
-    that is larger. See [Note: DCP's writer keeps a file's tensors until it closes]."""
-    def size(item: WriteItem) -> int:
-        if item.tensor_data is None:
-            return 0
-        chunk = item.tensor_data.chunk.sizes
-        return math.prod(chunk) * item.tensor_data.properties.dtype.itemsize
-
-    limit = max([least_bytes] + [size(item) for item in plan.items])
-    files: List[List[WriteItem]] = [[]]
-    held = 0
-    for item in plan.items:
-        if files[-1] and held + size(item) > limit:
-            files.append([])
-            held = 0
-        files[-1].append(item)
-        held += size(item)
-    results: List[WriteResult] = []
-    for i, items in enumerate(files):
-        prefix = f"{plan.storage_data.prefix}{i}_"
-        part = dataclasses.replace(plan, items=items, storage_data=_FilePrefix(prefix))
-        try:
-            written_now = writer.write_data(part, planner).value()
-        except Exception as exc:
-            directory = os.fspath(writer.path)
-            partial = [os.path.join(directory, n) for n in _names(directory, prefix)]
-            written = sum(os.path.getsize(p) for p in partial)
-            _remove_files(directory, prefix)  # first, so that the free space reported is real
-            name = (partial[0] if len(partial) == 1
-                    else os.path.join(directory, f"{prefix}*{SUFFIX}"))
-            if not is_out_of_space(exc):
-                raise
-            raise no_space_error(name, exc, sum(size(item) for item in items),
-                                 written=written) from exc
-        _check_names(os.fspath(writer.path), prefix, written_now)
-        results += written_now
-    return results
-
-
-def _check_names(directory: str, prefix: str, results: List[WriteResult]) -> None:
-    """Raises, having removed them, if DCP's writer named files other than ``prefix``'s
-    (see [Note: naming DCP's files])."""
-    names = {r.storage_data.relative_path for r in results}
-    other = sorted(n for n in names if not (n.startswith(prefix) and n.endswith(SUFFIX)))
-    if other:
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, name))
-        raise RuntimeError(
-            f"torch.distributed.checkpoint's FileSystemWriter (torch {torch.__version__}) "
-            f"wrote {os.path.join(directory, other[0])}, where xla_fsdp expects "
-            f"{prefix}<n>{SUFFIX}: this torch names DCP's files in a way xla_fsdp does not "
-            f"know, so it cannot tell its own files from others'. The save was undone; "
-            f"xla_fsdp is tested with torch 2.9")
-
-
-def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
-    """DCP's save protocol in one process, which is every rank (the offline conversion)."""
-    writer, local = _local_plan(directory, planner, 0)
-    (plan,), metadata = planner.create_global_plan([local])
-    prefix = f"__0_{secrets.token_hex(4)}_"
-    plan = dataclasses.replace(plan, storage_data=_FilePrefix(prefix))
-    try:
-        results = write_in_files(writer, planner.finish_plan(plan), planner)
-    except BaseException:
-        _remove_files(directory, prefix)
-        raise
-    _commit(directory, metadata, [results], writer)
-
-
-def _names(directory: str, prefix: str) -> List[str]:
-    return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
-
-
-def _remove_files(directory: str, prefix: str) -> None:
-    """Removes the files of a failed save: those whose names start with ``prefix``."""
-    for name in _names(directory, prefix):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
 
 
 class HostCopies:
@@ -348,28 +225,3 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
         key, paths[key] = extra_key()
         objects[key] = extra
     return ChunkSavePlanner(tensors, wholes, objects, paths)
-
-
-def _commit(directory: str, metadata: Metadata, results: List[List[Any]],
-            writer: FileSystemWriter) -> None:
-    """See [Note: a DCP directory is complete or not a checkpoint]."""
-    storage = {r.index: r.storage_data for rank_results in results for r in rank_results}
-    metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION,
-                                   storage_data=storage, storage_meta=writer.storage_meta())
-    keep = {info.relative_path for info in storage.values()}
-    data = pickle.dumps(metadata)
-    staged = StagedFile(os.path.join(directory, METADATA_FILE), needed=len(data))
-    try:
-        with staged.writing() as tmp:
-            with open(tmp, "wb") as f:
-                f.write(data)
-        staged.put_in_place()
-    except BaseException:
-        if not staged.placed:  # the previous .metadata stands: this save's files go
-            for name in keep:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(directory, name))
-        raise
-    for name in os.listdir(directory):
-        if name.endswith(SUFFIX) and name not in keep:
-            os.remove(os.path.join(directory, name))

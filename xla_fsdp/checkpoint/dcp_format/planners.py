@@ -31,27 +31,11 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..._sharding.chunks import Chunk
+from ..._sharding.chunks import TensorPieces
 from ..files import CheckpointError
 from .layout import Path
 
 COLLECT_BYTES = 64 << 20
-
-
-@dataclass
-class TensorPieces:
-    """A tensor of the checkpoint as one rank holds (saving) or wants (loading) it: chunks,
-    each a run of a flat host buffer from where it starts there. The buffer is asked for
-    only when DCP reaches a chunk, so a save can copy its sources to the host one at a time
-    (``save.HostCopies``)."""
-    size: torch.Size
-    dtype: torch.dtype
-    chunks: List[Tuple[Chunk, int]]
-    flat: Callable[[], torch.Tensor]
-
-    def view(self, i: int) -> torch.Tensor:
-        chunk, at = self.chunks[i]
-        return self.flat()[at:at + chunk.numel].view(chunk.sizes)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,9 @@ from typing import Any, Dict, List
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ..._sharding.chunks import TensorPieces
 from ..dcp_format.metadata_file import METADATA_FILE, read_metadata_file
-from ..dcp_format.planners import ChunkLoadPlanner, TensorPieces
+from ..dcp_format.planners import ChunkLoadPlanner
 from ..files import CheckpointError
 
 

@@ -21,8 +21,8 @@ import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
                                                    TensorProperties, TensorStorageMetadata)
 
+from ..._sharding.chunks import TensorPieces
 from ..dcp_format.layout import GET_STATE_DICT, OPTIMIZER
-from ..dcp_format.planners import TensorPieces
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized

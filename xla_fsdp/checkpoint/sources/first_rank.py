@@ -27,11 +27,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from ..._sharding.chunks import run_chunks
+from ..._sharding.chunks import TensorPieces, run_chunks
 from ..._sharding.collectives import broadcast_bytes
 from ..._sharding.layout import FlatLayout
 from ..coordination import agree, exchange
-from ..dcp_format.planners import TensorPieces
 from ..staging import Source, Stored
 
 BUCKET_BYTES = 16 << 20

@@ -13,7 +13,7 @@ import torch
 
 from ..dcp_format.layout import KeyScheme, Path, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
-from ..dcp.save import write_alone
+from ..dcp_format.files import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA
