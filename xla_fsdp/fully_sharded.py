@@ -21,17 +21,17 @@ import torch
 import torch.nn as nn
 
 from ._init.compiled_module import split_compiled
-from ._init.find_parameters import find_parameters, shard_group_members
+from ._init.find_parameters import find_parameters
 from ._init.mixed_precision import float32_modules, run_in_float32
+from ._init.shard_members import ShardedParameters, shard_members
 from ._init.module_group import ModuleGroup, check_members, mark_grouped
 from ._init.validate import validate_group_arguments, validate_module
 from ._unit.buffers import place_buffers
 from ._unit.module_view import ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
-from ._unit.shard_group import build_shard_group
 from ._unit.training_state import TrainingState
-from .unit_module import ShardedParameters, UnitModule
+from .unit_module import UnitModule
 from .wrap import recursive_wrap
 
 
@@ -187,14 +187,13 @@ class XlaFullyShardedDataParallel(UnitModule):
         forward uses them instead of gathering (then frees them if ``reshard_after_forward``).
         E.g. to start a unit's gather before unrelated work of the step."""
         self.assert_state(TrainingState.IDLE)
-        self.unit_state.unshard_now()
+        self.unit_state.params.unshard([], self.options.optimization_barrier_in_forward)
 
     # -- sharding at construction ------------------------------------------------------------
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
                        ) -> ShardedParameters:
         """Each parameter below ``roots`` on its own, or with ``flatten_parameters`` a unit's
         parameters of one dtype together; buffers placed on the device."""
-        opts = self.options
         found = find_parameters(roots, self)
         modules = [m for _, root in roots for m in root.modules()]
         fp32 = float32_modules(modules, self.compute_dtype)
@@ -202,23 +201,14 @@ class XlaFullyShardedDataParallel(UnitModule):
         def dtype_of(owners: List[Owner]) -> torch.dtype:
             return torch.float32 if any(id(m) in fp32 for m, _ in owners) else self.compute_dtype
 
-        shard_groups, shared = [], []
-        for index, members in enumerate(shard_group_members(found, self.flatten_parameters,
-                                                            dtype_of)):
-            shard_groups.append(build_shard_group(
-                members, index, flatten=self.flatten_parameters,
-                dim0=opts.shard_param_on_dim_0, world_size=self.world_size, rank=self.rank,
-                multiple=opts.shard_size_multiple, device=self.xla_device,
-                compute_dtype=dtype_of(members[0][1]), unit_name=unit_name,
-                offload=opts.offload_optimizer))
-            for _, _, names in members:
-                shared.extend((alias, names[0]) for alias in names[1:])
+        sharded = shard_members([found], False, self.options, self.xla_device, unit_name,
+                                dtype_of)
         for m in modules:
             if id(m) in fp32:
                 run_in_float32(m, self.compute_dtype)
         for _, m in roots:
             place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
-        return ShardedParameters(shard_groups, shared, [names[0] for _, _, names in found])
+        return sharded
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:

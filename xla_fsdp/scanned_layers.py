@@ -25,11 +25,10 @@ from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
-from ._init.find_parameters import find_parameters, shard_group_members
+from ._init.find_parameters import find_parameters
+from ._init.shard_members import ShardedParameters, shard_members
 from ._sharding.tensor_tree import cast_floating
 from ._unit.buffers import place_buffers
-from ._unit.param_record import Owner
-from ._unit.shard_group import build_stacked_shard_group
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
 from ._init.validate import validate_module
 from .fully_sharded import options_from_keywords
@@ -37,7 +36,7 @@ from .scan.checks import (check_identical, forward_graph, refuse_input_mutation,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
 from .scan.loop import ScanFunction, ScanLoop, run_forward_only
 from .scan.trace import LayerGraphs, trace_layer
-from .unit_module import ShardedParameters, UnitModule
+from .unit_module import UnitModule
 
 # attributes that may differ between layers because they only index a per-layer cache,
 # which training does not use (Hugging Face's ``layer_idx``); see
@@ -118,29 +117,11 @@ class ScannedLayers(UnitModule):
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
                        ) -> ShardedParameters:
         ((_, stack),) = roots
-        opts = self.options
         found = [find_parameters([(str(i), layer)], self) for i, layer in enumerate(stack)]
-        layer_found = find_parameters([("", stack[0])], self)
-        position = {names[0]: k for k, (_, _, names) in enumerate(layer_found)}
-
-        def dtype_of(_owners: List[Owner]) -> torch.dtype:
-            return self.compute_dtype
-
-        shard_groups = []
-        for index, members in enumerate(shard_group_members(
-                layer_found, self.flatten_parameters, dtype_of)):
-            names = [n[0] for _, _, n in members]
-            shard_groups.append(build_stacked_shard_group(
-                [[layer[position[n]] for n in names] for layer in found], names, index,
-                flatten=self.flatten_parameters, dim0=opts.shard_param_on_dim_0,
-                world_size=self.world_size, rank=self.rank, multiple=opts.shard_size_multiple,
-                device=self.xla_device, compute_dtype=self.compute_dtype,
-                unit_name=unit_name, offload=opts.offload_optimizer))
-        shared = [(alias, names[0]) for layer in found for _, _, names in layer
-                  for alias in names[1:]]
+        sharded = shard_members(found, True, self.options, self.xla_device, unit_name,
+                                lambda _owners: self.compute_dtype)
         place_buffers(stack, self.buffer_dtype, self.xla_device)
-        return ShardedParameters(shard_groups, shared,
-                                 [names[0] for layer in found for _, _, names in layer])
+        return sharded
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

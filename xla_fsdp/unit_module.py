@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -21,6 +20,7 @@ import torch.nn as nn
 
 from ._init.meta_init import materialize_meta
 from ._init.module_group import attach_module_groups
+from ._init.shard_members import ShardedParameters
 from ._init.validate import validate_first_forward
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
@@ -38,14 +38,6 @@ from ._xla.private_api import CollectiveBindings
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.metadata import original_names_and_shards, shard_metadata
-
-
-@dataclass
-class ShardedParameters:
-    """What sharding a unit's modules produced (``_shard_members``)."""
-    shard_groups: List[ShardGroup]
-    shared_params: List[Tuple[str, str]]   # (alias, source) names of tied parameters
-    param_order: List[str]                 # names in the unwrapped modules' order
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -142,7 +134,7 @@ class UnitModule(FallThrough):
     @property
     def shard_groups(self) -> List[ShardGroup]:
         """This unit's shard groups (not its nested units'), read by checkpoint code."""
-        return list(self._state.shard_groups)
+        return list(self._state.params.shard_groups)
 
     @property
     def shared_params(self) -> List[Tuple[str, str]]:
@@ -164,7 +156,7 @@ class UnitModule(FallThrough):
 
     @property
     def sharded_params(self) -> List[nn.Parameter]:
-        return [g.shard for g in self._state.shard_groups]
+        return [g.shard for g in self._state.params.shard_groups]
 
     @property
     def params_with_grad(self) -> List[nn.Parameter]:
@@ -173,7 +165,7 @@ class UnitModule(FallThrough):
 
     @property
     def full_params(self) -> List[torch.Tensor]:
-        return [p for g in self._state.shard_groups for p in g.placeholders]
+        return [p for g in self._state.params.shard_groups for p in g.placeholders]
 
     @property
     def training_state(self) -> TrainingState:
@@ -185,7 +177,7 @@ class UnitModule(FallThrough):
 
     @property
     def reshard_after_forward(self) -> bool:
-        return self._state.reshard_after_forward
+        return self._state.params.reshard_after_forward
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
@@ -206,12 +198,12 @@ class UnitModule(FallThrough):
     def _apply(self, fn: Callable, recurse: bool = True) -> "UnitModule":
         # torch's .to(), .half(), .cpu()...: see [Note: converting a wrapped model]
         for unit in self.units():
-            check_conversion(unit._state.name, unit._state.shard_groups, fn)
-        with shards_kept_out(self, [g.shard_name for g in self._state.shard_groups]):
+            check_conversion(unit._state.name, unit._state.params.shard_groups, fn)
+        with shards_kept_out(self, [g.shard_name for g in self._state.params.shard_groups]):
             return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        padded = [n for g in self._state.shard_groups if isinstance(g.layout, Dim0Layout)
+        padded = [n for g in self._state.params.shard_groups if isinstance(g.layout, Dim0Layout)
                   and g.layout.pad_rows for n in g.names]
         text = (f"world_size={self.world_size}, rank={self.rank}, "
                 f"compute_dtype={self.compute_dtype}, flatten_parameters="
@@ -287,7 +279,8 @@ class UnitModule(FallThrough):
     def reshard(self) -> None:
         """Frees this unit's full parameters (and any gather issued for it)."""
         self.assert_state(TrainingState.IDLE)
-        self._state.reshard_now()
+        params = self._state.params
+        params.reshard(params.shard_groups, [], self._options.optimization_barrier_in_forward)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -331,7 +324,8 @@ class UnitModule(FallThrough):
         if norm_type == math.inf:
             total = self._collectives.all_reduce_max(local, groups)
         else:
-            total = self._collectives.all_reduce_sum(local ** norm_type, groups) ** (1.0 / norm_type)
+            total = self._collectives.all_reduce_sum(local ** norm_type, groups) \
+                ** (1.0 / norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         on_device, on_host = places
         for g in on_device:

@@ -141,7 +141,7 @@ def test_a_forward_without_grad_frees_every_unit_root_included():
     assert (units.root.params.state, units.inner.params.state) == (SHARDED, SHARDED)
     assert (units.root.training_state, units.inner.training_state) == (IDLE, IDLE)
     assert every(r.placeholder.shape == (1,) for s in (units.root, units.inner)
-                 for g in s.shard_groups for r in g.records)
+                 for g in s.params.shard_groups for r in g.records)
 
 
 def test_without_reshard_after_forward_the_inner_unit_gathers_once_per_step():
@@ -200,7 +200,7 @@ def test_a_backward_that_raised_is_settled_at_the_next_forward():
     assert units.root.training_state is POST and units.inner.params.state is UNSHARDED
     units.net.probe = None
     for s in (units.root, units.inner):
-        for g in s.shard_groups:
+        for g in s.params.shard_groups:
             g.shard.grad = None  # optimizer.zero_grad()
     step(units, seed=2)
     units.expected_grads(x(2))

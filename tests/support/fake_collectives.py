@@ -2,7 +2,7 @@
 (``tests/_unit``) drive ``UnitParams``, ``ShardGroup`` and ``ParamRecord`` with.
 
 ``FakeWorld`` shards one copy of a model per rank by the real construction
-(``find_parameters``, ``shard_group_members``, ``build_shard_group``) on the CPU, and gives
+(``find_parameters``, ``shard_members``) on the CPU, and gives
 each rank a ``UnitParams`` whose ``FakeCollectives`` stand for the other ranks:
 
 * its all-gather returns what every rank would have: the concatenation of every rank's
@@ -22,10 +22,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from xla_fsdp._init.find_parameters import find_parameters, shard_group_members
+from xla_fsdp._init.find_parameters import find_parameters
+from xla_fsdp._init.shard_members import shard_members
 from xla_fsdp._sharding.collectives import Collectives, RankGroups
 from xla_fsdp._unit.options import FsdpOptions
-from xla_fsdp._unit.shard_group import ShardGroup, build_shard_group
+from xla_fsdp._unit.shard_group import ShardGroup
 from xla_fsdp._unit.unit_params import UnitParams
 
 CPU = torch.device("cpu")
@@ -139,14 +140,8 @@ class FakeWorld:
                                    **option_overrides)
             module = copy.deepcopy(model) if modules is None else modules[rank]
             found = find_parameters([(path, module.get_submodule(path))], None)
-            shard_groups = [
-                build_shard_group(members, index, flatten=options.flatten_parameters,
-                                  dim0=options.shard_param_on_dim_0, world_size=world_size,
-                                  rank=rank, multiple=options.shard_size_multiple, device=CPU,
-                                  compute_dtype=compute_dtype, unit_name=type(model).__name__,
-                                  offload=options.offload_optimizer)
-                for index, members in enumerate(shard_group_members(
-                    found, options.flatten_parameters, lambda owners: compute_dtype))]
+            shard_groups = shard_members([found], False, options, CPU, type(model).__name__,
+                                         lambda owners: compute_dtype).shard_groups
             collectives = FakeCollectives(world_size, rank, self._pieces, peer_scale)
             params = UnitParams(collectives, options, CPU)
             params.add(shard_groups)

@@ -139,5 +139,5 @@ class RootContext:
         if self._sync:
             import torch_xla
             torch_xla.sync()
-        fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.shard_groups
+        fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.params.shard_groups
                          if g.offload is not None])

@@ -145,40 +145,28 @@ def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_siz
 
 
 @torch.no_grad()
-def build_shard_group(members: List[Member], index: int, *, flatten: bool, dim0: bool,
-                      world_size: int, rank: int, multiple: int, device: torch.device,
-                      compute_dtype: torch.dtype, unit_name: str,
+def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, flatten: bool,
+                      dim0: bool, world_size: int, rank: int, multiple: int,
+                      device: torch.device, compute_dtype: torch.dtype, unit_name: str,
                       offload: bool = False) -> ShardGroup:
     """Shards one group of parameters and puts placeholders where they were.
 
-    ``members`` are (parameter, every (module, attribute) holding it, every name it has).
-    Only the shard is copied to ``device``."""
-    params = [p for p, _, _ in members]
-    layout = _layout(tuple(p.shape for p in params), flatten, dim0, world_size, multiple)
-    first = members[0][2][0]
-    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
-    size = torch.Size([layout.numel]) if flatten else params[0].shape
-    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
-                   members, device, compute_dtype, unit_name, offload)
-
-
-@torch.no_grad()
-def build_stacked_shard_group(layers: List[List[Member]], layer_names: List[str], index: int,
-                              *, flatten: bool, dim0: bool, world_size: int, rank: int,
-                              multiple: int, device: torch.device, compute_dtype: torch.dtype,
-                              unit_name: str, offload: bool = False) -> ShardGroup:
-    """The same shard group of every layer of a scanned stack, as one ``StackedLayout``
-    shard. ``layers[i]`` are layer ``i``'s members; ``layer_names`` their names within a
-    layer."""
-    params = [p for members in layers for p, _, _ in members]
+    ``layers`` holds the group's members (parameter, every (module, attribute) holding it,
+    every name it has): one list, or with ``stacked`` one list per layer of a scanned stack,
+    whose members at the same position become one ``StackedLayout`` shard. Only the shard
+    is copied to ``device``."""
     shapes = tuple(p.shape for p, _, _ in layers[0])
-    layout = StackedLayout(_layout(shapes, flatten, dim0, world_size, multiple), len(layers))
-    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else layer_names[0])
-    size = torch.Size([len(layers), layout.layer.numel] if flatten
-                      else (len(layers),) + tuple(shapes[0]))
-    return _finish(layout, layout.shard([p.detach() for p in params], rank), size, orig_name,
-                   [m for members in layers for m in members], device, compute_dtype,
-                   unit_name, offload)
+    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple)
+    size = torch.Size([layout.numel]) if flatten else shapes[0]
+    first = layers[0][0][2][0]
+    if stacked:
+        layout = StackedLayout(layout, len(layers))
+        size = torch.Size((len(layers),) + tuple(size))
+        first = first.split(".", 1)[1]  # its name within a layer
+    orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
+    members = [m for layer in layers for m in layer]
+    return _finish(layout, layout.shard([p.detach() for p, _, _ in members], rank), size,
+                   orig_name, members, device, compute_dtype, unit_name, offload)
 
 
 def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,

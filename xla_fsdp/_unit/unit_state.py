@@ -116,10 +116,6 @@ class UnitState:
             target.register_forward_hook(
                 functools.partial(self._post_forward_hook, m, on_compiled))
 
-    @property
-    def shard_groups(self) -> List[ShardGroup]:
-        return self.params.shard_groups
-
     def add_shard_groups(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.params.add(shard_groups)
         for g in shard_groups:
@@ -150,13 +146,6 @@ class UnitState:
     def mark_attached(self) -> None:
         self.detached = False
 
-    # -- explicit gather and free --------------------------------------------------------------
-    def unshard_now(self) -> None:
-        self.params.unshard([], self.options.optimization_barrier_in_forward)
-
-    def reshard_now(self) -> None:
-        self.params.reshard(self.shard_groups, [], self.options.optimization_barrier_in_forward)
-
     # -- structure -------------------------------------------------------------------------
     @property
     def is_root(self) -> bool:
@@ -173,10 +162,6 @@ class UnitState:
         for s in states:
             s.context = self.context
             s.params.join(self.context.backward_barrier)
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        return self.params.reshard_after_forward
 
     def _update_reshard_after_forward(self) -> None:
         if self.explicit_reshard_after_forward is not None:
@@ -225,7 +210,7 @@ class UnitState:
         return not self.detached and self.compile_refusal is None and self.params.traceable()
 
     def _records(self) -> List[ParamRecord]:
-        return [r for g in self.shard_groups for r in g.records]
+        return [r for g in self.params.shard_groups for r in g.records]
 
     def _pre_traced(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if self is self.context.root:
@@ -295,13 +280,13 @@ class UnitState:
         grad = torch.is_grad_enabled()
         last = len(self._members_run) >= len(self.members)
         outputs, hooked = self._hook_outputs(outputs)
-        if last and (self.reshard_after_forward or not grad):
-            if grad and not hooked and any(g.shard.requires_grad for g in self.shard_groups):
+        if last and (self.params.reshard_after_forward or not grad):
+            if grad and not hooked and any(g.shard.requires_grad for g in self.params.shard_groups):
                 self._keep_for_hidden_outputs()
             else:
                 barrier = self.options.optimization_barrier_in_forward
                 deps = collect_tensors(outputs) if barrier and not compiled else []
-                self.params.reshard(self.shard_groups, deps, barrier)
+                self.params.reshard(self.params.shard_groups, deps, barrier)
         if last:
             self.training_state = TrainingState.IDLE
         if self is self.context.root:
@@ -311,15 +296,15 @@ class UnitState:
     def end_of_model_forward(self, grad_enabled: bool) -> None:
         if self.training_state is TrainingState.FORWARD:  # a grouped member never ran
             self.training_state = TrainingState.IDLE
-            if self.reshard_after_forward:
-                self.params.reshard(self.shard_groups, [], barrier=False)
+            if self.params.reshard_after_forward:
+                self.params.reshard(self.params.shard_groups, [], barrier=False)
         if not grad_enabled and self.params.state is not FullParams.SHARDED:
-            self.params.reshard(self.shard_groups, [], barrier=False)
+            self.params.reshard(self.params.shard_groups, [], barrier=False)
 
     def _first_root_forward(self) -> None:
         self._first_forward_check(self)
         if self.options.debug_print and self.options.rank == 0:
-            count = sum(len(s.shard_groups) for s in self.context.states)
+            count = sum(len(s.params.shard_groups) for s in self.context.states)
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
 
@@ -332,7 +317,7 @@ class UnitState:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
         was changed since wrapping (frozen through ``model.parameters()``, which yields
         shards, or through a module attribute, which is a placeholder)."""
-        for g in self.shard_groups:
+        for g in self.params.shard_groups:
             changed = [r for r in g.records if r.placeholder.requires_grad != r.requires_grad]
             if changed:
                 want = changed[0].placeholder.requires_grad
