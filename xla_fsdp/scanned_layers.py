@@ -27,10 +27,11 @@ import torch.nn as nn
 
 from ._init.find_parameters import find_parameters
 from ._init.shard_members import ShardedParameters, shard_members
+from ._init.validate import validate_module
 from ._sharding.tensor_tree import cast_floating
 from ._unit.buffers import place_buffers
+from ._unit.param_record import ParamRecord
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
-from ._init.validate import validate_module
 from .fully_sharded import options_from_keywords
 from .scan.checks import (check_identical, forward_graph, refuse_input_mutation,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
@@ -170,8 +171,8 @@ class ScannedLayers(UnitModule):
                ) -> Tuple[LayerGraphs, Callable[[torch.Tensor], Any]]:
         template = self.wrapped_module[0]
         shard_groups = self.shard_groups
-        owners = [r.owners for g in shard_groups
-                  for r in g.records[:len(g.layout.layer.shapes)]]
+        records = [r for g in shard_groups for r in g.records[:len(g.layout.layer.shapes)]]
+        owners = [r.owners for r in records]
         params = [torch.empty(s, dtype=g.compute_dtype, device=self.xla_device)
                   for g in shard_groups for s in g.layout.layer.shapes]
         n_inv, n_par = len(invariants), len(params)
@@ -184,7 +185,7 @@ class ScannedLayers(UnitModule):
             for i, t in zip(tensors, inv):
                 values[i] = t
             args, kwargs = tree_unflatten(values, spec)
-            with self._holding(template, owners, full, [n for n, _ in buffer_slots], bufs):
+            with self._holding(template, records, full, [n for n, _ in buffer_slots], bufs):
                 out = template(h, *args, **kwargs)
             first, structure["rebuild"] = _carried_output(out, h)
             return first
@@ -216,28 +217,24 @@ class ScannedLayers(UnitModule):
         return graphs, structure["rebuild"]
 
     @contextlib.contextmanager
-    def _holding(self, template: nn.Module, owners: List[List[Tuple[nn.Module, str]]],
+    def _holding(self, template: nn.Module, records: List[ParamRecord],
                  params: Sequence[torch.Tensor], buffer_names: List[str],
                  buffers: Sequence[torch.Tensor]) -> Iterator[None]:
         """The template layer computes with the traced inputs in place of its placeholders
-        and buffers."""
-        saved_params = [(m, a, m.__dict__[a]) for ows in owners for m, a in ows]
+        (lent as a traced unit lends its full values) and buffers."""
         saved_buffers = []
         for name, value in zip(buffer_names, buffers):
             path, _, attr = name.rpartition(".")
             module = template.get_submodule(path)
             saved_buffers.append((module, attr, module.get_buffer(attr)))
             setattr(module, attr, value)
-        for ows, value in zip(owners, params):
-            for m, a in ows:
-                object.__setattr__(m, a, value)
+        ParamRecord.lend(records, params)
         self.__dict__["_tracing"] = True
         try:
             yield
         finally:
             self.__dict__["_tracing"] = False
-            for m, a, old in saved_params:
-                object.__setattr__(m, a, old)
+            ParamRecord.take_back(records)
             for m, a, old in saved_buffers:
                 setattr(m, a, old)
 
