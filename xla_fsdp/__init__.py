@@ -1,8 +1,8 @@
 """Fully Sharded Data Parallel (ZeRO-3) for PyTorch on XLA devices.
 
 The public API: the wrapper (``XlaFullyShardedDataParallel``, also ``FSDP``), scanned layers,
-``UnitModule`` (what both kinds of unit are, for ``isinstance``), auto-wrap policies, ``checkpoint_module``, ``allow_per_shard_statistics``, the launcher and
-``patch_torch_xla()``;
+``UnitModule`` (what both kinds of unit are, for ``isinstance``), auto-wrap policies,
+``checkpoint_module``, ``allow_per_shard_statistics``, the launcher and ``patch_torch_xla()``;
 ``xla_fsdp.checkpoint`` for checkpoints. ARCHITECTURE.md describes the layers below them.
 """
 from typing import Any

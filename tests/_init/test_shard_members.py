@@ -38,8 +38,8 @@ def test_a_stack_is_sharded_position_by_position_as_one_stacked_group_each(flatt
     for k, (g0, g1) in enumerate(zip(ranks[0].shard_groups, ranks[1].shard_groups)):
         assert isinstance(g0.layout, StackedLayout) and g0.layout.layers == 3
         # named as one layer's parameter, sized as the stack of them
-        assert g0.orig_name == "_fsdp_wrapped_module." + ("flat_param_0" if flatten
-                                                          else ("0.weight", "0.bias", "1.weight")[k])
+        name = "flat_param_0" if flatten else ("0.weight", "0.bias", "1.weight")[k]
+        assert g0.orig_name == "_fsdp_wrapped_module." + name
         assert g0.shard._orig_size[0] == 3
         full = g0.layout.unshard(torch.cat([g0.shard.detach(), g1.shard.detach()]))
         want = [reference[i][j] for i in range(3)

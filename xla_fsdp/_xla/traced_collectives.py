@@ -32,10 +32,11 @@ class _TracedUnitGather(torch.autograd.Function):
     """A unit's all-gathers over every rank, whose backward is the matching reduce-scatters,
     in the ops Dynamo traces into a compiled graph (torch's functional collectives, which
     torch_xla lowers to XLA's own: ``private_api.functional_all_gather``): see [Note:
-    collectives traced into the compiled graph]. Each piece is cast to the compute dtype inside, so that its gradient
-    comes back in the shard's dtype with the rounding of the eager reduction
-    (``padded_gradient`` then ``scatter_gradients``): reduced in ``reduce_dtype``, divided
-    by the one rule of both (``reduction_divisors``), and cast to the shard's dtype after.
+    collectives traced into the compiled graph]. Each piece is cast to the compute dtype
+    inside, so that its gradient comes back in the shard's dtype with the rounding of the
+    eager reduction (``padded_gradient`` then ``scatter_gradients``): reduced in
+    ``reduce_dtype``, divided by the one rule of both (``reduction_divisors``), and cast to
+    the shard's dtype after.
 
     [Note: one unit's reductions before the next unit's backward] Traced reduce-scatters
     are independent ops, and libtpu rewrote a backward program's 101 of them into 2

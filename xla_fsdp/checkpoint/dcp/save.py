@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._sharding.chunks import TensorPieces
 from ..._unit.buffers import original_dtype
-from ..._xla.private_api import to_cpu
+from ..._xla.private_api import dcp_file_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..metadata import (GROUP_MEMBERS, live_state, persistent_buffers, refuse_foreign_params,
@@ -47,7 +47,7 @@ from ..metadata import (GROUP_MEMBERS, live_state, persistent_buffers, refuse_fo
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange
-from ..dcp_format.files import commit, file_prefix, local_plan, remove_files, write_in_files
+from ..dcp_format.files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                                  slots_by_shard)
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
@@ -92,7 +92,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
         mine = sorted((r, p) for g, r, p in plans if g == sharding_group and p is not None)
         global_plans, metadata = planner.create_global_plan([p for _, p in mine])
         token = secrets.token_hex(4)
-        central = ({r: dataclasses.replace(p, storage_data=file_prefix(f"__{r}_{token}_"))
+        central = ({r: dataclasses.replace(p, storage_data=dcp_file_prefix(f"__{r}_{token}_"))
                     for (r, _), p in zip(mine, global_plans)}, metadata)
     centrals = exchange("xla_fsdp.dcp.save.central", (sharding_group, central))
     host.copy_all()  # last, after the collectives: a rank's copy keeps no other rank waiting

@@ -9,6 +9,14 @@ file per rank, as ``single_file_per_rank`` writes, a rank would hold everything 
 by the end of its save; the offline conversion, the whole checkpoint. ``write_in_files``
 therefore calls it once per run of the plan's items worth ``FILE_BYTES`` (or one tensor, if
 larger), each a file of its own: what is held at once is one such file's worth.
+
+[Note: naming DCP's files]
+A save names each of its files itself, so that a failed save removes exactly its own files
+and a committed one keeps exactly those ``.metadata`` lists. DCP's writer has no public way
+to be told a name: it reads ``plan.storage_data.prefix``, an instance of a private class of
+torch's (``private_api.dcp_file_prefix``), and writes ``{prefix}{n}.distcp``. That is
+checked on every write (``_check_names``), so a torch whose writer names its files otherwise
+fails the save with the file it wrote, and leaves nothing behind.
 """
 from __future__ import annotations
 
@@ -34,20 +42,6 @@ from .planners import ChunkSavePlanner
 
 SUFFIX = ".distcp"
 FILE_BYTES = 64 << 20
-
-
-def file_prefix(prefix: str) -> Any:
-    """What ``FileSystemWriter.write_data`` names a rank's files after.
-
-    [Note: naming DCP's files]
-    A save names each of its files itself, so that a failed save removes exactly its own
-    files and a committed one keeps exactly those ``.metadata`` lists. DCP's writer has no
-    public way to be told a name: it reads ``plan.storage_data.prefix``, an instance of a
-    private class of torch's (``private_api.dcp_file_prefix``), and writes
-    ``{prefix}{n}.distcp``. That is checked on every write (``_check_names``), so a torch
-    whose writer names its files otherwise fails the save with the file it wrote, and
-    leaves nothing behind."""
-    return dcp_file_prefix(prefix)
 
 
 def local_plan(directory: str, planner: ChunkSavePlanner, rank: int
@@ -82,7 +76,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
     results: List[WriteResult] = []
     for i, items in enumerate(files):
         prefix = f"{plan.storage_data.prefix}{i}_"
-        part = dataclasses.replace(plan, items=items, storage_data=file_prefix(prefix))
+        part = dataclasses.replace(plan, items=items, storage_data=dcp_file_prefix(prefix))
         try:
             written_now = writer.write_data(part, planner).value()
         except Exception as exc:
@@ -123,7 +117,7 @@ def write_alone(directory: str, planner: ChunkSavePlanner) -> None:
     writer, local = local_plan(directory, planner, 0)
     (plan,), metadata = planner.create_global_plan([local])
     prefix = f"__0_{secrets.token_hex(4)}_"
-    plan = dataclasses.replace(plan, storage_data=file_prefix(prefix))
+    plan = dataclasses.replace(plan, storage_data=dcp_file_prefix(prefix))
     try:
         results = write_in_files(writer, planner.finish_plan(plan), planner)
     except BaseException:
