@@ -1,26 +1,31 @@
 """Which shard each saved optimizer index holds, the one rule for what optimizer state is
-sharded like its tensor (``metadata.state_is_sharded``), and the one walk that applies it to a
-live optimizer or a saved state dict (``metadata.walk_state``). No XLA."""
+sharded like its tensor (``metadata.state_is_sharded``), the one walk that applies it to a
+live optimizer or a saved state dict (``metadata.walk_state``), and the one walk of per-rank
+files' state by parameter name that every output of them takes (``named_state``). No XLA."""
 import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.metadata import (MODEL, OPTIMIZER, live_state, state_is_sharded,
                                           walk_state)
-from xla_fsdp.checkpoint.per_rank.optimizer import optimizer_param_keys
+from xla_fsdp.checkpoint.per_rank.optimizer import (consolidate_optimizer, named_state,
+                                                    optimizer_param_keys)
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
 
-from ...support.synthetic_checkpoints import SHAPES, shard_key, write_set
+from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key, write_set
+
+
+def _with_plan(prefix, fn):
+    shards = find_shard_set(prefix, "_rank-*-of-*.pth", verify=False)
+    try:
+        return fn(shards, plan_model(shards.metadata, shards.files[0].tree[MODEL]))
+    finally:
+        shards.close()
 
 
 def _keys(prefix):
-    shards = find_shard_set(prefix, "_rank-*-of-*.pth", verify=False)
-    try:
-        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-        return optimizer_param_keys(shards, plan)
-    finally:
-        shards.close()
+    return _with_plan(prefix, optimizer_param_keys)
 
 
 def test_torch_xla_recipe_files_are_read_in_parameter_order_unless_a_state_says_otherwise(
@@ -75,3 +80,33 @@ def test_one_walk_over_a_live_optimizer_or_its_state_dict():
     optimizer.state[bias]["exp_avg_sq"] = torch.ones(1)   # statistics over a shard's rows
     with pytest.raises(CheckpointError, match=r"^index 2: optimizer state 'exp_avg_sq'"):
         walked(state)
+
+
+def test_the_named_walk_reads_a_shared_shard_state_by_state_and_both_forms_agree(tmp_path):
+    prefix = str(tmp_path / "ckpt")
+    write_set(prefix, 2, flattened=True)   # both parameters in one shard, one optimizer index
+    full = full_model()
+    names = list(SHAPES)
+
+    def walk(shards, plan):
+        named = named_state(shards, plan)
+        order = [(p, n, v.read()) for p, n, v in named.in_read_order()]
+        added = []
+        optimizer, index_names = consolidate_optimizer(
+            shards, plan, lambda t: added.append(t) or t)
+        return named, order, added, optimizer, index_names
+    named, order, added, optimizer, index_names = _with_plan(prefix, walk)
+    # the shard's momentum for both parameters (one gather, live), then their step counts
+    assert [(p, n) for p, n, _ in order] == [(names[0], "momentum_buffer"),
+                                             (names[1], "momentum_buffer"),
+                                             (names[0], "step"), (names[1], "step")]
+    for p, n, value in order:
+        want = full[p] * 0.5 if n == "momentum_buffer" else torch.tensor(7.0)
+        assert torch.equal(value, want), (p, n)
+    assert named.shard == {n: shard_key("flat_param_0") for n in names}
+    assert named.as_state_dict()["param_groups"] == [{"lr": 0.1, "params": names}]
+    # the consolidated form: the same state by index, tensors added in the walk's order
+    assert index_names == names and optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
+    assert [t.shape for t in added] == [torch.Size(SHAPES[p]) if n == "momentum_buffer"
+                                        else torch.Size([]) for p, n, _ in order]
+    assert all(torch.equal(optimizer["state"][names.index(p)][n], v) for p, n, v in order)

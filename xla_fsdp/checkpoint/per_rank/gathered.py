@@ -14,7 +14,7 @@ piece of optimizer state, within its sharding group). The other ranks loop on ro
 the writer says it is done. The writer keeps the last tensor gathered (every rank's shard
 of it) and nothing else, so its host holds one shard group's full size at a time, and a
 parameter read from several ranks' "files" costs one gather. So the writers read the
-optimizer state state by state across the parameters of a shard (``state_by_state``): a
+optimizer state state by state across the parameters of a shard (``NamedState.in_read_order``): a
 flat shard of nine parameters costs one gather per state, not nine. With ``sharding_groups``
 every group's writer reads the same tensors in the same order (the groups are alike), so
 a round names one tensor for all of them; they are checked to agree.

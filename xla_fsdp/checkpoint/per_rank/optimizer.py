@@ -9,12 +9,13 @@ resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Dict, Hashable, Iterable, Iterator, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord, per_rank_state, walk_state
+from ..metadata import GROUP_MEMBERS, MODEL, OPTIMIZER, RankRecord, per_rank_state, walk_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -122,40 +123,62 @@ def saved_param_groups(shards: ShardSet, plan: ModelPlan
     return out
 
 
-def state_by_state(states: Iterable[Tuple[Any, Hashable, Dict[str, Any]]]
-                   ) -> Iterator[Tuple[Any, str, Any]]:
-    """(owner, state name, value) of ``states``, each (owner, its shard, its state): the
-    owners that share a shard (consecutive, with the same state names) one state name at a
-    time, so that each state tensor of a shard is read in one pass (one gather, when the
-    files are a live model's: ``gathered``), not once per parameter."""
-    for _, run in itertools.groupby(states, key=lambda entry: entry[1]):
-        run = list(run)
-        for name in run[0][2]:
-            for owner, _, state in run:
-                yield owner, name, state[name]
+@dataclass
+class NamedState:
+    """The optimizer state an optimizer over the unwrapped model would have, by parameter
+    name: THE walk over per-rank files' optimizer state, which every output of them
+    (consolidated files, a DCP directory, the per-rank files' source) takes its form of."""
+    state: Dict[str, Dict[str, Any]]   # parameter name -> its state (``saved_state``)
+    shard: Dict[str, str]              # parameter name -> the shard its state is saved with
+    groups: List[Tuple[Dict[str, Any], List[str]]]  # each saved param group, its parameters
+
+    def in_read_order(self) -> Iterator[Tuple[str, str, Any]]:
+        """(parameter name, state name, value), the parameters that share a shard one state
+        name at a time, so that each state tensor of a shard is read in one pass (one
+        gather, when the files are a live model's: ``gathered``), not once per parameter."""
+        by_shard = itertools.groupby(self.state.items(), key=lambda item: self.shard[item[0]])
+        for _, run in by_shard:
+            run = list(run)
+            for name in run[0][1]:
+                for param, state in run:
+                    yield param, name, state[name]
+
+    def as_state_dict(self) -> Dict[str, Any]:
+        """In ``get_state_dict``'s form: state and each param group's ``params`` by name."""
+        return {"state": self.state, "param_groups": [
+            dict({k: v for k, v in g.items() if k not in GROUP_MEMBERS}, params=names)
+            for g, names in self.groups]}
+
+
+def named_state(shards: ShardSet, plan: ModelPlan) -> NamedState:
+    """The per-rank files' optimizer state by parameter name, its tensors sharded like their
+    parameter spread over the rank files, the others rank 0's."""
+    saved = shards.files[0].tree[OPTIMIZER]["state"]
+    out = NamedState({}, {}, [])
+    for param_group, members in saved_param_groups(shards, plan):
+        for param, spec, index in members:
+            if index in saved:
+                out.state[param.name] = saved_state(shards, spec, param, index)
+                out.shard[param.name] = spec.key
+        out.groups.append((param_group, [p.name for p, _, _ in members]))
+    return out
 
 
 def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
                           add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
     """The optimizer state dict an optimizer over the unwrapped model's parameters would
     have, and its parameter names by index. Tensors go through ``add`` as they are read."""
-    opt0 = shards.files[0].tree[OPTIMIZER]
-    state: Dict[int, Dict[str, Any]] = {}
-    param_groups, names = [], []
-    for param_group, members in saved_param_groups(shards, plan):
-        new_indices = []
-        saved = []  # (new index, optimizer index, its state as saved)
-        for param, spec, index in members:
-            new_indices.append(len(names))
-            names.append(param.name)
-            if index in opt0["state"]:
-                state[new_indices[-1]] = {}
-                saved.append((new_indices[-1], index, saved_state(shards, spec, param, index)))
-        for new_index, name, value in state_by_state(saved):
-            state[new_index][name] = (
-                add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
-        new_param_group = dict(param_group, params=new_indices)
+    named = named_state(shards, plan)
+    names = [n for _, params in named.groups for n in params]
+    index = {n: i for i, n in enumerate(names)}
+    state: Dict[int, Dict[str, Any]] = {index[p]: {} for p in named.state}
+    for param, name, value in named.in_read_order():
+        state[index[param]][name] = (
+            add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
+    param_groups = []
+    for param_group, params in named.groups:
+        new_param_group = dict(param_group, params=[index[n] for n in params])
         if "param_names" in param_group:
-            new_param_group["param_names"] = [names[i] for i in new_indices]
+            new_param_group["param_names"] = list(params)
         param_groups.append(new_param_group)
     return {"state": state, "param_groups": param_groups}, names

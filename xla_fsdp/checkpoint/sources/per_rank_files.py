@@ -17,12 +17,12 @@ need a filesystem they all see, as consolidation does.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Tuple
 
 from ..files import CheckpointError
-from ..metadata import EXTRA, GROUP_MEMBERS, MODEL, OPTIMIZER
+from ..metadata import EXTRA, MODEL
 from .entries import EntrySource, model_entries, optimizer_entries
-from ..per_rank.optimizer import optimizer_param_keys, saved_param_groups, saved_state
+from ..per_rank.optimizer import named_state, optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet, find_shard_set
 
@@ -71,26 +71,10 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         if keys is None:
             raise CheckpointError(f"{shards.pattern}: its optimizer state cannot be read: "
                                   f"{reason}")
-        more_tensors, more_objects = optimizer_entries(named_optimizer_state(shards, plan),
+        more_tensors, more_objects = optimizer_entries(named_state(shards, plan).as_state_dict(),
                                                        shards.pattern)
         tensors.update(more_tensors)
         objects.update(more_objects)
     if EXTRA in head:
         objects[EXTRA] = head[EXTRA]
     return EntrySource(shards.pattern, tensors, objects, [shards.close] if closes else [])
-
-
-def named_optimizer_state(shards: ShardSet, plan: ModelPlan) -> Dict[str, Any]:
-    """The optimizer state an optimizer over the unwrapped model would have, in
-    ``get_state_dict``'s form (state and ``params`` by parameter name), its tensors sharded
-    like their parameter spread over the rank files, the others rank 0's."""
-    opt0 = shards.files[0].tree[OPTIMIZER]
-    state: Dict[str, Dict[str, Any]] = {}
-    param_groups = []
-    for param_group, members in saved_param_groups(shards, plan):
-        for param, spec, index in members:
-            if opt0["state"].get(index):
-                state[param.name] = saved_state(shards, spec, param, index)
-        settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
-        param_groups.append(dict(settings, params=[p.name for p, _, _ in members]))
-    return {"state": state, "param_groups": param_groups}

@@ -16,9 +16,8 @@ from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..dcp_format.files import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
-from ..metadata import EXTRA
-from ..per_rank.optimizer import state_by_state
-from ..sources.per_rank_files import named_optimizer_state
+from ..metadata import EXTRA, GROUP_MEMBERS
+from ..per_rank.optimizer import named_state
 from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet
 
@@ -58,26 +57,17 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
 
 def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
-    """The optimizer state by parameter name, and param groups listing names, as the
-    per-rank files' source names them (``named_optimizer_state``)."""
-    named = named_optimizer_state(shards, plan)
-    # DCP reads the state in the order it is added
-    for param_name, name, value in state_by_state(
-            (p, _shard_of(p, state), state) for p, state in named["state"].items()):
+    """The optimizer state by parameter name, and param groups listing names
+    (``per_rank.optimizer.named_state``)."""
+    named = named_state(shards, plan)
+    for param_name, name, value in named.in_read_order():  # DCP reads in the order added
         key_path = scheme.state(param_name, name)
         if isinstance(value, (SpreadTensor, TensorRef)):
             add(key_path, value.shape, value.dtype, value.read)
         else:
             key, paths[key] = key_path
             objects[key] = value
-    for i, param_group in enumerate(named["param_groups"]):
-        settings = {k: v for k, v in param_group.items() if k != "params"}
-        for key, path, value in scheme.param_group(i, param_group["params"], settings):
+    for i, (param_group, params) in enumerate(named.groups):
+        settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
+        for key, path, value in scheme.param_group(i, params, settings):
             paths[key], objects[key] = path, value
-
-
-def _shard_of(param_name: str, state: Dict[str, Any]) -> Tuple[str, str]:
-    """The shard a parameter's state is spread over (its ``SpreadTensor``s say), or the
-    parameter itself when none is."""
-    key = next((v.spec.key for v in state.values() if isinstance(v, SpreadTensor)), None)
-    return ("shard", key) if key is not None else ("parameter", param_name)
