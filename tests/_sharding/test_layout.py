@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout
+from xla_fsdp._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout,
+                                      unshard_all)
 from ..support.checks import every
 
 
@@ -106,3 +107,22 @@ def test_stacked_layout_is_a_layout_like_the_others(world, layer):
                 for i in range(len(layout.pieces(shards[0])))]
     for got, want in zip(layout.unshard_pieces(gathered), tensors):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_units_gathered_pieces_come_back_as_every_layouts_tensors(world):
+    """``unshard_all``: the pieces of several layouts, gathered in one list, split back by
+    each layout's ``piece_count`` (an interleaved group gives one piece per parameter)."""
+    layouts = [InterleavedLayout((torch.Size([7, 3]), torch.Size([5]), torch.Size([])), world),
+               Dim0Layout(torch.Size([4, 2]), world), FlatLayout((torch.Size([6]),), world)]
+    tensors = [[torch.randn(s) for s in layout.shapes] for layout in layouts]
+    gathered = []
+    for layout, ts in zip(layouts, tensors):
+        shards = [layout.shard(ts, r) for r in range(world)]
+        assert layout.piece_count == len(layout.pieces(shards[0]))
+        gathered += [torch.cat([layout.pieces(s)[i] for s in shards])
+                     for i in range(layout.piece_count)]
+    want = [t for ts in tensors for t in ts]
+    got = unshard_all(layouts, gathered)
+    assert len(got) == len(want) == 5
+    assert every(torch.equal(g, w) for g, w in zip(got, want))

@@ -177,18 +177,14 @@ def optimization_barrier(tensors: Sequence[Optional[torch.Tensor]]) -> None:
 
 def gather_pieces(collectives: Collectives,
                   shards: Sequence[Tuple[Layout, torch.Tensor, torch.dtype]],
-                  coalesce: bool, chained: bool = False) -> List[List[torch.Tensor]]:
-    """All-gathers (layout, shard, compute dtype) triples, cast to the compute dtype first so
-    that low-precision compute moves low-precision bytes; per triple, what its layout's
-    ``unshard_pieces`` takes."""
-    pieces = [layout.pieces(shard if shard.dtype == dtype else shard.to(dtype))
-              for layout, shard, dtype in shards]
-    gathered = collectives.all_gather([p for ps in pieces for p in ps], coalesce, chained)
-    out, at = [], 0
-    for ps in pieces:
-        out.append(gathered[at:at + len(ps)])
-        at += len(ps)
-    return out
+                  coalesce: bool, chained: bool = False) -> List[torch.Tensor]:
+    """All-gathers the ``pieces`` of (layout, shard, compute dtype) triples, cast to the
+    compute dtype first so that low-precision compute moves low-precision bytes: what
+    ``layout.unshard_all`` takes."""
+    return collectives.all_gather(
+        [p for layout, shard, dtype in shards
+         for p in layout.pieces(shard if shard.dtype == dtype else shard.to(dtype))],
+        coalesce, chained)
 
 
 def padded_gradient(layout: Layout, grads: Sequence[Optional[torch.Tensor]], dtype: torch.dtype,

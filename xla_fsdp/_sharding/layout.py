@@ -96,11 +96,26 @@ class _WholeShard:
         size = self.shard_shape[0]
         return rank * size, (rank + 1) * size
 
+    piece_count = 1
+
     def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
         return [shard]
 
     def unshard_pieces(self, gathered: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         return self.unshard(gathered[0])
+
+
+def unshard_all(layouts: Sequence["Layout"], gathered: Sequence[torch.Tensor]
+                ) -> List[torch.Tensor]:
+    """Every layout's full tensors, in order, from the all-gathers of all their ``pieces``
+    in order: the one way a unit's gathered shards become its parameters' full values,
+    eagerly and in a traced graph."""
+    out: List[torch.Tensor] = []
+    at = 0
+    for layout in layouts:
+        out += layout.unshard_pieces(gathered[at:at + layout.piece_count])
+        at += layout.piece_count
+    return out
 
 
 def compute_cached(layout: "Layout") -> None:
@@ -209,6 +224,10 @@ class InterleavedLayout(_Tensors):
         as one tensor of ``numel`` elements."""
         return torch.cat([p[rank * n:(rank + 1) * n]
                           for p, n in zip(self._padded(tensors), self.piece_numels)])
+
+    @property
+    def piece_count(self) -> int:
+        return len(self.shapes)
 
     def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
         """What to all-gather: this rank's piece of each parameter."""
@@ -374,6 +393,10 @@ class Layout(Protocol):
     def pad(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         """The group as one tensor whose ``world_size`` equal blocks along dim 0 are the
         ranks' shards (what reduce-scatter consumes)."""
+
+    @property
+    def piece_count(self) -> int:
+        """How many tensors ``pieces`` cuts a shard into."""
 
     def pieces(self, shard: torch.Tensor) -> List[torch.Tensor]:
         """What to all-gather of a rank's shard."""

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
+from .._sharding.layout import unshard_all
 from .._xla.traced_collectives import traced_gather
 from .options import FsdpOptions
 from .shard_group import ShardGroup
@@ -76,20 +77,11 @@ def full_values(shard_groups: Sequence[ShardGroup], world: int, options: FsdpOpt
 def _gather_all(specs: list, world: int, fp32_reduce: bool, divide: tuple,
                 x: Optional[torch.Tensor], *shards: torch.Tensor
                 ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
-    pieces, dtypes, counts = [], [], []
-    for (layout, dtype), shard in zip(specs, shards):
-        own = layout.pieces(shard)
-        pieces += own
-        dtypes += [dtype] * len(own)
-        counts.append(len(own))
+    pieces = [p for (layout, _), shard in zip(specs, shards) for p in layout.pieces(shard)]
+    dtypes = [d for layout, d in specs for _ in range(layout.piece_count)]
     reduce_dtypes = [torch.float32 if fp32_reduce else d for d in dtypes]
     x, gathered = traced_gather(pieces, x, world, dtypes, reduce_dtypes, divide)
-    values: List[torch.Tensor] = []
-    at = 0
-    for (layout, _), n in zip(specs, counts):
-        values += layout.unshard_pieces(gathered[at:at + n])
-        at += n
-    return x, values
+    return x, unshard_all([layout for layout, _ in specs], gathered)
 
 
 def _recompute_all(_ctx: object, _op: object, *_args: object, **_kwargs: object) -> object:

@@ -43,7 +43,7 @@ import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
                                      padded_gradient, scatter_gradients)
-from .._sharding.layout import compute_cached
+from .._sharding.layout import compute_cached, unshard_all
 from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
 from .param_record import ParamRecord
@@ -65,7 +65,7 @@ class UnitParams:
         self.options = options
         self.device = device
         self.state = FullParams.SHARDED
-        self._gathered: Optional[List[List[torch.Tensor]]] = None
+        self._gathered: Optional[List[torch.Tensor]] = None
         self._gathered_generation: Tuple[tuple, ...] = ()
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
         self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
@@ -130,14 +130,11 @@ class UnitParams:
         gathered, self._gathered = self._gathered, None
         if gathered is not None:
             if barrier:
-                optimization_barrier([t for ts in gathered for t in ts] + deps)
+                optimization_barrier(gathered + deps)
             if run_now:
-                run_pending([t for ts in gathered for t in ts])
-            records, values = [], []
-            for g, full in zip(self.shard_groups, gathered):
-                records += g.records
-                values += g.layout.unshard_pieces(full)
-            ParamRecord.install(records, values)
+                run_pending(gathered)
+            ParamRecord.install([r for g in self.shard_groups for r in g.records],
+                                unshard_all([g.layout for g in self.shard_groups], gathered))
         self.state = FullParams.UNSHARDED
 
     @torch.no_grad()

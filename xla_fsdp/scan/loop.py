@@ -43,6 +43,7 @@ import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, padded_gradient,
                                      scatter_gradients)
+from .._sharding.layout import unshard_all
 from .._unit.options import FsdpOptions
 from .._unit.shard_group import ShardGroup
 from .._xla.private_api import fresh_collective_token, scan_flat
@@ -150,8 +151,7 @@ class ScanLoop:
                                  [(g.layout.layer, s, g.compute_dtype)
                                   for g, s in zip(self.shard_groups, shards)],
                                  self.options.coalesce_all_gather_ops)
-        return [t for g, full in zip(self.shard_groups, gathered)
-                for t in g.layout.layer.unshard_pieces(full)]
+        return unshard_all([g.layout.layer for g in self.shard_groups], gathered)
 
     def _layer_inputs(self, hidden: Optional[torch.Tensor], params: Sequence[torch.Tensor],
                       buffers: Sequence[torch.Tensor]) -> List[Any]:

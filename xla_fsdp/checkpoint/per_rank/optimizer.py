@@ -130,7 +130,7 @@ class NamedState:
     (consolidated files, a DCP directory, the per-rank files' source) takes its form of."""
     state: Dict[str, Dict[str, Any]]   # parameter name -> its state (``saved_state``)
     shard: Dict[str, str]              # parameter name -> the shard its state is saved with
-    groups: List[Tuple[Dict[str, Any], List[str]]]  # each saved param group, its parameters
+    param_groups: List[Tuple[Dict[str, Any], List[str]]]  # each as saved, its parameters
 
     def in_read_order(self) -> Iterator[Tuple[str, str, Any]]:
         """(parameter name, state name, value), the parameters that share a shard one state
@@ -147,7 +147,7 @@ class NamedState:
         """In ``get_state_dict``'s form: state and each param group's ``params`` by name."""
         return {"state": self.state, "param_groups": [
             dict({k: v for k, v in g.items() if k not in GROUP_MEMBERS}, params=names)
-            for g, names in self.groups]}
+            for g, names in self.param_groups]}
 
 
 def named_state(shards: ShardSet, plan: ModelPlan) -> NamedState:
@@ -160,7 +160,7 @@ def named_state(shards: ShardSet, plan: ModelPlan) -> NamedState:
             if index in saved:
                 out.state[param.name] = saved_state(shards, spec, param, index)
                 out.shard[param.name] = spec.key
-        out.groups.append((param_group, [p.name for p, _, _ in members]))
+        out.param_groups.append((param_group, [p.name for p, _, _ in members]))
     return out
 
 
@@ -169,14 +169,14 @@ def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
     """The optimizer state dict an optimizer over the unwrapped model's parameters would
     have, and its parameter names by index. Tensors go through ``add`` as they are read."""
     named = named_state(shards, plan)
-    names = [n for _, params in named.groups for n in params]
+    names = [n for _, params in named.param_groups for n in params]
     index = {n: i for i, n in enumerate(names)}
     state: Dict[int, Dict[str, Any]] = {index[p]: {} for p in named.state}
     for param, name, value in named.in_read_order():
         state[index[param]][name] = (
             add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
     param_groups = []
-    for param_group, params in named.groups:
+    for param_group, params in named.param_groups:
         new_param_group = dict(param_group, params=[index[n] for n in params])
         if "param_names" in param_group:
             new_param_group["param_names"] = list(params)

@@ -67,7 +67,7 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callab
         else:
             key, paths[key] = key_path
             objects[key] = value
-    for i, (param_group, params) in enumerate(named.groups):
+    for i, (param_group, params) in enumerate(named.param_groups):
         settings = {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
         for key, path, value in scheme.param_group(i, params, settings):
             paths[key], objects[key] = path, value
