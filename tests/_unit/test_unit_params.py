@@ -43,13 +43,14 @@ def loss(out):
     return out.float().pow(2).sum()
 
 
-def wire(params, hold=False):
+def wire(params, log=None):
     """What the unit's placeholder hooks do (``UnitState._post_accumulate``); returns the
-    log of ``post_backward``'s answers."""
+    log of ``post_backward``'s answers, each with ``log()`` after it when given."""
     answers = []
 
     def arrived(shard_group, index):
-        answers.append(params.post_backward(shard_group, index, hold))
+        answer = params.post_backward(shard_group, index)
+        answers.append(answer if log is None else (answer, log()))
 
     for g in params.shard_groups:
         for i, r in enumerate(g.records):
@@ -294,23 +295,27 @@ def test_reduce_scatters_are_bucketed_by_size():
         grads = _give_gradients(params)
         for g in params.shard_groups:  # in shard group order, whatever autograd's order
             for i in range(len(g.records)):
-                params.post_backward(g, i, hold=False)
+                params.post_backward(g, i)
         params.finalize_backward(took_part=True)
         assert [len(call) for call in fake.reductions] == calls
         for g in params.shard_groups:
             assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
 
 
-def test_held_reductions_wait_for_run_reductions():
+def test_an_immediate_pass_holds_its_reductions_until_the_units_last_then_issues_them():
+    """Between compiled regions (see [Note: FSDP's hooks under torch.compile]) a unit's
+    reduce-scatters wait for its last shard group, then go out together, whatever the
+    bucket size (0 here: one call per shard group otherwise)."""
     world = FakeWorld(model(), reduce_scatter_bucket_size_mb=0)
     params, fake = world.params[0], world.collectives[0]
-    answers = wire(params, hold=True)
+    params.immediate = True
+    answers = wire(params, log=lambda: [len(call) for call in fake.reductions])
     x = data(1)
     run_pass(world, 0, x, finalize=False)
-    assert answers[-1] and fake.reductions == []  # all complete, none issued
-    assert every(g.shard.grad is None for g in params.shard_groups)
-    params.run_reductions()
-    assert [len(call) for call in fake.reductions] == [len(params.shard_groups)]
+    n = len(params.shard_groups)
+    assert len(answers) == sum(len(g.records) for g in params.shard_groups) > 1
+    assert answers[:-1] == [(False, [])] * (len(answers) - 1)   # none issued before the last
+    assert answers[-1] == (True, [n])                          # then all, as one call
     params.finalize_backward(took_part=True)
     assert len(fake.reductions) == 1  # nothing left to reduce
     grads = reference_grads(world, [x])
@@ -436,9 +441,9 @@ def test_a_shard_group_is_reduced_once_every_trainable_record_has_its_gradient()
     (g,) = params.shard_groups
     params.unshard([], barrier=False)
     _give_gradients(params)
-    assert [params.post_backward(g, i, hold=False) for i in (2, 0, 0, 3)] == [False] * 4
+    assert [params.post_backward(g, i) for i in (2, 0, 0, 3)] == [False] * 4
     assert fake.reductions == []
-    assert params.post_backward(g, 1, hold=False)  # complete: reduced, the unit's last
+    assert params.post_backward(g, 1)  # complete: reduced, the unit's last
     assert len(fake.reductions) == 1
     params.finalize_backward(took_part=True)
     assert len(fake.reductions) == 1               # nothing arrived since
@@ -446,8 +451,8 @@ def test_a_shard_group_is_reduced_once_every_trainable_record_has_its_gradient()
     g.records[1].agree_requires_grad(False)        # frozen since: no gradient to wait for
     params.unshard([], barrier=False)
     _give_gradients(params)
-    assert [params.post_backward(g, i, hold=False) for i in (0, 2)] == [False, False]
-    assert params.post_backward(g, 3, hold=False) and len(fake.reductions) == 2
+    assert [params.post_backward(g, i) for i in (0, 2)] == [False, False]
+    assert params.post_backward(g, 3) and len(fake.reductions) == 2
 
 
 def test_a_gradient_arriving_after_its_shard_groups_reduction_is_reduced_at_the_end():
@@ -458,9 +463,9 @@ def test_a_gradient_arriving_after_its_shard_groups_reduction_is_reduced_at_the_
     params.unshard([], barrier=False)
     _give_gradients(params)
     for i in range(4):
-        params.post_backward(g, i, hold=False)
+        params.post_backward(g, i)
     g.records[0].placeholder.grad = torch.ones_like(g.records[0].placeholder)  # used again
-    assert not params.post_backward(g, 0, hold=False) and len(fake.reductions) == 1
+    assert not params.post_backward(g, 0) and len(fake.reductions) == 1
     params.finalize_backward(took_part=True)
     assert len(fake.reductions) == 2
     params.finalize_backward(took_part=True)       # the next backward starts afresh
@@ -508,7 +513,9 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
     a.unshard([], barrier=False, prefetch=[b])
     _give_gradients(a)
     first = a.shard_groups[0]
-    a.post_backward(first, 0, hold=True)   # complete: queued, held
+    a.immediate = True
+    a.post_backward(first, 0)   # complete: queued, held
+    a.immediate = False
     # ... the backward raised here: the other shard groups have gradients, unreduced
     a.abandon()
     b.abandon()

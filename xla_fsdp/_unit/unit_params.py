@@ -82,6 +82,9 @@ class UnitParams:
         self._backward_barrier: List[torch.Tensor] = []
         self._replica_groups = options.replica_groups
         self.traced_blocker = blocker(options)  # see [Note: collectives traced into the compiled graph]
+        # the last pass ran between compiled regions: its work executes where it is issued
+        # (see [Note: FSDP's hooks under torch.compile])
+        self.immediate = False
 
     def add(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.shard_groups.extend(shard_groups)
@@ -91,11 +94,17 @@ class UnitParams:
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()
     def unshard(self, deps: Sequence[torch.Tensor], barrier: bool,
-                prefetch: Sequence["UnitParams"] = (), run_now: bool = False) -> bool:
+                prefetch: Sequence["UnitParams"] = ()) -> bool:
         """Makes the full parameters current, and issues the all-gathers of the ``prefetch``
-        units now, behind the same barrier, so that the compiler may run them during this
-        unit's compute. ``run_now`` executes the gather at once (see [Note: FSDP's hooks under
-        torch.compile]). Returns whether ``deps`` went into a barrier."""
+        units now, behind the same barrier as ``deps`` (the unit's inputs), so that the
+        compiler may run them during this unit's compute. In an ``immediate`` pass the
+        inputs and the gather execute now, and nothing is prefetched. Returns whether
+        ``deps`` went into a barrier."""
+        if self.immediate:
+            run_pending(deps)
+            deps, prefetch = [], ()
+        elif not barrier:
+            deps = []
         issue = [u for u in (self, *prefetch) if u._needs_gather()]
         if issue and barrier:
             optimization_barrier([g.local() for u in issue for g in u.shard_groups] + list(deps))
@@ -103,7 +112,7 @@ class UnitParams:
             unit._issue_gather()
         installing = self.state is not FullParams.UNSHARDED
         if installing:
-            self._install(list(deps) if self not in issue else [], barrier, run_now)
+            self._install(list(deps) if self not in issue else [], barrier)
         return bool(issue) or installing
 
     def _needs_gather(self) -> bool:
@@ -126,12 +135,12 @@ class UnitParams:
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
 
-    def _install(self, deps: List[torch.Tensor], barrier: bool, run_now: bool) -> None:
+    def _install(self, deps: List[torch.Tensor], barrier: bool) -> None:
         gathered, self._gathered = self._gathered, None
         if gathered is not None:
             if barrier:
                 optimization_barrier(gathered + deps)
-            if run_now:
+            if self.immediate:
                 run_pending(gathered)
             ParamRecord.install([r for g in self.shard_groups for r in g.records],
                                 unshard_all([g.layout for g in self.shard_groups], gathered))
@@ -213,19 +222,22 @@ class UnitParams:
         return self.reshard_after_backward and not keep_for_no_sync
 
     # -- gradients ----------------------------------------------------------------------------
-    def post_backward(self, shard_group: ShardGroup, index: int, hold: bool) -> bool:
+    def post_backward(self, shard_group: ShardGroup, index: int) -> bool:
         """Record ``index`` of ``shard_group`` has its gradient: a shard group whose trainable
         records all have theirs is reduced now (unless missing gradients are zero-filled at
-        the end of backward: see [Note: parameters without a gradient]). ``hold`` keeps
-        its reduce-scatter for ``run_reductions``. Returns whether every trainable shard
-        group of the unit is reduced."""
+        the end of backward: see [Note: parameters without a gradient]). In an ``immediate``
+        pass the reduce-scatters are held until every trainable shard group of the unit is
+        reduced, then executed together. Returns whether every one is."""
         arrived = self._arrived.setdefault(shard_group, set())
         arrived.add(index)
-        if arrived.issuperset(shard_group.trainable_records()) \
-                and not self.options.zero_missing_gradients:
-            self._reduce(shard_group, hold)
-            return all(g in self._reduced for g in self.shard_groups if g.shard.requires_grad)
-        return False
+        if not arrived.issuperset(shard_group.trainable_records()) \
+                or self.options.zero_missing_gradients:
+            return False
+        self._reduce(shard_group, hold=self.immediate)
+        last = all(g in self._reduced for g in self.shard_groups if g.shard.requires_grad)
+        if last and self.immediate:
+            self.run_reductions()
+        return last
 
     def _needs_reduction(self, shard_group: ShardGroup, zero_fill: bool) -> bool:
         """At the end of backward: whether a gradient arrived that was not reduced yet, or,

@@ -35,7 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from .._sharding.collectives import optimization_barrier
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
-from .._xla.private_api import in_backward, run_at_trace, run_pending
+from .._xla.private_api import in_backward, run_at_trace
 from . import low_precision_attention as attention_scope
 from .options import FsdpOptions
 from .param_record import ParamRecord
@@ -84,7 +84,6 @@ class UnitState:
         self.backward_prefetch: List["UnitState"] = []
         self.detached = detached           # a grouping unit no unit was built around yet
         self._forward_id = -1              # the root forward this unit's members ran in
-        self._compiled = False             # its last forward ran inside torch.compile
         self.compile_refusal = compile_refusal  # why the unit cannot run compiled, if it cannot
         self._first_forward_check = first_forward_check  # as a root, before its first forward
         self._members_run: set = set()
@@ -251,7 +250,7 @@ class UnitState:
             self._members_run.clear()
         self._members_run.add(id(member))
         if not recompute:  # a recompute runs inside this unit's backward: keep its state
-            self._compiled = compiled
+            self.params.immediate = compiled
             self._sync_trainable()
             self.params.drop_abandoned()
             self.training_state = TrainingState.FORWARD
@@ -259,13 +258,10 @@ class UnitState:
             args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
         self._enter_attention_scope(member)
         inputs = collect_tensors((args, kwargs))
-        barrier = self.options.optimization_barrier_in_forward
-        if compiled:
-            run_pending(inputs)
-            inputs = []
-        prefetch = [] if recompute or compiled else [s.params for s in self.forward_prefetch]
-        self.params.unshard(inputs if barrier else [], barrier, prefetch, run_now=compiled)
-        if self.options.optimization_barrier_in_backward and torch.is_grad_enabled():
+        prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
+        self.params.unshard(inputs, self.options.optimization_barrier_in_forward, prefetch)
+        if self.options.optimization_barrier_in_backward and torch.is_grad_enabled() \
+                and not compiled:
             for t in inputs:
                 if t.requires_grad:
                     self._hook(t, self._input_grad_barrier)
@@ -285,6 +281,8 @@ class UnitState:
                 self._keep_for_hidden_outputs()
             else:
                 barrier = self.options.optimization_barrier_in_forward
+                # not on a compiled region's outputs (see [Note: FSDP's hooks under
+                # torch.compile])
                 deps = collect_tensors(outputs) if barrier and not compiled else []
                 self.params.reshard(self.params.shard_groups, deps, barrier)
         if last:
@@ -374,16 +372,17 @@ class UnitState:
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
         context = self.context
         context.queue_final_callback()
-        compiled = self._compiled
-        barrier = self.options.optimization_barrier_in_backward and not compiled
+        immediate = self.params.immediate
+        # a barrier on the gradient, a compiled region's output, would replace a tensor the
+        # bridge still holds (see [Note: FSDP's hooks under torch.compile])
+        barrier = self.options.optimization_barrier_in_backward and not immediate
         if barrier:
             context.backward_barrier.append(grad)
-        prefetch = [] if compiled else [s.params for s in self.backward_prefetch]
-        if compiled:  # the reductions held so far, before this unit's compiled backward
+        if immediate:  # the reductions held so far, before this unit's compiled backward
             for state in context.states:
                 state.params.run_reductions()
         if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,
-                               prefetch, run_now=compiled):
+                               [s.params for s in self.backward_prefetch]):
             context.backward_barrier.clear()
         if self.training_state in (TrainingState.IDLE, TrainingState.FORWARD):
             self.training_state = TrainingState.BACKWARD_PRE
@@ -411,9 +410,7 @@ class UnitState:
         with torch.no_grad():
             self.training_state = TrainingState.BACKWARD_POST
             self._took_part = True
-            if self.params.post_backward(shard_group, index, hold=self._compiled) \
-                    and self._compiled:
-                self.params.run_reductions()  # the unit's last: all of them, as one execution
+            self.params.post_backward(shard_group, index)
 
     def finish_backward(self) -> None:
         """The end of a backward, for every unit of the model (from the root context)."""
