@@ -31,6 +31,7 @@ from ._unit.module_view import ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
 from ._unit.training_state import TrainingState
+from ._unit.unit_state import UnitState
 from .unit_module import UnitModule
 from .wrap import recursive_wrap
 
@@ -188,6 +189,80 @@ class XlaFullyShardedDataParallel(UnitModule):
         E.g. to start a unit's gather before unrelated work of the step."""
         self.assert_state(TrainingState.IDLE)
         self.unit_state.params.unshard([], self.options.optimization_barrier_in_forward)
+
+    # -- the unit's schedule: torch_xla's attributes, FSDP2's setters --------------------------
+    # A ScannedLayers stack schedules its own layers (one gathered at a time inside its scan,
+    # see ``scan.loop``): these controls are this class's, and recursion skips a stack.
+    @property
+    def reshard_after_forward(self) -> bool:
+        return self.unit_state.params.reshard_after_forward
+
+    @reshard_after_forward.setter
+    def reshard_after_forward(self, value: bool) -> None:
+        self.unit_state.set_reshard_after_forward(value)
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        return self.unit_state.params.reshard_after_backward
+
+    def _scheduled(self, recurse: bool) -> List["XlaFullyShardedDataParallel"]:
+        return [u for u in self.units() if isinstance(u, XlaFullyShardedDataParallel)] \
+            if recurse else [self]
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Whether the unit frees its full parameters after its forward (and gathers them
+        again for backward). ``False`` saves one all-gather per unit and step and keeps the
+        full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
+        self.assert_state(TrainingState.IDLE)
+        for unit in self._scheduled(recurse):
+            unit.unit_state.set_reshard_after_forward(reshard_after_forward)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool,
+                                   recurse: bool = True) -> None:
+        """Whether the unit frees its full parameters after its backward. ``False`` keeps
+        them into the next forward, which then gathers nothing: for gradient accumulation,
+        with ``True`` again before the last micro-batch. Parameters an optimizer step (or a
+        load) has changed since they were gathered are gathered again, never reused."""
+        self.assert_state(TrainingState.IDLE)
+        for unit in self._scheduled(recurse):
+            unit.unit_state.params.set_reshard_after_backward(bool(reshard_after_backward))
+
+    def set_modules_to_forward_prefetch(
+            self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
+        """Units whose all-gathers are issued when this unit's forward starts, usually the
+        unit(s) that run next. The compiler may then overlap them with this unit's compute
+        instead of running them after it; the cost is holding their full parameters for
+        longer. Without it, a unit's gather is tied to its inputs, i.e. to the previous
+        unit's output."""
+        self.unit_state.set_prefetch(forward=self._prefetch_targets(modules, "forward"))
+
+    def set_modules_to_backward_prefetch(
+            self, modules: Sequence["XlaFullyShardedDataParallel"]) -> None:
+        """Units whose all-gathers are issued when this unit's backward starts, usually the
+        unit(s) whose backward runs next (the ones before it in forward order)."""
+        self.unit_state.set_prefetch(backward=self._prefetch_targets(modules, "backward"))
+
+    def _prefetch_targets(self, modules: Sequence[Any], which: str) -> List[UnitState]:
+        modules = list(modules)
+        for m in modules:
+            if isinstance(m, UnitModule) and not isinstance(m, XlaFullyShardedDataParallel):
+                raise TypeError(f"set_modules_to_{which}_prefetch: {type(m).__name__} gathers "
+                                f"one layer at a time inside its scan, never as a whole; "
+                                f"give it prefetch_next_layer=True to gather each layer "
+                                f"beside the previous one's compute")
+            if not isinstance(m, UnitModule):
+                raise TypeError(f"set_modules_to_{which}_prefetch takes FSDP units; got "
+                                f"{type(m).__name__}, which is not wrapped in FSDP")
+            if m is self:
+                raise ValueError(f"set_modules_to_{which}_prefetch: a unit cannot prefetch "
+                                 f"itself ({type(self.wrapped_module).__name__})")
+        return [m.unit_state for m in modules]
+
+    def reshard(self) -> None:
+        """Frees this unit's full parameters (and any gather issued for it)."""
+        self.assert_state(TrainingState.IDLE)
+        params = self.unit_state.params
+        params.reshard(params.shard_groups, [], self.options.optimization_barrier_in_forward)
 
     # -- sharding at construction ------------------------------------------------------------
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str

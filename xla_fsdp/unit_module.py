@@ -176,18 +176,6 @@ class UnitModule(FallThrough):
         return self._state.params.state is FullParams.UNSHARDED
 
     @property
-    def reshard_after_forward(self) -> bool:
-        return self._state.params.reshard_after_forward
-
-    @reshard_after_forward.setter
-    def reshard_after_forward(self, value: bool) -> None:
-        self._state.set_reshard_after_forward(value)
-
-    @property
-    def reshard_after_backward(self) -> bool:
-        return self._state.params.reshard_after_backward
-
-    @property
     def gradient_predivide_factor(self) -> float:
         return self._state.params.divide[0]
 
@@ -207,7 +195,7 @@ class UnitModule(FallThrough):
                   and g.layout.pad_rows for n in g.names]
         text = (f"world_size={self.world_size}, rank={self.rank}, "
                 f"compute_dtype={self.compute_dtype}, flatten_parameters="
-                f"{self.flatten_parameters}, reshard_after_forward={self.reshard_after_forward}, "
+                f"{self.flatten_parameters}, reshard_after_forward={self._state.params.reshard_after_forward}, "
                 f"sharding_groups={self.sharding_groups}")
         if padded:
             text += f", dim0_padded={padded}"
@@ -230,57 +218,6 @@ class UnitModule(FallThrough):
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
             unit._state.params.set_divide(float(pre), float(post))
-
-    # -- explicit control (FSDP2's names) ---------------------------------------------------
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Whether the unit frees its full parameters after its forward (and gathers them
-        again for backward). ``False`` saves one all-gather per unit and step and keeps the
-        full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
-        self.assert_state(TrainingState.IDLE)
-        for unit in (self.units() if recurse else [self]):
-            unit._state.set_reshard_after_forward(reshard_after_forward)
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool,
-                                   recurse: bool = True) -> None:
-        """Whether the unit frees its full parameters after its backward. ``False`` keeps
-        them into the next forward, which then gathers nothing: for gradient accumulation,
-        with ``True`` again before the last micro-batch. Parameters an optimizer step (or a
-        load) has changed since they were gathered are gathered again, never reused."""
-        self.assert_state(TrainingState.IDLE)
-        for unit in (self.units() if recurse else [self]):
-            unit._state.params.set_reshard_after_backward(bool(reshard_after_backward))
-
-    def set_modules_to_forward_prefetch(
-            self, modules: Sequence["UnitModule"]) -> None:
-        """Units whose all-gathers are issued when this unit's forward starts, usually the
-        unit(s) that run next. The compiler may then overlap them with this unit's compute
-        instead of running them after it; the cost is holding their full parameters for
-        longer. Without it, a unit's gather is tied to its inputs, i.e. to the previous
-        unit's output."""
-        self._state.set_prefetch(forward=self._prefetch_targets(modules, "forward"))
-
-    def set_modules_to_backward_prefetch(
-            self, modules: Sequence["UnitModule"]) -> None:
-        """Units whose all-gathers are issued when this unit's backward starts, usually the
-        unit(s) whose backward runs next (the ones before it in forward order)."""
-        self._state.set_prefetch(backward=self._prefetch_targets(modules, "backward"))
-
-    def _prefetch_targets(self, modules: Sequence[Any], which: str) -> List[UnitState]:
-        modules = list(modules)
-        for m in modules:
-            if not isinstance(m, UnitModule):
-                raise TypeError(f"set_modules_to_{which}_prefetch takes FSDP units; got "
-                                f"{type(m).__name__}, which is not wrapped in FSDP")
-            if m is self:
-                raise ValueError(f"set_modules_to_{which}_prefetch: a unit cannot prefetch "
-                                 f"itself ({type(self.wrapped_module).__name__})")
-        return [m._state for m in modules]
-
-    def reshard(self) -> None:
-        """Frees this unit's full parameters (and any gather issued for it)."""
-        self.assert_state(TrainingState.IDLE)
-        params = self._state.params
-        params.reshard(params.shard_groups, [], self._options.optimization_barrier_in_forward)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

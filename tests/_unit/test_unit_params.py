@@ -308,7 +308,7 @@ def test_an_immediate_pass_holds_its_reductions_until_the_units_last_then_issues
     bucket size (0 here: one call per shard group otherwise)."""
     world = FakeWorld(model(), reduce_scatter_bucket_size_mb=0)
     params, fake = world.params[0], world.collectives[0]
-    params.immediate = True
+    params.set_immediate(True)
     answers = wire(params, log=lambda: [len(call) for call in fake.reductions])
     x = data(1)
     run_pass(world, 0, x, finalize=False)
@@ -513,9 +513,9 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
     a.unshard([], barrier=False, prefetch=[b])
     _give_gradients(a)
     first = a.shard_groups[0]
-    a.immediate = True
+    a.set_immediate(True)
     a.post_backward(first, 0)   # complete: queued, held
-    a.immediate = False
+    a.set_immediate(False)
     # ... the backward raised here: the other shard groups have gradients, unreduced
     a.abandon()
     b.abandon()

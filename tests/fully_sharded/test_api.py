@@ -184,6 +184,19 @@ def _unit_kinds(out, stack):
                          len(stack.wrapped_module._forward_hooks),
                          [type(u).__name__ for u in root.units()],
                          hasattr(stack, "unshard"), stack.world_size == root.world_size)
+    # the schedule's controls are the wrapper's: a stack gathers one layer at a time in its
+    # scan, so it has none, recursion from the root passes it by, and it cannot be prefetched
+    out["stack_controls"] = [name for name in (
+        "set_reshard_after_forward", "set_reshard_after_backward", "reshard",
+        "set_modules_to_forward_prefetch", "reshard_after_forward") if hasattr(stack, name)]
+    root.set_reshard_after_forward(False)
+    root.set_reshard_after_backward(False)
+    out["root_schedule"] = (root.reshard_after_forward, root.reshard_after_backward)
+    try:
+        root.set_modules_to_forward_prefetch([stack])
+        out["prefetch_stack"] = "no error"
+    except TypeError as exc:
+        out["prefetch_stack"] = str(exc)
 
 
 def checks(rank):
@@ -230,6 +243,9 @@ def test_wrapper_api():
     assert out["has_full_param_kept"] == [True, True]
     assert out["unit_kinds"] == (True, False, 0, 0,
                                  ["XlaFullyShardedDataParallel", "ScannedLayers"], False, True)
+    assert out["stack_controls"] == [] and out["root_schedule"] == (False, False)
+    assert out["prefetch_stack"].startswith("set_modules_to_forward_prefetch: ScannedLayers "
+                                            "gathers one layer at a time"), out["prefetch_stack"]
     assert out["fall_through"] == ("s", "s", True, True, "full", True, [
         "'Net' object has no attribute 'absent'", "'Net' object has no attribute 'absent'",
         "'Block' object has no attribute 'absent'"])

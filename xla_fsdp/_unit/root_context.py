@@ -68,7 +68,12 @@ class RootContext:
         """The states of every unit below the root, in module order."""
         self.states = [self.root] + [s for s in others if s is not self.root]
 
-    def begin_forward(self, first_time: Callable[[], None]) -> None:
+    def begin_forward(self, first_time: Callable[[], None], compiled: bool) -> None:
+        """A root forward starts (``compiled``: between compiled regions, which a unit that
+        cannot run compiled refuses, by name)."""
+        for state in self.states if compiled else ():
+            if state.compile_refusal:
+                raise RuntimeError(state.compile_refusal)
         if not self._initialized:
             first_time()
             self._initialized = True

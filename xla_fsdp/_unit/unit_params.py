@@ -208,6 +208,9 @@ class UnitParams:
     def set_sync_gradients(self, value: bool) -> None:
         self.sync_gradients = value
 
+    def set_immediate(self, value: bool) -> None:
+        self.immediate = value
+
     def set_divide(self, pre: float, post: float) -> None:
         self.divide = (pre, post)
 

@@ -203,7 +203,7 @@ class UnitState:
             ParamRecord.take_back(self._records())
             attention_scope.leave((id(self), id(member)))
             return outputs
-        return self._post_eager(member, outputs, on_compiled or torch.compiler.is_compiling())
+        return self._post_eager(member, outputs)
 
     def traceable(self) -> bool:
         return not self.detached and self.compile_refusal is None and self.params.traceable()
@@ -241,16 +241,14 @@ class UnitState:
         context = self.context
         if self is context.root and not recompute:
             context.settle()
-            if compiled:
-                self._refuse_compiled_units()
-            context.begin_forward(self._first_root_forward)
+            context.begin_forward(self._first_root_forward, compiled)
             pin_parameter_order(self.params.device)
         if self._forward_id != context.forward_id or id(member) in self._members_run:
             self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
             self._members_run.clear()
         self._members_run.add(id(member))
         if not recompute:  # a recompute runs inside this unit's backward: keep its state
-            self.params.immediate = compiled
+            self.params.set_immediate(compiled)
             self._sync_trainable()
             self.params.drop_abandoned()
             self.training_state = TrainingState.FORWARD
@@ -261,13 +259,13 @@ class UnitState:
         prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
         self.params.unshard(inputs, self.options.optimization_barrier_in_forward, prefetch)
         if self.options.optimization_barrier_in_backward and torch.is_grad_enabled() \
-                and not compiled:
+                and not self.params.immediate:
             for t in inputs:
                 if t.requires_grad:
                     self._hook(t, self._input_grad_barrier)
         return args, kwargs
 
-    def post_forward(self, member: nn.Module, outputs: Any, compiled: bool) -> Any:
+    def post_forward(self, member: nn.Module, outputs: Any) -> Any:
         attention_scope.leave((id(self), id(member)))
         if _in_checkpoint_recompute():
             # the recomputed activations' backward comes next and reads the full
@@ -283,7 +281,7 @@ class UnitState:
                 barrier = self.options.optimization_barrier_in_forward
                 # not on a compiled region's outputs (see [Note: FSDP's hooks under
                 # torch.compile])
-                deps = collect_tensors(outputs) if barrier and not compiled else []
+                deps = collect_tensors(outputs) if barrier and not self.params.immediate else []
                 self.params.reshard(self.params.shard_groups, deps, barrier)
         if last:
             self.training_state = TrainingState.IDLE
@@ -305,11 +303,6 @@ class UnitState:
             count = sum(len(s.params.shard_groups) for s in self.context.states)
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
-
-    def _refuse_compiled_units(self) -> None:
-        for state in self.context.states:
-            if state.compile_refusal:
-                raise RuntimeError(state.compile_refusal)
 
     def _sync_trainable(self) -> None:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
