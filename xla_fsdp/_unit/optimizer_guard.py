@@ -22,7 +22,7 @@ step's loss 4.5e-4 off with row-block shards, 1.7e-3 with flat ones). They are r
 their first step over a shard that is not a whole parameter, before any update.
 ``allow_per_shard_statistics(optimizer)`` accepts the difference for one optimizer; its
 state that is not shaped like its shard then differs between ranks, and checkpoints that
-merge ranks refuse it (``checkpoint.metadata.state_is_sharded``).
+merge ranks refuse it (``checkpoint.optimizer_state.state_is_sharded``).
 """
 from __future__ import annotations
 

@@ -44,9 +44,9 @@ from .coordination import agree, agree_or_undo, exchange
 from .staging import (commit_on_every_rank, load_module_state, load_optimizer_state, load_staged,
                       put_in_place)
 from .files import CheckpointError, CheckpointFile, StagedFile
-from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA,
-                       RANK_FILES, RankRecord, optimizer_shard_keys,
-                       sharded_checkpoint_path, wrapping_fingerprint)
+from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RANK_FILES,
+                       RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
+from .optimizer_state import optimizer_shard_keys
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
                             writes_sharding_group_copy)
 

@@ -29,8 +29,8 @@ from .coordination import agree, agree_or_undo
 from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
                                 ParamSlot, extra_key, param_slots, slots_by_shard)
 from .files import CheckpointError
-from .metadata import (GROUP_MEMBERS, persistent_buffers, refuse_foreign_params,
-                       state_is_sharded)
+from .metadata import persistent_buffers
+from .optimizer_state import GROUP_MEMBERS, refuse_foreign_params, state_is_sharded
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]

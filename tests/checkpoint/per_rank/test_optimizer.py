@@ -1,13 +1,13 @@
 """Which shard each saved optimizer index holds, the one rule for what optimizer state is
-sharded like its tensor (``metadata.state_is_sharded``), the one walk that applies it to a
-live optimizer or a saved state dict (``metadata.walk_state``), and the one walk of per-rank
+sharded like its tensor (``optimizer_state.state_is_sharded``), the one walk that applies it to a
+live optimizer or a saved state dict (``optimizer_state.walk_state``), and the one walk of per-rank
 files' state by parameter name that every output of them takes (``named_state``). No XLA."""
 import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
-from xla_fsdp.checkpoint.metadata import (MODEL, OPTIMIZER, live_state, state_is_sharded,
-                                          walk_state)
+from xla_fsdp.checkpoint.metadata import MODEL, OPTIMIZER
+from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, walk_state
 from xla_fsdp.checkpoint.per_rank.optimizer import (consolidate_optimizer, named_state,
                                                     optimizer_param_keys)
 from xla_fsdp.checkpoint.per_rank.plan import plan_model

@@ -24,7 +24,8 @@ from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
 from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
-                        walk_state, wrapping_fingerprint)
+                        wrapping_fingerprint)
+from ..optimizer_state import walk_state
 from ..per_rank.optimizer import optimizer_param_keys
 from ..sources.per_rank_files import shard_set_source
 from ..per_rank.plan import ModelPlan, ShardGroupSpec

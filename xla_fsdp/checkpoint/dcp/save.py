@@ -42,8 +42,8 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..metadata import (GROUP_MEMBERS, live_state, persistent_buffers, refuse_foreign_params,
-                        walk_state)
+from ..metadata import persistent_buffers
+from ..optimizer_state import GROUP_MEMBERS, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange

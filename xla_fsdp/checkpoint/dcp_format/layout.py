@@ -33,11 +33,10 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..._sharding.chunks import Chunk, run_chunks
-from ..metadata import unwrapped_name
+from ..metadata import EXTRA, MODEL, OPTIMIZER, unwrapped_name
 from ..._unit.shard_group import ShardGroup
 from ..unit_protocol import ShardedModel
 
-MODEL, OPTIMIZER, EXTRA = "model", "optimizer", "extra"
 Path = Tuple[object, ...]
 
 

@@ -32,9 +32,9 @@ from ..coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
-                        ShardMetadata, StateValue, live_state, optimizer_shard_keys,
-                        persistent_buffers, units_by_saved_path, walk_state,
+                        ShardMetadata, persistent_buffers, units_by_saved_path,
                         wrapping_fingerprint)
+from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
 from ..unit_protocol import ShardedModel
 from .shard_set import ShardSet
 

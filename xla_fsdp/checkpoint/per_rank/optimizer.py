@@ -1,6 +1,6 @@
 """Optimizer state: from per-rank shards to the unwrapped model's layout.
 
-State sharded like its shard (``metadata.walk_state``) is spread over the rank files as
+State sharded like its shard (``optimizer_state.walk_state``) is spread over the rank files as
 the parameter is (``plan.SpreadTensor``); anything else (``step``) is the same on every rank
 and is taken from rank 0 (``saved_state``). The sharded optimizer's parameter indices are
 resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state dict key is
@@ -15,7 +15,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import GROUP_MEMBERS, MODEL, OPTIMIZER, RankRecord, per_rank_state, walk_state
+from ..metadata import MODEL, OPTIMIZER, RankRecord
+from ..optimizer_state import GROUP_MEMBERS, per_rank_state, walk_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 

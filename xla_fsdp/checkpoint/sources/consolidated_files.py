@@ -15,7 +15,8 @@ from .dcp_files import DcpSource
 from ..dcp_format.metadata_file import METADATA_FILE
 from ..staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
-from ..metadata import HF_INDEX, HF_WEIGHTS
+from ..consolidated_format import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimizer_companion
+from ..metadata import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
 
@@ -74,7 +75,7 @@ def _safetensors(path: str, optimizer_file: bool) -> EntrySource:
     weights = SafetensorsFile(path)
     tensors, objects = model_entries(weights.tensors)
     closers = [weights.close]
-    companion = os.path.splitext(path)[0] + ".optimizer.pth"
+    companion = optimizer_companion(path)
     if optimizer_file and os.path.exists(companion):
         try:
             file = CheckpointFile(companion)
@@ -89,8 +90,8 @@ def _safetensors(path: str, optimizer_file: bool) -> EntrySource:
 def _torch_file(path: str) -> EntrySource:
     file = CheckpointFile(path)
     tree = file.tree
-    if isinstance(tree, dict) and isinstance(tree.get("model"), dict):
-        state = tree["model"]
+    if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
+        state = tree[MODEL]
     elif isinstance(tree, dict) and tree and all(is_tensor(v) for v in tree.values()):
         state = tree  # torch.save(model.state_dict())
     else:
@@ -106,10 +107,10 @@ def _add_optimizer(tree: Any, where: str, tensors: Dict[str, Any],
     """The optimizer state and ``extra`` a consolidated file holds, if any."""
     if not isinstance(tree, dict):
         return
-    if "optimizer" in tree:
-        more_tensors, more_objects = optimizer_entries(tree["optimizer"], where,
-                                                       tree.get("optimizer_param_names"))
+    if OPTIMIZER in tree:
+        more_tensors, more_objects = optimizer_entries(tree[OPTIMIZER], where,
+                                                       tree.get(OPTIMIZER_NAMES))
         tensors.update(more_tensors)
         objects.update(more_objects)
-    if "extra" in tree:
-        objects["extra"] = tree["extra"]
+    if EXTRA in tree:
+        objects[EXTRA] = tree[EXTRA]

@@ -3,13 +3,14 @@ read one tensor at a time from the shards, streamed to a ``.pth`` or ``.safetens
 verified by ``formats.verify_written``."""
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 
+from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
 from ..files import SafetensorsWriter, StagedFile, TorchFileWriter, atomic_path
 from ..files.reader import materialized
+from ..metadata import EXTRA, MODEL, OPTIMIZER
 from ..per_rank.optimizer import consolidate_optimizer
 from ..per_rank.plan import ModelPlan, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet
@@ -36,7 +37,7 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
     if fmt == "safetensors":
         specs = entry_specs(plan, shards)
         sources = dict(plan.aliases)
-        written = [path] + ([os.path.splitext(path)[0] + ".optimizer.pth"]
+        written = [path] + ([optimizer_companion(path)]
                             if with_optimizer else [])
         # the pair is replaced together: neither file goes in before the other is on disk
         staged = [StagedFile(p) for p in written]
@@ -56,7 +57,7 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
                 with staged[1].writing() as tmp:
                     writer = TorchFileWriter(tmp)
                     optimizer, names = consolidate_optimizer(shards, plan, writer.add)
-                    writer.finish(dict({"optimizer": optimizer, "optimizer_param_names": names},
+                    writer.finish(dict({OPTIMIZER: optimizer, OPTIMIZER_NAMES: names},
                                        **_extra(shards)))
         except BaseException:
             for file in staged:
@@ -73,9 +74,9 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
             progress(tensor.numel())
         for alias, source in plan.aliases:
             model[alias] = model[source]  # one record under both names: stays tied on load
-        tree: Dict[str, Any] = {"model": model}
+        tree: Dict[str, Any] = {MODEL: model}
         if with_optimizer:
-            tree["optimizer"], tree["optimizer_param_names"] = consolidate_optimizer(
+            tree[OPTIMIZER], tree[OPTIMIZER_NAMES] = consolidate_optimizer(
                 shards, plan, writer.add)
         tree.update(_extra(shards))
         writer.finish(tree)
@@ -86,4 +87,4 @@ def _extra(shards: ShardSet) -> Dict[str, Any]:
     """What the training code saved as ``extra`` (a step count, a scheduler), kept with the
     optimizer for a resume."""
     tree = shards.files[0].tree
-    return {"extra": materialized(tree["extra"])} if "extra" in tree else {}
+    return {EXTRA: materialized(tree[EXTRA])} if EXTRA in tree else {}

@@ -16,7 +16,8 @@ from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..dcp_format.files import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
-from ..metadata import EXTRA, GROUP_MEMBERS
+from ..metadata import EXTRA
+from ..optimizer_state import GROUP_MEMBERS
 from ..per_rank.optimizer import named_state
 from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet

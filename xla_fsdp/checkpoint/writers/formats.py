@@ -12,13 +12,13 @@ CRC-32s.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..consolidated_format import optimizer_companion
 from ..dcp_format.layout import EXTRA, GET_STATE_DICT, OPTIMIZER, KeyScheme, key_scheme
 from ..files import CheckpointError, CheckpointFile
 from ..sources.consolidated_files import open_consolidated
@@ -47,7 +47,7 @@ def output_paths(fmt: str, save_path: str, prefix: str) -> List[str]:
     path = save_path or prefix + "_consolidated" + (".safetensors" if fmt == "safetensors"
                                                     else ".pth")
     if fmt == "safetensors":
-        return [path, os.path.splitext(path)[0] + ".optimizer.pth"]
+        return [path, optimizer_companion(path)]
     return [path]
 
 

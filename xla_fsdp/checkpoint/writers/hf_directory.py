@@ -34,7 +34,7 @@ import torch
 
 from ..files import CheckpointError, SafetensorsWriter, StagedFile
 from ..files.writer import SAFETENSORS_DTYPES
-from ..metadata import HF_INDEX, HF_WEIGHTS
+from ..consolidated_format import HF_INDEX, HF_WEIGHTS
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

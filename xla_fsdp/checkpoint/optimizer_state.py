@@ -1,0 +1,118 @@
+"""Optimizer state in every checkpoint: THE rule for what is sharded like its tensor
+(``state_is_sharded``) and THE walk that applies it (``walk_state``), for a live optimizer
+and for a saved state dict alike, with what ties an optimizer's indices to the model's
+shards. Every reader and writer of optimizer state goes through them: the per-rank and DCP
+saves, the live model's gathered view, the per-rank files' named walk
+(``per_rank.optimizer.named_state``), redistribution and the staging loader."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import (Any, Callable, Container, Dict, Iterator, List, Mapping, Optional,
+                    Sequence, Tuple)
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .files import CheckpointError, TensorRef
+from .unit_protocol import ShardedModel
+
+# a saved optimizer param group's keys that are not its settings
+GROUP_MEMBERS = ("params", "param_names")
+
+
+def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
+    """Whether optimizer state ``name`` = ``value`` is laid out like the tensor of ``shape``
+    it belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
+    (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
+    and read as the tensor is; anything else (a step count) is the same on every rank.
+    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
+    tensor's shape that tells, but for a 0-d parameter's step count, which has it too."""
+    value_shape = _shape_of(value)
+    return value_shape == tuple(shape) and not (name == "step" and len(shape) == 0)
+
+
+def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
+    """The shape of a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor; None for
+    anything else."""
+    if isinstance(value, TensorStorageMetadata):
+        return tuple(value.size)
+    if isinstance(value, (torch.Tensor, TensorRef)):
+        return tuple(value.shape)
+    return None
+
+
+def per_rank_state(name: str, value: Any, shape: Sequence[int]) -> bool:
+    """Whether optimizer state ``name`` = ``value`` is neither laid out like its tensor of
+    ``shape`` (``sharded_like``) nor a scalar: state computed over a shard's own rows and
+    columns (Adafactor's factored statistics, allowed by ``allow_per_shard_statistics``)
+    differs between ranks, so a checkpoint that merges ranks can neither cut it as the tensor
+    nor keep one rank's copy for all."""
+    return bool(_shape_of(value)) and not sharded_like(name, value, shape)
+
+
+def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) -> bool:
+    """THE rule every reader and writer of optimizer state applies to one value: True if it
+    is cut, saved and read as its tensor of ``shape`` is (``sharded_like``), False if it is
+    the same on every rank (a step count, any non-tensor); ``CheckpointError`` if it is
+    ``per_rank_state``, which only per-rank files can hold. ``where`` names the parameter
+    and the file."""
+    if per_rank_state(name, value, shape):
+        value_shape = _shape_of(value)
+        raise CheckpointError(
+            f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "
+            f"tensor's {list(shape)} nor a scalar: each rank holds its own (statistics over "
+            f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
+            f"ranks; per-rank files (save_sharded) keep every rank's.")
+    return sharded_like(name, value, shape)
+
+
+@dataclass(frozen=True)
+class StateValue:
+    """One value of an optimizer's state, and what ``state_is_sharded`` says of it."""
+    index: int      # the optimizer's index of the tensor it belongs to
+    name: str       # "exp_avg", "step"
+    value: Any      # a tensor, a ``TensorRef``, or any other object
+    sharded: bool   # cut, saved and read as its tensor is
+
+
+def walk_state(state: Mapping[int, Mapping[str, Any]], shape_of: Callable[[int], Sequence[int]],
+               where: Callable[[int], str]) -> Iterator[StateValue]:
+    """THE walk over optimizer state for every writer and every reader of saved optimizer
+    state dicts: each value of ``state`` (an optimizer state dict's ``"state"``, index ->
+    name -> value: a live optimizer's, ``live_state``, or a file's), in index order, judged
+    by ``state_is_sharded`` against the shape ``shape_of(index)`` of its tensor, with
+    ``where(index)`` naming it in a refusal."""
+    for index in sorted(state):
+        shape = shape_of(index)
+        for name, value in state[index].items():
+            yield StateValue(index, name, value,
+                             state_is_sharded(where(index), name, value, shape))
+
+
+def live_state(optimizer: torch.optim.Optimizer
+               ) -> Tuple[List[torch.Tensor], Dict[int, Dict[str, Any]]]:
+    """A live optimizer's tensors by index (the order ``state_dict()`` numbers them in) and
+    its state by index: its own dicts, nothing copied."""
+    params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+    return params, {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}
+
+
+def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
+    """The model state dict key of the shard each optimizer index holds, in index order
+    (``RankRecord.optimizer_param_keys``)."""
+    names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
+    refuse_foreign_params(optimizer, names)
+    return [names[id(p)] for param_group in optimizer.param_groups
+            for p in param_group["params"]]
+
+
+def refuse_foreign_params(optimizer: torch.optim.Optimizer, shards: Container[int]) -> None:
+    """Refuses (``CheckpointError``, a ``ValueError``) an optimizer holding a tensor whose
+    id is not in ``shards``."""
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            if id(p) not in shards:
+                raise CheckpointError(f"the optimizer holds a parameter of shape "
+                                      f"{tuple(p.shape)} that is not a shard of this model; "
+                                      f"create the optimizer from model.parameters() after "
+                                      f"wrapping")
