@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from xla_fsdp import launch
 
-from ..support.load_workloads import STEPS, llama, load_everything, trained_state
+from ..support.load_workloads import (PARTIAL_DROPPED, STEPS, llama, load_everything,
+                                     trained_state)
 from ..support.parity import paired
 from ..support.checks import every
 
@@ -130,4 +131,9 @@ def test_bad_input_is_refused_and_changes_nothing(loaded):
                 errors["other_optimizer"], errors["other_optimizer"]
             assert "numbers its parameters" in errors["unnamed_optimizer"], \
                 errors["unnamed_optimizer"]
+            assert errors["strict_partial"].startswith(
+                "CheckpointError: the state dict does not hold this model") and \
+                f"missing ['{PARTIAL_DROPPED}'], unexpected ['not_in_the_model']" in \
+                errors["strict_partial"], errors["strict_partial"]
             assert out["unchanged_after_errors"], (world, rank)
+            assert out["non_strict"] == ([PARTIAL_DROPPED], ["not_in_the_model"], True, True)

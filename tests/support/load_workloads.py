@@ -104,6 +104,9 @@ def _train(model, opt, rank: int, world: int) -> List[float]:
     return losses
 
 
+PARTIAL_DROPPED = "model.layers.0.mlp.up_proj.weight"  # in a flattened decoder layer's shard
+
+
 def _attempt(fn) -> str:
     try:
         fn()
@@ -169,8 +172,20 @@ def load_everything(rank: int, root: str, train: bool) -> Dict[str, Any]:
     out["errors"]["unnamed_optimizer"] = _attempt(
         lambda: model.load_full_optim_state_dict(opt, torch.load(
             os.path.join(root, "ck.pth"), weights_only=True)["optimizer"]))
+    # a state dict lacking one parameter of a flattened shard group, with a key the model
+    # lacks: refused when strict; otherwise loaded, the lacking parameter kept as it was
+    partial = torch.load(os.path.join(root, "ck.pth"), weights_only=True)["model"]
+    del partial[PARTIAL_DROPPED]
+    partial["not_in_the_model"] = torch.zeros(1)
+    out["errors"]["strict_partial"] = _attempt(lambda: model.load_full_state_dict(partial))
     out["unchanged_after_errors"] = every(
         torch.equal(v, untouched[k]) for k, v in model.full_state_dict(rank0_only=False).items())
+    missing, unexpected = model.load_full_state_dict(partial, strict=False)
+    after = model.full_state_dict(rank0_only=False)
+    out["non_strict"] = (missing, unexpected,
+                         torch.equal(after[PARTIAL_DROPPED], untouched[PARTIAL_DROPPED]),
+                         every(torch.equal(after[k], v) for k, v in partial.items()
+                               if k != "not_in_the_model"))
     if not train:  # on every rank: a sync is a collective point on the virtual devices
         out["reference"] = _reference(root)
     torch_xla.sync()

@@ -87,7 +87,7 @@ def load_consolidated(path: str, model: ShardedModel,
     path, independent = sharding_group_path(path, model)
     if not first_rank_reads:
         return load_staged(lambda: open_consolidated(path), model, optimizer,
-                           "xla_fsdp.load_consolidated")
+                           "xla_fsdp.load_consolidated").extra
     if independent:
         raise ValueError("load_consolidated(first_rank_reads=True) cannot load independent "
                          "sharding_groups (each group has a checkpoint of its own); load with "
@@ -96,4 +96,4 @@ def load_consolidated(path: str, model: ShardedModel,
     return load_staged(lambda: FirstRankSource(lambda: open_consolidated(path),
                                                xr.global_ordinal(), pin,
                                                "xla_fsdp.load_consolidated.first_rank"),
-                       model, optimizer, "xla_fsdp.load_consolidated")
+                       model, optimizer, "xla_fsdp.load_consolidated").extra

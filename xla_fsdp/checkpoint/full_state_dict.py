@@ -9,7 +9,7 @@ from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
 from .staging import load_staged
 from .metadata import persistent_buffers, unwrapped_name
-from .sources.entries import EntrySource, optimizer_entries
+from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
 
 
@@ -75,38 +75,16 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     return out
 
 
-@torch.no_grad()
 def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tensor],
                          strict: bool = True) -> Tuple[List[str], List[str]]:
-    """Loads an ordinary (unwrapped) state dict; each rank copies only its shard to the
-    device. Returns (missing, unexpected) keys; with ``strict`` either is an error."""
-    import torch_xla
-    slots = list(_parameter_slots(root))
-    buffers = dict(persistent_buffers(root))
-    expected = {n for _, _, names in slots for n in names} | set(buffers)
-    expected |= {alias for alias, _ in _aliases(root)}
-    missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
-    if strict and (missing or unexpected):
-        raise KeyError(f"load_full_state_dict: missing keys {missing}, unexpected keys "
-                       f"{unexpected}")
-    for unit, g, names in slots:
-        if any(n not in state_dict for n in names):
-            continue
-        values = []
-        for name, shape in zip(names, g.layout.shapes):
-            value = state_dict[name]
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"load_full_state_dict: '{name}' has shape "
-                                 f"{tuple(value.shape)}, the model's is {tuple(shape)}")
-            values.append(value.detach().to("cpu", torch.float32))
-        g.shard.copy_(g.layout.shard(values, unit.rank).to(g.shard.device))
-        g.mark_updated()
-    for name, buf in buffers.items():
-        if name in state_dict:
-            buf.copy_(state_dict[name].detach().to(buf.dtype).to(buf.device))
-    torch_xla.sync()
-    return missing, unexpected
+    """Loads an ordinary (unwrapped) state dict through the staging loader: each rank keeps
+    its shards' runs, and every rank loads or none does. Returns (missing, unexpected) keys;
+    with ``strict`` either is a ``CheckpointError`` naming them. A tied parameter loads from
+    any one of its names."""
+    where = "the state dict"
+    staged = load_staged(lambda: EntrySource(where, *model_entries(state_dict)), root, None,
+                         "xla_fsdp.load_full_state_dict", strict=strict)
+    return staged.missing, staged.unexpected
 
 
 def load_full_optim_state_dict(root: ShardedModel, optimizer: torch.optim.Optimizer,

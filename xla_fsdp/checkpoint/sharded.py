@@ -228,7 +228,7 @@ def _load_through_source(prefix: str, model: ShardedModel,
                                                 share=(model.rank, model.world_size))
         records.append(RankRecord.of(shards.files[0].tree))
         return source
-    extra = load_staged(open_source, model, optimizer, "xla_fsdp.load_sharded")
+    extra = load_staged(open_source, model, optimizer, "xla_fsdp.load_sharded").extra
     if records and records[0] is not None:
         _SAVE_COUNT[model] = records[0].save_index
     return extra

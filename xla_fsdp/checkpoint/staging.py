@@ -52,10 +52,13 @@ class Source(Protocol):
 
 class StagedLoad:
     """Everything a rank loads from ``source``, read into host buffers, and how to put it in
-    place (``commit``). With ``with_model=False`` only the optimizer's state is loaded."""
+    place (``commit``). With ``with_model=False`` only the optimizer's state is loaded. With
+    ``strict=False`` parameters and buffers the source lacks keep their values and entries
+    the model lacks are passed over; both are listed in ``missing`` and ``unexpected``."""
 
     def __init__(self, source: Source, model: ShardedModel,
-                 optimizer: Optional[torch.optim.Optimizer], with_model: bool = True) -> None:
+                 optimizer: Optional[torch.optim.Optimizer], with_model: bool = True,
+                 strict: bool = True) -> None:
         self.source = source
         self.where = source.where
         self.stored = source.stored
@@ -63,6 +66,9 @@ class StagedLoad:
         self.objects: Dict[str, Any] = {}
         # each puts one thing in place and returns how to put back what was there
         self.commits: List[Callable[[], Callable[[], None]]] = []
+        self.strict = strict
+        self.missing: List[str] = []
+        self.unexpected: List[str] = []
         slots = param_slots(model)
         self.scheme = _scheme_of(self.stored, [n for s in slots for n in s.names])
         if with_model:
@@ -96,23 +102,31 @@ class StagedLoad:
         missing = sorted([s.name for s, h in zip(slots, held) if not h]
                          + [n for n, _ in buffers if self.scheme.model(n)[0] not in present])
         unexpected = sorted(present - set(expected))
-        if missing or unexpected:
-            strip = len(self.scheme.model("")[0])
+        strip = len(self.scheme.model("")[0])
+        self.missing, self.unexpected = missing, [k[strip:] for k in unexpected]
+        if (missing or unexpected) and self.strict:
             raise CheckpointError(
                 f"{self.where} does not hold this model (read with {self.scheme.name}'s "
-                f"keys): missing {missing}, unexpected {[k[strip:] for k in unexpected]}")
+                f"keys): missing {missing}, unexpected {self.unexpected}")
         stages: Dict[int, torch.Tensor] = {}
+        partial = {id(s.shard_group.shard) for s, h in zip(slots, held) if not h}
         for slot, names_held in zip(slots, held):
+            if not names_held:
+                continue
             shard = slot.shard_group.shard
             for name in names_held:
                 self._check_shape(self.scheme.model(name)[0], f"parameter '{name}'", slot.shape)
-            if id(shard) not in stages:
-                stages[id(shard)] = torch.zeros(shard.numel(), dtype=shard.dtype)
+            if id(shard) not in stages:  # a shard some of whose parameters stay as they are
+                stages[id(shard)] = (shard.detach().cpu().reshape(-1).clone()
+                                     if id(shard) in partial
+                                     else torch.zeros(shard.numel(), dtype=shard.dtype))
                 self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
             self._want(self.scheme.model(names_held[0])[0], slot.shape, shard.dtype,
                        list(slot.pieces), stages[id(shard)])
         for name, buf in buffers:
             key = self.scheme.model(name)[0]
+            if key not in present:  # not strict
+                continue
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
             self.commits.append(functools.partial(_copy_commit, buf, stage))
@@ -311,16 +325,16 @@ def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None
 
 def load_staged(open_source: Callable[[], Source], model: ShardedModel,
                 optimizer: Optional[torch.optim.Optimizer], tag: str,
-                with_model: bool = True) -> Any:
+                with_model: bool = True, strict: bool = True) -> "StagedLoad":
     """Stages on every rank, agrees, commits (see [Note: nothing changes unless everything
-    was read]); returns the ``extra`` saved, if any."""
+    was read]); returns what was loaded (its ``extra``: what was saved with it)."""
     import torch_xla
     wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
     staged, error, source = None, None, None
     try:
         source = open_source()
-        staged = StagedLoad(source, model, optimizer, with_model)
+        staged = StagedLoad(source, model, optimizer, with_model, strict)
     except Exception as exc:  # every rank must reach the agreement below
         error = exc
     finally:
@@ -329,7 +343,7 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     agree(f"{tag}.read", error)
     commit_on_every_rank(tag, staged.where, staged.commit)
     torch_xla.sync()
-    return staged.extra
+    return staged
 
 
 def commit_on_every_rank(tag: str, where: str, commit: Callable[[], Callable[[], None]]

@@ -26,4 +26,5 @@ def load_dcp(checkpoint_dir: str, model: ShardedModel,
     require_root(model, "load_dcp")
     refuse_reads(checkpoint_dir)
     directory, _ = checkpoint_dir_for(checkpoint_dir, model)
-    return load_staged(lambda: DcpSource(directory), model, optimizer, "xla_fsdp.dcp.load")
+    return load_staged(lambda: DcpSource(directory), model, optimizer,
+                       "xla_fsdp.dcp.load").extra
