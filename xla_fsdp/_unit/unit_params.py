@@ -193,10 +193,17 @@ class UnitParams:
                 and self.state is FullParams.SHARDED
                 and not any(g.accumulation_pending for g in self.shard_groups))
 
-    def traced_full_values(self, x: Optional[torch.Tensor]
-                           ) -> Tuple[Optional[torch.Tensor], List[torch.Tensor]]:
-        return full_values(self.shard_groups, self.collectives.world_size, self.options,
-                           self.divide, not self.reshard_after_forward, x)
+    def lend_full_values(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """In a traced forward: gathers the full values in the graph and lends them to the
+        modules for this forward; returns ``x`` tied to the unit's reductions."""
+        x, values = full_values(self.shard_groups, self.collectives.world_size, self.options,
+                                self.divide, not self.reshard_after_forward, x)
+        ParamRecord.lend([r for g in self.shard_groups for r in g.records], values)
+        return x
+
+    def take_back(self) -> None:
+        """After a traced forward: the placeholders back where the full values were lent."""
+        ParamRecord.take_back([r for g in self.shard_groups for r in g.records])
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
     def set_reshard_after_forward(self, value: bool) -> None:

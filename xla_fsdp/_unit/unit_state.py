@@ -38,7 +38,6 @@ from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_at_trace
 from . import low_precision_attention as attention_scope
 from .options import FsdpOptions
-from .param_record import ParamRecord
 from .registry import WeakRegistry
 from .root_context import RootContext
 from .shard_group import ShardGroup
@@ -200,16 +199,13 @@ class UnitState:
     def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                            _args: tuple, outputs: Any) -> Any:
         if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
-            ParamRecord.take_back(self._records())
+            self.params.take_back()
             attention_scope.leave((id(self), id(member)))
             return outputs
         return self._post_eager(member, outputs)
 
     def traceable(self) -> bool:
         return not self.detached and self.compile_refusal is None and self.params.traceable()
-
-    def _records(self) -> List[ParamRecord]:
-        return [r for g in self.params.shard_groups for r in g.records]
 
     def _pre_traced(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if self is self.context.root:
@@ -221,10 +217,9 @@ class UnitState:
         # reductions (see [Note: one unit's reductions before the next unit's backward])
         at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
                    and a.requires_grad and a.is_floating_point()), None)
-        x, values = self.params.traced_full_values(None if at is None else args[at])
+        x = self.params.lend_full_values(None if at is None else args[at])
         if at is not None:
             args = args[:at] + (x,) + args[at + 1:]
-        ParamRecord.lend(self._records(), values)
         return args, kwargs
 
     def _enter_attention_scope(self, member: nn.Module) -> None:

@@ -54,9 +54,9 @@ def local_plan(directory: str, planner: ChunkSavePlanner, rank: int
     return writer, writer.prepare_local_plan(planner.create_local_plan())
 
 
-def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSavePlanner,
-                   least_bytes: int = FILE_BYTES) -> List[WriteResult]:
-    """Writes a rank's plan as files of about ``least_bytes`` each, or of one tensor when
+def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSavePlanner
+                   ) -> List[WriteResult]:
+    """Writes a rank's plan as files of about ``FILE_BYTES`` each, or of one tensor when
     that is larger. See [Note: DCP's writer keeps a file's tensors until it closes]."""
     def size(item: WriteItem) -> int:
         if item.tensor_data is None:
@@ -64,7 +64,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
         chunk = item.tensor_data.chunk.sizes
         return math.prod(chunk) * item.tensor_data.properties.dtype.itemsize
 
-    limit = max([least_bytes] + [size(item) for item in plan.items])
+    limit = max([FILE_BYTES] + [size(item) for item in plan.items])
     files: List[List[WriteItem]] = [[]]
     held = 0
     for item in plan.items:

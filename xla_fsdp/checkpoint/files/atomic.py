@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import secrets
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional, Sequence, Tuple
 
 from ..._xla.trace_only import refuse_writes
 from .reader import CheckpointError
@@ -160,3 +160,20 @@ def atomic_path(path: str, needed: Optional[int] = None) -> Iterator[str]:
     with staged.writing() as tmp:
         yield tmp
     staged.put_in_place()
+
+
+@contextlib.contextmanager
+def atomic_paths(paths: Sequence[str]) -> Iterator[Dict[str, StagedFile]]:
+    """Files replaced together: yields a ``StagedFile`` per path for the body to write
+    (each through its ``writing()``); once the body is done every one is renamed into
+    place, in ``paths``' order, so a reader that looks for the last one finds the others
+    in place. On error none is: every temporary file is removed."""
+    staged = {p: StagedFile(p) for p in paths}
+    try:
+        yield staged
+    except BaseException:
+        for file in staged.values():
+            file.discard()
+        raise
+    for path in paths:
+        staged[path].put_in_place()

@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import torch
 
 from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
-from ..files import SafetensorsWriter, StagedFile, TorchFileWriter, atomic_path
+from ..files import SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths
 from ..files.reader import materialized
 from ..metadata import EXTRA, MODEL, OPTIMIZER
 from ..per_rank.optimizer import consolidate_optimizer
@@ -40,9 +40,8 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
         written = [path] + ([optimizer_companion(path)]
                             if with_optimizer else [])
         # the pair is replaced together: neither file goes in before the other is on disk
-        staged = [StagedFile(p) for p in written]
-        try:
-            with staged[0].writing() as tmp:
+        with atomic_paths(written) as staged:
+            with staged[path].writing() as tmp:
                 writer = SafetensorsWriter(tmp, specs, {"format": "pt"})
                 held: Dict[str, torch.Tensor] = {}
                 for name, tensor in model_entries(plan, shards):
@@ -54,17 +53,11 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
                     writer.add(alias, held[source])
                 writer.finish()
             if with_optimizer:
-                with staged[1].writing() as tmp:
+                with staged[written[1]].writing() as tmp:
                     writer = TorchFileWriter(tmp)
                     optimizer, names = consolidate_optimizer(shards, plan, writer.add)
                     writer.finish(dict({OPTIMIZER: optimizer, OPTIMIZER_NAMES: names},
                                        **_extra(shards)))
-        except BaseException:
-            for file in staged:
-                file.discard()
-            raise
-        for file in staged:
-            file.put_in_place()
         return written
     with atomic_path(path) as tmp:
         writer = TorchFileWriter(tmp)

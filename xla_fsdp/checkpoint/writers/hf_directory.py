@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from ..files import CheckpointError, SafetensorsWriter, StagedFile
+from ..files import CheckpointError, SafetensorsWriter, atomic_paths
 from ..files.writer import SAFETENSORS_DTYPES
 from ..consolidated_format import HF_INDEX, HF_WEIGHTS
 
@@ -193,16 +193,18 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
     for (name, _, _), source in order:
         stored_as.setdefault(source, []).append(name)
     names = [f for f, _ in files] + list(configs) + ([HF_INDEX] if len(files) > 1 else [])
-    staged = {f: StagedFile(os.path.join(directory, f)) for f in names}
 
     def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
         for source, tensor in entries:
             progress(tensor.numel())
             for name in stored_as.get(source, []):
                 yield name, tensor
-    # the files are runs of the writing order, so they are written one after another
+    # the files are runs of the writing order, so they are written one after another; the
+    # index goes in place last: a reader never sees it name a file not yet in place
     stream = stored_tensors()
-    try:
+    paths = [os.path.join(directory, f) for f in names]
+    with atomic_paths(paths) as by_path:
+        staged = {f: by_path[p] for f, p in zip(names, paths)}
         for f, file_entries in files:
             with staged[f].writing() as tmp:
                 writer = SafetensorsWriter(tmp, file_entries, {"format": "pt"})
@@ -223,16 +225,10 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
         for name, data in contents.items():
             with staged[name].writing() as tmp, open(tmp, "wb") as out:
                 out.write(data)
-    except BaseException:
-        for file in staged.values():
-            file.discard()
-        raise
-    for f in names:  # the index last: a reader never sees it name a file not yet in place
-        staged[f].put_in_place()
     for f in os.listdir(directory):
         if (_SHARD_FILE.fullmatch(f) or f in (HF_WEIGHTS, HF_INDEX)) and f not in staged:
             os.remove(os.path.join(directory, f))  # an earlier save's, not in the new index
-    return [os.path.join(directory, f) for f in names]
+    return paths
 
 
 def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[str, torch.Tensor]],
