@@ -28,6 +28,17 @@ def dcp_file_prefix(prefix: str) -> Any:
     return _StoragePrefix(prefix)
 
 
+def dcp_plan_prefix(plan: Any) -> str:
+    """The file-name prefix a save plan's storage data (``dcp_file_prefix``) holds."""
+    return plan.storage_data.prefix
+
+
+def dcp_stored_at(info: Any) -> Tuple[str, int, int]:
+    """(file, offset, length) of one stored item: ``FileSystemWriter``'s record of it (the
+    values of a DCP ``Metadata``'s ``storage_data``, and a ``WriteResult``'s)."""
+    return info.relative_path, info.offset, info.length
+
+
 # -- autograd -------------------------------------------------------------------------------
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs ``fn`` when the current backward pass ends (what FSDP finishes a backward with)."""

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._sharding.chunks import TensorPieces
 from ..._unit.buffers import original_dtype
-from ..._xla.private_api import dcp_file_prefix, to_cpu
+from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..metadata import persistent_buffers
@@ -121,7 +121,7 @@ class _DcpRankSave:
 
     def publish(self, error: Optional[BaseException]) -> Optional[str]:
         self.planner = None
-        prefix = None if self.plan is None else self.plan.storage_data.prefix
+        prefix = None if self.plan is None else dcp_plan_prefix(self.plan)
         directory, ours = self.directory, self.sharding_group
         agree_or_undo("xla_fsdp.dcp.save.written", error,
                       None if prefix is None else lambda: remove_files(directory, prefix))

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ..._xla.private_api import dcp_file_prefix
+from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, dcp_stored_at
 from ..files import StagedFile, is_out_of_space, no_space_error
 from .metadata_file import METADATA_FILE
 from .planners import ChunkSavePlanner
@@ -75,7 +75,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
         held += size(item)
     results: List[WriteResult] = []
     for i, items in enumerate(files):
-        prefix = f"{plan.storage_data.prefix}{i}_"
+        prefix = f"{dcp_plan_prefix(plan)}{i}_"
         part = dataclasses.replace(plan, items=items, storage_data=dcp_file_prefix(prefix))
         try:
             written_now = writer.write_data(part, planner).value()
@@ -98,7 +98,7 @@ def write_in_files(writer: FileSystemWriter, plan: SavePlan, planner: ChunkSaveP
 def _check_names(directory: str, prefix: str, results: List[WriteResult]) -> None:
     """Raises, having removed them, if DCP's writer named files other than ``prefix``'s
     (see [Note: naming DCP's files])."""
-    names = {r.storage_data.relative_path for r in results}
+    names = {dcp_stored_at(r.storage_data)[0] for r in results}
     other = sorted(n for n in names if not (n.startswith(prefix) and n.endswith(SUFFIX)))
     if other:
         for name in names:
@@ -143,7 +143,7 @@ def commit(directory: str, metadata: Metadata, results: List[List[Any]],
     storage = {r.index: r.storage_data for rank_results in results for r in rank_results}
     metadata = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION,
                                    storage_data=storage, storage_meta=writer.storage_meta())
-    keep = {info.relative_path for info in storage.values()}
+    keep = {dcp_stored_at(info)[0] for info in storage.values()}
     data = pickle.dumps(metadata)
     staged = StagedFile(os.path.join(directory, METADATA_FILE), needed=len(data))
     try:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..._sharding.chunks import TensorPieces
+from ..._xla.private_api import dcp_stored_at
 from ..files import CheckpointError
 from .layout import Path
 
@@ -158,7 +159,7 @@ class ChunkLoadPlanner(LoadPlanner):
             self.objects[fqn] = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
             assert self.metadata is not None
-            where = self.metadata.storage_data[read_item.storage_index].relative_path
+            where = dcp_stored_at(self.metadata.storage_data[read_item.storage_index])[0]
             raise CheckpointError(f"{where}: entry {fqn!r} is refused by torch.load("
                                   f"weights_only=True): {_reason(exc)}") from None
 

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..._sharding.chunks import TensorPieces
+from ..._xla.private_api import dcp_stored_at
 from ..dcp_format.metadata_file import METADATA_FILE, read_metadata_file
 from ..dcp_format.planners import ChunkLoadPlanner
 from ..files import CheckpointError
@@ -74,8 +75,8 @@ def _check_files(directory: str, metadata: Metadata, items: List[Any]) -> None:
         if info is None:
             raise CheckpointError(f"{directory}: {METADATA_FILE} lists no data for "
                                   f"{item.storage_index.fqn}")
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
+        name, offset, length = dcp_stored_at(info)
+        needed[name] = max(needed.get(name, 0), offset + length)
     for name, end in sorted(needed.items()):
         path = os.path.join(directory, name)
         if not os.path.exists(path):
