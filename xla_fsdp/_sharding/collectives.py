@@ -196,10 +196,19 @@ def padded_gradient(layout: Layout, grads: Sequence[Optional[torch.Tensor]], dty
     full = [g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
             for g, shape in zip(grads, layout.shapes)]
     flat = layout.pad(full)
-    if fp32_reduce_scatter and flat.dtype != torch.float32:
-        flat = flat.float()
-    before, _ = reduction_divisors(flat.dtype, divide)
-    return flat / before if before != 1 else flat
+    return reduction_input(flat, torch.float32 if fp32_reduce_scatter else flat.dtype,
+                           divide)[0]
+
+
+def reduction_input(flat: torch.Tensor, reduce_dtype: torch.dtype,
+                    divide: Tuple[float, float]) -> Tuple[torch.Tensor, float]:
+    """A full gradient as its reduce-scatter takes it, in ``reduce_dtype`` and pre-divided,
+    and the scale of the reduced shard after (``reduction_divisors``): the eager and the
+    traced reductions' one preparation."""
+    if flat.dtype != reduce_dtype:
+        flat = flat.to(reduce_dtype)
+    before, after = reduction_divisors(reduce_dtype, divide)
+    return (flat / before if before != 1 else flat), 1.0 / after
 
 
 def reduction_divisors(dtype: torch.dtype, divide: Tuple[float, float]) -> Tuple[float, float]:

@@ -8,7 +8,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
-from .._sharding.collectives import optimization_barrier, reduction_divisors
+from .._sharding.collectives import optimization_barrier, reduction_input
 from .private_api import functional_all_gather, functional_reduce_scatter
 
 
@@ -35,7 +35,7 @@ class _TracedUnitGather(torch.autograd.Function):
     collectives traced into the compiled graph]. Each piece is cast to the compute dtype
     inside, so that its gradient comes back in the shard's dtype with the rounding of the
     eager reduction (``padded_gradient`` then ``scatter_gradients``): reduced in
-    ``reduce_dtype``, divided by the one rule of both (``reduction_divisors``), and cast to
+    ``reduce_dtype``, prepared as the eager one is (``reduction_input``), and cast to
     the shard's dtype after.
 
     [Note: one unit's reductions before the next unit's backward] Traced reduce-scatters
@@ -64,10 +64,8 @@ class _TracedUnitGather(torch.autograd.Function):
         grad_x, grads = (grads[0], grads[1:]) if ctx.tied else (None, grads)
         reduced = []
         for grad, dtype, reduce_dtype in zip(grads, ctx.dtypes, reduce_dtypes):
-            flat = grad if grad.dtype == reduce_dtype else grad.to(reduce_dtype)
-            before, after = reduction_divisors(flat.dtype, (pre, post))
-            flat = flat / before if before != 1 else flat
-            out = functional_reduce_scatter(flat.contiguous(), world) * (1.0 / after)
+            flat, scale = reduction_input(grad, reduce_dtype, (pre, post))
+            out = functional_reduce_scatter(flat.contiguous(), world) * scale
             reduced.append(out if out.dtype == dtype else out.to(dtype))
         if grad_x is not None:
             *reduced, grad_x = torch.ops.xla_fsdp.barrier(reduced + [grad_x])
