@@ -49,9 +49,12 @@ class ScannedLayers(UnitModule):
     """Shards a stack of structurally identical layers as one unit and runs them as a scan.
 
     Takes an ``nn.ModuleList`` (or ``nn.Sequential``, or a list of modules) and the
-    options of ``XlaFullyShardedDataParallel``, except ``auto_wrap_policy``. Under
-    ``no_sync`` the gradients are still reduce-scattered, one layer at a time (the sum is
-    the same; the communication is not saved). ``ignored_attributes`` names plain
+    options of ``XlaFullyShardedDataParallel``, except ``auto_wrap_policy``. The options
+    about a whole unit's schedule do not apply to a stack, whose scan gathers, frees and
+    reduces one layer at a time: ``reshard_after_forward``, ``optimization_barrier_in_*``,
+    ``reduce_scatter_bucket_size_mb`` and ``zero_missing_gradients`` (every layer gets a
+    gradient). Under ``no_sync`` the gradients are still reduce-scattered, one layer at a
+    time (the sum is the same; the communication is not saved). ``ignored_attributes`` names plain
     attributes that may differ between layers. ``prefetch_next_layer=True`` gathers the next
     layer beside the current layer's compute, at the cost of a second layer's full
     parameters (see [Note: gathering the next layer ahead] in ``scan.loop``)."""

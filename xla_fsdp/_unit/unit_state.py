@@ -18,8 +18,9 @@ Every hook on a tensor holds the state weakly: tensors may outlive the model (a 
 held by a module the user kept, a graph input torch_xla's compile bridge keeps), and hooks
 are invisible to Python's cycle collector.
 
-Modules find their unit's state through ``state_of`` (a weak registry, as FSDP2 keeps its
-states), so code below the public API can tell a unit from a module without importing it.
+Units are registered by module in a weak registry, as FSDP2 keeps its states: ``is_unit``
+lets code below the public API (auto-wrapping) tell a unit from a module without importing
+the public classes; ``state_of`` finds a unit's state.
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The per-rank checkpoint format, written and read here only.
+"""The per-rank checkpoint format: its keys, the shard metadata (made by ``shard_metadata``,
+read through ``ShardMetadata``), our record (``RankRecord``), and the unwrapped model's names
+that every format uses (``unwrapped_name``, ``persistent_buffers``). The savers and the
+offline tools build a file's tree from these; none reads the metadata's raw keys but here.
 
 A per-rank file is torch_xla's ``{'model', 'shard_metadata', 'optimizer'}`` plus, when we
 wrote it, our record (``RankRecord``, under ``'xla_fsdp'``) and the caller's ``'extra'``.

@@ -20,7 +20,7 @@ import time
 from typing import List, Optional, Sequence
 
 from ..dcp_format.layout import KEY_SCHEMES
-from ..files import CheckpointError, CheckpointFile, atomic_path
+from ..files import CheckpointError, CheckpointFile, atomic_paths
 from ..metadata import MODEL, RANK_FILES, sharded_checkpoint_path
 from ..writers.formats import FORMATS, OutputOptions, output_paths, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
@@ -132,8 +132,8 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         progress = Progress(_total_elements(plan, shards),
                             "resharding" if args.reshard else "consolidating")
         if args.reshard:
-            with contextlib.ExitStack() as stack:
-                tmps = [stack.enter_context(atomic_path(p)) for p in outputs]
+            with atomic_paths(outputs) as staged, contextlib.ExitStack() as stack:
+                tmps = [stack.enter_context(staged[p].writing()) for p in outputs]
                 redistribute(shards, plan, args.reshard, tmps, with_optimizer, progress)
             progress.close()
             for path in outputs:

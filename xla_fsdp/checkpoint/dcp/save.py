@@ -42,7 +42,7 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..metadata import persistent_buffers
+from ..metadata import ShardMetadata, persistent_buffers
 from ..optimizer_state import GROUP_MEMBERS, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
@@ -214,7 +214,8 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 elif first:
                     paths[key], objects[key] = path, entry.value
         if first:
-            order = {n: i for i, n in enumerate(model.get_shard_metadata()["param_order"])}
+            order = {n: i for i, n in enumerate(
+                ShardMetadata(model.get_shard_metadata()).parameter_order() or [])}
             for index, param_group in enumerate(optimizer.param_groups):
                 names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
                                key=lambda n: order.get(n, len(order)))

@@ -31,7 +31,8 @@ from ..._unit.buffers import original_dtype
 from ..coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
-from ..metadata import (MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION, RankRecord,
+from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION,
+                        RankRecord,
                         ShardMetadata, persistent_buffers, units_by_saved_path,
                         wrapping_fingerprint)
 from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
@@ -190,7 +191,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
         if optimizer is not None:
             tree[OPTIMIZER] = _optimizer_tree(optimizer, view, tensors, state, param_keys)
         if extra is not None:
-            tree["extra"] = extra
+            tree[EXTRA] = extra
         view.tree = tree
         files.append(view)
     try:

@@ -69,7 +69,9 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
                     return (f"{f.path}: optimizer index {index}'s {name!r} has shape "
                             f"{list(value.shape)}, but shard {keys[index]} has "
                             f"{list(shard.shape)}: the optimizer was not built over "
-                            f"model.parameters() in order")
+                            f"model.parameters() in order, or its state is per shard "
+                            f"(Adafactor's factored statistics), which only per-rank files "
+                            f"hold")
     return None
 
 
