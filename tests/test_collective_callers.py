@@ -1,6 +1,7 @@
 """The collectives rule checked on what runs, not on names (``test_layering`` reads the
-code): a step, a scanned stack, checkpoints saved and loaded every way and the model's own
-collective calls run with every upstream collective, barrier and host meeting wrapped, and
+code): eager steps (nested units, a scanned stack, ``no_sync``, ``clip_grad_norm_``), full
+state dicts, per-rank (also asynchronous), consolidated, DCP and managed checkpoints saved
+and loaded, run with every upstream collective, barrier and host meeting wrapped, and
 each call is charged to the innermost package module on the stack. Only
 ``_sharding/collectives.py`` and ``_xla/private_api.py`` may issue collectives and barriers,
 and only ``checkpoint/coordination.py`` may meet on the host."""
@@ -60,8 +61,8 @@ def run(rank, root):
     import torch_xla
     import torch_xla.core.xla_model as xm
     from xla_fsdp import FSDP, ScannedLayers
-    from xla_fsdp.checkpoint import (load_consolidated, load_dcp, load_sharded,
-                                     save_consolidated, save_dcp, save_sharded)
+    from xla_fsdp.checkpoint import (CheckpointManager, load_consolidated, load_dcp,
+                                     load_sharded, save_consolidated, save_dcp, save_sharded)
     seen = set()
     _watch(xm, XM_COLLECTIVES, "collective", seen)
     _watch(xm, XM_MEETINGS, "meeting", seen)
@@ -72,7 +73,10 @@ def run(rank, root):
                           FSDP(nn.Linear(8, 4), flatten_parameters=True)).to(device)
     model = FSDP(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(2):
+    for step in range(2):
+        if step == 0:   # an accumulation step first
+            with model.no_sync():
+                model(torch.randn(4, 8, device=device)).square().mean().backward()
         loss = model(torch.randn(4, 8, device=device)).square().mean()
         loss.backward()
         model.clip_grad_norm_(1.0)
@@ -84,10 +88,16 @@ def run(rank, root):
     prefix = os.path.join(root, "ck")
     save_sharded(prefix, model, opt)
     load_sharded(prefix, model, opt)
+    save_sharded(prefix + "_async", model, opt, async_save=True).wait()
     save_consolidated(os.path.join(root, "c.pth"), model, opt)
     load_consolidated(os.path.join(root, "c.pth"), model, opt, first_rank_reads=True)
+    save_consolidated(os.path.join(root, "c_dcp"), model, opt, format="dcp")
+    load_consolidated(os.path.join(root, "c_dcp"), model, opt)
     save_dcp(os.path.join(root, "dcp"), model, opt)
     load_dcp(os.path.join(root, "dcp"), model, opt)
+    manager = CheckpointManager(os.path.join(root, "managed"), on_preemption=False)
+    manager.save(1, model, opt)
+    manager.restore(model, opt)
     torch_xla.sync()
     return sorted(seen)
 

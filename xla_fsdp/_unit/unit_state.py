@@ -190,16 +190,20 @@ class UnitState:
     # once, in the unit's forward (``RootContext.tracing``): read here, the state behind it
     # made the hooks' frames take the units' tensors as inputs, and on the graph-break path
     # the bridge then ran a region on an activation whose buffer it had donated.
+    def _traced(self, on_compiled: bool) -> bool:
+        """Whether this hook runs in the graph Dynamo traces, gathers included."""
+        return torch.compiler.is_compiling() and not on_compiled and self.context.tracing
+
     def _pre_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                           args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
-        if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
+        if self._traced(on_compiled):
             return self._pre_traced(member, args, kwargs)
         return self._pre_eager(member, args, kwargs,
                                on_compiled or torch.compiler.is_compiling())
 
     def _post_forward_hook(self, member: nn.Module, on_compiled: bool, _module: nn.Module,
                            _args: tuple, outputs: Any) -> Any:
-        if torch.compiler.is_compiling() and not on_compiled and self.context.tracing:
+        if self._traced(on_compiled):
             self.params.take_back()
             attention_scope.leave((id(self), id(member)))
             return outputs
