@@ -218,6 +218,19 @@ class RankRecord:
                           raw.get("optimizer_param_keys"))
 
 
+def rank_file_tree(model: Dict[str, Any], metadata: Dict[str, Any], record: RankRecord,
+                   optimizer: Optional[Dict[str, Any]] = None, extra: Any = None
+                   ) -> Dict[str, Any]:
+    """A per-rank file's tree: torch_xla's keys and our record, and the optimizer's state
+    dict and ``extra`` when there are any."""
+    tree: Dict[str, Any] = {MODEL: model, SHARD_METADATA: metadata, RECORD: record.as_dict()}
+    if optimizer is not None:
+        tree[OPTIMIZER] = optimizer
+    if extra is not None:
+        tree[EXTRA] = extra
+    return tree
+
+
 # -- reading ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShardEntry:

@@ -44,8 +44,8 @@ from .coordination import agree, agree_or_undo, exchange
 from .staging import (commit_on_every_rank, load_module_state, load_optimizer_state, load_staged,
                       put_in_place)
 from .files import CheckpointError, CheckpointFile, StagedFile
-from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RANK_FILES,
-                       RankRecord, sharded_checkpoint_path, wrapping_fingerprint)
+from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, RankRecord,
+                       rank_file_tree, sharded_checkpoint_path, wrapping_fingerprint)
 from .optimizer_state import optimizer_shard_keys
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
                             writes_sharding_group_copy)
@@ -129,13 +129,9 @@ def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
                         wrapping_fingerprint(metadata), _SAVE_COUNT[model],
                         optimizer_shard_keys(model, optimizer) if optimizer is not None
                         else None)
-    checkpoint: Dict[str, Any] = {MODEL: host_copy(model.state_dict()), SHARD_METADATA: metadata,
-                                  RECORD: record.as_dict()}
-    if optimizer is not None:
-        checkpoint[OPTIMIZER] = host_copy(optimizer.state_dict())
-    if extra is not None:
-        checkpoint[EXTRA] = copy_of_extra(extra)
-    return checkpoint
+    return rank_file_tree(host_copy(model.state_dict()), metadata, record,
+                          host_copy(optimizer.state_dict()) if optimizer is not None else None,
+                          copy_of_extra(extra) if extra is not None else None)
 
 
 def _tensor_bytes(tree: Any) -> int:

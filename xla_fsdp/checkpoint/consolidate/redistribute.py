@@ -23,7 +23,7 @@ from ..dcp_format.layout import GET_STATE_DICT, extra_key
 from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
-from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, RankRecord,
+from ..metadata import (EXTRA, MODEL, OPTIMIZER, RankRecord, rank_file_tree,
                         wrapping_fingerprint)
 from ..optimizer_state import walk_state
 from ..per_rank.optimizer import optimizer_param_keys
@@ -81,13 +81,10 @@ def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List
         ours = dataclasses.replace(
             record, world_size=world_size, rank=r, fingerprint=wrapping_fingerprint(metadata),
             optimizer_param_keys=record.optimizer_param_keys if with_optimizer else None)
-        tree = {MODEL: models[r], SHARD_METADATA: metadata, RECORD: ours.as_dict()}
-        if optimizers is not None:
-            tree[OPTIMIZER] = {"state": optimizers[r],
-                               "param_groups": copy.deepcopy(head[OPTIMIZER]["param_groups"])}
-        if EXTRA in head:
-            tree[EXTRA] = extra
-        writer.finish(tree)
+        writer.finish(rank_file_tree(
+            models[r], metadata, ours,
+            {"state": optimizers[r], "param_groups": copy.deepcopy(
+                head[OPTIMIZER]["param_groups"])} if optimizers is not None else None, extra))
 
 
 def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,

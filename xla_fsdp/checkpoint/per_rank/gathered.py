@@ -31,9 +31,8 @@ from ..._unit.buffers import original_dtype
 from ..coordination import exchange
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
-from ..metadata import (EXTRA, MODEL, OPTIMIZER, RECORD, SHARD_METADATA, FORMAT_VERSION,
-                        RankRecord,
-                        ShardMetadata, persistent_buffers, units_by_saved_path,
+from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadata,
+                        persistent_buffers, rank_file_tree, units_by_saved_path,
                         wrapping_fingerprint)
 from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
 from ..unit_protocol import ShardedModel
@@ -181,18 +180,15 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
     files = []
     for rank in range(world):
         view = _RankView(channel, rank, world, None)
-        tree: Dict[str, Any] = {MODEL: {k: _ref(view, k, tensors[k][0]) for k in shard_keys},
-                                SHARD_METADATA: dict(metadata, rank=rank),
-                                RECORD: RankRecord(FORMAT_VERSION, world, rank,
-                                                   wrapping_fingerprint(metadata), 0,
-                                                   param_keys).as_dict()}
+        model_tree = {k: _ref(view, k, tensors[k][0]) for k in shard_keys}
         if rank == 0:
-            tree[MODEL].update({n: _ref(local, n, b, d) for n, (b, d) in buffers.items()})
-        if optimizer is not None:
-            tree[OPTIMIZER] = _optimizer_tree(optimizer, view, tensors, state, param_keys)
-        if extra is not None:
-            tree[EXTRA] = extra
-        view.tree = tree
+            model_tree.update({n: _ref(local, n, b, d) for n, (b, d) in buffers.items()})
+        view.tree = rank_file_tree(
+            model_tree, dict(metadata, rank=rank),
+            RankRecord(FORMAT_VERSION, world, rank, wrapping_fingerprint(metadata), 0,
+                       param_keys),
+            _optimizer_tree(optimizer, view, tensors, state, param_keys)
+            if optimizer is not None else None, extra)
         files.append(view)
     try:
         yield ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>")
