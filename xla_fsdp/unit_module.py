@@ -191,11 +191,12 @@ class UnitModule(FallThrough):
             return super()._apply(fn, recurse)
 
     def extra_repr(self) -> str:
-        padded = [n for g in self._state.params.shard_groups if isinstance(g.layout, Dim0Layout)
+        params = self._state.params
+        padded = [n for g in params.shard_groups if isinstance(g.layout, Dim0Layout)
                   and g.layout.pad_rows for n in g.names]
         text = (f"world_size={self.world_size}, rank={self.rank}, "
                 f"compute_dtype={self.compute_dtype}, flatten_parameters="
-                f"{self.flatten_parameters}, reshard_after_forward={self._state.params.reshard_after_forward}, "
+                f"{self.flatten_parameters}, reshard_after_forward={params.reshard_after_forward}, "
                 f"sharding_groups={self.sharding_groups}")
         if padded:
             text += f", dim0_padded={padded}"
