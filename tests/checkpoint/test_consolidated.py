@@ -42,7 +42,7 @@ def test_only_the_first_rank_writes(saved):
         assert results[rank]["files"] == [], results[rank]["files"]
     assert results[0]["files"] == sorted(
         ["online_pt", "online_safetensors", "online_safetensors.optimizer.pth", "online_hf",
-         "online_dcp"])
+         "online_dcp", "online_one_sync"])
 
 
 def test_pt_and_safetensors_equal_the_offline_consolidation(saved, tmp_path):
@@ -107,14 +107,32 @@ def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, caps
 
 
 def test_each_optimizer_state_is_gathered_once_per_run_of_its_shard(saved):
-    """The writer gathers a shard's optimizer state as often as the shard itself: once for
-    each run of its parameters in the model's order (the root's embedding, then its final
-    norm and head), not once per parameter (a decoder layer's flat shard holds nine)."""
+    """At one tensor per sync, the writer gathers a shard's optimizer state as often as the
+    shard itself: once for each run of its parameters in the model's order (the root's
+    embedding, then its final norm and head), not once per parameter (a decoder layer's
+    flat shard holds nine). The outputs, read in that order, are the offline ones (above)."""
     root, results = saved
     for fmt in ("pt", "dcp"):
-        tids = results[0]["gathered"][fmt]
+        runs = results[0]["gathered"][fmt]
+        assert every(len(run) == 1 for run in runs), (fmt, runs)
+        tids = [tid for run in runs for tid in run]
         shards = {t for t in tids if "#" in t}
         assert shards, f"{fmt}: no optimizer state was gathered"
         for state in shards:
             shard = state.split("#")[0]
             assert tids.count(state) == tids.count(shard) >= 1, (fmt, state, tids)
+
+
+def test_a_small_model_is_gathered_in_one_sync_each_tensor_once(saved):
+    """At the default run size every tensor the writer reads comes in one sync: the three
+    shards (the root's and two decoder layers') and AdamW's two sharded states of each, each
+    gathered once though the writer reads the root's shard twice."""
+    root, results = saved
+    runs = results[0]["gathered"]["one_sync"]
+    assert len(runs) == 1, runs
+    (run,) = runs
+    shards = [t for t in run if "#" not in t]
+    assert len(run) == len(set(run)) == 9 and len(shards) == 3, run
+    assert sorted(t.split("#")[1] for t in run if "#" in t) == ["exp_avg"] * 3 + ["exp_avg_sq"] * 3
+    assert_same_tree(torch.load(os.path.join(root, "rank-0", "online_one_sync"), weights_only=True),
+                     torch.load(results[0]["pt"][0], weights_only=True))

@@ -22,24 +22,42 @@ WORLD = 4
 
 
 @contextlib.contextmanager
-def _writer_gathers(rank: int) -> Iterator[List[str]]:
-    """On rank 0, the writer, the tensors its ``save_consolidated`` gathers, in order; the
-    other ranks, whose threads share the class, leave it alone and record nothing."""
+def _writer_gathers(rank: int) -> Iterator[List[List[str]]]:
+    """On rank 0, the writer, the runs of tensors its ``save_consolidated`` gathers, in order
+    (one sync each); the other ranks, whose threads share the class, leave it alone and
+    record nothing."""
     from xla_fsdp.checkpoint.per_rank import gathered
-    original, tids = gathered._Channel._gather, []
+    original, runs = gathered.Gathers._gather, []
     if rank != 0:
-        yield tids
+        yield runs
         return
 
-    def recording(channel: Any, tid: str) -> Any:
-        if channel._writes:
-            tids.append(tid)
-        return original(channel, tid)
-    gathered._Channel._gather = recording
+    def recording(gathers: Any, run: List[str]) -> Any:
+        if gathers._keep:
+            runs.append(list(run))
+        return original(gathers, run)
+    gathered.Gathers._gather = recording
     try:
-        yield tids
+        yield runs
     finally:
-        gathered._Channel._gather = original
+        gathered.Gathers._gather = original
+
+
+@contextlib.contextmanager
+def _one_tensor_per_sync() -> Iterator[None]:
+    """Every rank's consolidated saves gather one tensor per sync, so that a writer reading
+    out of the order every rank gathers in would fail. The ranks change the limit between
+    two rendezvous: none is saving while another changes it."""
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import coordination
+    default = coordination.GATHERED_PER_SYNC_BYTES
+    xm.rendezvous("one_tensor_per_sync.in")
+    coordination.GATHERED_PER_SYNC_BYTES = 1
+    try:
+        yield
+    finally:
+        xm.rendezvous("one_tensor_per_sync.out")
+        coordination.GATHERED_PER_SYNC_BYTES = default
 
 
 def llama() -> LlamaForCausalLM:
@@ -66,11 +84,15 @@ def save_everything(rank: int, root: str) -> Dict[str, Any]:
     torch_xla.sync()
     save_sharded(os.path.join(root, "shared", "ck"), model, opt, extra={"step": 1})
     out: Dict[str, Any] = {"gathered": {}}
-    for fmt in FORMATS:
-        with _writer_gathers(rank) as gathered:
-            out[fmt] = save_consolidated(os.path.join(own, f"online_{fmt}"), model, opt,
-                                         format=fmt, extra={"step": 1})
-        out["gathered"][fmt] = gathered
+    with _one_tensor_per_sync():
+        for fmt in FORMATS:
+            with _writer_gathers(rank) as gathered:
+                out[fmt] = save_consolidated(os.path.join(own, f"online_{fmt}"), model, opt,
+                                             format=fmt, extra={"step": 1})
+            out["gathered"][fmt] = gathered
+    with _writer_gathers(rank) as gathered:
+        save_consolidated(os.path.join(own, "online_one_sync"), model, opt, extra={"step": 1})
+    out["gathered"]["one_sync"] = gathered
     try:
         save_consolidated(os.path.join(own, "bad"), model, opt, format="hf",
                           hf_config=os.path.join(root, "wrong_config"))

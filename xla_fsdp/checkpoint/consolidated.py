@@ -1,9 +1,10 @@
 """Consolidated checkpoints from training code: ``save_consolidated`` and ``load_consolidated``.
 
 One rank writes the unwrapped model's checkpoint (``.pth``, safetensors, a Hugging Face
-directory or DCP) while the shards come to it over the collectives, one device tensor at a
-time (see [Note: the writer drives the collectives]): no per-rank files, so no filesystem
-shared between hosts, and the writer's host holds one shard group's full size at a time.
+directory or DCP) while the shards come to it over the collectives, every rank gathering in
+the order the writer reads (see [Note: every rank knows the writer's read order]): no
+per-rank files, so no filesystem shared between hosts, and the writer's host holds one
+run of gathers (``coordination.runs_by_size``) at a time.
 Loading reads any of those formats back at any world size, each rank its own runs, or the
 first rank alone when only its host has the checkpoint (``sources``).
 """
@@ -16,7 +17,7 @@ import torch
 from .._xla.trace_only import refuse_reads
 from .coordination import agree
 from .staging import load_staged
-from .writers.formats import FORMATS, OutputOptions, write_output
+from .writers.formats import FORMATS, OutputOptions, read_order, write_output
 from .per_rank.gathered import gathered_shard_set
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from .per_rank.optimizer import why_not_consolidated
@@ -46,20 +47,26 @@ def save_consolidated(path: str, model: ShardedModel,
         raise ValueError(f"save_consolidated: format {format!r} is not one of {FORMATS}")
     path, _ = sharding_group_path(path, model)
     writes = model.rank == 0 and writes_sharding_group_copy(model)
+    with_optimizer = optimizer is not None and format != "hf"
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
-    with gathered_shard_set(model, optimizer, writes, extra) as shards:
-        if shards is not None:
+    with gathered_shard_set(model, optimizer, extra) as (shards, gathers):
+        try:  # on every rank: the views are alike, so all refuse together or none does
+            plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+            reason = why_not_consolidated(shards, plan) if optimizer is not None else None
+            if reason is not None:
+                raise CheckpointError(f"save_consolidated: the optimizer cannot be "
+                                      f"consolidated: {reason}")
+            reads = read_order(shards, plan, format, with_optimizer)
+        except Exception as exc:
+            error = exc
+        agree("xla_fsdp.save_consolidated.plan", error)
+        gathers.follow(reads, keep=writes)
+        if writes:
             try:
-                plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-                reason = why_not_consolidated(shards, plan) if optimizer is not None else None
-                if reason is not None:
-                    raise CheckpointError(f"save_consolidated: the optimizer cannot be "
-                                          f"consolidated: {reason}")
                 options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
-                written, _ = write_output(shards, plan, format, path,
-                                          optimizer is not None and format != "hf",
-                                          options, lambda _: None)
+                written, _ = write_output(shards, plan, format, path, with_optimizer, options,
+                                          lambda _: None)
             except Exception as exc:  # every rank raises it, below
                 error = exc
     agree("xla_fsdp.save_consolidated", error)

@@ -5,11 +5,33 @@ DCP coordinates its ranks through a process group. Under torch_xla there is none
 (and on virtual devices none can exist), but ``xm.rendezvous`` exchanges bytes between all
 replicas on every PJRT device, and the virtual launcher routes it through its ring. Each
 call is a collective: every rank calls it, in the same order.
+
+Gathering the shards for a host (``full_state_dict``, ``save_consolidated``) is batched by one
+rule, ``runs_by_size``: a small model costs one sync, and a large one's device holds about
+``GATHERED_PER_SYNC_BYTES`` of gathered tensors beyond training's own.
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Iterable, Iterator, List, Optional, TypeVar
+
+T = TypeVar("T")
+GATHERED_PER_SYNC_BYTES = 64 * 2 ** 20
+
+
+def runs_by_size(items: Iterable[T], nbytes: Callable[[T], int]) -> Iterator[List[T]]:
+    """``items`` in order, in runs whose ``nbytes`` add up to at most
+    ``GATHERED_PER_SYNC_BYTES`` (a larger item is a run of its own): what one sync gathers."""
+    run: List[T] = []
+    size, limit = 0, GATHERED_PER_SYNC_BYTES  # read here, so that a test may lower it
+    for item in items:
+        if run and size + nbytes(item) > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += nbytes(item)
+    if run:
+        yield run
 
 
 def exchange(tag: str, obj: Any) -> List[Any]:

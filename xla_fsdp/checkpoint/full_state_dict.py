@@ -7,6 +7,7 @@ import torch
 
 from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
+from .coordination import runs_by_size
 from .staging import load_staged
 from .metadata import persistent_buffers, unwrapped_name
 from .sources.entries import EntrySource, model_entries, optimizer_entries
@@ -27,39 +28,21 @@ def _aliases(root: ShardedModel) -> List[Tuple[str, str]]:
     return out
 
 
-# full parameters one sync may gather: a model's shard groups are gathered together up to
-# this size (any group larger than it alone), so a small model costs one sync, not one per
-# group, and a large one's device holds one group's full parameters beyond training's own
-GATHERED_PER_SYNC_BYTES = 64 * 2 ** 20
-
-
-def _rounds(root: ShardedModel) -> Iterator[List[Tuple[ShardedUnit, ShardGroup, List[str]]]]:
-    """The shard groups in order, in runs whose full sizes add up to at most
-    ``GATHERED_PER_SYNC_BYTES`` (or one group)."""
-    run: List[Tuple[ShardedUnit, ShardGroup, List[str]]] = []
-    size = 0
-    for slot in _parameter_slots(root):
-        g = slot[1]
-        full = g.shard.numel() * g.layout.world_size * g.shard.element_size()
-        if run and size + full > GATHERED_PER_SYNC_BYTES:
-            yield run
-            run, size = [], 0
-        run.append(slot)
-        size += full
-    if run:
-        yield run
+def _full_bytes(slot: Tuple[ShardedUnit, ShardGroup, List[str]]) -> int:
+    shard = slot[1].shard
+    return shard.numel() * shard.element_size() * slot[1].layout.world_size
 
 
 @torch.no_grad()
 def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
-    """Gathers the shard groups a run at a time (``GATHERED_PER_SYNC_BYTES``) and copies
+    """Gathers the shard groups a run at a time (``coordination.runs_by_size``) and copies
     them to the CPU. Every rank must call it; with ``rank0_only`` only global rank 0 keeps
     the result (the others get ``{}``)."""
     import torch_xla
     import torch_xla.runtime as xr
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
-    for run in _rounds(root):
+    for run in runs_by_size(_parameter_slots(root), _full_bytes):
         fulls = [unit.collectives.all_gather([g.on_device()], coalesce=False)[0]
                  for unit, g, _ in run]
         torch_xla.sync()

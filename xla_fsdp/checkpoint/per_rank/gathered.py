@@ -1,34 +1,39 @@
 """The per-rank checkpoint of a live model, read over the collectives instead of from files:
 consolidation from training code on pods whose hosts share no filesystem.
 
-``gathered_shard_set`` gives the writing rank a ``ShardSet`` whose rank files are views of
-the other ranks' device tensors. Every consolidated output (``.pth``, safetensors, HF
-directory, DCP) then runs on it unchanged; no rank opens a file of another.
+``gathered_shard_set`` gives every rank a ``ShardSet`` whose rank files are views of the
+ranks' device tensors, and ``Gathers`` the collectives that fill them. Every consolidated
+output (``.pth``, safetensors, HF directory, DCP) then runs on it unchanged on the writing
+rank; no rank opens a file of another.
 
-[Note: the writer drives the collectives]
-The writers read tensors in orders of their own (parameter order, optimizer state after
-the model, DCP's plan). Rather than fix an order every rank could follow, the writing rank
-asks: each read of a device tensor not in hand is a round in which every rank learns, over
-``xm.rendezvous``, which tensor comes next, and all of them all-gather it (a shard, or a
-piece of optimizer state, within its sharding group). The other ranks loop on rounds until
-the writer says it is done. The writer keeps the last tensor gathered (every rank's shard
-of it) and nothing else, so its host holds one shard group's full size at a time, and a
-parameter read from several ranks' "files" costs one gather. So the writers read the
-optimizer state state by state across the parameters of a shard (``NamedState.in_read_order``): a
-flat shard of nine parameters costs one gather per state, not nine. With ``sharding_groups``
-every group's writer reads the same tensors in the same order (the groups are alike), so
-a round names one tensor for all of them; they are checked to agree.
+[Note: every rank knows the writer's read order]
+The writers read tensors in orders of their own, each fixed by our code: the model's entries
+in parameter order, the optimizer's state a state name at a time across a shard's
+parameters (``NamedState.in_read_order``), DCP's in its plan's order (DCP's writer, with one
+thread, writes a file's tensors in the order it is given them). ``writers.formats.read_order``
+lists those reads.
+The views' trees are shapes only, so every rank builds the same ones and lists the same
+reads, and from them the device tensors to gather (a shard, or one state of a shard, within
+its sharding group). Every rank then gathers those in that order, in runs of
+``coordination.runs_by_size`` with one sync each; the writing rank keeps the run it reads
+from on its host. No rank waits for another's request: a read of a tensor that is not in a
+run ahead of the writer raises instead of gathering out of turn, and a writer that stops
+early gathers the rest without keeping it, so that every rank finishes its runs before the
+save's agreement. With ``sharding_groups`` every group gathers the same list (the groups'
+models are alike); the ranks check that they agree before the first gather.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+import hashlib
+import math
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from ..._sharding.names import join_name
 from ..._unit.buffers import original_dtype
-from ..coordination import exchange
+from ..coordination import exchange, runs_by_size
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadata,
@@ -36,75 +41,86 @@ from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadat
                         wrapping_fingerprint)
 from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
 from ..unit_protocol import ShardedModel
+from .plan import SpreadTensor
 from .shard_set import ShardSet
 
-_DONE = "done"
 
+class Gathers:
+    """The device tensors a save gathers, in the writer's read order (see [Note: every rank
+    knows the writer's read order]), as one rank takes part in them."""
 
-class _Channel:
-    """The rounds (see [Note: the writer drives the collectives]) as one rank sees them."""
-
-    def __init__(self, tensors: Dict[str, Tuple[torch.Tensor, Any]], writes: bool) -> None:
+    def __init__(self, tensors: Dict[str, Tuple[torch.Tensor, Any]]) -> None:
         self._tensors = tensors          # id -> (device tensor, its unit's collectives)
-        self._writes = writes
-        self._rounds = 0
-        self._held: Optional[Tuple[str, torch.Tensor]] = None
+        self._runs: List[List[str]] = []
+        self._next = 0
+        self._keep = False
+        self._held: Dict[str, torch.Tensor] = {}
 
-    def _round(self, request: Optional[str]) -> Optional[str]:
-        self._rounds += 1
-        asked = {r for r in exchange(f"xla_fsdp.gathered.{self._rounds}", request)
-                 if r is not None}
-        if len(asked) > 1:
-            raise CheckpointError(f"the sharding groups' writers asked for different tensors "
-                                  f"({sorted(asked)}); their models must be alike")
-        return asked.pop() if asked else None
+    def follow(self, reads: Sequence[Any], keep: bool) -> None:
+        """Sets the order from the writer's ``reads``; ``keep`` on the writing rank. Every
+        rank calls it, and raises if another lists other tensors."""
+        order: List[str] = []
+        for read in reads:
+            if isinstance(read, SpreadTensor) and isinstance(read.shards[0].file, _RankView) \
+                    and math.prod(read.shape) and (not order or order[-1] != read.shards[0].key):
+                order.append(read.shards[0].key)
+        digest = hashlib.sha256("\n".join(order).encode()).hexdigest()
+        if len(set(exchange("xla_fsdp.gathered.order", digest))) > 1:
+            raise CheckpointError("the ranks would gather different tensors for the consolidated "
+                                  "save; the sharding groups' models must be alike")
+        self._runs = [list(dict.fromkeys(run)) for run in runs_by_size(order, self._full_bytes)]
+        self._keep = keep
 
-    def _gather(self, tid: str) -> torch.Tensor:
-        import torch_xla
+    def _full_bytes(self, tid: str) -> int:
         tensor, collectives = self._tensors[tid]
-        if tensor.device.type != "xla":  # offloaded: the shard and its state on the host
-            tensor = tensor.to(torch_xla.device())
-        (full,) = collectives.all_gather([tensor.detach()], coalesce=False)
+        return tensor.numel() * tensor.element_size() * collectives.world_size
+
+    def _gather(self, run: List[str]) -> Dict[str, torch.Tensor]:
+        import torch_xla
+        fulls = []
+        for tid in run:
+            tensor, collectives = self._tensors[tid]
+            if tensor.device.type != "xla":  # offloaded: the shard and its state on the host
+                tensor = tensor.to(torch_xla.device())
+            fulls += collectives.all_gather([tensor.detach()], coalesce=False)
         torch_xla.sync()
-        return full.cpu() if self._writes else full
+        return {tid: full.cpu() for tid, full in zip(run, fulls)} if self._keep else {}
 
     def fetch(self, tid: str) -> torch.Tensor:
-        """Every rank's ``tid`` concatenated in rank order, on this (writing) rank's host."""
-        if self._held is None or self._held[0] != tid:
-            self._held = None  # dropped before the next is gathered
-            self._held = (tid, self._gather(self._round(tid)))
-        return self._held[1]
-
-    def serve(self) -> None:
-        """Takes part in rounds until the writers are done (the ranks that do not write)."""
-        while True:
-            tid = self._round(None)
-            if tid == _DONE:
-                return
-            if tid is None:
-                raise CheckpointError("a consolidation round named no tensor")
-            self._gather(tid)
+        """Every rank's ``tid`` concatenated in rank order, on the writing rank's host."""
+        while tid not in self._held:
+            if self._next == len(self._runs):
+                raise CheckpointError(f"the consolidated save read {tid} out of the order every "
+                                      f"rank gathers in")
+            self._held = {}  # dropped before the next run is gathered
+            self._held = self._gather(self._runs[self._next])
+            self._next += 1
+        return self._held[tid]
 
     def finish(self) -> None:
-        self._held = None
-        if self._round(_DONE) != _DONE:
-            raise CheckpointError("the writers did not finish together")
+        """Takes part in the runs not gathered yet: all of them on a rank that does not write,
+        the rest on a writer that stopped early."""
+        self._held = {}
+        while self._next < len(self._runs):
+            self._next += 1
+            self._gather(self._runs[self._next - 1])
+        self._held = {}
 
 
 class _RankView:
     """Rank ``rank``'s part of the gathered tensors, read like a checkpoint file."""
 
-    def __init__(self, channel: _Channel, rank: int, world: int, tree: Any) -> None:
+    def __init__(self, gathers: Gathers, rank: int, world: int, tree: Any) -> None:
         self.path = f"<rank {rank}'s shards, over the collectives>"
-        self._channel, self._rank, self._world = channel, rank, world
+        self._gathers, self._rank, self._world = gathers, rank, world
         self.tree = tree
 
     def record_size(self, key: str) -> int:
-        tensor, _ = self._channel._tensors[key]
+        tensor, _ = self._gathers._tensors[key]
         return tensor.numel() * tensor.element_size()
 
     def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
-        full = self._channel.fetch(key).reshape(-1).view(torch.uint8)
+        full = self._gathers.fetch(key).reshape(-1).view(torch.uint8)
         size = full.numel() // self._world
         view = memoryview(out).cast("B")
         start = self._rank * size + byte_offset
@@ -114,7 +130,7 @@ class _RankView:
         """Nothing stored, nothing to check."""
 
     def close(self) -> None:
-        """The channel is closed by ``gathered_shard_set``."""
+        """The gathers are finished by ``gathered_shard_set``."""
 
 
 class _LocalView:
@@ -145,10 +161,11 @@ def _ref(file: Any, key: str, tensor: torch.Tensor, dtype: Optional[torch.dtype]
 
 @contextlib.contextmanager
 def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer],
-                       writes: bool, extra: Any = None) -> Iterator[Optional[ShardSet]]:
-    """On a writing rank, the ``ShardSet`` of ``model`` (and ``optimizer``) as ``save_sharded``
-    would have written it at this point; on the others, None, after serving the writers'
-    rounds. Every rank must enter it; the writers' body runs the output."""
+                       extra: Any = None) -> Iterator[Tuple[ShardSet, Gathers]]:
+    """The ``ShardSet`` of ``model`` (and ``optimizer``) as ``save_sharded`` would have written
+    it at this point, and the ``Gathers`` its views read through, on every rank. Every rank
+    must enter it and call ``Gathers.follow`` with the same reads; on leaving, each takes part
+    in the gathers its writer did not need."""
     import torch_xla
     torch_xla.sync()
     metadata = model.get_shard_metadata()
@@ -163,23 +180,18 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
     param_keys = optimizer_shard_keys(model, optimizer) if optimizer is not None else None
     state: List[StateValue] = []  # the optimizer's; sharded values gathered as "<key>#<name>"
     if optimizer is not None:
-        # on every rank, before any serves: they refuse together
         params, by_index = live_state(optimizer)
         state = list(walk_state(by_index, lambda i: params[i].shape,
                                 lambda i: f"consolidated save of {param_keys[i]}"))
         for s in state:
             if s.sharded:
                 tensors[_state_id(param_keys, s)] = (s.value, tensors[param_keys[s.index]][1])
-    channel = _Channel(tensors, writes)
-    if not writes:
-        channel.serve()
-        yield None
-        return
+    gathers = Gathers(tensors)
     buffers = {name: (buf, original_dtype(buf)) for name, buf in persistent_buffers(model)}
     local = _LocalView(buffers)
     files = []
     for rank in range(world):
-        view = _RankView(channel, rank, world, None)
+        view = _RankView(gathers, rank, world, None)
         model_tree = {k: _ref(view, k, tensors[k][0]) for k in shard_keys}
         if rank == 0:
             model_tree.update({n: _ref(local, n, b, d) for n, (b, d) in buffers.items()})
@@ -191,9 +203,9 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
             if optimizer is not None else None, extra)
         files.append(view)
     try:
-        yield ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>")
+        yield ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>"), gathers
     finally:
-        channel.finish()
+        gathers.finish()
 
 
 def _state_id(param_keys: List[str], value: StateValue) -> str:

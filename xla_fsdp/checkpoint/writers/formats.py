@@ -25,7 +25,8 @@ from ..sources.consolidated_files import open_consolidated
 from .dcp_directory import write_dcp
 from .hf_directory import DEFAULT_MAX_SHARD_SIZE, hf_directory
 from .consolidated_file import entry_specs, model_entries, write_consolidated
-from ..per_rank.plan import ModelPlan
+from ..per_rank.optimizer import named_state
+from ..per_rank.plan import ModelPlan, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet
 
 FORMATS = ("pt", "safetensors", "hf", "dcp")
@@ -72,6 +73,21 @@ def write_output(shards: ShardSet, plan: ModelPlan, fmt: str, path: str, with_op
         written = write_consolidated(shards, plan, path, fmt, with_optimizer, progress)
     summary = verify_written(fmt, written, specs, with_optimizer, scheme) + layout
     return written, summary + (", optimizer included" if with_optimizer else "")
+
+
+def read_order(shards: ShardSet, plan: ModelPlan, fmt: str, with_optimizer: bool) -> List[Any]:
+    """What the writer of ``fmt`` reads, in the order it reads it: the model's entries
+    (``write_consolidated``, ``hf_directory``), the tied aliases again in DCP (which stores
+    each under its own key), then the optimizer's state as ``NamedState.in_read_order``
+    gives it. A live model's gathers follow it (see [Note: every rank knows the writer's
+    read order])."""
+    model = unwrapped_tensors(plan, shards.files)
+    order = list(model.values())
+    if fmt == "dcp":
+        order += [model[source] for _, source in plan.aliases]
+    if with_optimizer and fmt != "hf":
+        order += [value for _, _, value in named_state(shards, plan).in_read_order()]
+    return order
 
 
 def verify_written(fmt: str, written: Sequence[str], expected: Expected, with_optimizer: bool,
