@@ -1,6 +1,6 @@
 """The collectives rule checked on what runs, not on names (``test_layering`` reads the
-code): eager steps (nested units, a scanned stack, ``no_sync``, ``clip_grad_norm_``), full
-state dicts, per-rank (also asynchronous), consolidated, DCP and managed checkpoints saved
+code): eager steps (nested units, a scanned stack, ``no_sync``, ``clip_grad_norm_``, and
+sharding groups replicated across groups with the optimizer offloaded), full state dicts, per-rank (also asynchronous), consolidated, DCP and managed checkpoints saved
 and loaded, run with every upstream collective, barrier and host meeting wrapped, and
 each call is charged to the innermost package module on the stack. Only
 ``_sharding/collectives.py`` and ``_xla/private_api.py`` may issue collectives and barriers,
@@ -98,6 +98,21 @@ def run(rank, root):
     manager = CheckpointManager(os.path.join(root, "managed"), on_preemption=False)
     manager.save(1, model, opt)
     manager.restore(model, opt)
+    # sharding groups of one rank, replicated across groups (gradients all-reduced between
+    # them), the optimizer's state offloaded to the host: their own collectives and copies
+    kw = dict(sharding_groups=[[0], [1]], sharding_rank=0, sharding_world_size=1,
+              replicate_across_groups=True, offload_optimizer=True)
+    hybrid = FSDP(nn.Sequential(FSDP(Block(), **kw), nn.Linear(8, 4)).to(device), **kw)
+    hybrid_opt = torch.optim.AdamW(hybrid.parameters(), lr=1e-2)
+    for _ in range(2):
+        hybrid(torch.randn(4, 8, device=device)).square().mean().backward()
+        hybrid.clip_grad_norm_(1.0)
+        hybrid_opt.step()
+        hybrid_opt.zero_grad()
+        torch_xla.sync()
+    save_consolidated(os.path.join(root, "hybrid.pth"), hybrid, hybrid_opt)
+    save_sharded(os.path.join(root, "hybrid"), hybrid, hybrid_opt)
+    load_sharded(os.path.join(root, "hybrid"), hybrid, hybrid_opt)
     torch_xla.sync()
     return sorted(seen)
 

@@ -14,7 +14,7 @@ from torch.testing import assert_close
 from tests.support.fake_collectives import CPU, FakeWorld
 from xla_fsdp._unit.training_state import TrainingState, TrainingStateError
 from xla_fsdp._unit.unit_params import FullParams, UnitParams
-from xla_fsdp._unit.unit_state import UnitState, state_of
+from xla_fsdp._unit.unit_state import _STATES, UnitState
 from ..support.checks import every
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
@@ -225,7 +225,7 @@ def test_a_nested_unit_checked_in_the_wrong_state_names_itself():
 
 def test_units_are_found_from_their_modules():
     units = Units()
-    assert state_of(units.net) is units.root and state_of(units.net.first) is units.inner
-    assert state_of(units.net.second) is None
+    assert _STATES.get(units.net) is units.root and _STATES.get(units.net.first) is units.inner
+    assert _STATES.get(units.net.second) is None
     assert units.root.is_root and not units.inner.is_root
     assert units.inner.context is units.root.context

@@ -152,13 +152,13 @@ INSTALL = """
 import json, sys
 from xla_fsdp._unit import peft_names
 peft_names.install()
-before = ("peft" in sys.modules, peft_names.installed())
+before = ("peft" in sys.modules, list(peft_names._wrapped))
 import peft, peft.peft_model
 from peft.utils import ModulesToSaveWrapper
 peft_names.install()
 peft_names.install()
 print(json.dumps({
-    "before": before, "after": peft_names.installed(),
+    "before": before, "after": list(peft_names._wrapped),
     "rebound": [m for m in ("peft", "peft.utils", "peft.peft_model", "peft.utils.save_and_load")
                 if hasattr(getattr(sys.modules[m], "get_peft_model_state_dict"), "__wrapped__")],
     "method": hasattr(ModulesToSaveWrapper.adapter_state_dict, "__wrapped__"),

@@ -146,7 +146,7 @@ def run_trainer(rank: int, out: str, fsdp: bool) -> Dict[str, Any]:
         optimizer = trainer.optimizer
         result["at_steps"] = watch.steps
         result["after"] = shard_facts(trainer.model, getattr(optimizer, "optimizer", optimizer))
-        result["installed"] = peft_names.installed()
+        result["installed"] = list(peft_names._wrapped)
     return result
 
 

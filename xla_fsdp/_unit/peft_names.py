@@ -152,8 +152,3 @@ def install() -> None:
             _install_one(STATE_DICT_FUNCTION, _state_dict_function, rebind=True)
         if _dotted(MODULES_TO_SAVE_METHOD) not in _wrapped:
             _install_one(MODULES_TO_SAVE_METHOD, _modules_to_save_method, rebind=False)
-
-
-def installed() -> List[str]:
-    """What is wrapped, as ``module.attribute`` / ``module.Class.method``."""
-    return list(_wrapped)

@@ -20,7 +20,7 @@ are invisible to Python's cycle collector.
 
 Units are registered by module in a weak registry, as FSDP2 keeps its states: ``is_unit``
 lets code below the public API (auto-wrapping) tell a unit from a module without importing
-the public classes; ``state_of`` finds a unit's state.
+the public classes.
 """
 from __future__ import annotations
 
@@ -46,11 +46,6 @@ from .training_state import TrainingState, TrainingStateError
 from .unit_params import FullParams, UnitParams
 
 _STATES: "WeakRegistry[UnitState]" = WeakRegistry()  # unit module -> its UnitState
-
-
-def state_of(module: nn.Module) -> Optional["UnitState"]:
-    """The state of the FSDP unit ``module`` is, or None if it is not a unit."""
-    return _STATES.get(module)
 
 
 def is_unit(module: nn.Module) -> bool:

@@ -9,7 +9,7 @@ from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
 from .coordination import runs_by_size
 from .staging import load_staged
-from .metadata import persistent_buffers, unwrapped_name
+from .metadata import persistent_buffers, tied_aliases, unwrapped_name
 from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
 
@@ -19,13 +19,6 @@ def _parameter_slots(root: ShardedModel) -> Iterator[Tuple[ShardedUnit, ShardGro
     for path, unit in root.named_units():
         for g in unit.shard_groups:
             yield unit, g, [unwrapped_name(path, n) for n in g.names]
-
-
-def _aliases(root: ShardedModel) -> List[Tuple[str, str]]:
-    out = []
-    for path, unit in root.named_units():
-        out += [(unwrapped_name(path, a), unwrapped_name(path, s)) for a, s in unit.shared_params]
-    return out
 
 
 def _full_bytes(slot: Tuple[ShardedUnit, ShardGroup, List[str]]) -> int:
@@ -51,7 +44,8 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
                 for name, value in zip(names, g.layout.unshard(full.cpu())):
                     out[name] = value.clone()
     if keep:
-        for alias, source in _aliases(root):
+        for alias, source in tied_aliases((path, unit.shared_params)
+                                          for path, unit in root.named_units()):
             out[alias] = out[source]
         for name, buf in persistent_buffers(root):
             out[name] = buf.detach().cpu().to(original_dtype(buf))

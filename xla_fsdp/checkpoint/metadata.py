@@ -95,6 +95,14 @@ def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]
 
 
 # -- writing ----------------------------------------------------------------------------------
+def tied_aliases(shared: Iterable[Tuple[str, Iterable[Tuple[str, str]]]]
+                 ) -> List[Tuple[str, str]]:
+    """(alias, source) names in the unwrapped model of tied parameters, from each unit's
+    path and its (alias, source) pairs: a live model's units or ``shared_info``."""
+    return [(unwrapped_name(path, a), unwrapped_name(path, s))
+            for path, pairs in shared for a, s in pairs]
+
+
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
     persistent ones, under every name a shared module gives them."""
@@ -303,11 +311,7 @@ class ShardMetadata:
         return {k: v["_orig_dtype"] for k, v in self.raw.get("buffer_info", {}).items()}
 
     def tied_aliases(self) -> List[Tuple[str, str]]:
-        """(alias, source) names in the unwrapped model of tied parameters."""
-        out = []
-        for path, pairs in self.raw.get("shared_info", {}).items():
-            out += [(unwrapped_name(path, a), unwrapped_name(path, s)) for a, s in pairs]
-        return out
+        return tied_aliases(self.raw.get("shared_info", {}).items())
 
     def parameter_order(self) -> Optional[List[str]]:
         return self.raw.get("param_order") or None
