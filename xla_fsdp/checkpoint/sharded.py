@@ -41,8 +41,7 @@ from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from .sources.per_rank_files import open_per_rank_files
 from .coordination import agree, agree_or_undo, exchange
-from .staging import (commit_on_every_rank, load_module_state, load_optimizer_state, load_staged,
-                      put_in_place)
+from .staging import commit_on_every_rank, load_optimizer_state, load_staged
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, RankRecord,
                        rank_file_tree, sharded_checkpoint_path, wrapping_fingerprint)
@@ -202,17 +201,32 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
     error: Optional[BaseException] = None
     try:
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        _refuse_other_tensors(path, model, checkpoint[MODEL])
+    except CheckpointError as exc:
+        error = exc
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{path}: {type(exc).__name__}: {exc}")
     agree("xla_fsdp.load_sharded.own.read", error)
-    steps = [functools.partial(load_module_state, model, checkpoint[MODEL])]
-    if optimizer is not None:   # first: torch checks it before changing anything
-        steps.insert(0, functools.partial(load_optimizer_state, optimizer,
-                                          checkpoint[OPTIMIZER]))
-    commit_on_every_rank("xla_fsdp.load_sharded.own", path, lambda: put_in_place(steps))
+    commit_on_every_rank(
+        "xla_fsdp.load_sharded.own", path,
+        None if optimizer is None else functools.partial(load_optimizer_state, optimizer,
+                                                         checkpoint[OPTIMIZER]),
+        [functools.partial(model.load_state_dict, checkpoint[MODEL])])
     _SAVE_COUNT[model] = ours.save_index
     torch_xla.sync()
     return checkpoint.get(EXTRA)
+
+
+def _refuse_other_tensors(path: str, model: ShardedModel, saved: Dict[str, Any]) -> None:
+    """What ``model.load_state_dict`` would refuse having copied part of it, refused before
+    anything changes: keys the model lacks or does not find, shapes other than its own."""
+    own = model.state_dict()
+    wrong = sorted(set(own) ^ set(saved)) + sorted(
+        k for k in set(own) & set(saved)
+        if torch.is_tensor(own[k]) and tuple(own[k].shape) != tuple(saved[k].shape))
+    if wrong:
+        raise CheckpointError(f"{path} does not hold this model's tensors: {wrong[:10]} "
+                              f"differ in name or shape")
 
 
 def _load_through_source(prefix: str, model: ShardedModel,

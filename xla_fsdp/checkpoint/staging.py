@@ -9,11 +9,15 @@ Every check against what is stored (keys, shapes, the optimizer's class and grou
 data files) comes first, and every value is read into a staging buffer on the host. Only
 when every rank has read all it needs (``coordination.agree``) are the shards, buffers and
 optimizer state replaced, so a bad checkpoint leaves the model and optimizer as they were,
-on every rank. Putting them in place can still fail on one rank (torch's
-``load_state_dict`` refusing the state), so the ranks agree on that too, and when any rank
-failed every rank puts back what it replaced: the optimizer's state first, since torch checks
-it before changing anything, then the clones of the shards and buffers (on XLA, graph nodes
-computed only if put back; an offloaded model's host shards are copied for the duration).
+on every rank. Putting them in place can still be refused on one rank: torch's optimizer
+``load_state_dict`` checks the state against the optimizer (and runs the user's hooks). So
+the optimizer's state goes in first, on every rank, and the ranks agree on it; when any rank
+refused, every rank puts back the optimizer state it replaced (torch's own tensors, held
+only until the agreement) and raises, before any shard or buffer has changed. Copying the
+staged values into the shards and buffers comes after, and nothing checks or refuses it, so
+no copy of what they held is kept: that would be a second copy of every shard for the whole
+load (on virtual devices, where a rendezvous syncs, a materialized one). A copy that fails
+all the same (a broken device) fails every rank.
 """
 from __future__ import annotations
 
@@ -64,8 +68,9 @@ class StagedLoad:
         self.stored = source.stored
         self.tensors: Dict[str, TensorPieces] = {}
         self.objects: Dict[str, Any] = {}
-        # each puts one thing in place and returns how to put back what was there
-        self.commits: List[Callable[[], Callable[[], None]]] = []
+        # the optimizer's load (torch may refuse it), returning how to put back its state
+        self.refusable: Optional[Callable[[], Callable[[], None]]] = None
+        self.copies: List[Callable[[], None]] = []   # into the shards and buffers
         self.strict = strict
         self.missing: List[str] = []
         self.unexpected: List[str] = []
@@ -79,11 +84,6 @@ class StagedLoad:
             self.objects[extra_key()[0]] = None
         self._read()
         self.extra = self.objects.get(extra_key()[0])
-
-    def commit(self) -> Callable[[], None]:
-        """Puts everything read in place, the optimizer's state first; returns the undo (see
-        ``put_in_place``)."""
-        return put_in_place(self.commits)
 
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
@@ -120,7 +120,8 @@ class StagedLoad:
                 stages[id(shard)] = (shard.detach().cpu().reshape(-1).clone()
                                      if id(shard) in partial
                                      else torch.zeros(shard.numel(), dtype=shard.dtype))
-                self.commits.append(_shard_commit(slot.shard_group, stages[id(shard)]))
+                self.copies.append(functools.partial(_copy_into_shard, slot.shard_group,
+                                                     stages[id(shard)]))
             self._want(self.scheme.model(names_held[0])[0], slot.shape, shard.dtype,
                        list(slot.pieces), stages[id(shard)])
         for name, buf in buffers:
@@ -129,7 +130,7 @@ class StagedLoad:
                 continue
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
-            self.commits.append(functools.partial(_copy_commit, buf, stage))
+            self.copies.append(functools.partial(_copy, buf, stage))
 
     def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
         stored = self.stored[key]
@@ -188,9 +189,9 @@ class StagedLoad:
         if stray:
             raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
                                   f"optimizer does not hold: {stray[:10]}")
-        self.commits.insert(0, lambda: load_optimizer_state(optimizer, {
+        self.refusable = lambda: load_optimizer_state(optimizer, {
             "state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
-            "param_groups": new_groups}))
+            "param_groups": new_groups})
 
     def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
         """{parameter name: the settings of its param group}, from either form DCP
@@ -260,37 +261,13 @@ def _scheme_of(stored: Dict[str, Any], names: List[str]) -> KeyScheme:
     return max(KEY_SCHEMES.values(), key=lambda s: (held(s), s is GET_STATE_DICT))
 
 
-def _shard_commit(shard_group: Any, stage: torch.Tensor) -> Callable[[], None]:
-    def commit() -> Callable[[], None]:
-        shard = shard_group.shard
-        undo = _copy_commit(shard, stage)
-        shard_group.mark_updated()  # full parameters gathered before are stale
-
-        def undo_and_mark() -> None:
-            undo()
-            shard_group.mark_updated()
-        return undo_and_mark
-    return commit
+def _copy_into_shard(shard_group: Any, stage: torch.Tensor) -> None:
+    _copy(shard_group.shard, stage)
+    shard_group.mark_updated()  # full parameters gathered before are stale
 
 
-def put_in_place(steps: List[Callable[[], Callable[[], None]]]) -> Callable[[], None]:
-    """Runs ``steps`` in order, each putting one thing in place and returning how to put back
-    what was there; returns the undo of them all. Steps that raise change nothing (or undo
-    themselves), and put back what the steps before them did before the error goes on."""
-    undos: List[Callable[[], None]] = []
-
-    def undo() -> None:
-        with torch.no_grad():
-            for fn in reversed(undos):
-                fn()
-    try:
-        with torch.no_grad():
-            for step in steps:
-                undos.append(step())
-    except BaseException:
-        undo()
-        raise
-    return undo
+def _copy(target: torch.Tensor, stage: torch.Tensor) -> None:
+    target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer,
@@ -300,27 +277,6 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
     before = optimizer.state_dict()
     optimizer.load_state_dict(state_dict)
     return lambda: optimizer.load_state_dict(before)
-
-
-def load_module_state(module: torch.nn.Module, state_dict: Dict[str, Any]
-                      ) -> Callable[[], None]:
-    """``module.load_state_dict``, which may raise having copied part of it; returns how to
-    put back what it held (clones: on XLA graph nodes, computed only if put back)."""
-    held = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    try:
-        module.load_state_dict(state_dict)
-    except BaseException:
-        module.load_state_dict(held)
-        raise
-    return lambda: module.load_state_dict(held)
-
-
-def _copy_commit(target: torch.Tensor, stage: torch.Tensor) -> Callable[[], None]:
-    """Copies ``stage`` into ``target``; returns how to put back what ``target`` held (a
-    clone: on XLA a node of the graph, computed only if the undo runs)."""
-    before = target.detach().clone()
-    target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
-    return lambda: target.copy_(before)
 
 
 def load_staged(open_source: Callable[[], Source], model: ShardedModel,
@@ -341,20 +297,30 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
         if source is not None:
             source.close()
     agree(f"{tag}.read", error)
-    commit_on_every_rank(tag, staged.where, staged.commit)
+    commit_on_every_rank(tag, staged.where, staged.refusable, staged.copies)
     torch_xla.sync()
     return staged
 
 
-def commit_on_every_rank(tag: str, where: str, commit: Callable[[], Callable[[], None]]
-                         ) -> None:
-    """Every rank runs ``commit`` (which puts a load in place, undoes itself if it raises, and
-    returns its undo) and the ranks agree: when one failed, every rank undoes its commit and
-    raises, naming the failing rank and ``where`` (see [Note: nothing changes unless
-    everything was read])."""
-    error, undo = None, None
+def commit_on_every_rank(tag: str, where: str,
+                         refusable: Optional[Callable[[], Callable[[], None]]],
+                         copies: List[Callable[[], None]]) -> None:
+    """Every rank runs ``refusable`` (the optimizer's load, which changes nothing if it raises
+    and returns its undo) and the ranks agree: when one refused, every rank undoes it and
+    raises, naming the failing rank and ``where``. Then every rank runs the ``copies`` and
+    the ranks agree again (see [Note: nothing changes unless everything was read])."""
+    error: Optional[BaseException] = None
+    undo = None
     try:
-        undo = commit()
+        undo = refusable() if refusable is not None else None
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
     agree_or_undo(f"{tag}.commit", error, undo)
+    undo = None  # the optimizer's old state goes before the shards are written
+    try:
+        with torch.no_grad():
+            for copy in copies:
+                copy()
+    except Exception as exc:  # every rank must reach the agreement
+        error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+    agree(f"{tag}.copied", error)
