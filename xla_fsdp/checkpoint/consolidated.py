@@ -50,25 +50,29 @@ def save_consolidated(path: str, model: ShardedModel,
     with_optimizer = optimizer is not None and format != "hf"
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
-    with gathered_shard_set(model, optimizer, extra) as (shards, gathers):
-        try:  # on every rank: the views are alike, so all refuse together or none does
-            plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-            reason = why_not_consolidated(shards, plan) if optimizer is not None else None
-            if reason is not None:
-                raise CheckpointError(f"save_consolidated: the optimizer cannot be "
-                                      f"consolidated: {reason}")
-            reads = read_order(shards, plan, format, with_optimizer)
-        except Exception as exc:
-            error = exc
-        agree("xla_fsdp.save_consolidated.plan", error)
-        gathers.follow(reads, keep=writes)
+    shards, gathers = gathered_shard_set(model, optimizer, extra)
+    try:  # on every rank: the views are alike, so all refuse together or none does
+        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        reason = why_not_consolidated(shards, plan) if optimizer is not None else None
+        if reason is not None:
+            raise CheckpointError(f"save_consolidated: the optimizer cannot be "
+                                  f"consolidated: {reason}")
+        reads = read_order(shards, plan, format, with_optimizer)
+    except Exception as exc:
+        error = exc
+    agree("xla_fsdp.save_consolidated.plan", error)
+    gathers.follow(reads, keep=writes)   # raises on every rank alike
+    try:
         if writes:
-            try:
-                options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
-                written, _ = write_output(shards, plan, format, path, with_optimizer, options,
-                                          lambda _: None)
-            except Exception as exc:  # every rank raises it, below
-                error = exc
+            options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
+            written, _ = write_output(shards, plan, format, path, with_optimizer, options,
+                                      lambda _: None)
+    except Exception as exc:  # every rank raises it, below
+        error = exc
+    try:
+        gathers.finish()  # the runs the writer did not read (on the others, every run)
+    except Exception as exc:
+        error = error or exc
     agree("xla_fsdp.save_consolidated", error)
     return written
 

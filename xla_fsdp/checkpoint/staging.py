@@ -14,10 +14,12 @@ on every rank. Putting them in place can still be refused on one rank: torch's o
 the optimizer's state goes in first, on every rank, and the ranks agree on it; when any rank
 refused, every rank puts back the optimizer state it replaced (torch's own tensors, held
 only until the agreement) and raises, before any shard or buffer has changed. Copying the
-staged values into the shards and buffers comes after, and nothing checks or refuses it, so
-no copy of what they held is kept: that would be a second copy of every shard for the whole
-load (on virtual devices, where a rendezvous syncs, a materialized one). A copy that fails
-all the same (a broken device) fails every rank.
+values into the shards and buffers comes after, and no copy of what they held is kept: that
+would keep a second copy of every shard for the whole agreement (in HBM, the old buffers; on
+virtual devices, where a rendezvous syncs, materialized clones). What torch would refuse of
+that copy (keys, shapes) was refused before it; what else can fail it (a device out of
+memory, or on a rank's own file a module's own ``load_state_dict`` hook raising) fails every
+rank through a second agreement, with the model as far as the copy got.
 """
 from __future__ import annotations
 

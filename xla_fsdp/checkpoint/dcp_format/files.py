@@ -47,8 +47,11 @@ FILE_BYTES = 64 << 20
 def local_plan(directory: str, planner: ChunkSavePlanner, rank: int
                ) -> Tuple[FileSystemWriter, SavePlan]:
     """DCP's writer of ``directory`` and ``rank``'s local plan, set up as DCP's save does."""
+    # one thread and no copy-ahead: a file's tensors are asked for in the plan's order (with
+    # CUDA present, copy-ahead would ask smallest first), which save_consolidated's gathers
+    # follow (see [Note: every rank knows the writer's read order])
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True,
-                              thread_count=1)
+                              thread_count=1, per_thread_copy_ahead=0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     planner.set_up_planner({}, writer.storage_meta(), rank == 0)
     return writer, writer.prepare_local_plan(planner.create_local_plan())

@@ -10,8 +10,8 @@ rank; no rank opens a file of another.
 The writers read tensors in orders of their own, each fixed by our code: the model's entries
 in parameter order, the optimizer's state a state name at a time across a shard's
 parameters (``NamedState.in_read_order``), DCP's in its plan's order (DCP's writer, with one
-thread, writes a file's tensors in the order it is given them). ``writers.formats.read_order``
-lists those reads.
+thread and no copy-ahead, asks for a file's tensors in the order it is given them:
+``dcp_format.files.local_plan``). ``writers.formats.read_order`` lists those reads.
 The views' trees are shapes only, so every rank builds the same ones and lists the same
 reads, and from them the device tensors to gather (a shard, or one state of a shard, within
 its sharding group). Every rank then gathers those in that order, in runs of
@@ -24,10 +24,9 @@ models are alike); the ranks check that they agree before the first gather.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -64,7 +63,9 @@ class Gathers:
             if isinstance(read, SpreadTensor) and isinstance(read.shards[0].file, _RankView) \
                     and math.prod(read.shape) and (not order or order[-1] != read.shards[0].key):
                 order.append(read.shards[0].key)
-        digest = hashlib.sha256("\n".join(order).encode()).hexdigest()
+        # names and sizes: the sizes cut the runs, so every rank must see the same ones
+        digest = hashlib.sha256(repr([(t, self._full_bytes(t)) for t in order]).encode()
+                                ).hexdigest()
         if len(set(exchange("xla_fsdp.gathered.order", digest))) > 1:
             raise CheckpointError("the ranks would gather different tensors for the consolidated "
                                   "save; the sharding groups' models must be alike")
@@ -93,18 +94,17 @@ class Gathers:
                 raise CheckpointError(f"the consolidated save read {tid} out of the order every "
                                       f"rank gathers in")
             self._held = {}  # dropped before the next run is gathered
-            self._held = self._gather(self._runs[self._next])
-            self._next += 1
+            self._next += 1  # first: a run that raised after its collectives is not redone
+            self._held = self._gather(self._runs[self._next - 1])
         return self._held[tid]
 
     def finish(self) -> None:
         """Takes part in the runs not gathered yet: all of them on a rank that does not write,
         the rest on a writer that stopped early."""
-        self._held = {}
+        self._held, self._keep = {}, False
         while self._next < len(self._runs):
             self._next += 1
             self._gather(self._runs[self._next - 1])
-        self._held = {}
 
 
 class _RankView:
@@ -159,13 +159,11 @@ def _ref(file: Any, key: str, tensor: torch.Tensor, dtype: Optional[torch.dtype]
     return TensorRef(file, key, dtype or tensor.dtype, 0, shape, contiguous_strides(shape))
 
 
-@contextlib.contextmanager
 def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer],
-                       extra: Any = None) -> Iterator[Tuple[ShardSet, Gathers]]:
+                       extra: Any = None) -> Tuple[ShardSet, Gathers]:
     """The ``ShardSet`` of ``model`` (and ``optimizer``) as ``save_sharded`` would have written
     it at this point, and the ``Gathers`` its views read through, on every rank. Every rank
-    must enter it and call ``Gathers.follow`` with the same reads; on leaving, each takes part
-    in the gathers its writer did not need."""
+    calls ``Gathers.follow`` with the same reads, and ``Gathers.finish`` at the end."""
     import torch_xla
     torch_xla.sync()
     metadata = model.get_shard_metadata()
@@ -202,10 +200,7 @@ def gathered_shard_set(model: ShardedModel, optimizer: Optional[torch.optim.Opti
             _optimizer_tree(optimizer, view, tensors, state, param_keys)
             if optimizer is not None else None, extra)
         files.append(view)
-    try:
-        yield ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>"), gathers
-    finally:
-        gathers.finish()
+    return ShardSet(files, ShardMetadata(files[0].tree[SHARD_METADATA]), "<live model>"), gathers
 
 
 def _state_id(param_keys: List[str], value: StateValue) -> str:

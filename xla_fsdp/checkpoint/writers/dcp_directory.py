@@ -2,8 +2,8 @@
 ``dcp_format.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
 would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that FSDP2
 and torchtitan start from it. Every tensor is read from the
-per-rank files when DCP's writer asks for it and written whole, one at a time: memory stays
-near the largest tensor. The directory becomes a checkpoint when its ``.metadata`` is
+per-rank files when DCP's writer asks for it and written whole: memory stays near one file's
+worth (see [Note: DCP's writer keeps a file's tensors until it closes]). The directory becomes a checkpoint when its ``.metadata`` is
 written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
 from __future__ import annotations
 
