@@ -51,3 +51,24 @@ def test_a_peft_model_is_refused_with_the_routes_that_work(tmp_path, name):
     with pytest.raises(CheckpointError, match="PEFT model .*merge_and_unload"):
         hf_directory(str(out), specs, entries, [], "", None, "5GB", lambda n: None)
     assert not out.exists()
+
+
+def test_a_tensor_over_the_limit_between_others_gets_its_own_file(tmp_path):
+    """huggingface_hub gives a tensor over the limit a file of its own, numbered before the
+    file still filling: the files are then not runs of the writing order, and each is still
+    written with exactly its tensors (an untied head over a small limit, between layers)."""
+    from safetensors.torch import load_file
+    state = {"a": torch.arange(10.), "big": torch.arange(100.), "b": torch.arange(20.),
+             "c": torch.arange(30.)}
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    out = tmp_path / "hf"
+    hf_directory(str(out), specs, iter(state.items()), [], "", None, 200, lambda n: None)
+    want = split_torch_state_dict_into_shards(state, max_shard_size=200).filename_to_tensors
+    assert list(want) == ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
+                          "model-00003-of-00003.safetensors"]
+    assert want["model-00001-of-00003.safetensors"] == ["big"]   # before "a"'s file
+    for f, names in want.items():
+        got = load_file(str(out / f))
+        assert sorted(got) == sorted(names), f
+        for n in names:
+            assert torch.equal(got[n], state[n]), n

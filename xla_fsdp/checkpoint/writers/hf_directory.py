@@ -24,6 +24,7 @@ leaves the directory as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -189,6 +190,7 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
             raise CheckpointError(f"{name} has dtype {dtype}, which safetensors cannot hold")
     files = split_into_files([spec for spec, _ in order], parse_size(max_shard_size))
     file_of = {spec[0]: f for f, file_entries in files for spec in file_entries}
+    entries_of = dict(files)
     stored_as: Dict[str, List[str]] = {}
     for (name, _, _), source in order:
         stored_as.setdefault(source, []).append(name)
@@ -199,22 +201,31 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
             progress(tensor.numel())
             for name in stored_as.get(source, []):
                 yield name, tensor
-    # the files are runs of the writing order, so they are written one after another; the
+    # a file is a run of the writing order, except one holding a tensor over the limit alone,
+    # which comes before the file still filling (as huggingface_hub splits): so each file is
+    # opened at its first tensor and finished at its last, at most two open at once. The
     # index goes in place last: a reader never sees it name a file not yet in place
-    stream = stored_tensors()
     paths = [os.path.join(directory, f) for f in names]
-    with atomic_paths(paths) as by_path:
+    with atomic_paths(paths) as by_path, contextlib.ExitStack() as open_files:
         staged = {f: by_path[p] for f, p in zip(names, paths)}
-        for f, file_entries in files:
-            with staged[f].writing() as tmp:
-                writer = SafetensorsWriter(tmp, file_entries, {"format": "pt"})
-                for _ in file_entries:
-                    name, tensor = next(stream, (None, None))
-                    if name is None:
-                        raise CheckpointError(f"{directory}: the weights ended before {f} "
-                                              f"was complete")
-                    writer.add(name, tensor)
-                writer.finish()
+        writers: Dict[str, SafetensorsWriter] = {}
+        closers: Dict[str, contextlib.ExitStack] = {}
+        left = {f: len(file_entries) for f, file_entries in files}
+        for name, tensor in stored_tensors():
+            f = file_of[name]
+            if f not in writers:
+                closers[f] = open_files.enter_context(contextlib.ExitStack())
+                tmp = closers[f].enter_context(staged[f].writing())
+                writers[f] = SafetensorsWriter(tmp, entries_of[f], {"format": "pt"})
+            writers[f].add(name, tensor)
+            left[f] -= 1
+            if not left[f]:
+                writers[f].finish()
+                closers[f].close()
+        unfinished = [f for f, n in left.items() if n]
+        if unfinished:
+            raise CheckpointError(f"{directory}: the weights ended before {unfinished[0]} "
+                                  f"was complete")
         contents = dict(configs)
         if len(files) > 1:
             stored = [spec for spec, _ in order]
