@@ -60,8 +60,9 @@ class Gathers:
         rank calls it, and raises if another lists other tensors."""
         order: List[str] = []
         for read in reads:
-            if isinstance(read, SpreadTensor) and isinstance(read.shards[0].file, _RankView) \
-                    and math.prod(read.shape) and (not order or order[-1] != read.shards[0].key):
+            # a SpreadTensor is read from the views; anything else is this rank's own
+            if isinstance(read, SpreadTensor) and math.prod(read.shape) \
+                    and (not order or order[-1] != read.shards[0].key):
                 order.append(read.shards[0].key)
         # names and sizes: the sizes cut the runs, so every rank must see the same ones
         digest = hashlib.sha256(repr([(t, self._full_bytes(t)) for t in order]).encode()

@@ -85,7 +85,7 @@ def read_order(shards: ShardSet, plan: ModelPlan, fmt: str, with_optimizer: bool
     order = list(model.values())
     if fmt == "dcp":
         order += [model[source] for _, source in plan.aliases]
-    if with_optimizer and fmt != "hf":
+    if with_optimizer:
         order += [value for _, _, value in named_state(shards, plan).in_read_order()]
     return order
 
