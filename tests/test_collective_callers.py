@@ -1,10 +1,14 @@
 """The collectives rule checked on what runs, not on names (``test_layering`` reads the
 code): eager steps (nested units, a scanned stack, ``no_sync``, ``clip_grad_norm_``, and
-sharding groups replicated across groups with the optimizer offloaded), full state dicts, per-rank (also asynchronous), consolidated, DCP and managed checkpoints saved
-and loaded, run with every upstream collective, barrier and host meeting wrapped, and
-each call is charged to the innermost package module on the stack. Only
-``_sharding/collectives.py`` and ``_xla/private_api.py`` may issue collectives and barriers,
-and only ``checkpoint/coordination.py`` may meet on the host."""
+sharding groups replicated across groups with the optimizer offloaded), full state dicts,
+per-rank (also asynchronous), consolidated, DCP and managed checkpoints saved and loaded,
+run with every upstream collective, barrier and host meeting wrapped, and each call is
+charged to the innermost package module on the stack. A step under ``torch.compile`` is
+watched in the graphs Dynamo hands its backend: each collective node is charged to the
+innermost package module of the stack Dynamo recorded for it (a wrapper around the op
+would be a Python frame inside the trace). Only ``_sharding/collectives.py`` and
+``_xla/private_api.py`` may issue collectives and barriers, and only
+``checkpoint/coordination.py`` may meet on the host."""
 import os
 import sys
 
@@ -24,16 +28,51 @@ BINDINGS = ("_xla_all_gather", "_xla_all_gather_out", "_xla_all_gather_coalesced
             "_xla_reduce_scatter_coalesced", "_xla_optimization_barrier_")
 
 
+def _ours(name: str) -> bool:
+    """A package module, the launcher (which stands in for some collectives on virtual
+    devices) left out."""
+    return name.startswith("xla_fsdp.") and not name.startswith("xla_fsdp.launch")
+
+
 def _caller() -> str:
-    """The innermost module of ours on the stack, the launcher (which stands in for some
-    collectives on virtual devices) and this test left out."""
+    """The innermost module of ours on the stack, this test left out."""
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
-        if name.startswith("xla_fsdp.") and not name.startswith("xla_fsdp.launch"):
+        if _ours(name):
             return name
         frame = frame.f_back
     return "?"
+
+
+def _traced_caller(stack_trace: str) -> str:
+    """The innermost module of ours in a stack Dynamo recorded for a graph node (its frames
+    outermost first, as a traceback lists them)."""
+    import xla_fsdp
+    package = os.path.dirname(os.path.dirname(os.path.abspath(xla_fsdp.__file__)))
+    found = "?"
+    for line in stack_trace.splitlines():
+        line = line.strip()
+        if line.startswith('File "') and line[6:].startswith(package + os.sep):
+            path = line[6:line.index('"', 6)]
+            name = os.path.relpath(path, package)[:-len(".py")].replace(os.sep, ".")
+            found = name if _ours(name) else found
+    return found
+
+
+def _watching_backend(seen):
+    """torch_xla's backend, first charging every collective in the graphs it is given."""
+    from torch._dynamo.backends.registry import lookup_backend
+    openxla = lookup_backend("openxla")
+
+    def backend(graph_module, example_inputs):
+        graphs = [m.graph for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+        for node in (n for g in graphs for n in g.nodes):  # with autograd.Functions' bodies
+            if node.op == "call_function" and "_c10d_functional" in str(node.target):
+                seen.add(("traced collective", str(node.target),
+                          _traced_caller(node.meta.get("stack_trace") or "")))
+        return openxla(graph_module, example_inputs)
+    return backend
 
 
 def _watch(owner, names, kind, seen):
@@ -114,15 +153,25 @@ def run(rank, root):
     save_sharded(os.path.join(root, "hybrid"), hybrid, hybrid_opt)
     load_sharded(os.path.join(root, "hybrid"), hybrid, hybrid_opt)
     torch_xla.sync()
+    # a compiled step: its gathers and reductions are traced into the graph
+    compiled = FSDP(nn.Sequential(FSDP(Block()), nn.Linear(8, 4)).to(device))
+    compiled_opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    step = torch.compile(compiled, backend=_watching_backend(seen))
+    step(torch.randn(4, 8, device=device)).square().mean().backward()
+    compiled_opt.step()
+    torch_xla.sync()
     return sorted(seen)
 
 
 def test_only_the_collectives_modules_issue_collectives_and_only_coordination_meets(tmp_path):
     seen = launch(run, (str(tmp_path),), num_devices=2)[0]
     kinds = {kind for kind, _, _ in seen}
-    assert kinds == {"collective", "meeting"}, seen   # the watch saw both kinds
+    assert kinds == {"collective", "meeting", "traced collective"}, seen  # every watch saw
     callers = {(kind, caller) for kind, _, caller in seen}
     wrong = sorted((kind, name, caller) for kind, name, caller in seen
-                   if caller not in (ISSUERS if kind == "collective" else MEETERS))
+                   if caller not in (MEETERS if kind == "meeting" else ISSUERS))
     assert not wrong, wrong
     assert {c for k, c in callers if k == "collective"} == ISSUERS, callers
+    traced = {name for kind, name, _ in seen if kind == "traced collective"}
+    assert {"_c10d_functional.all_gather_into_tensor",
+            "_c10d_functional.reduce_scatter_tensor"} <= traced, traced
