@@ -61,6 +61,29 @@ def async_and_manager(rank, world, directory):
     out["step8_extra"] = load_dcp(os.path.join(root, "step000008"), model, opt)
     resumed.close()
     out["first_losses"] = len(first)
+
+    # independent sharding groups (each rank a model of its own): each group's files go in
+    # the step's directory, from which it restores; nothing is left beside the steps
+    groups = dict(sharding_groups=[[r] for r in range(world)], sharding_rank=0,
+                  sharding_world_size=1)
+    for format in ("dcp", "sharded"):
+        root = os.path.join(directory, f"groups_{format}")
+        manager = CheckpointManager(root, every=1, keep_last=2, format=format)
+        model = wrapped_net(**groups)
+        opt = optimizer_for(model)
+        for step in range(3):
+            train(model, opt, range(step, step + 1), rank, world, split=1)
+            manager.maybe_save(step + 1, model, opt, extra={"step": step + 1})
+        manager.close()
+        at3 = snapshot(model, opt)
+        xm.rendezvous(f"groups {format} saved")
+        out[f"groups_{format}_kept"] = sorted(os.listdir(root))
+        out[f"groups_{format}_step3"] = sorted(os.listdir(os.path.join(root, "step000003")))
+        model = wrapped_net(**groups)
+        opt = optimizer_for(model)
+        out[f"groups_{format}_restored"] = (CheckpointManager(root, on_preemption=False)
+                                            .restore(model, opt))
+        out[f"groups_{format}_state"] = same_snapshot(snapshot(model, opt), at3)
     return out
 
 

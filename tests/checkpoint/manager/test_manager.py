@@ -1,6 +1,8 @@
 """Asynchronous saves and CheckpointManager in one launch at N=2: a pending save holds the
 state of its call while training goes on; the next save publishes it; a manager keeps the
-last two of five checkpoints, and a model restored from it continues exactly."""
+last two of five checkpoints, and a model restored from it continues exactly; with
+independent sharding groups, in both formats, each group's files are in the step's
+directory and restore from it."""
 import pytest
 
 from xla_fsdp import launch
@@ -39,6 +41,21 @@ def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
         assert got["step8_extra"] == {"step": 8}
         # torch_xla's preemption sync point is a TPU runtime's; here, SIGTERM alone
         assert "preemption sync point is a TPU's; this is CPU" in got["sync_point"]
+
+
+@pytest.mark.parametrize("format, files", [
+    ("dcp", ["COMPLETE", "dcp_group-000", "dcp_group-001"]),
+    ("sharded", ["COMPLETE", "checkpoint_group-000_rank-00000000-of-00000001.pth",
+                 "checkpoint_group-001_rank-00000000-of-00000001.pth"]),
+])
+def test_independent_sharding_groups_save_into_the_step_and_restore(launched, format, files):
+    out, _ = launched
+    for rank in range(WORLD):
+        got = out[rank]
+        assert got[f"groups_{format}_kept"] == ["latest", "step000002", "step000003"]
+        assert got[f"groups_{format}_step3"] == files
+        assert got[f"groups_{format}_restored"] == {"step": 3}
+        assert got[f"groups_{format}_state"]
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -44,14 +44,26 @@ from ..dcp import load_dcp, save_dcp
 from ..coordination import exchange
 from ..dcp_format.metadata_file import METADATA_FILE
 from ..files import CheckpointError
+from ..metadata import RANK_FILES
 from ..sharded import load_sharded, save_sharded
-from ..unit_protocol import ShardedModel
+from ..unit_protocol import ShardedModel, sharding_group_path
 from . import preemption
 from .directory import CheckpointDirectory
 from .step_vote import StepVote
 
 FORMATS = ("sharded", "dcp")
 SHARDED_PREFIX = "checkpoint"   # the per-rank files: step000100/checkpoint_rank-...pth
+GROUPS_DCP = "dcp"   # independent sharding groups' DCP directories: step000100/dcp_group-001
+
+
+def _dcp_path(step_path: str, model: ShardedModel) -> str:
+    """What ``save_dcp`` and ``load_dcp`` are given for a step: the step's directory itself,
+    which is then a DCP checkpoint as FSDP2 and torchtitan load it; with independent
+    sharding groups a name inside it, which each group's directory extends
+    (``unit_protocol.sharding_group_path``), so that every group's files are in the step's
+    directory and go with it."""
+    return os.path.join(step_path, GROUPS_DCP) if sharding_group_path(step_path, model)[1] \
+        else step_path
 
 
 class CheckpointManager:
@@ -115,7 +127,8 @@ class CheckpointManager:
         path = self.directory.prepare(step)
         exchange(f"xla_fsdp.manager.prepare.{step}", None)  # every rank's before any writes
         if self.format == "dcp":
-            result = save_dcp(path, model, optimizer, extra, async_save=self.async_save)
+            result = save_dcp(_dcp_path(path, model), model, optimizer, extra,
+                              async_save=self.async_save)
         else:
             result = save_sharded(os.path.join(path, SHARDED_PREFIX), model, optimizer, extra,
                                   async_save=self.async_save)
@@ -162,10 +175,11 @@ class CheckpointManager:
         if step is None:
             raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
         path = self.directory.path(step)
-        if os.path.exists(os.path.join(path, METADATA_FILE)):
-            return load_dcp(path, model, optimizer)
+        dcp = _dcp_path(path, model)
+        if os.path.exists(os.path.join(sharding_group_path(dcp, model)[0], METADATA_FILE)):
+            return load_dcp(dcp, model, optimizer)
         prefix = os.path.join(path, SHARDED_PREFIX)
-        if not glob.glob(glob.escape(prefix) + "*_rank-*-of-*.pth"):
+        if not glob.glob(glob.escape(prefix) + "*" + RANK_FILES):
             raise CheckpointError(f"{path} is marked complete but holds neither a DCP "
                                   f"checkpoint nor per-rank files")
         return load_sharded(prefix, model, optimizer)
