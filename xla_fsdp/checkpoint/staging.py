@@ -238,8 +238,16 @@ class StagedLoad:
             if isinstance(stored, BytesStorageMetadata):
                 self.objects[keys[0]] = None
                 out[name] = lambda key=keys[0]: self.objects[key]
-            elif all(state_is_sharded(f"{self.where}: {k}", name, self.stored[k], s.shape)
-                     for k, s in zip(keys, slots)):
+                continue
+            sharded = [state_is_sharded(f"{self.where}: {k}", name, self.stored[k], s.shape)
+                       for k, s in zip(keys, slots)]
+            if any(sharded) and not all(sharded):  # one shard's parameters disagree
+                odd = keys[sharded.index(not sharded[0])]
+                raise CheckpointError(
+                    f"{self.where}: optimizer state {odd} is laid out otherwise than "
+                    f"{keys[0]}, though both parameters share one shard: each must be shaped "
+                    f"as its parameter, or neither")
+            if all(sharded):
                 stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
                 for key, slot in zip(keys, slots):
                     self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),

@@ -21,6 +21,7 @@ from ...support.parity import paired
 WORLD, BEFORE, AFTER = 2, 2, 2
 LABELS = ("model_only", "get_state_dict", "torchtitan", "torchtitan_seed")
 MODEL_ONLY = ("model_only", "torchtitan_seed")
+REFUSED = ("deeper", "mixed_state")
 
 
 def _plain_steps(model, opt, start, steps):
@@ -47,9 +48,9 @@ def _ours(rank, directories):
         model.b1 = FSDP(model.b1, flatten_parameters=True)
         model = FSDP(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        if label == "deeper":
+        if label in REFUSED:
             try:
-                load_dcp(directory, model)
+                load_dcp(directory, model, opt if label == "mixed_state" else None)
             except CheckpointError as exc:
                 out[label] = str(exc)
             continue
@@ -79,7 +80,7 @@ def loaded(tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     _plain_steps(model, opt, 0, BEFORE)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    directories = {label: str(tmp / label) for label in LABELS + ("deeper",)}
+    directories = {label: str(tmp / label) for label in LABELS + REFUSED}
     msd, osd = get_state_dict(model, opt)
     flat = get_optimizer_state_dict(model, opt,
                                     options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -97,6 +98,12 @@ def loaded(tmp_path_factory):
                  no_dist=True)
         dcp.save(dict(get_model_state_dict(model), **{"b2.extra.weight": torch.ones(2)}),
                  checkpoint_id=directories["deeper"], no_dist=True)
+        # one parameter of the flattened unit b1 with a moment of no shape, its neighbour's
+        # shaped as its parameter: the shard's state cannot be both
+        mixed = {k: dict(v) for k, v in osd["state"].items()}
+        mixed["b1.down.bias"]["exp_avg"] = torch.zeros(())
+        dcp.save({"model": msd, "optimizer": dict(osd, state=mixed)},
+                 checkpoint_id=directories["mixed_state"], no_dist=True)
     keys = _keys(directories["torchtitan"])
     assert "b1.up.weight" in keys and "optimizer.param_groups.b1.up.weight.lr" in keys
     return {"state": state, "losses": _plain_steps(model, opt, BEFORE, AFTER),
@@ -118,6 +125,12 @@ def test_plain_checkpoints_load_and_training_continues_alike(loaded, label):
             for _, (a, b) in paired(out[label]["losses"], loaded["losses"]):
                 assert abs(a - b) <= 1e-5 * abs(b), (label, out[label]["losses"],
                                                      loaded["losses"])
+
+
+def test_optimizer_state_laid_out_two_ways_in_one_shard_is_refused_naming_it(loaded):
+    for rank, out in loaded["ours"].items():
+        assert "optimizer.state.b1.down.bias.exp_avg is laid out otherwise" in \
+            out["mixed_state"], out["mixed_state"]
 
 
 def test_a_bare_checkpoint_of_another_model_is_refused_naming_the_key(loaded):
