@@ -9,8 +9,9 @@ gradient.
 
 This module is the public class: construction and the methods users call. The work is in
 the layers below it (see ARCHITECTURE.md): ``_init`` (finding and grouping parameters),
-``_unit`` (one state object per unit, owning its hooks and shard groups), ``_sharding``
-(layouts and collectives) and ``checkpoint`` (state dicts and shard metadata).
+``_unit`` (one state object per unit, owning its hooks, and its ``UnitParams``, owning
+its shard groups), ``_sharding`` (layouts and collectives) and ``checkpoint`` (state dicts
+and shard metadata).
 """
 from __future__ import annotations
 

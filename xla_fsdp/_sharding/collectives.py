@@ -1,7 +1,9 @@
-"""The only place that calls XLA collectives and optimization barriers, and the stateless
-steps FSDP builds from them: gathering a unit's shards, padding its gradients for the
-reduce-scatter, and reducing them. Ordinary units (``UnitParams``) and the scanned layers'
-loop bodies use the same steps.
+"""XLA collectives and optimization barriers, and the stateless steps FSDP builds from them:
+gathering a unit's shards, padding its gradients for the reduce-scatter, and reducing them. Ordinary units (``UnitParams``) and the scanned layers'
+loop bodies use the same steps. Collectives are issued here, or by ``_xla.private_api``
+where only torch_xla's private bindings or torch's functional collectives can issue them (a
+pinned gather into an output buffer; the collectives a compiled graph traces): no other
+module issues one, which ``tests/test_collective_callers.py`` checks on what runs.
 
 All-gathers are always native all-gathers. For a single tensor with ``pin_layout=True``,
 ``xm.all_gather`` is built from an all-reduce of a zero-padded buffer: it moves

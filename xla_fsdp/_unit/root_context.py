@@ -19,7 +19,6 @@ import torch.nn as nn
 from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
 from .host_offload import fetch_gradients
-from .shard_group import ShardGroup
 from .training_state import TrainingState
 from .unit_params import UnitParams
 
@@ -34,9 +33,6 @@ class Participant(Protocol):
     training_state: TrainingState
 
     params: UnitParams
-
-    @property
-    def shard_groups(self) -> List[ShardGroup]: ...
 
     def end_of_model_forward(self, grad_enabled: bool) -> None: ...
 
@@ -74,9 +70,7 @@ class RootContext:
         for state in self.states if compiled else ():
             if state.compile_refusal:
                 raise RuntimeError(state.compile_refusal)
-        if not self._initialized:
-            first_time()
-            self._initialized = True
+        self.check_first_forward(first_time)
         self.forward_id += 1
 
     def traced(self) -> bool:

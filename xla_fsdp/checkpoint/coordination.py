@@ -1,5 +1,6 @@
-"""What DCP's save and load, and ``save_sharded``, need from the other ranks, without a
-torch.distributed process group: every rank's Python object, through ``xm.rendezvous``.
+"""What checkpoint code needs from the other ranks (the saves and loads of every format, the
+manager, the first rank's stream), without a torch.distributed process group: every rank's
+Python object, through ``xm.rendezvous``.
 
 DCP coordinates its ranks through a process group. Under torch_xla there is none by default
 (and on virtual devices none can exist), but ``xm.rendezvous`` exchanges bytes between all

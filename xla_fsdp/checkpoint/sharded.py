@@ -9,8 +9,8 @@ every rank's or none (see the Note below): a crash or a full disk mid-save leave
 previous files whole, and no file of the failed save on any rank.
 
 With ``sharding_groups`` each group is a model of its own (torch_xla's meaning: a part of a
-model-parallel model), numbered by its sharding rank, so each group writes its own files,
-``{prefix}_group-{k}_rank-...``, which consolidate on their own. With
+model-parallel model), numbered by its index in ``sharding_groups``, so each group writes
+its own files, ``{prefix}_group-{k:03d}_rank-...``, which consolidate on their own. With
 ``replicate_across_groups=True`` the groups are replicas and only the first writes,
 ``{prefix}_rank-...``.
 

@@ -129,8 +129,8 @@ def saved_param_groups(shards: ShardSet, plan: ModelPlan
 @dataclass
 class NamedState:
     """The optimizer state an optimizer over the unwrapped model would have, by parameter
-    name: THE walk over per-rank files' optimizer state, which every output of them
-    (consolidated files, a DCP directory, the per-rank files' source) takes its form of."""
+    name, built from per-rank files with ``walk_state`` (``named_state``): the form every
+    output of them (consolidated files, a DCP directory, the per-rank files' source) takes."""
     state: Dict[str, Dict[str, Any]]   # parameter name -> its state (``saved_state``)
     shard: Dict[str, str]              # parameter name -> the shard its state is saved with
     param_groups: List[Tuple[Dict[str, Any], List[str]]]  # each as saved, its parameters
