@@ -9,6 +9,8 @@ from xla_fsdp._sharding.chunks import range_chunks, run_chunks
 from xla_fsdp._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout,
                                       runs_by_param)
 
+from ..support.checks import pairs
+
 SHAPES = [(7,), (5, 3), (2, 3, 4), (), (6, 1, 5), (1,), (3, 0)]
 
 
@@ -53,7 +55,7 @@ def test_owned_pieces_as_chunks_rebuild_every_parameter(world):
                     box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
                     rebuilt[owned.param][box] = shard[at:at + c.numel].view(c.sizes)
                     covered[owned.param][box] += 1
-        for got, want, count in zip(rebuilt, tensors, covered):
+        for got, want, count in pairs(rebuilt, tensors, covered):
             assert torch.equal(got, want), layout
             assert bool((count == 1).all()), layout  # each element exactly once
 
@@ -64,7 +66,7 @@ def test_runs_by_param_read_every_parameter_back(world):
     for layout in _layouts(world):
         tensors = [torch.randn(s) for s in layout.shapes]
         shards = [layout.shard(tensors, r).reshape(-1) for r in range(world)]
-        for want, runs in zip(tensors, runs_by_param(layout)):
+        for want, runs in pairs(tensors, runs_by_param(layout)):
             got = torch.full((want.numel(),), float("nan"))
             assert [r for r, _ in runs] == sorted(r for r, _ in runs)
             for rank, run in runs:

@@ -4,7 +4,7 @@ import torch
 
 from xla_fsdp._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, StackedLayout,
                                       unshard_all)
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
@@ -15,7 +15,7 @@ def test_flat_layout_round_trip(world, shapes):
     shards = [layout.shard(tensors, r) for r in range(world)]
     assert every(s.shape == layout.shard_shape for s in shards)
     assert layout.padded_numel - layout.numel < world  # padding only to a multiple of N
-    for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
+    for got, want in pairs(layout.unshard(torch.cat(shards)), tensors):
         assert torch.equal(got, want)
     # the group's content as one flat tensor shards the same way
     content = torch.cat([t.reshape(-1) for t in tensors])
@@ -35,10 +35,10 @@ def test_interleaved_layout_round_trip(world, multiple, shapes):
         assert piece % multiple == 0 and 0 <= piece * world - n < world * multiple
     # from one all-gather per parameter piece (what training does) ...
     pieces = [torch.cat([layout.pieces(s)[i] for s in shards]) for i in range(len(shapes))]
-    for got, want in zip(layout.unshard_pieces(pieces), tensors):
+    for got, want in pairs(layout.unshard_pieces(pieces), tensors):
         assert torch.equal(got, want)
     # ... and from one all-gather of whole shards (full_state_dict)
-    for got, want in zip(layout.unshard(torch.cat(shards)), tensors):
+    for got, want in pairs(layout.unshard(torch.cat(shards)), tensors):
         assert torch.equal(got, want)
     content = torch.cat([t.reshape(-1) for t in tensors])
     assert every(torch.equal(layout.shard([content], r), s) for r, s in enumerate(shards))
@@ -105,7 +105,7 @@ def test_stacked_layout_is_a_layout_like_the_others(world, layer):
     assert every(torch.equal(b.view(layout.shard_shape), s) for b, s in zip(blocks, shards))
     gathered = [torch.cat([layout.pieces(s)[i] for s in shards])
                 for i in range(len(layout.pieces(shards[0])))]
-    for got, want in zip(layout.unshard_pieces(gathered), tensors):
+    for got, want in pairs(layout.unshard_pieces(gathered), tensors):
         assert torch.equal(got, want)
 
 
@@ -117,7 +117,7 @@ def test_a_units_gathered_pieces_come_back_as_every_layouts_tensors(world):
                Dim0Layout(torch.Size([4, 2]), world), FlatLayout((torch.Size([6]),), world)]
     tensors = [[torch.randn(s) for s in layout.shapes] for layout in layouts]
     gathered = []
-    for layout, ts in zip(layouts, tensors):
+    for layout, ts in pairs(layouts, tensors):
         shards = [layout.shard(ts, r) for r in range(world)]
         assert layout.piece_count == len(layout.pieces(shards[0]))
         gathered += [torch.cat([layout.pieces(s)[i] for s in shards])

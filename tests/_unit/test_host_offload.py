@@ -11,6 +11,7 @@ from tests.support.fake_collectives import FakeWorld, data_update, tracked_updat
 from xla_fsdp._unit.host_offload import fetch_gradients
 
 from .test_unit_params import data, expected_grad, model, reference_grads, run_pass, wire
+from ..support.checks import pairs
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def test_the_shard_is_on_the_host_and_its_device_copy_follows_its_generation(lay
     for update, count in ((tracked_update(0.5), False), (data_update(0.25), True)):
         before = [g.local() for g in world.shard_groups[0]]
         world.step(update, count=count)
-        for g, old in zip(world.shard_groups[0], before):
+        for g, old in pairs(world.shard_groups[0], before):
             assert g.local() is not old
             assert_close(g.local().float(), g.shard.detach().to(torch.bfloat16).float())
 
@@ -61,7 +62,7 @@ def test_reduced_gradients_reach_the_host_grad_at_the_end_of_backward(rank, dtyp
             assert g.device_gradient().dtype == dtype
         _fetch(offloaded, rank)
         assert len(synced) == step + 1   # one execution of the step per backward
-        for p, o in zip(plain.shard_groups[rank], offloaded.shard_groups[rank]):
+        for p, o in pairs(plain.shard_groups[rank], offloaded.shard_groups[rank]):
             assert o.device_gradient() is None
             assert o.shard.grad.device.type == "cpu"
             assert_close(o.shard.grad, p.shard.grad)  # the second backward adds to it

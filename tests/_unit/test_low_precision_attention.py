@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xla_fsdp import launch
 from xla_fsdp._unit.low_precision_attention import attention, install, low_precision_attention
 
+from ..support.checks import pairs
+
 B, H, L, S = 2, 4, 6, 7
 MATMULS = {"mm", "bmm", "addmm", "baddbmm"}
 
@@ -46,7 +48,7 @@ def test_float64_inputs_give_torchs_values_and_gradients(mask, gqa):
     want = F.scaled_dot_product_attention(q, k, v, **kwargs)
     got = attention(q, k, v, **kwargs)
     grad = torch.randn_like(want)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad),
+    for a, b in pairs(torch.autograd.grad(got, (q, k, v), grad),
                     torch.autograd.grad(want, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -77,7 +79,7 @@ def test_low_precision_values_and_gradients_are_close_to_float64(dtype):
     want = F.scaled_dot_product_attention(*exact, is_causal=True)
     assert got.dtype == dtype
     grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad(got, (q, k, v), grad.to(dtype)),
+    for a, b in pairs(torch.autograd.grad(got, (q, k, v), grad.to(dtype)),
                     torch.autograd.grad(want, exact, grad)):
         assert a.dtype == dtype
         torch.testing.assert_close(a.double(), b, rtol=3e-2, atol=3e-2)

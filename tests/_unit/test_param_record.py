@@ -7,7 +7,7 @@ from torch.testing import assert_close
 
 from tests.support.fake_collectives import FakeWorld
 from xla_fsdp._unit.param_record import ParamRecord, placeholders_in, taken_name
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 
 class Tied(nn.Module):
@@ -41,14 +41,14 @@ def test_install_puts_full_values_in_and_free_puts_dummies_back():
     versions = [p._version for p in placeholders]
     values = full_values(world)
     ParamRecord.install(records, values)
-    for r, p, v in zip(records, placeholders, values):
+    for r, p, v in pairs(records, placeholders, values):
         assert r.placeholder is p and torch.equal(p, v) and p.data_ptr() == v.data_ptr()
         assert r.gathered and p._has_full_param
     assert [p._version for p in placeholders] == versions
 
     dummy = torch.zeros(1)
     assert ParamRecord.free(records, [dummy] * len(records))
-    for r, p in zip(records, placeholders):
+    for r, p in pairs(records, placeholders):
         assert r.placeholder is p and p.data_ptr() == dummy.data_ptr()
         assert not r.gathered and not p._has_full_param
     assert [p._version for p in placeholders] == versions
@@ -81,7 +81,7 @@ def test_a_forward_survives_free_and_install_before_its_backward():
     ref_x = x.detach().clone().requires_grad_(True)
     world.reference(ref_x).pow(2).sum().backward()
     assert_close(x.grad, ref_x.grad)
-    for r, p in zip(records, world.reference.parameters()):
+    for r, p in pairs(records, world.reference.parameters()):
         assert_close(r.placeholder.grad, p.grad)
 
 
@@ -94,7 +94,7 @@ def test_lend_sets_the_full_values_in_every_holder_and_take_back_the_placeholder
     embed = records[0]
     assert len(embed.owners) == 2   # the embedding's and the head's attribute
     ParamRecord.lend(records, values)
-    for r, v in zip(records, values):
+    for r, v in pairs(records, values):
         assert every(getattr(m, a) is v for m, a in r.owners)
         assert not r.gathered
     x = torch.randn(4, 3)

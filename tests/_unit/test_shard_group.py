@@ -7,7 +7,7 @@ import torch.nn as nn
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout
 from xla_fsdp._unit.shard_group import shard_group_of
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 LAYOUTS = {"flat": ({}, FlatLayout), "flatten": ({"flatten_parameters": True}, InterleavedLayout),
            "dim0": ({"shard_param_on_dim_0": True}, Dim0Layout)}
@@ -36,7 +36,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
         assert isinstance(g0.layout, layout_type)
         # the ranks' shards are the parameters, cut; each shard holds only its own piece
         full = g0.layout.unshard(torch.cat([g0.shard.detach(), g1.shard.detach()]))
-        for got, want in zip(full, world.reference_params(g0)):
+        for got, want in pairs(full, world.reference_params(g0)):
             assert torch.equal(got, want.detach())
         assert g0.shard.shape == g0.layout.shard_shape
         assert not torch.equal(g0.shard, g1.shard)
@@ -54,7 +54,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
         # no parameter is registered any more: placeholders stand where they were
         assert list(module.parameters()) == []
         records = [r for g in ranks[rank] for r in g.records]
-        for name, r in zip([n for ns in names for n in ns], records):
+        for name, r in pairs([n for ns in names for n in ns], records):
             owner, attr = module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             assert getattr(owner, attr) is r.placeholder and r.owners == [(owner, attr)]
             assert r.placeholder.shape == (1,) and r.placeholder.requires_grad

@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._unit.unit_params import FullParams
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 LAYOUTS = {"flat": {}, "flatten": {"flatten_parameters": True},
            "dim0": {"shard_param_on_dim_0": True}}
@@ -87,7 +87,7 @@ def dummies(params):
 
 def holds_full_values(world, rank, offset=0.0):
     for g in world.shard_groups[rank]:
-        for r, ref in zip(g.records, world.reference_params(g)):
+        for r, ref in pairs(g.records, world.reference_params(g)):
             want = (ref.detach() + offset).to(g.compute_dtype)
             if not (r.gathered and r.placeholder._has_full_param
                     and torch.equal(r.placeholder, want)):
@@ -337,7 +337,7 @@ def _give_gradients(params):
     grads = {}
     gen = torch.Generator().manual_seed(7)
     for g in params.shard_groups:
-        for name, r in zip(g.names, g.records):
+        for name, r in pairs(g.names, g.records):
             grads[name] = torch.randn(r.placeholder.shape, generator=gen)
             r.placeholder.grad = grads[name].clone()
     return grads
@@ -357,7 +357,7 @@ def test_no_sync_gradients_stay_on_placeholders_until_a_synced_reduction_adds_th
     params.finalize_backward(took_part=True)
     first = reference_grads(world, [x1])
     for g in params.shard_groups:
-        for name, r in zip(g.names, g.records):
+        for name, r in pairs(g.names, g.records):
             assert_close(r.placeholder.grad, first[name])
         # the accumulation is marked: a zero shard gradient the next reduction adds to
         assert g.sentinel is not None and g.accumulating()

@@ -20,7 +20,7 @@ from ..support import any_world_workloads as layouts
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
 from ..support.models import Net
 from ..support.parity import paired
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 pytestmark = pytest.mark.slow  # training, saving and resuming at N = 4 and 2 (8 too)
 
@@ -134,7 +134,7 @@ def test_consolidated_matches_unsharded_training(saved, reference):
     opt = optimizer_for(plain)
     opt.load_state_dict(ckpt["optimizer"])
     assert ckpt["optimizer_param_names"] == [n for n, _ in plain.named_parameters()]
-    for p, expected in zip(plain.parameters(), ref["momentum"]):
+    for p, expected in pairs(plain.parameters(), ref["momentum"]):
         assert (opt.state[p]["momentum_buffer"] - expected).abs().max() <= 1e-5
     # the library's own gather agrees exactly with the file-based consolidation
     full = saved["at_four"][0]["full"]

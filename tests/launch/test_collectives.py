@@ -16,6 +16,8 @@ import torch
 
 from xla_fsdp import launch
 
+from ..support.checks import pairs
+
 STEPS = 8
 SIZES = (1, 7, 128, 1000, 4096, 1 << 20)  # 1M elements in the largest
 
@@ -98,11 +100,11 @@ def run_collectives(rank: int) -> dict:
         # in-place all_reduce of a list of tensors (the form used for gradients)
         listed = [_everyone(step, n, world)[0][rank].to(device) for n in (3, 300, 3000)]
         xm.all_reduce(xm.REDUCE_SUM, listed, scale=1.0 / world, pin_layout=False)
-        for n, t in zip((3, 300, 3000), listed):
+        for n, t in pairs((3, 300, 3000), listed):
             outs.append(t)
             refs.append(_everyone(step, n, world)[1] * (1.0 / world))
         torch_xla.sync()
-        for out, ref in zip(outs, refs):
+        for out, ref in pairs(outs, refs):
             got = out.cpu()
             assert got.shape == ref.shape, (step, got.shape, ref.shape)
             if not torch.equal(got, ref):

@@ -19,7 +19,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 from ..support.hlo import some_dot_reads_a_gather, traced_hlo
 from ..support.models import (MEM_DIM, MEM_HIDDEN, MEM_LAYERS, Block, MemStack,
                               ScaledByDepth, indexed)
-from ..support.checks import every
+from ..support.checks import every, pairs
 
 MEM_TOKENS, MEM_WORLD = 8, 4  # 8 tokens per rank
 
@@ -276,7 +276,7 @@ def test_dropout_trains_with_the_masks_its_forward_drew(two_ranks):
         assert every(not torch.equal(masks[0], masks[i]) for i in range(1, DROP_LAYERS))
         assert abs(masks.float().mean().item() - (1 - DROP_P)) < 0.1
         h = r["x"]
-        for layer, mask in zip(reference.layers, masks):
+        for layer, mask in pairs(reference.layers, masks):
             h = h + torch.tanh(layer.lin(h)) * mask / (1 - DROP_P)
         assert (h.detach() - r["out"]).abs().max() < 1e-5
         ((h * r["w"]).sum() / len(results)).backward()  # FSDP averages over the ranks

@@ -2,9 +2,10 @@
 
 ``all()`` of an empty input is True, so a check over a filtered or computed collection
 passes silently when the filter or the computation leaves nothing to check. ``every`` is
-``all`` that fails on an empty input; ``parity.paired`` does the same for ``zip``.
+``all`` that fails on an empty input; ``pairs`` is ``zip`` that fails on empty inputs or
+inputs of different lengths (``zip`` stops at the shorter and compares nothing past it).
 """
-from typing import Iterable
+from typing import Iterable, Iterator, Tuple
 
 
 def every(values: Iterable[object], what: str = "values") -> bool:
@@ -12,3 +13,12 @@ def every(values: Iterable[object], what: str = "values") -> bool:
     checked = list(values)
     assert checked, f"no {what} to check: the check would pass on nothing"
     return all(checked)
+
+
+def pairs(*sides: Iterable[object], what: str = "values") -> Iterator[Tuple[object, ...]]:
+    """``zip(*sides)``, once every side is known to hold the same number of values, and some."""
+    lists = [list(side) for side in sides]
+    lengths = [len(side) for side in lists]
+    assert len(set(lengths)) == 1, f"{what}: sides of lengths {lengths} compared pairwise"
+    assert lengths[0], f"no {what} to check: the check would pass on nothing"
+    return zip(*lists)
