@@ -2,4 +2,5 @@
 ``.pth`` or ``.safetensors`` file (``consolidated_file``), a DCP directory (``dcp_directory``),
 a Hugging Face directory (``hf_directory``), and the choice among them with the check of what
 was written (``formats``). ``save_consolidated`` and the ``consolidate`` tool both write
-through them."""
+through them; from training code a live model's shards, gathered over the collectives, stand
+in for the per-rank files (``live_model``)."""

@@ -40,8 +40,8 @@ from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadat
                         wrapping_fingerprint)
 from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
 from ..unit_protocol import ShardedModel
-from .plan import SpreadTensor
-from .shard_set import ShardSet
+from ..per_rank.plan import SpreadTensor
+from ..per_rank.shard_set import ShardSet
 
 
 class Gathers:
