@@ -8,13 +8,16 @@ replicas on every PJRT device, and the virtual launcher routes it through its ri
 call is a collective: every rank calls it, in the same order.
 
 Gathering the shards for a host (``full_state_dict``, ``save_consolidated``) is batched by one
-rule, ``runs_by_size``: a small model costs one sync, and a large one's device holds about
-``GATHERED_PER_SYNC_BYTES`` of gathered tensors beyond training's own.
+rule, ``runs_by_size``, and each run gathered by ``gathered_on_host``: a small model costs one
+sync, and a large one's device holds about ``GATHERED_PER_SYNC_BYTES`` of gathered tensors
+beyond training's own.
 """
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable, Iterable, Iterator, List, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
 
 T = TypeVar("T")
 GATHERED_PER_SYNC_BYTES = 64 * 2 ** 20
@@ -33,6 +36,21 @@ def runs_by_size(items: Iterable[T], nbytes: Callable[[T], int]) -> Iterator[Lis
         size += nbytes(item)
     if run:
         yield run
+
+
+def gathered_bytes(tensor: torch.Tensor, collectives: Any) -> int:
+    """What every rank's ``tensor`` takes once gathered."""
+    return tensor.numel() * tensor.element_size() * collectives.world_size
+
+
+def gathered_on_host(run: Sequence[Tuple[torch.Tensor, Any]], keep: bool) -> List[torch.Tensor]:
+    """Every rank's tensor of each (device tensor, its unit's collectives), concatenated in rank
+    order, after one sync; on this host with ``keep``, else nothing (a rank that only takes
+    part)."""
+    import torch_xla
+    fulls = [collectives.all_gather([t.detach()], coalesce=False)[0] for t, collectives in run]
+    torch_xla.sync()
+    return [full.cpu() for full in fulls] if keep else []
 
 
 def exchange(tag: str, obj: Any) -> List[Any]:

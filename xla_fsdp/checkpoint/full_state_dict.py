@@ -7,7 +7,7 @@ import torch
 
 from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
-from .coordination import runs_by_size
+from .coordination import gathered_bytes, gathered_on_host, runs_by_size
 from .staging import load_staged
 from .metadata import persistent_buffers, tied_aliases, unwrapped_name
 from .sources.entries import EntrySource, model_entries, optimizer_entries
@@ -21,28 +21,20 @@ def _parameter_slots(root: ShardedModel) -> Iterator[Tuple[ShardedUnit, ShardGro
             yield unit, g, [unwrapped_name(path, n) for n in g.names]
 
 
-def _full_bytes(slot: Tuple[ShardedUnit, ShardGroup, List[str]]) -> int:
-    shard = slot[1].shard
-    return shard.numel() * shard.element_size() * slot[1].layout.world_size
-
-
 @torch.no_grad()
 def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
     """Gathers the shard groups a run at a time (``coordination.runs_by_size``) and copies
     them to the CPU. Every rank must call it; with ``rank0_only`` only global rank 0 keeps
     the result (the others get ``{}``)."""
-    import torch_xla
     import torch_xla.runtime as xr
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
-    for run in runs_by_size(_parameter_slots(root), _full_bytes):
-        fulls = [unit.collectives.all_gather([g.on_device()], coalesce=False)[0]
-                 for unit, g, _ in run]
-        torch_xla.sync()
-        if keep:
-            for (_, g, names), full in zip(run, fulls):
-                for name, value in zip(names, g.layout.unshard(full.cpu())):
-                    out[name] = value.clone()
+    for run in runs_by_size(_parameter_slots(root),
+                            lambda slot: gathered_bytes(slot[1].shard, slot[0].collectives)):
+        fulls = gathered_on_host([(g.on_device(), unit.collectives) for unit, g, _ in run], keep)
+        for (_, g, names), full in zip(run, fulls):
+            for name, value in zip(names, g.layout.unshard(full)):
+                out[name] = value.clone()
     if keep:
         for alias, source in tied_aliases((path, unit.shared_params)
                                           for path, unit in root.named_units()):

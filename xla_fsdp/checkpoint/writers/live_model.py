@@ -32,7 +32,7 @@ import torch
 
 from ..._sharding.names import join_name
 from ..._unit.buffers import original_dtype
-from ..coordination import exchange, runs_by_size
+from ..coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from ..files import CheckpointError, TensorRef
 from ..files.reader import contiguous_strides
 from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadata,
@@ -74,19 +74,17 @@ class Gathers:
         self._keep = keep
 
     def _full_bytes(self, tid: str) -> int:
-        tensor, collectives = self._tensors[tid]
-        return tensor.numel() * tensor.element_size() * collectives.world_size
+        return gathered_bytes(*self._tensors[tid])
 
     def _gather(self, run: List[str]) -> Dict[str, torch.Tensor]:
         import torch_xla
-        fulls = []
+        on_device = []
         for tid in run:
             tensor, collectives = self._tensors[tid]
             if tensor.device.type != "xla":  # offloaded: the shard and its state on the host
                 tensor = tensor.to(torch_xla.device())
-            fulls += collectives.all_gather([tensor.detach()], coalesce=False)
-        torch_xla.sync()
-        return {tid: full.cpu() for tid, full in zip(run, fulls)} if self._keep else {}
+            on_device.append((tensor, collectives))
+        return dict(zip(run, gathered_on_host(on_device, self._keep)))
 
     def fetch(self, tid: str) -> torch.Tensor:
         """Every rank's ``tid`` concatenated in rank order, on the writing rank's host."""
