@@ -21,6 +21,11 @@ from .unit_protocol import ShardedModel
 GROUP_MEMBERS = ("params", "param_names")
 
 
+def group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
+    """A param group's settings (``lr``, ``betas``, ...): what it holds but its members."""
+    return {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
+
+
 def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
     """Whether optimizer state ``name`` = ``value`` is laid out like the tensor of ``shape``
     it belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter

@@ -36,7 +36,8 @@ from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, K
                                 ParamSlot, extra_key, param_slots, slots_by_shard)
 from .files import CheckpointError
 from .metadata import persistent_buffers
-from .optimizer_state import GROUP_MEMBERS, refuse_foreign_params, state_is_sharded
+from .optimizer_state import (GROUP_MEMBERS, group_settings, refuse_foreign_params,
+                              state_is_sharded)
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
@@ -213,7 +214,7 @@ class StagedLoad:
             elif setting not in GROUP_MEMBERS:
                 out.setdefault(owner, {})[setting] = value
         for saved in indexed.values():
-            settings = {k: v for k, v in saved.items() if k not in GROUP_MEMBERS}
+            settings = group_settings(saved)
             out.update((name, settings) for name in saved.get("params", []))
         if not out:
             raise CheckpointError(f"{self.where}: its optimizer state has no param_groups")
