@@ -61,6 +61,7 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2):
                  "fsdp_config": {"xla": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=batch,
                              optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
+                             weight_decay=0.1,   # LayerNorms and biases undecayed, as plain
                              max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                              report_to="none", dataloader_drop_last=True, seed=0,
                              gradient_checkpointing=grad_ckpt, **extra)
@@ -115,3 +116,52 @@ def test_fused_adamw_becomes_one_that_runs_on_xla(patched_here, tmp_path):
     assert cls is torch.optim.AdamW and not kwargs.get("fused"), kwargs
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], optim="sgd")
     assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is torch.optim.SGD
+
+
+def decay_groups(rank):
+    """Trainer's decayed parameters of a wrapped GPT-2 (one unit per block, and flattened
+    blocks at weight_decay 0.1 and 0), as the unwrapped model names them."""
+    from types import SimpleNamespace
+
+    from xla_fsdp import FSDP, patch_torch_xla, transformer_auto_wrap_policy
+    patch_torch_xla()
+    import functools
+    import torch_xla
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    torch.manual_seed(0)
+    plain = GPT2LMHeadModel(_config())
+    decay = Trainer.get_decay_parameter_names(SimpleNamespace(args=None), plain)
+    out = {"plain": sorted(n for n, _ in plain.named_parameters() if n in decay)}
+    listed = {n for n, _ in plain.named_parameters()}   # a tied weight under its first name
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={GPT2Block})
+    for flatten in (False, True):
+        model = FSDP(GPT2LMHeadModel(_config()).to(torch_xla.device()),
+                     auto_wrap_policy=policy, flatten_parameters=flatten)
+        before = [n for n, _ in model.named_parameters()]
+        for weight_decay in (0.1, 0.0):
+            trainer = SimpleNamespace(args=SimpleNamespace(weight_decay=weight_decay))
+            try:
+                names = set(Trainer.get_decay_parameter_names(trainer, model))
+            except ValueError as exc:
+                out[(flatten, weight_decay)] = str(exc)
+                continue
+            shards = {id(p) for n, p in model.named_parameters() if n in names}
+            out[(flatten, weight_decay)] = sorted(
+                n for n, s in model.get_original_names_and_sharded_parameters()
+                if id(s) in shards and n in listed)
+        out[(flatten, "unchanged")] = [n for n, _ in model.named_parameters()] == before
+    return out
+
+
+def test_trainer_decays_the_parameters_it_decays_in_the_plain_model():
+    """[Note: Trainer's weight decay inside units]: LayerNorm weights and biases are not
+    decayed inside units either; a flattened shard mixing both kinds is refused at any
+    weight_decay but 0."""
+    out = launch(decay_groups, (), num_devices=2)[0]
+    assert any("ln_f" in n for n, _ in GPT2LMHeadModel(_config()).named_parameters())
+    assert out["plain"] and not any("ln_" in n or "bias" in n for n in out["plain"])
+    assert out[(False, 0.1)] == out["plain"]
+    assert out[(False, "unchanged")] and out[(True, "unchanged")]
+    assert "holds parameters Trainer decays and parameters it does not" in out[(True, 0.1)]
+    assert "flatten_parameters=False" in out[(True, 0.1)]
+    assert isinstance(out[(True, 0.0)], list)

@@ -81,6 +81,22 @@ def is_persistent_buffer(m: nn.Module, name: str) -> bool:
     return name not in m._non_persistent_buffers_set
 
 
+@contextlib.contextmanager
+def parameters_replaced(replacements: Dict[nn.Module, Dict[str, torch.Tensor]]
+                        ) -> Iterator[None]:
+    """For the block, each module's registered parameters are ``replacements[module]`` (what
+    code that walks ``_parameters`` itself sees, as Hugging Face's ``get_parameter_names``
+    does); then its own again, the same dict in its order."""
+    saved = [(m, m._parameters) for m in replacements]
+    try:
+        for m, params in replacements.items():
+            m.__dict__["_parameters"] = dict(params)
+        yield
+    finally:
+        for m, params in saved:
+            m.__dict__["_parameters"] = params
+
+
 def is_batch_norm(m: nn.Module) -> bool:
     """BatchNorm of any dimension, lazy and synchronised ones included."""
     return isinstance(m, _BatchNorm)

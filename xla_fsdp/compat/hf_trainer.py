@@ -35,7 +35,9 @@ import importlib.abc
 import sys
 import threading
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Dict, List
+
+from .._xla.private_api import parameters_replaced
 
 _MODULE = "transformers.trainer"
 _lock = threading.Lock()
@@ -60,6 +62,8 @@ def _install(module: Any) -> None:
         trainer = module.Trainer
         trainer.get_optimizer_cls_and_kwargs = staticmethod(
             _unfused_on_xla(trainer.get_optimizer_cls_and_kwargs))
+        trainer.get_decay_parameter_names = _decay_by_original_names(
+            trainer.get_decay_parameter_names)
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
             trainer._wrap_model = _keeps_wrapped_model(trainer._wrap_model)
@@ -106,6 +110,70 @@ def _keeps_wrapped_model(wrap_model: Callable) -> Callable:
         return wrapped
     _wrap_model.xla_fsdp_keeps_wrapped_model = True
     return _wrap_model
+
+
+def _decay_by_original_names(get_decay_names: Callable) -> Callable:
+    """[Note: Trainer's weight decay inside units] Trainer splits the optimizer's parameters
+    into a decayed group and one without decay by ``get_decay_parameter_names(model)``: not
+    a parameter of a LayerNorm module, nor one whose path says bias or norm. It applies that
+    rule to the wrapped model, where a unit holds its shards under names of its own and the
+    LayerNorm modules hold none, so GPT-2's ``ln_*`` and Llama's final ``norm`` were decayed,
+    unlike the same Trainer on the plain model (torch_xla's FSDP does the same).
+
+    Trainer's own rule now runs on the model as it was before wrapping: for the call, each
+    original parameter (its placeholder) is registered again in the modules that held it and
+    the units' shards are hidden; then each shard goes in the decayed group when the
+    parameters it holds were decayed, named as the wrapped model names it. A flattened shard
+    holding parameters of both kinds cannot be decayed like the plain model's with any
+    ``weight_decay`` but 0, and is refused, naming them."""
+    @functools.wraps(get_decay_names)
+    def get_decay_parameter_names(self, model):
+        from ..unit_module import UnitModule
+        units = [m for m in model.modules() if isinstance(m, UnitModule)]
+        if not units:
+            return get_decay_names(self, model)
+        with _unwrapped_parameters(units):
+            decayed = set(get_decay_names(self, model))
+            decayed_ids = {id(p) for n, p in model.named_parameters() if n in decayed}
+        shard_decayed = {}
+        for unit in units:
+            for g in unit.shard_groups:
+                kinds = {id(r.placeholder) in decayed_ids for r in g.records}
+                if len(kinds) > 1 and getattr(self.args, "weight_decay", 0):
+                    names = [(r.name, id(r.placeholder) in decayed_ids) for r in g.records]
+                    raise ValueError(
+                        f"xla_fsdp: the flattened shard {g.orig_name!r} of unit "
+                        f"{type(unit.wrapped_module).__name__} holds parameters Trainer decays "
+                        f"and parameters it does not ({[n for n, d in names if d][:3]} and "
+                        f"{[n for n, d in names if not d][:3]}); weight_decay="
+                        f"{self.args.weight_decay} cannot apply to part of one tensor. Wrap "
+                        f"with flatten_parameters=False (fsdp_config's xla_fsdp_settings), or "
+                        f"set weight_decay=0")
+                shard_decayed[id(g.shard)] = True in kinds
+        return [n for n, p in model.named_parameters()
+                if shard_decayed.get(id(p), n in decayed)]
+    return get_decay_parameter_names
+
+
+def _unwrapped_parameters(units: List[Any]) -> Any:
+    """The units' original parameters (their placeholders) registered in the modules that
+    held them again, their shards not, for a block."""
+    replacements: Dict[Any, Dict[str, Any]] = {}
+
+    def registered(module: Any) -> Dict[str, Any]:
+        if module not in replacements:
+            replacements[module] = dict(module.named_parameters(recurse=False))
+        return replacements[module]
+    for unit in units:
+        shards = {id(g.shard) for g in unit.shard_groups}
+        own = registered(unit)
+        for name in [n for n, p in own.items() if id(p) in shards]:
+            del own[name]
+        for g in unit.shard_groups:
+            for record in g.records:
+                for module, attr in record.owners:
+                    registered(module)[attr] = record.placeholder
+    return parameters_replaced(replacements)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
