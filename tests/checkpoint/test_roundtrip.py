@@ -98,12 +98,36 @@ def resumed(rank, prefix, consolidated_path, layouts_dir, upstream_prefix):
     seeded.load_full_state_dict(consolidated)
     back = seeded.full_state_dict()
     same = rank != 0 or every(torch.equal(back[k], v) for k, v in consolidated.items())
-    return {"extra": extra, "losses": losses, "seeded_round_trip": same,
+    return {"stale": _over_another_world_size(rank, prefix.rsplit("_to", 1)[0], model, opt),
+            "extra": extra, "losses": losses, "seeded_round_trip": same,
             "keys": sorted(back) == sorted(consolidated) if rank == 0 else True,
             "direct_extra": direct_extra, "direct_losses": direct_losses,
             "other_wrapping": every(torch.equal(other_wrapping[k], v)
                                     for k, v in consolidated.items()),
             "upstream": upstream_state, "layouts": layouts.resume_layouts(rank, layouts_dir)}
+
+
+def _over_another_world_size(rank, four_prefix, model, opt):
+    """A prefix holding this world size's files and, newer, the N=4 files (an earlier run at
+    another size): no load picks one of the two saves; a save over it removes the N=4 ones."""
+    import glob
+    import shutil
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import CheckpointError, load_sharded, save_sharded
+    prefix = four_prefix + "_stale"
+    save_sharded(prefix, model, opt, extra={"step": "ours"})
+    if rank == 0:
+        for path in glob.glob(four_prefix + "_rank-*-of-00000004.pth"):
+            shutil.copy(path, prefix + path[len(four_prefix):])
+    xm.rendezvous("the N=4 files are beside ours")
+    try:
+        refused = f"loaded {load_sharded(prefix, model, opt)}"
+    except CheckpointError as exc:
+        refused = str(exc)
+    xm.rendezvous("every rank tried")
+    save_sharded(prefix, model, opt, extra={"step": "again"})
+    left = sorted(os.path.basename(p) for p in glob.glob(prefix + "_rank-*.pth"))
+    return {"refused": refused, "left": left, "extra": load_sharded(prefix, model, opt)}
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +204,11 @@ def test_reshard_and_resume(resumes, saved, world):
     expected = saved["at_four"][0]["continued"]
     for rank, result in out.items():
         assert result["extra"] == {"step": 5} and result["direct_extra"] == {"step": 5}
+        stale = result["stale"]
+        assert "mixes checkpoints of different world sizes" in stale["refused"], stale
+        assert stale["left"] == [f"net_stale_rank-{r:08d}-of-{world:08d}.pth"
+                                 for r in range(world)], stale
+        assert stale["extra"] == {"step": "again"}
         assert result["seeded_round_trip"] and result["keys"] and result["other_wrapping"]
         for losses in (result["losses"], result["direct_losses"]):
             for step, (got, want) in paired(losses, expected):

@@ -6,7 +6,9 @@ size, rank, a fingerprint of the wrapping, which optimizer index is which shard,
 counter that ties the files of one save together) and the caller's ``'extra'``. Every
 record carries the CRC-32 ``torch.save`` computes; ``load_sharded`` checks it. A save is
 every rank's or none (see the Note below): a crash or a full disk mid-save leaves the
-previous files whole, and no file of the failed save on any rank.
+previous files whole, and no file of the failed save on any rank. Once a save is in place,
+the files an earlier save at another world size left under the same prefix are removed:
+the prefix names this save, and a load at either size would otherwise find both.
 
 With ``sharding_groups`` each group is a model of its own (torch_xla's meaning: a part of a
 model-parallel model), numbered by its index in ``sharding_groups``, so each group writes
@@ -29,6 +31,7 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import weakref
@@ -44,7 +47,8 @@ from .coordination import agree, agree_or_undo, exchange
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, RankRecord,
-                       rank_file_tree, sharded_checkpoint_path, wrapping_fingerprint)
+                       other_world_files, rank_file_tree, sharded_checkpoint_path,
+                       wrapping_fingerprint)
 from .optimizer_state import optimizer_shard_keys
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
                             writes_sharding_group_copy)
@@ -78,8 +82,7 @@ def save_sharded(path_prefix: str, model: ShardedModel,
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     path_prefix = _sharding_group_prefix(path_prefix, model)
-    job = _RankFileSave(None if path_prefix is None else
-                        sharded_checkpoint_path(path_prefix, model.rank, model.world_size))
+    job = _RankFileSave(path_prefix, model.rank, model.world_size)
     if path_prefix is not None:
         try:
             job.checkpoint = _checkpoint(model, metadata, optimizer, extra)
@@ -91,8 +94,10 @@ def save_sharded(path_prefix: str, model: ShardedModel,
 class _RankFileSave:
     """This rank's file of one ``save_sharded`` after the copy (``async_save.SaveJob``)."""
 
-    def __init__(self, path: Optional[str]) -> None:
-        self.path = path                  # None on a replica that does not write
+    def __init__(self, prefix: Optional[str], rank: int, world_size: int) -> None:
+        self.prefix, self.rank, self.world_size = prefix, rank, world_size
+        # None on a replica that does not write
+        self.path = None if prefix is None else sharded_checkpoint_path(prefix, rank, world_size)
         self.checkpoint: Optional[Dict[str, Any]] = None   # on the host
         self.error: Optional[BaseException] = None         # from the copy
         self.staged: Optional[StagedFile] = None
@@ -119,6 +124,12 @@ class _RankFileSave:
             except Exception as exc:
                 error = exc
         agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
+        if staged is not None and self.rank == 0:
+            # the files an earlier save at another world size left under this prefix: the
+            # prefix is this save's now, and a load would not know which save it names
+            for stale in other_world_files(self.prefix, self.world_size):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
         return None if staged is None else self.path
 
 
@@ -175,8 +186,8 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
     rank, this wrapping, this optimizer's shards in order, every record's CRC-32 intact);
     None otherwise, and the source then says what, if anything, is wrong."""
     path = sharded_checkpoint_path(prefix, model.rank, model.world_size)
-    if not os.path.exists(path):
-        return None
+    if not os.path.exists(path) or other_world_files(prefix, model.world_size):
+        return None   # the source names what is wrong (another world size's files: a mix)
     try:
         with CheckpointFile(path) as f:
             f.verify()
