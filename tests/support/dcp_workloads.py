@@ -23,6 +23,7 @@ CONFIGS = {
     "layer_units_to_scanned_dim0": ("stack", "layer_units", "scanned_dim0", "sgd"),
     "tied_to_grouped": ("tied", "nested", "tied_grouped", "adamw"),
     "frozen": ("frozen", "nested", "flattened", "adamw"),
+    "empty_param": ("empty", "nested", "flattened", "adamw"),
     "hybrid_to_nested": ("net", "hybrid", "nested", "adamw"),
     "groups_to_nested": ("net", "groups", "nested", "adamw"),
 }
@@ -38,6 +39,11 @@ def build(kind, seed):
     if kind == "frozen":
         for p in model.b1.up.parameters():
             p.requires_grad_(False)
+    if kind == "empty":  # a parameter of no elements: no rank holds a chunk of it
+        block = model.b1
+        block.empty = torch.nn.Parameter(torch.zeros(0, 4))
+        forward = block.forward
+        block.forward = lambda x: forward(x) + block.empty.sum()  # used, so it has state
     return model
 
 
