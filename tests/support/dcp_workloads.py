@@ -207,6 +207,24 @@ def _refusals(rank, good, bad):
         out["hostile_consolidated"] = "no error"
     except CheckpointError as exc:
         out["hostile_consolidated"] = str(exc)
+    # param groups: one of the optimizer's held parameters saved with other settings; a
+    # group of no parameters keeps its own settings (none were saved under a name)
+    from xla_fsdp.checkpoint import save_dcp
+    params = list(model.named_parameters())
+    split = torch.optim.AdamW([
+        {"params": [p for n, p in params if "bias" in n], "lr": 1e-3, "weight_decay": 0.0},
+        {"params": [p for n, p in params if "bias" not in n], "lr": 1e-2}])
+    save_dcp(bad + "_groups", model, split)
+    try:
+        load_dcp(bad + "_groups", model, opt)
+        out["group_layout"] = "no error"
+    except CheckpointError as exc:
+        out["group_layout"] = str(exc)
+    emptied = torch.optim.AdamW([{"params": [p for _, p in params]}, {"params": [], "lr": 0.5}])
+    save_dcp(bad + "_empty_group", model, emptied)
+    again = torch.optim.AdamW([{"params": [p for _, p in params]}, {"params": [], "lr": 0.25}])
+    load_dcp(bad + "_empty_group", model, again)
+    out["empty_group"] = {k: v for k, v in again.param_groups[1].items() if k != "params"}
     out["code_ran"] = os.path.exists(bad + "_code_ran")
     out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
     torch_xla.sync()

@@ -180,7 +180,17 @@ class StagedLoad:
                 raise CheckpointError(
                     f"{self.where}: its optimizer has no param group for "
                     f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({kind}'s group {j})")
-            new_groups.append(dict(settings_of[names[0]] if names else {},
+            odd = next((n for n in names[1:]
+                        if not _same_settings(settings_of[n], settings_of[names[0]])), None)
+            if odd is not None:
+                raise CheckpointError(
+                    f"{self.where}: {kind}'s param group {j} holds '{names[0]}' and '{odd}', "
+                    f"which were saved in param groups of other settings "
+                    f"({_settings_differ(settings_of[names[0]], settings_of[odd])}); build the "
+                    f"optimizer's param groups as they were saved")
+            # a group of no parameters has no saved settings to find: it keeps its own
+            settings = settings_of[names[0]] if names else group_settings(param_group)
+            new_groups.append(dict(settings,
                                    params=list(range(index, index + len(param_group["params"])))))
             for p in param_group["params"]:
                 entry = self._param_state(p, by_shard[id(p)])
@@ -262,6 +272,20 @@ class StagedLoad:
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> None:
         self.source.read(self.tensors, self.objects, into=self.objects)
+
+
+def _same_settings(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    return a is b or not _settings_differ(a, b)
+
+
+def _settings_differ(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:
+    """The settings two saved param groups give other values (a tensor ``lr`` compared by
+    value)."""
+    def same(x: Any, y: Any) -> bool:
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)
+        return x == y
+    return sorted(k for k in set(a) | set(b) if k not in a or k not in b or not same(a[k], b[k]))
 
 
 def _scheme_of(stored: Dict[str, Any], names: List[str]) -> KeyScheme:

@@ -79,6 +79,10 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
         in out["shape"]
     for label in ("hostile_metadata", "hostile_consolidated"):
         assert "damaged_hostile/.metadata: refuses to load io.open" in out[label], out[label]
+    assert "param group 0 holds" in out["group_layout"], out["group_layout"]
+    assert "saved in param groups of other settings (['lr', 'weight_decay'])" in \
+        out["group_layout"], out["group_layout"]
+    assert out["empty_group"]["lr"] == 0.25 and "betas" in out["empty_group"], out["empty_group"]
     assert out["code_ran"] is False
     assert out["unchanged"] == [True, True]
 
