@@ -23,7 +23,7 @@ CONFIGS = {
     "layer_units_to_scanned_dim0": ("stack", "layer_units", "scanned_dim0", "sgd"),
     "tied_to_grouped": ("tied", "nested", "tied_grouped", "adamw"),
     "frozen": ("frozen", "nested", "flattened", "adamw"),
-    "empty_param": ("empty", "nested", "flattened", "adamw"),
+    "empty_param": ("empty", "dim0", "flattened", "adamw"),
     "hybrid_to_nested": ("net", "hybrid", "nested", "adamw"),
     "groups_to_nested": ("net", "groups", "nested", "adamw"),
 }

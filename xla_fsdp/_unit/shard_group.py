@@ -12,6 +12,7 @@ With ``offload_optimizer`` the shard is on the host and the device holds a copy 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -139,8 +140,8 @@ def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_siz
             multiple: int) -> Layout:
     if flatten:
         return InterleavedLayout(shapes, world_size, multiple)
-    if dim0:
-        return Dim0Layout(shapes[0], world_size)
+    if dim0 and math.prod(shapes[0]):  # no rows to block: a row block would hold nothing,
+        return Dim0Layout(shapes[0], world_size)   # and XLA cannot gather a shard of nothing
     return FlatLayout(shapes, world_size, multiple)
 
 
