@@ -56,6 +56,26 @@ def test_install_puts_full_values_in_and_free_puts_dummies_back():
     assert every(p.data_ptr() == dummy.data_ptr() for p in placeholders)
 
 
+def test_a_write_to_a_freed_placeholder_is_refused_at_the_next_install():
+    """[Note: writes to a freed placeholder]: a clamp through the module's attribute between
+    forwards would be lost; the next install names the parameter instead. Writes while the
+    full values are in place are the forward's own and pass."""
+    import pytest
+    world = FakeWorld(Tied(), world_size=1)
+    records = records_of(world)
+    ParamRecord.install(records, full_values(world))
+    with torch.no_grad():
+        world.modules[0].layer.weight.mul_(1.0)   # full values held: a real update
+    ParamRecord.free(records, [torch.zeros(1)] * len(records))
+    ParamRecord.install(records, full_values(world))
+    ParamRecord.free(records, [torch.zeros(1)] * len(records))
+    with torch.no_grad():
+        world.modules[0].layer.weight.clamp_(-0.1, 0.1)   # a placeholder: lost
+    with pytest.raises(RuntimeError, match=r"parameter 'layer.weight' was changed in place "
+                                           r"through its module attribute"):
+        ParamRecord.install(records, full_values(world))
+
+
 def test_free_swaps_only_the_placeholders_that_hold_full_values():
     world = FakeWorld(Tied(), world_size=1)
     held, *others = records_of(world)

@@ -21,6 +21,16 @@ ours are one element, so nothing full-size ever reaches the device outside the g
 XLA tensors have no storage to resize as FSDP2 does on GPU. The swap is confined to
 ``ParamRecord.install``/``free`` below, the one place to change when a functional gather
 (all-gather whose backward reduce-scatters) replaces placeholders.
+
+[Note: writes to a freed placeholder]
+Between a unit's forwards its modules' attributes hold the one-element placeholders, so an
+in-place update through them (a weight clamp or an EMA written as
+``module.weight.clamp_(...)`` under ``no_grad``, as on the unwrapped model) changes the
+placeholder and is lost: the next gather installs the shards' values. torch_xla's FSDP loses
+it without a word. Each record keeps the placeholder's version counter as of its freeing
+(the swaps themselves keep the counter), and ``install`` refuses a placeholder whose counter
+moved since, naming the parameter. A write through ``.data`` shares no counter and is not
+seen; updates belong on the shards, which ``model.parameters()`` yields.
 """
 from __future__ import annotations
 
@@ -31,7 +41,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._xla.private_api import preserve_version_counter
+from .._xla.private_api import preserve_version_counter, version
 from .registry import WeakRegistry
 
 Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the parameter
@@ -53,6 +63,7 @@ class ParamRecord:
         self.gathered = False         # the placeholder holds the full value
         self.requires_grad = placeholder.requires_grad  # as last agreed with the shard
         self.grad_hook: Optional[RemovableHandle] = None
+        self.freed_at = version(placeholder)   # see [Note: writes to a freed placeholder]
         placeholder._has_full_param = False  # torch_xla's name, for the code that reads it
         _BY_PLACEHOLDER[placeholder] = self
 
@@ -64,6 +75,15 @@ class ParamRecord:
     def install(records: Sequence["ParamRecord"], values: Sequence[torch.Tensor]) -> None:
         """Puts each full value into its record's placeholder (see [Note: swapping .data]).
         A unit's records swap together: one version-counter guard for all of them."""
+        for record in records:
+            if version(record.placeholder) != record.freed_at:
+                raise RuntimeError(
+                    f"{record.unit_name}: parameter '{record.name}' was changed in place "
+                    f"through its module attribute while the unit was sharded; that attribute "
+                    f"is a placeholder between the unit's forwards, not the parameter, so the "
+                    f"change would be lost (see [Note: writes to a freed placeholder]). Change "
+                    f"the shards instead (model.parameters(), which the optimizer holds), or "
+                    f"load a state dict")
         placeholders = [r.placeholder for r in records]
         with preserve_version_counter(placeholders):
             for record, placeholder, value in zip(records, placeholders, values):
@@ -81,6 +101,7 @@ class ParamRecord:
             for record, dummy in held:
                 record.placeholder.data = dummy
                 record.gathered = record.placeholder._has_full_param = False
+                record.freed_at = version(record.placeholder)
         return True
 
     @staticmethod

@@ -21,7 +21,7 @@ from .unit_protocol import ShardedModel
 GROUP_MEMBERS = ("params", "param_names")
 
 
-def group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
+def param_group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
     """A param group's settings (``lr``, ``betas``, ...): what it holds but its members."""
     return {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
 

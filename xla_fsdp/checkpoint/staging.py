@@ -36,7 +36,7 @@ from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, K
                                 ParamSlot, extra_key, param_slots, slots_by_shard)
 from .files import CheckpointError
 from .metadata import persistent_buffers
-from .optimizer_state import (GROUP_MEMBERS, group_settings, refuse_foreign_params,
+from .optimizer_state import (GROUP_MEMBERS, param_group_settings, refuse_foreign_params,
                               state_is_sharded)
 from .unit_protocol import ShardedModel
 
@@ -189,7 +189,7 @@ class StagedLoad:
                     f"({_settings_differ(settings_of[names[0]], settings_of[odd])}); build the "
                     f"optimizer's param groups as they were saved")
             # a group of no parameters has no saved settings to find: it keeps its own
-            settings = settings_of[names[0]] if names else group_settings(param_group)
+            settings = settings_of[names[0]] if names else param_group_settings(param_group)
             new_groups.append(dict(settings,
                                    params=list(range(index, index + len(param_group["params"])))))
             for p in param_group["params"]:
@@ -224,7 +224,7 @@ class StagedLoad:
             elif setting not in GROUP_MEMBERS:
                 out.setdefault(owner, {})[setting] = value
         for saved in indexed.values():
-            settings = group_settings(saved)
+            settings = param_group_settings(saved)
             out.update((name, settings) for name in saved.get("params", []))
         if not out:
             raise CheckpointError(f"{self.where}: its optimizer state has no param_groups")

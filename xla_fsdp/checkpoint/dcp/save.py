@@ -43,7 +43,7 @@ from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..metadata import ShardMetadata, persistent_buffers
-from ..optimizer_state import group_settings, live_state, refuse_foreign_params, walk_state
+from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
 from ..coordination import agree, agree_or_undo, exchange
@@ -224,7 +224,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
             for index, param_group in enumerate(optimizer.param_groups):
                 names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
                                key=lambda n: order.get(n, len(order)))
-                settings = group_settings(param_group)
+                settings = param_group_settings(param_group)
                 for key, path, value in scheme.param_group(index, names, settings):
                     paths[key], objects[key] = path, value
     if first and extra is not None:

@@ -16,7 +16,7 @@ import torch
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import MODEL, OPTIMIZER, RankRecord
-from ..optimizer_state import group_settings, per_rank_state, walk_state
+from ..optimizer_state import param_group_settings, per_rank_state, walk_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -150,7 +150,7 @@ class NamedState:
     def as_state_dict(self) -> Dict[str, Any]:
         """In ``get_state_dict``'s form: state and each param group's ``params`` by name."""
         return {"state": self.state, "param_groups": [
-            dict(group_settings(g), params=names)
+            dict(param_group_settings(g), params=names)
             for g, names in self.param_groups]}
 
 

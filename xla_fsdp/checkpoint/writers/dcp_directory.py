@@ -17,7 +17,7 @@ from ..dcp_format.files import write_alone
 from ..files import TensorRef
 from ..files.reader import materialized
 from ..metadata import EXTRA
-from ..optimizer_state import group_settings
+from ..optimizer_state import param_group_settings
 from ..per_rank.optimizer import named_state
 from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
 from ..per_rank.shard_set import ShardSet
@@ -69,6 +69,6 @@ def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callab
             key, paths[key] = key_path
             objects[key] = value
     for i, (param_group, params) in enumerate(named.param_groups):
-        settings = group_settings(param_group)
+        settings = param_group_settings(param_group)
         for key, path, value in scheme.param_group(i, params, settings):
             paths[key], objects[key] = path, value
