@@ -77,6 +77,11 @@ def misuses(rank):
     out["xm_optimizer_step"] = _error(lambda: xm.optimizer_step(opt))
     out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
     torch_xla.sync()
+    # a weight clamped through its module's attribute between steps: a placeholder there
+    with torch.no_grad():
+        inner.module.lin.weight.clamp_(-0.1, 0.1)
+    out["placeholder_write"] = _error(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
+    torch_xla.sync()
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
     _conversions(out)
@@ -252,6 +257,8 @@ def test_misuse_errors():
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
     assert "root FSDP unit" in out["clip_nested"]
+    assert "parameter 'lin.weight' was changed in place through its module attribute" in \
+        out["placeholder_write"], out["placeholder_write"]
     assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
     assert "empty list" in out["group_empty"]
     assert "same module twice" in out["group_twice"]
