@@ -143,6 +143,43 @@ def load_all(rank, directory, again):
     return out
 
 
+class _WithExtraState(torch.nn.Linear):
+    """A Linear that keeps state of its own in ``state_dict()`` (as FP8 modules do)."""
+    calls = 0
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def _extra_state_refusals(rank, directory, good, out):
+    """The checkpoints of the unwrapped model refuse a model whose modules keep extra state;
+    the per-rank files keep it."""
+    from xla_fsdp.checkpoint import (CheckpointError, load_dcp, load_sharded,
+                                     save_consolidated, save_dcp, save_sharded)
+    model = Net()
+    model.b1.up = _WithExtraState(model.b1.up.in_features, model.b1.up.out_features)
+    model = wrap(model, "nested", rank)
+    stateful = next(m for m in model.modules() if isinstance(m, _WithExtraState))
+    stateful.calls = 7
+    for label, call in (("full_state_dict", lambda: model.full_state_dict()),
+                        ("save_dcp", lambda: save_dcp(directory + "_x", model)),
+                        ("save_consolidated", lambda: save_consolidated(directory + "_x.pth",
+                                                                        model)),
+                        ("load_dcp", lambda: load_dcp(good, model))):
+        try:
+            call()
+            out[f"extra_state_{label}"] = "no error"
+        except CheckpointError as exc:
+            out[f"extra_state_{label}"] = str(exc)
+    save_sharded(directory + "_extra", model)
+    stateful.calls = 0
+    load_sharded(directory + "_extra", model)
+    out["extra_state_per_rank"] = stateful.calls
+
+
 class _Opens:
     """Unpickling this creates ``path``: a hostile ``.metadata``, observably."""
 
@@ -225,6 +262,7 @@ def _refusals(rank, good, bad):
     again = torch.optim.AdamW([{"params": [p for _, p in params]}, {"params": [], "lr": 0.25}])
     load_dcp(bad + "_empty_group", model, again)
     out["empty_group"] = {k: v for k, v in again.param_groups[1].items() if k != "params"}
+    _extra_state_refusals(rank, bad, good, out)
     out["code_ran"] = os.path.exists(bad + "_code_ran")
     out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
     torch_xla.sync()

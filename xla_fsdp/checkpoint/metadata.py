@@ -45,6 +45,7 @@ from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLay
 from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
 from .._xla.private_api import is_persistent_buffer
+from .files import CheckpointError
 from .unit_protocol import ShardedUnit
 
 # the keys of a per-rank file
@@ -116,6 +117,26 @@ def tied_aliases(shared: Iterable[Tuple[str, Iterable[Tuple[str, str]]]]
     path and its (alias, source) pairs: a live model's units or ``shared_info``."""
     return [(unwrapped_name(path, a), unwrapped_name(path, s))
             for path, pairs in shared for a, s in pairs]
+
+
+def refuse_extra_state(root: nn.Module, what: str) -> None:
+    """[Note: modules' extra state] A module may keep state of its own in ``state_dict()``
+    beside its parameters and buffers (``get_extra_state``/``set_extra_state``, under
+    ``<module>._extra_state``: FP8 scaling metadata, a quantizer's calibration). The per-rank
+    files keep it, and their own-file load at the same world size and wrapping puts it back,
+    through torch's ``state_dict()`` and ``load_state_dict()``. The checkpoints of the
+    unwrapped model (full state dicts, consolidated, DCP) and every load that stages carry
+    parameters and buffers only, so they refuse a model with such state, naming its modules,
+    rather than save or load it without that state."""
+    holders = [unwrapped_name(path) or f"the root {type(m).__name__}"
+               for path, m in root.named_modules()
+               if type(m).get_extra_state is not nn.Module.get_extra_state]
+    if holders:
+        raise CheckpointError(
+            f"{what}: {holders[:5]} keep extra state (get_extra_state), which this "
+            f"checkpoint of the unwrapped model cannot hold "
+            f"(see [Note: modules' extra state]); save_sharded keeps it, and load_sharded puts "
+            f"it back at the same world size and wrapping")
 
 
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:

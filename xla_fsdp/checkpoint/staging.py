@@ -35,7 +35,7 @@ from .coordination import agree, agree_or_undo
 from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
                                 ParamSlot, extra_key, param_slots, slots_by_shard)
 from .files import CheckpointError
-from .metadata import persistent_buffers
+from .metadata import persistent_buffers, refuse_extra_state
 from .optimizer_state import (GROUP_MEMBERS, param_group_settings, refuse_foreign_params,
                               state_is_sharded)
 from .unit_protocol import ShardedModel
@@ -324,6 +324,8 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     torch_xla.sync()
     staged, error, source = None, None, None
     try:
+        if with_model:
+            refuse_extra_state(model, tag.rsplit(".", 1)[-1])   # the caller's name
         source = open_source()
         staged = StagedLoad(source, model, optimizer, with_model, strict)
     except Exception as exc:  # every rank must reach the agreement below

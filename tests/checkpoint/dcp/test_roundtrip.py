@@ -83,6 +83,11 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
     assert "saved in param groups of other settings (['lr', 'weight_decay'])" in \
         out["group_layout"], out["group_layout"]
     assert out["empty_group"]["lr"] == 0.25 and "betas" in out["empty_group"], out["empty_group"]
+    for label in ("full_state_dict", "save_dcp", "save_consolidated", "load_dcp"):
+        message = out[f"extra_state_{label}"]
+        assert message.startswith(f"{label}: "), message
+        assert "['b1.up'] keep extra state (get_extra_state)" in message, message
+    assert out["extra_state_per_rank"] == 7
     assert out["code_ran"] is False
     assert out["unchanged"] == [True, True]
 

@@ -27,4 +27,4 @@ def load_dcp(checkpoint_dir: str, model: ShardedModel,
     refuse_reads(checkpoint_dir)
     directory, _ = checkpoint_dir_for(checkpoint_dir, model)
     return load_staged(lambda: DcpSource(directory), model, optimizer,
-                       "xla_fsdp.dcp.load").extra
+                       "xla_fsdp.load_dcp").extra
