@@ -24,6 +24,9 @@ CONFIGS = {
     "tied_to_grouped": ("tied", "nested", "tied_grouped", "adamw"),
     "frozen": ("frozen", "nested", "flattened", "adamw"),
     "empty_param": ("empty", "dim0", "flattened", "adamw"),
+    # a 0-d parameter: its NAdam momentum product is one number on every rank, its moments
+    # shards; the load trains a step on, where ranks holding other numbers trace apart
+    "scalar_nadam": ("scalar", "nested", "nested", "nadam"),
     "hybrid_to_nested": ("net", "hybrid", "nested", "adamw"),
     "groups_to_nested": ("net", "groups", "nested", "adamw"),
 }
@@ -44,6 +47,10 @@ def build(kind, seed):
         block.empty = torch.nn.Parameter(torch.zeros(0, 4))
         forward = block.forward
         block.forward = lambda x: forward(x) + block.empty.sum()  # used, so it has state
+    if kind == "scalar":
+        model.scale = torch.nn.Parameter(torch.tensor(1.3))
+        forward = model.forward
+        model.forward = lambda x: forward(x) * model.scale
     return model
 
 
@@ -73,6 +80,8 @@ def optimizer(name, model):
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    if name == "nadam":
+        return torch.optim.NAdam(params, lr=1e-3)
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
@@ -131,12 +140,16 @@ def load_all(rank, directory, again):
         extra = load_dcp(source + ("_group-000" if name == "groups_to_nested" else ""), model, opt)
         save_dcp(os.path.join(again, name), model, opt, extra=extra)
         out[name] = model.full_state_dict(rank0_only=False)
+        if kind == "scalar":
+            _train(model, opt, kind, rank, LOAD_WORLD)
         model = wrap(build(kind, 2), how, rank)
         opt = optimizer(opt_name, model)
         group = "_group-000" if name == "groups_to_nested" else ""
         extra = load_consolidated(consolidated_path(directory, name, i, group), model, opt,
                                   first_rank_reads=i % 3 == 1)
         save_dcp(os.path.join(again, name + "_consolidated"), model, opt, extra=extra)
+        if kind == "scalar":
+            _train(model, opt, kind, rank, LOAD_WORLD)
         torch_xla.sync()
     out["refusals"] = _refusals(rank, os.path.join(directory, "nested_to_flattened"),
                                 os.path.join(again, "damaged"))

@@ -26,15 +26,23 @@ def param_group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
 
 
+# the state torch's optimizers keep as one number per parameter whatever its shape: every
+# optimizer's step count, NAdam's momentum product, ASGD's eta and mu
+SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
+
+
 def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
     """Whether optimizer state ``name`` = ``value`` is laid out like the tensor of ``shape``
     it belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
     (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
     and read as the tensor is; anything else (a step count) is the same on every rank.
     ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
-    tensor's shape that tells, but for a 0-d parameter's step count, which has it too."""
+    tensor's shape that tells, but for a 0-d parameter, whose every state is 0-d in a
+    checkpoint of the unwrapped model: then the names torch's optimizers give their scalars
+    (``SCALAR_STATE``) are the same on every rank, and the rest (the moments) sharded. A
+    shard is never 0-d, so live and per-rank state is told by shape alone."""
     value_shape = _shape_of(value)
-    return value_shape == tuple(shape) and not (name == "step" and len(shape) == 0)
+    return value_shape == tuple(shape) and not (len(shape) == 0 and name in SCALAR_STATE)
 
 
 def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:

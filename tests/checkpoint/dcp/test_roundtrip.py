@@ -1,8 +1,8 @@
 """Every layout round-trips through DCP, and through ``save_consolidated`` /
 ``load_consolidated``, exactly: saved at N = 4 one way, loaded at N = 2 another
 way (flattened, dim-0, scanned and per-layer units, tied parameters in a module group, frozen
-parameters, a parameter of no elements, bf16 compute, hybrid and independent sharding
-groups), the model equals the one
+parameters, a parameter of no elements, a 0-d one under NAdam (trained on after the load),
+bf16 compute, hybrid and independent sharding groups), the model equals the one
 saved and a second save holds the same values, optimizer state included. Bad checkpoints are
 refused, naming what is wrong, and change nothing; a hostile ``.metadata`` runs nothing
 (workloads in ``support/dcp_workloads.py``).
