@@ -252,7 +252,8 @@ def test_misuse_errors():
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
     assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
     assert "every rank 0..1" in out["groups_cover"]
-    assert "'1.lin.weight' is shared with" in out["tied_across_units"]
+    assert "'1.lin.weight' of Sequential is shared with 'lin.weight' of the unit around " \
+        "Tiny, which sharded it first" in out["tied_across_units"], out["tied_across_units"]
     assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]

@@ -7,7 +7,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
-from .._unit.param_record import Member, Owner, taken_name
+from .._unit.param_record import Member, Owner, taken_by
 from .._xla.private_api import children
 from .module_group import grouping_unit_of
 
@@ -29,11 +29,11 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
                 if getattr(p, "_is_sharded", False):
                     continue
                 name = f"{mod_path}.{attr}" if mod_path else attr
-                taken = taken_name(p)
+                taken = taken_by(p)
                 if taken is not None:
                     raise ValueError(
-                        f"parameter '{name}' is shared with '{taken}', which an inner FSDP "
-                        f"unit already sharded. Tied parameters must belong to one unit: "
+                        f"parameter '{name}' of {type(root).__name__} is shared with {taken}, "
+                        f"which sharded it first. Tied parameters must belong to one unit: "
                         f"wrap the modules that share it together (or leave them to the "
                         f"outer unit).")
                 if not p.is_floating_point() or p.dtype != torch.float32:

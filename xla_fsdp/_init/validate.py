@@ -15,9 +15,11 @@ def validate_module(module: Any, needs_forward: bool = True) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"FSDP wraps an nn.Module, got {type(module).__name__}")
     if is_unit(module):
+        inner = type(getattr(module, "wrapped_module", module)).__name__
         raise ValueError(
-            "this module is already wrapped with FSDP; wrap inner modules first, then the "
-            "outer one, and never the same module twice")
+            f"this module ({type(module).__name__} around {inner}) is already wrapped with "
+            f"FSDP; wrap inner modules first, then the outer one, and never the same module "
+            f"twice")
     forward = getattr(type(module), "forward", None)
     if needs_forward and (forward is None or forward is nn.Module.forward):
         raise ValueError(

@@ -48,7 +48,8 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
-_TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()  # original parameter -> its name
+# original parameter -> (its name in the unit that took it, that unit's name)
+_TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
 class ParamRecord:
@@ -148,9 +149,9 @@ def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
     return out
 
 
-def mark_taken(original: torch.Tensor, name: str) -> None:
+def mark_taken(original: torch.Tensor, name: str, unit_name: str) -> None:
     """Marks an original parameter as replaced by a shard (its memory is no longer used)."""
-    _TAKEN[original] = name
+    _TAKEN[original] = (name, unit_name)
 
 
 def taken_name(t: torch.Tensor) -> Optional[str]:
@@ -159,4 +160,11 @@ def taken_name(t: torch.Tensor) -> Optional[str]:
     record = _BY_PLACEHOLDER.get(t)
     if record is not None:
         return record.name
-    return _TAKEN.get(t)
+    taken = _TAKEN.get(t)
+    return None if taken is None else taken[0]
+
+
+def taken_by(t: torch.Tensor) -> Optional[str]:
+    """Which unit took original parameter ``t``, and under what name, for a message."""
+    taken = _TAKEN.get(t)
+    return None if taken is None else f"'{taken[0]}' of the unit around {taken[1]}"

@@ -181,7 +181,7 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
     shard._orig_name = orig_name
     records = []
     for p, owners, names in members:
-        mark_taken(p, names[0])
+        mark_taken(p, names[0], unit_name)
         full = torch.zeros(1, dtype=compute_dtype, device=device)
         full.requires_grad_(p.requires_grad)
         for m, attr in owners:
