@@ -159,3 +159,15 @@ def test_a_step_directory_is_a_prefix(tmp_path, capsys):
     (dcp / ".metadata").write_bytes(b"")
     code, out = _run(capsys, "--ckpt_prefix", str(dcp))
     assert code != 0 and "is a DCP checkpoint" in out.err, out.err
+
+
+def test_a_prefix_is_a_path_not_a_pattern(tmp_path, capsys):
+    """'run[1]/ck' names that directory; read as a glob it matched run1/ck, another save."""
+    (tmp_path / "run[1]").mkdir()
+    (tmp_path / "run1").mkdir()
+    write_set(str(tmp_path / "run[1]" / "ck"), 2)
+    write_set(str(tmp_path / "run1" / "ck"), 2, {k: v * 3 for k, v in full_model().items()})
+    code, out = _run(capsys, "--ckpt_prefix", str(tmp_path / "run[1]" / "ck"))
+    assert code == 0, out.err
+    result = torch.load(tmp_path / "run[1]" / "ck_consolidated.pth", weights_only=True)
+    assert every(torch.equal(result["model"][k], v) for k, v in full_model().items())

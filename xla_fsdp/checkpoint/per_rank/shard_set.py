@@ -40,7 +40,7 @@ def prefix_in_directory(prefix: str, suffix: str) -> str:
     rank files (a ``CheckpointManager`` step directory holds ``checkpoint_rank-*``), the
     prefix of those files. A directory holding several, a DCP checkpoint or a manager's
     steps is refused with the prefix or directory to pass instead."""
-    if glob.glob(prefix + suffix) or not os.path.isdir(prefix):
+    if glob.glob(glob.escape(prefix) + suffix) or not os.path.isdir(prefix):
         return prefix
     names = os.listdir(prefix)
     inside = sorted({os.path.join(prefix, _RANK_TAIL.sub("", n)) for n in names
@@ -73,7 +73,9 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
     raised for what a save still under way would explain."""
     pattern = prefix + suffix
     outs = {os.path.abspath(o) for o in outputs}
-    paths = sorted(p for p in glob.glob(pattern)
+    # the prefix is a path, taken as written ('run[1]/ck' names that directory); the suffix
+    # is the pattern that completes it to every rank's file
+    paths = sorted(p for p in glob.glob(glob.escape(prefix) + suffix)
                    if not (skip_outputs and os.path.abspath(p) in outs))
     if not paths:
         raise CheckpointError(f"no files match {pattern!r}")
