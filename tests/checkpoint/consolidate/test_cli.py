@@ -171,3 +171,16 @@ def test_a_prefix_is_a_path_not_a_pattern(tmp_path, capsys):
     assert code == 0, out.err
     result = torch.load(tmp_path / "run[1]" / "ck_consolidated.pth", weights_only=True)
     assert every(torch.equal(result["model"][k], v) for k, v in full_model().items())
+
+
+def test_safetensors_without_the_optimizer_removes_an_earlier_optimizer_file(tmp_path, capsys):
+    """An earlier save's ``.optimizer.pth`` beside new weights would load with them."""
+    prefix, out = str(tmp_path / "ck"), str(tmp_path / "m.safetensors")
+    write_set(prefix, 2)
+    assert _run(capsys, "--ckpt_prefix", prefix, "--format", "safetensors",
+                "--save_path", out)[0] == 0
+    assert (tmp_path / "m.optimizer.pth").exists()
+    assert _run(capsys, "--ckpt_prefix", prefix, "--format", "safetensors", "--save_path",
+                out, "--no_optimizer")[0] == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m.")) == \
+        ["m.safetensors"]

@@ -3,6 +3,8 @@ read one tensor at a time from the shards, streamed to a ``.pth`` or ``.safetens
 verified by ``formats.verify_written``."""
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
@@ -58,6 +60,9 @@ def write_consolidated(shards: ShardSet, plan: ModelPlan, path: str, fmt: str,
                     optimizer, names = consolidate_optimizer(shards, plan, writer.add)
                     writer.finish(dict({OPTIMIZER: optimizer, OPTIMIZER_NAMES: names},
                                        **_extra(shards)))
+            else:  # an earlier save's optimizer file would be loaded with these weights
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(optimizer_companion(path))
         return written
     with atomic_path(path) as tmp:
         writer = TorchFileWriter(tmp)
