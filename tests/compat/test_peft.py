@@ -133,6 +133,7 @@ def test_wrapped_lora_saves_the_unsharded_adapter(tmp_path):
                                         str(tmp_path / name / "plain"))
         for g in result["shards"]:
             assert g["state"] == g["trains"], (name, g)
+        assert "pass state_dict=full_state_dict(model)" in result["no_state_dict"], result
     # what each variant adds to the 8 LoRA tensors
     assert counts == {"lora": 8, "modules_to_save": 8 + 3, "bias_lora_only": 8 + 4,
                       "embedding": 8 + 3}, counts

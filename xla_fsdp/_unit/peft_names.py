@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch.nn as nn
 
 from .._sharding.names import GROUP_PREFIX, clean_name, join_name
+from .param_record import placeholders_in
 
 # what is wrapped: (module, class in it or "", attribute)
 Target = Tuple[str, str, str]
@@ -98,6 +99,13 @@ def _state_dict_function(original: Extractor) -> Extractor:
     def get_peft_model_state_dict(model: nn.Module,
                                   state_dict: Optional[Mapping[str, Any]] = None,
                                   *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        if state_dict is None and placeholders_in(model):
+            raise ValueError(
+                "peft's get_peft_model_state_dict (PeftModel.save_pretrained) was given no "
+                "state_dict for a model with FSDP units, so it would read model.state_dict(), "
+                "where the adapter's parameters are placeholders, and save an adapter of no "
+                "tensors: pass state_dict=full_state_dict(model) (every rank gathers it; rank 0 "
+                "gets it), as docs/clients.md shows")
         renamed = None if state_dict is None else in_model_names(model, state_dict)
         if renamed is None:
             return original(model, state_dict, *args, **kwargs)
