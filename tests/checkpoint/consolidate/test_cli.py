@@ -87,6 +87,11 @@ def test_refusals_name_the_fault(tmp_path, capsys):
     assert "matches the input pattern" in err
     err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix, "--save_path", paths[1])
     assert "overwrite an input" in err
+    # an output path that is a directory: the filesystem's error, as the tool reports errors
+    (tmp_path / "out_dir").mkdir()
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix, "--save_path",
+                   str(tmp_path / "out_dir"))
+    assert "IsADirectoryError" in err and "out_dir" in err, err
     # missing rank
     os.rename(paths[2], str(tmp_path / "aside"))
     err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)

@@ -72,3 +72,32 @@ def test_a_tensor_over_the_limit_between_others_gets_its_own_file(tmp_path):
         assert sorted(got) == sorted(names), f
         for n in names:
             assert torch.equal(got[n], state[n]), n
+
+
+def test_a_directory_with_a_config_is_not_rewritten_without_one(tmp_path):
+    """An earlier save's config.json would stay beside weights it may not describe."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama"}\n')
+    state = {"a": torch.arange(10.)}
+    with pytest.raises(CheckpointError, match="holds a config.json, which this save"):
+        hf_directory(str(out), [("a", torch.float32, (10,))], iter(state.items()), [], "",
+                     None, "5GB", lambda n: None)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def test_the_models_own_config_names_its_class_as_save_pretrained_does(tmp_path):
+    import json
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16,
+                                       n_positions=8))
+    assert not model.config.architectures
+    state = model.state_dict()
+    specs = [(k, v.dtype, tuple(v.shape)) for k, v in state.items()]
+    out = tmp_path / "hf"
+    hf_directory(str(out), specs, iter(state.items()), [("lm_head.weight",
+                                                        "transformer.wte.weight")],
+                 "", model, "5GB", lambda n: None)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    assert GPT2LMHeadModel.from_pretrained(str(out)).state_dict().keys() == state.keys()

@@ -163,7 +163,9 @@ def main(argv: Optional[Sequence[str]] = None, torch_xla_defaults: bool = False)
     args = parse_args(argv, "*.pth" if torch_xla_defaults else DEFAULT_SUFFIX)
     try:
         run(args, skip_outputs=torch_xla_defaults)
-    except CheckpointError as exc:
-        print(f"consolidate_sharded_ckpts: error: {exc}\nnothing was written", file=sys.stderr)
+    except (CheckpointError, OSError) as exc:   # an unwritable or misnamed output too
+        what = "" if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: "
+        print(f"consolidate_sharded_ckpts: error: {what}{exc}\nnothing was written",
+              file=sys.stderr)
         return 2
     return 0

@@ -259,11 +259,19 @@ def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[
     if hf_config:
         configs = read_config_files(hf_config)
     elif model is not None and hasattr(getattr(model, "config", None), "to_json_string"):
-        configs["config.json"] = model.config.to_json_string().encode()
+        config = json.loads(model.config.to_json_string())
+        if not config.get("architectures"):   # save_pretrained names the model's class too
+            config["architectures"] = [type(model).__name__]
+        configs["config.json"] = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
         generation = getattr(model, "generation_config", None)
         if hasattr(generation, "to_json_string"):
             configs["generation_config.json"] = generation.to_json_string().encode()
         where = f"the configuration of {type(model).__name__}"
+    if not configs and os.path.exists(os.path.join(directory, "config.json")):
+        raise CheckpointError(
+            f"{directory} holds a config.json, which this save, given no configuration, would "
+            f"leave beside weights it may not describe: pass hf_config (--hf_config), or write "
+            f"to another directory")
     reference = model_of_config(configs["config.json"], where) if configs else None
     if configs and reference is None:
         print(f"{where}: names no architecture transformers knows, so the weights were not "
