@@ -6,7 +6,8 @@ of blocks compiled first, and ``torch.compile`` of an auto-wrapped model; with b
 compute, activation checkpointing, ``no_sync`` accumulation, the optimizer on the host
 (``offload_optimizer``), and on a Hugging Face Llama.
 After the warm-up steps neither Dynamo nor XLA compiles anything (a failing guard's reason
-is in the assertion message). Placements that cannot work are refused by name.
+is in the assertion message). Placements that cannot work are refused by name, and a
+compiled unit's dropout scales as the eager one's.
 
 A compiled model whose units can gather in the traced graph (see [Note: collectives traced
 into the compiled graph]) runs four programs per rank and step, and its forward program
@@ -19,6 +20,7 @@ from xla_fsdp import launch
 from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
                                           traced_programs)
 from ..support.bounds import loss_problems, parameter_problems, precision
+from ..support.checks import every
 from ..support.models import DIM, HIDDEN
 
 NET = [n for n, (_, _, extra) in SETTINGS.items() if not extra.get("llama")]
@@ -159,3 +161,5 @@ def test_placements_that_cannot_work_are_refused_by_name():
     assert "FSDP(torch.compile(layer))" in out["scanned"], out["scanned"]
     assert "torch.compile'd module (Block) to group" in out["group_of_compiled"], \
         out["group_of_compiled"]
+    # torch_xla's own dropout kernel scaled kept values by 1/p: 2.3 here
+    assert every(abs(mean - 1) < 0.05 for mean in out["dropout"]), out["dropout"]

@@ -254,7 +254,29 @@ def refusals(rank):
         torch._dynamo.reset()
         torch.manual_seed(0)
         attempt(name, fn)
+    out["dropout"] = _compiled_dropout(device)
     return out
+
+
+def _compiled_dropout(device):
+    """The means of a compiled unit's dropout (p = 0.3) of ones and of its input's gradient:
+    1 in expectation ([Note: dropout under torch.compile])."""
+    from xla_fsdp import FSDP
+
+    class Drop(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            return self.drop(x + 0 * self.lin(x).sum())
+
+    torch._dynamo.reset()
+    ones = torch.ones(2048, 8, device=device, requires_grad=True)
+    y = _compile(FSDP(Drop()))(ones)
+    y.sum().backward()
+    return y.mean().item(), ones.grad.mean().item()
 
 
 def traced_programs(rank, world):

@@ -10,6 +10,8 @@ when the first unit is built (never at import):
 * ``torch.nn.functional``'s ``scaled_dot_product_attention`` and ``softmax`` wrapped, so
   that inside a low-precision unit attention computes in the unit's dtype
   (``low_precision_attention``); outside one they are torch's;
+* torch_xla's compile backend traces dropout through PyTorch's decomposition, not its own
+  kernel, which scales wrongly (``_xla.private_api``, [Note: dropout under torch.compile]);
 * peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
   nested units (``peft_names``). It waits for peft: installed on the first unit built once
   peft has been imported, never importing peft itself.
@@ -21,6 +23,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
+from .._xla.private_api import dropout_decomposed_when_compiled
 from . import low_precision_attention, peft_names
 from .optimizer_guard import check_step, count_updates, declare_sharded_gradients
 
@@ -41,3 +44,4 @@ def install() -> None:
     torch_device_module.register()
     declare_sharded_gradients()
     low_precision_attention.install()
+    dropout_decomposed_when_compiled()

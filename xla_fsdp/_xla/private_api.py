@@ -129,6 +129,22 @@ def decompositions(ops: List[Any]) -> Dict[Any, Callable]:
     return get_decompositions(ops)
 
 
+def dropout_decomposed_when_compiled() -> None:
+    """[Note: dropout under torch.compile] Traced, ``nn.Dropout`` and ``F.dropout`` become
+    ``aten.native_dropout``, whose XLA kernel in torch_xla 2.9 scales the kept values by
+    1/p instead of 1/(1 - p) (see [Note: dropout in a scanned layer]): every step compiled
+    with torch_xla's backend (``openxla``) that drops out trains on values 2.3x too large
+    at p = 0.3, with or without FSDP. That backend is torch's ``aot_autograd`` with no
+    decompositions of its own; PyTorch's decompositions of dropout and its backward (a
+    Bernoulli draw and a boolean mask) are added to it, so a compiled step drops out as
+    the eager one does. Installed with FSDP's process-wide effects."""
+    from torch._dynamo.backends import torchxla
+    aten = torch.ops.aten
+    table = dict(torchxla.openxla.kwargs.get("decompositions") or {})
+    table.update(decompositions([aten.native_dropout, aten.native_dropout_backward]))
+    torchxla.openxla.kwargs["decompositions"] = table
+
+
 # -- the torch.save format ------------------------------------------------------------------
 def file_writer(path: str) -> Any:
     """The zip writer ``torch.save`` uses: one record at a time."""
