@@ -11,7 +11,7 @@ when the first unit is built (never at import):
   that inside a low-precision unit attention computes in the unit's dtype
   (``low_precision_attention``); outside one they are torch's;
 * torch_xla's compile backend traces dropout through PyTorch's decomposition, not its own
-  kernel, which scales wrongly (``_xla.private_api``, [Note: dropout under torch.compile]);
+  kernel, which scales wrongly (see [Note: dropout under torch.compile] in ``_xla.private_api``);
 * peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
   nested units (``peft_names``). It waits for peft: installed on the first unit built once
   peft has been imported, never importing peft itself.
