@@ -62,19 +62,20 @@ def sharded_checkpoint_path(prefix: str, rank: int, world_size: int) -> str:
 
 
 RANK_FILES = "_rank-*-of-*.pth"  # the glob that completes a prefix to every rank's file
+RANK_TAIL = re.compile(r"_rank-\d+-of-(\d+)\.pth$")  # the same, ending a name; its world size
 
 
 def other_world_files(prefix: str, world_size: int) -> List[str]:
     """The per-rank files under ``prefix`` of a world size other than ``world_size``: what
     an earlier save at another size left, which no load may mix with this size's."""
     directory, base = os.path.split(prefix)
-    pattern = re.compile(re.escape(base) + r"_rank-\d{8}-of-(\d{8})\.pth")
     try:
         names = os.listdir(directory or ".")
     except FileNotFoundError:
         return []
     return sorted(os.path.join(directory, n) for n in names
-                  if (m := pattern.fullmatch(n)) and int(m.group(1)) != world_size)
+                  if (m := RANK_TAIL.search(n)) and n[:m.start()] == base
+                  and int(m.group(1)) != world_size)
 
 
 # -- names ------------------------------------------------------------------------------------

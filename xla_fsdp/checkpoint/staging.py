@@ -180,16 +180,17 @@ class StagedLoad:
                 raise CheckpointError(
                     f"{self.where}: its optimizer has no param group for "
                     f"{unknown[:5]}{' ...' if len(unknown) > 5 else ''} ({kind}'s group {j})")
-            odd = next((n for n in names[1:]
-                        if not _same_settings(settings_of[n], settings_of[names[0]])), None)
+            first = settings_of[names[0]] if names else None
+            odd = next((n for n in names[1:] if settings_of[n] is not first
+                        and _settings_differ(settings_of[n], first)), None)
             if odd is not None:
                 raise CheckpointError(
                     f"{self.where}: {kind}'s param group {j} holds '{names[0]}' and '{odd}', "
                     f"which were saved in param groups of other settings "
-                    f"({_settings_differ(settings_of[names[0]], settings_of[odd])}); build the "
+                    f"({_settings_differ(first, settings_of[odd])}); build the "
                     f"optimizer's param groups as they were saved")
             # a group of no parameters has no saved settings to find: it keeps its own
-            settings = settings_of[names[0]] if names else param_group_settings(param_group)
+            settings = param_group_settings(param_group) if first is None else first
             new_groups.append(dict(settings,
                                    params=list(range(index, index + len(param_group["params"])))))
             for p in param_group["params"]:
@@ -272,10 +273,6 @@ class StagedLoad:
     # -- reading ---------------------------------------------------------------------------
     def _read(self) -> None:
         self.source.read(self.tensors, self.objects, into=self.objects)
-
-
-def _same_settings(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
-    return a is b or not _settings_differ(a, b)
 
 
 def _settings_differ(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:

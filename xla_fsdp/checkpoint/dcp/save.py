@@ -189,8 +189,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     def add_pieces(key_path: Tuple[str, Path], slot: ParamSlot, source: torch.Tensor) -> None:
         if slot.shape.numel() == 0:   # no rank holds a chunk of it: the first writes it whole
             if first:
-                key, paths[key] = key_path
-                wholes[key] = torch.empty(slot.shape, dtype=source.dtype)
+                add_whole(key_path, torch.empty(slot.shape, dtype=source.dtype), source.dtype)
             return
         key, paths[key] = key_path
         tensors[key] = TensorPieces(slot.shape, source.dtype, list(slot.pieces),

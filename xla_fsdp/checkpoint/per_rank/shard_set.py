@@ -10,9 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile
-from ..metadata import MODEL, SHARD_METADATA, RankRecord, ShardMetadata
+from ..metadata import MODEL, RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
 
-_RANK_TAIL = re.compile(r"_rank-\d+-of-\d+\.pth$")   # what sharded_checkpoint_path appends
 
 
 @dataclass
@@ -43,8 +42,8 @@ def prefix_in_directory(prefix: str, suffix: str) -> str:
     if glob.glob(glob.escape(prefix) + suffix) or not os.path.isdir(prefix):
         return prefix
     names = os.listdir(prefix)
-    inside = sorted({os.path.join(prefix, _RANK_TAIL.sub("", n)) for n in names
-                     if _RANK_TAIL.search(n) and fnmatch.fnmatchcase(n, "*" + suffix)})
+    inside = sorted({os.path.join(prefix, RANK_TAIL.sub("", n)) for n in names
+                     if RANK_TAIL.search(n) and fnmatch.fnmatchcase(n, "*" + suffix)})
     if len(inside) == 1:
         return inside[0]
     if inside:
