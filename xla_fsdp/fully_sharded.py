@@ -2,7 +2,7 @@
 
 Each unit keeps only this rank's shard of its parameters. The original parameters stay in
 their modules as *full-parameter placeholders* (``_unit.param_record``): leaf tensors that
-hold the all-gathered full value while the unit computes and a one-element dummy otherwise.
+hold the all-gathered full value while the unit computes and an empty dummy otherwise.
 Autograd still sees one leaf per original parameter, so gradients arrive per parameter; they
 are reduce-scattered into the shard's ``.grad`` once every parameter of a shard group has its
 gradient.

@@ -177,11 +177,11 @@ class UnitModule(FallThrough):
 
     @property
     def gradient_predivide_factor(self) -> float:
-        return self._state.params.divide[0]
+        return self._state.params.divide_factors[0]
 
     @property
     def gradient_postdivide_factor(self) -> float:
-        return self._state.params.divide[1]
+        return self._state.params.divide_factors[1]
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "UnitModule":
         # torch's .to(), .half(), .cpu()...: see [Note: converting a wrapped model]
@@ -214,11 +214,12 @@ class UnitModule(FallThrough):
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it
-        (defaults: a power of two near sqrt(N), and N / pre). A float32 reduction needs no
-        headroom, so there both divisions happen after it."""
+        (defaults: a power of two near sqrt(N), and N / pre), as in torch_xla's FSDP: a factor
+        of 1 or less divides by nothing, and ``(1, 1)`` averages over the N ranks after the
+        sum. A float32 reduction needs no headroom, so there both divisions happen after it."""
         self.assert_state(TrainingState.IDLE)
         for unit in (self.units() if recursive else [self]):
-            unit._state.params.set_divide(float(pre), float(post))
+            unit._state.params.set_divide(float(pre), float(post), unit.world_size)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -57,7 +57,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
         for name, r in pairs([n for ns in names for n in ns], records):
             owner, attr = module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             assert getattr(owner, attr) is r.placeholder and r.owners == [(owner, attr)]
-            assert r.placeholder.shape == (1,) and r.placeholder.requires_grad
+            assert r.placeholder.shape == (0,) and r.placeholder.requires_grad
             assert not r.gathered
 
 

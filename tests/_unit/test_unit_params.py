@@ -80,7 +80,7 @@ def expected_grad(world, shard_group, grads, rank, divisor=1.0):
 
 
 def dummies(params):
-    return every(r.placeholder.shape == (1,) and not r.gathered
+    return every(r.placeholder.shape == (0,) and not r.gathered
                  and not r.placeholder._has_full_param
                  for g in params.shard_groups for r in g.records)
 
@@ -143,7 +143,7 @@ def test_resharding_some_shard_groups_keeps_the_others_gathered():
     params.unshard([], barrier=False)
     params.reshard([first], [], barrier=False)
     assert params.state is FullParams.UNSHARDED
-    assert not first.records[0].gathered and first.records[0].placeholder.shape == (1,)
+    assert not first.records[0].gathered and first.records[0].placeholder.shape == (0,)
     assert every(r.gathered for g in rest for r in g.records)
     params.reshard(rest, [], barrier=False)
     assert params.state is FullParams.SHARDED and dummies(params)

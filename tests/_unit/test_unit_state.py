@@ -140,7 +140,7 @@ def test_a_forward_without_grad_frees_every_unit_root_included():
         units(x())
     assert (units.root.params.state, units.inner.params.state) == (SHARDED, SHARDED)
     assert (units.root.training_state, units.inner.training_state) == (IDLE, IDLE)
-    assert every(r.placeholder.shape == (1,) for s in (units.root, units.inner)
+    assert every(r.placeholder.shape == (0,) for s in (units.root, units.inner)
                  for g in s.params.shard_groups for r in g.records)
 
 

@@ -76,12 +76,16 @@ def _meta_init(out):
 def _divide_factors(out, device):
     from xla_fsdp import FSDP
     grads, views = {}, []
+    # torch_xla's rule: a factor divides only when above 1, and (1, 1) is the mean
     for label, factors in (("default", None), ("pre_all", (float(WORLD), 1.0)),
-                           ("sum", (1.0, 1.0)), ("bucketed", None)):
+                           ("mean", (1.0, 1.0)), ("below_one", (0.5, 4.0)),
+                           ("bucketed", None)):
         torch.manual_seed(0)
         model = FSDP(Net(), reduce_scatter_bucket_size_mb=1 if label == "bucketed" else 0)
         if factors:
             model.set_gradient_divide_factors(*factors, recursive=True)
+            out[f"factors_{label}"] = (model.gradient_predivide_factor,
+                                       model.gradient_postdivide_factor)
         x = torch.randn(8, 32, generator=torch.Generator().manual_seed(5 + model.rank))
         model(x.to(device)).square().mean().backward()
         # a gradient that is a view keeps its base alive, and the step graph then outputs
@@ -90,7 +94,8 @@ def _divide_factors(out, device):
         grads[label] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
     out["grad_views"] = views
     out["divide_pre_all"] = float((grads["pre_all"] - grads["default"]).abs().max())
-    out["divide_sum"] = float((grads["sum"] - WORLD * grads["default"]).abs().max())
+    out["divide_mean"] = float((grads["mean"] - grads["default"]).abs().max())
+    out["divide_below_one"] = float((grads["below_one"] - WORLD / 4 * grads["default"]).abs().max())
     out["grad_scale"] = float(grads["default"].abs().max())
 
 
@@ -232,7 +237,9 @@ def test_wrapper_api():
     assert out["grad_views"] == []
     assert out["grad_scale"] > 1e-4
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
-    assert out["divide_sum"] <= 1e-6 * out["grad_scale"]
+    assert out["divide_mean"] <= 1e-6 * out["grad_scale"]
+    assert out["divide_below_one"] <= 1e-6 * out["grad_scale"]
+    assert out["factors_mean"] == (1.0, 1.0) and out["factors_below_one"] == (0.5, 4.0)
     assert out["on_neuron_dim0"]
     assert out["aliases"] == (True, True, 0, False, False, True)
     assert out["param_init_fn_bound_to_the_same"]

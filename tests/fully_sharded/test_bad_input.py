@@ -15,6 +15,19 @@ class Tiny(nn.Module):
         return self.lin(x)
 
 
+class ReadsInnerGain(nn.Module):
+    """The outer forward scales by a parameter of the inner module (an inner unit's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = Tiny()
+        self.inner.gain = nn.Parameter(torch.tensor(0.7))
+        self.out = Tiny()
+
+    def forward(self, x):
+        return self.out(self.inner(x) * self.inner.gain)
+
+
 class Stack(nn.Module):
     """A layer, then two scanned ones."""
 
@@ -81,6 +94,14 @@ def misuses(rank):
     with torch.no_grad():
         inner.module.lin.weight.clamp_(-0.1, 0.1)
     out["placeholder_write"] = _error(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
+    torch_xla.sync()
+    # a parameter read outside its unit's forward: fails there, even where no gradient
+    # would reach it (see [Note: a freed placeholder is empty])
+    reads = ReadsInnerGain()
+    reads.inner = FSDP(reads.inner)
+    reads = FSDP(reads)
+    with torch.no_grad():
+        out["read_outside_unit"] = _error(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
@@ -260,6 +281,7 @@ def test_misuse_errors():
     assert "root FSDP unit" in out["clip_nested"]
     assert "parameter 'lin.weight' was changed in place through its module attribute" in \
         out["placeholder_write"], out["placeholder_write"]
+    assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
     assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
     assert "empty list" in out["group_empty"]
     assert "same module twice" in out["group_twice"]

@@ -154,7 +154,7 @@ def test_controls(tmp_path):
 
     assert out["unshard_values"]
     assert _gathers(out["forward_after_unshard"], 1) == 0
-    assert out["after_reshard"] == (False, 1)
+    assert out["after_reshard"] == (False, 0)
     assert _gathers(out["step_no_reshard_after_forward"], 1) == 1  # 2 by default
     assert _gathers(out["step_prefetch_False"], 1) == 2
     assert out["kept_after_backward"]

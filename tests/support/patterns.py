@@ -177,7 +177,7 @@ class Pair:
 
     def held(self, names=None):
         """Names whose placeholder holds a full parameter (numel() is 1 once freed)."""
-        return [n for n in (names or self.names) if placeholder(self.model, n).numel() != 1]
+        return [n for n in (names or self.names) if placeholder(self.model, n).numel() != 0]
 
     def check_freed(self, tag, names=None):
         held = self.held(names)

@@ -17,13 +17,13 @@ The placeholder is one leaf tensor per parameter, kept for the unit's lifetime, 
 delivers one gradient per parameter to a hook registered once. Installing the gathered
 value assigns ``.data``. torch_xla's ``_replace_xla_tensor`` would avoid ``set_`` but keeps
 the old ``numel()`` (torch_xla gets away with it because its placeholders keep full size;
-ours are one element, so nothing full-size ever reaches the device outside the gather), and
+ours are empty, so nothing full-size ever reaches the device outside the gather), and
 XLA tensors have no storage to resize as FSDP2 does on GPU. The swap is confined to
 ``ParamRecord.install``/``free`` below, the one place to change when a functional gather
 (all-gather whose backward reduce-scatters) replaces placeholders.
 
 [Note: writes to a freed placeholder]
-Between a unit's forwards its modules' attributes hold the one-element placeholders, so an
+Between a unit's forwards its modules' attributes hold the empty placeholders, so an
 in-place update through them (a weight clamp or an EMA written as
 ``module.weight.clamp_(...)`` under ``no_grad``, as on the unwrapped model) changes the
 placeholder and is lost: the next gather installs the shards' values. torch_xla's FSDP loses
@@ -31,6 +31,16 @@ it without a word. Each record keeps the placeholder's version counter as of its
 (the swaps themselves keep the counter), and ``install`` refuses a placeholder whose counter
 moved since, naming the parameter. A write through ``.data`` shares no counter and is not
 seen; updates belong on the shards, which ``model.parameters()`` yields.
+
+[Note: a freed placeholder is empty]
+A freed placeholder holds zero elements, not torch_xla's one. Code that reads a parameter
+outside its unit's forward (a parent's forward multiplying by a child unit's scalar gain,
+an evaluation under ``no_grad``, a frozen parameter) gets the placeholder: with one element
+of zeros it broadcast against anything and computed a silently wrong result, which only a
+gradient arriving in backward could reveal, and frozen parameters or ``no_grad`` never get
+there. An empty tensor broadcasts against nothing but a dimension of one, so such a read
+fails where it happens, in the forward, with a shape of 0 in the message. Code that reads a
+parameter outside its unit belongs inside that unit, or calls the unit's ``unshard()`` first.
 """
 from __future__ import annotations
 

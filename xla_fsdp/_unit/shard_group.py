@@ -182,7 +182,8 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
     records = []
     for p, owners, names in members:
         mark_taken(p, names[0], unit_name)
-        full = torch.zeros(1, dtype=compute_dtype, device=device)
+        # see [Note: a freed placeholder is empty] in param_record
+        full = torch.zeros(0, dtype=compute_dtype, device=device)
         full.requires_grad_(p.requires_grad)
         for m, attr in owners:
             delattr(m, attr)                     # no longer a registered parameter...

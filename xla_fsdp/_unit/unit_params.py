@@ -3,7 +3,8 @@ their gradients.
 
 The full parameters are in one of three states:
 
-* ``SHARDED``: every placeholder holds a one-element dummy;
+* ``SHARDED``: every placeholder holds an empty dummy (see
+  [Note: a freed placeholder is empty]);
 * ``GATHERING``: the all-gather is in the traced graph (issued by a prefetch), its result
   held here, not yet behind the barrier that marks where it is used;
 * ``UNSHARDED``: the placeholders hold slices of the gathered tensors.
@@ -78,7 +79,8 @@ class UnitParams:
         self.reshard_after_forward = options.reshard_after_forward
         self.reshard_after_backward = True
         self.sync_gradients = True                 # False under no_sync
-        self.divide = (1.0, 1.0)                   # gradient pre- and post-division factors
+        self.divide = (1.0, 1.0)                   # what gradients are divided by, pre and post
+        self.divide_factors = (1.0, 1.0)           # the factors as the user set them
         self._backward_barrier: List[torch.Tensor] = []
         self._replica_groups = options.replica_groups
         self.traced_blocker = blocker(options)  # see [Note: collectives traced into the compiled graph]
@@ -180,8 +182,9 @@ class UnitParams:
         self._end_backward()
 
     def _dummy(self, dtype: torch.dtype) -> torch.Tensor:
+        # see [Note: a freed placeholder is empty]
         if dtype not in self._dummies:
-            self._dummies[dtype] = torch.zeros(1, dtype=dtype, device=self.device)
+            self._dummies[dtype] = torch.zeros(0, dtype=dtype, device=self.device)
         return self._dummies[dtype]
 
     # -- the traced path (see [Note: collectives traced into the compiled graph]) -------------
@@ -218,8 +221,12 @@ class UnitParams:
     def set_immediate(self, value: bool) -> None:
         self.immediate = value
 
-    def set_divide(self, pre: float, post: float) -> None:
-        self.divide = (pre, post)
+    def set_divide(self, pre: float, post: float, world_size: int) -> None:
+        """The gradient divide factors, applied as torch_xla's FSDP applies them: each one
+        only when it is above 1, and (1, 1) asks for the mean, taken after the sum."""
+        self.divide_factors = (pre, post)
+        self.divide = ((1.0, float(world_size)) if (pre, post) == (1.0, 1.0)
+                       else (max(pre, 1.0), max(post, 1.0)))
 
     def join(self, backward_barrier: List[torch.Tensor]) -> None:
         """Orders this unit's reduced gradients in the model's backward barrier."""
