@@ -300,6 +300,21 @@ def abandoned_no_sync(ctx):
     p.compare_params("after the synced step")
     p.step("next step")
     p.compare_params("after the next step")
+    # dropped again, by an optimizer that zeroes in place with foreach kernels (see
+    # [Note: zeroing gradients with foreach kernels])
+    xl, yl, _, _ = p.data()
+    with p.model.no_sync():
+        p.loss(p.model(xl), yl).backward()
+    torch.optim.SGD(p.model.parameters(), lr=0.1, foreach=True).zero_grad(set_to_none=False)
+    p.plain_opt.zero_grad()
+    xl, yl, xg, yg = p.data()
+    loss = p.loss(p.model(xl), yl)
+    loss.backward()
+    ref = p.loss(p.plain(xg), yg)
+    ref.backward()
+    p.opt_step()
+    p.finish("synced step after a micro-batch dropped by foreach zeroing", loss, ref)
+    p.compare_params("after the micro-batch dropped by foreach zeroing")
 
 
 def shared_module_names(ctx):

@@ -145,6 +145,32 @@ def dropout_decomposed_when_compiled() -> None:
     torchxla.openxla.kwargs["decompositions"] = table
 
 
+def foreach_zero_counts_as_a_write() -> None:
+    """[Note: zeroing gradients with foreach kernels] An optimizer's ``zero_grad(set_to_none=
+    False)`` zeroes the gradients with ``torch._foreach_zero_`` (its default on XLA), whose
+    torch_xla 2.9 kernel does not bump the version counters of XLA tensors as every other
+    in-place write does (on the CPU it does). FSDP tells a dropped ``no_sync`` accumulation
+    by the counter of the gradient it left (``ShardGroup.accumulating``): a zeroing it did
+    not see brought the dropped micro-batches back into the next synchronised step,
+    silently. ``torch._foreach_zero_`` is wrapped once per process to bump the counter of
+    each XLA tensor whose counter the kernel left unchanged, so the wrapper does nothing
+    once torch_xla counts the write itself. Installed with FSDP's process-wide effects."""
+    original = torch._foreach_zero_
+    if getattr(original, "counts_xla_writes", False):
+        return
+
+    def zero_(tensors: Sequence[torch.Tensor]) -> None:
+        tensors = list(tensors)
+        xla = [(t, t._version) for t in tensors if t.device.type == "xla"]
+        original(tensors)
+        unseen = [t for t, seen in xla if t._version == seen]
+        if unseen:
+            torch.autograd.graph.increment_version(unseen)
+
+    zero_.counts_xla_writes = True  # type: ignore[attr-defined]
+    torch._foreach_zero_ = zero_
+
+
 # -- the torch.save format ------------------------------------------------------------------
 def file_writer(path: str) -> Any:
     """The zip writer ``torch.save`` uses: one record at a time."""
