@@ -103,6 +103,16 @@ def misuses(rank):
     with torch.no_grad():
         out["read_outside_unit"] = _error(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
+    # a gradient penalty: the graph its backward records would read freed parameters
+    penalty = FSDP(Tiny())
+    x = torch.ones(2, 4).to(torch_xla.device()).requires_grad_()
+
+    def grad_penalty():
+        gx, = torch.autograd.grad(penalty(x).square().sum(), x, create_graph=True)
+        gx.square().sum().backward()
+    out["create_graph"] = _error(grad_penalty)
+    out["step_after_create_graph"] = _error(lambda: penalty(x).sum().backward())
+    torch_xla.sync()
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
     _conversions(out)
@@ -282,6 +292,9 @@ def test_misuse_errors():
     assert "parameter 'lin.weight' was changed in place through its module attribute" in \
         out["placeholder_write"], out["placeholder_write"]
     assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
+    assert out["create_graph"].startswith("RuntimeError: FSDP unit around Tiny: a backward "
+                                          "with create_graph=True"), out["create_graph"]
+    assert out["step_after_create_graph"] == "no error", out["step_after_create_graph"]
     assert "['lin.weight', 'lin.bias'] on the meta device" in out["init_fn_leaves_meta"]
     assert "empty list" in out["group_empty"]
     assert "same module twice" in out["group_twice"]

@@ -358,6 +358,12 @@ class UnitState:
                 f"Return the tensors less deeply nested to let it free them.")
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():  # a backward records a graph only with create_graph=True
+            raise RuntimeError(
+                f"FSDP unit around {self.name}: a backward with create_graph=True (a gradient "
+                f"penalty, torch.autograd.grad(..., create_graph=True), double backward) is "
+                f"not supported: the graph it records reads the unit's full parameters, "
+                f"which are freed when the backward ends, so its gradients would be wrong.")
         context = self.context
         context.queue_final_callback()
         immediate = self.params.immediate
