@@ -95,5 +95,7 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
         wrapped_total += count
     remaining = _unwrapped_numel(inner, ignored_ids)
     if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):
-        return wrapper_cls(module, **kwargs), wrapped_total + remaining
+        # fairscale's and torch_xla's convention: a module's own options over the policy's
+        overrides = getattr(inner, "_wrap_overrides", None) or {}
+        return wrapper_cls(module, **{**kwargs, **overrides}), wrapped_total + remaining
     return module, wrapped_total

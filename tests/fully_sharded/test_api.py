@@ -29,6 +29,13 @@ def _children_options(out):
     out["auto_wrapped_units"] = len(units)
     out["children_options_differ"] = [
         type(u.wrapped_module).__name__ for u in units if u.options != model.options]
+    # a module's _wrap_overrides win over the policy's options, for that module only
+    net = Net()
+    net.b1._wrap_overrides = {"compute_dtype": torch.float32, "flatten_parameters": False}
+    model = FSDP(net, auto_wrap_policy=policy, flatten_parameters=True,
+                 compute_dtype=torch.bfloat16)
+    out["wrap_overrides"] = {path: (u.compute_dtype, u.flatten_parameters)
+                             for path, u in model.named_units()}
 
 
 def _nested_names(out):
@@ -223,6 +230,10 @@ def test_wrapper_api():
     # Net has two Blocks, so the policy makes them units under the root
     assert out["auto_wrapped_units"] == 3
     assert out["children_options_differ"] == []
+    assert out["wrap_overrides"] == {"": (torch.bfloat16, True),
+                                     "_fsdp_wrapped_module.b1": (torch.float32, False),
+                                     "_fsdp_wrapped_module.b2": (torch.bfloat16, True)}, \
+        out["wrap_overrides"]
     assert out["nested_names"] == out["plain_names"]
     assert out["nested_shards_match"]
     # fill() numbers the parameters it is given 1, 2, ...: the inner unit's own, then the
