@@ -85,6 +85,7 @@ class UnitModule(FallThrough):
                                 compile_refusal=compile_refusal)
         pre = default_predivide_factor(self.world_size)
         self.set_gradient_divide_factors(pre, self.world_size / pre, False)
+        self.register_load_state_dict_pre_hook(_refuse_torch_xla_names)
         self.register_load_state_dict_post_hook(_after_load)
         if not detached:
             attach_module_groups(self)
@@ -321,6 +322,24 @@ class UnitModule(FallThrough):
     def assert_state(self, state: Union[TrainingState, Sequence[TrainingState]]) -> None:
         """Raises ``TrainingStateError`` unless the unit is in ``state`` (or one of them)."""
         self._state.assert_state([state] if isinstance(state, TrainingState) else list(state))
+
+
+def _refuse_torch_xla_names(unit: UnitModule, state_dict: Dict[str, Any], prefix: str,
+                            *_args: Any) -> None:
+    """A state dict saved from torch_xla's FSDP names what its flattener wrapped
+    (``_fpw_module``), which no unit here has, and pads and cuts its shards as this wrapper
+    does not: loaded as it is, it would load nothing under ``strict=False`` and, where names
+    and shapes happen to agree, the wrong elements. Refused, pointing to the loaders that
+    read torch_xla's per-rank files by their shard metadata."""
+    theirs = next((k for k in state_dict if k.startswith(prefix) and "_fpw_module" in k), None)
+    if theirs is not None:
+        raise ValueError(
+            f"FSDP unit around {unit.unit_state.name}: load_state_dict() got a state dict "
+            f"saved by torch_xla's FSDP (key {theirs!r}), whose shards are padded and cut "
+            f"otherwise than this wrapper's. Load torch_xla's per-rank files (the "
+            f"{{'model': ..., 'shard_metadata': ...}} dicts) with "
+            f"xla_fsdp.checkpoint.load_sharded(prefix, model, optimizer), at any world size, "
+            f"or merge them with consolidate_sharded_ckpts. Nothing was loaded.")
 
 
 def _after_load(unit: UnitModule, _incompatible: Any) -> None:

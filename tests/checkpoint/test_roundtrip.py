@@ -91,6 +91,16 @@ def resumed(rank, prefix, consolidated_path, layouts_dir, upstream_prefix):
     upstream = wrapped_net()
     load_sharded(upstream_prefix, upstream, None)
     upstream_state = upstream.full_state_dict(rank0_only=False)
+    # the same files given to load_state_dict, as torch_xla's recipe resumes: refused
+    theirs = torch.load(f"{upstream_prefix}_rank-{rank % 4:08d}-of-00000004.pth",
+                        weights_only=False)["model"]
+    try:
+        upstream.load_state_dict(theirs, strict=False)
+        upstream_direct = "loaded"
+    except ValueError as exc:
+        upstream_direct = str(exc)
+    upstream_unchanged = every(torch.equal(v, upstream_state[k]) for k, v in
+                               upstream.full_state_dict(rank0_only=False).items())
     losses = train(model, opt, THEN, rank, world)
     # a consolidated checkpoint seeds a model at any world size, and reads back unchanged
     seeded = wrapped_net()
@@ -104,7 +114,9 @@ def resumed(rank, prefix, consolidated_path, layouts_dir, upstream_prefix):
             "direct_extra": direct_extra, "direct_losses": direct_losses,
             "other_wrapping": every(torch.equal(other_wrapping[k], v)
                                     for k, v in consolidated.items()),
-            "upstream": upstream_state, "layouts": layouts.resume_layouts(rank, layouts_dir)}
+            "upstream": upstream_state, "upstream_direct": upstream_direct,
+            "upstream_unchanged": upstream_unchanged,
+            "layouts": layouts.resume_layouts(rank, layouts_dir)}
 
 
 def _over_another_world_size(rank, four_prefix, model, opt):
@@ -210,6 +222,11 @@ def test_reshard_and_resume(resumes, saved, world):
                                  for r in range(world)], stale
         assert stale["extra"] == {"step": "again"}
         assert result["seeded_round_trip"] and result["keys"] and result["other_wrapping"]
+        assert "load_state_dict() got a state dict saved by torch_xla's FSDP (key '" in \
+            result["upstream_direct"] and "_fpw_module" in result["upstream_direct"] and \
+            "load_sharded(prefix, model, optimizer)" in result["upstream_direct"], \
+            result["upstream_direct"]
+        assert result["upstream_unchanged"]
         for losses in (result["losses"], result["direct_losses"]):
             for step, (got, want) in paired(losses, expected):
                 assert abs(got - want) <= 1e-5 * abs(want), (rank, step, got, want)
