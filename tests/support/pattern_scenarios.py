@@ -317,6 +317,47 @@ def abandoned_no_sync(ctx):
     p.compare_params("after the micro-batch dropped by foreach zeroing")
 
 
+def optimizer_in_backward(ctx):
+    """Each parameter's own optimizer steps in its post-accumulate-grad hook: on the shards
+    once per synchronised backward, after their reduction, as the unsharded model's hooks
+    step its parameters (see [Note: hooks on a shard's gradient])."""
+    import torch_xla
+    p = Pair(ctx, Net, optimizers=False)
+    optimizers, runs = [], []
+
+    def step_in_backward(params, counted):
+        for q in params:
+            opt = sgd([q])
+            optimizers.append(opt)
+
+            def hook(param, opt=opt):
+                counted.append(param)
+                opt.step()
+                opt.zero_grad()
+            q.register_post_accumulate_grad_hook(hook)
+    step_in_backward(list(p.model.parameters()), runs)
+    step_in_backward(list(p.plain.parameters()), [])
+    shards = len(list(p.model.parameters()))
+    for step in range(2):
+        xl, yl, xg, yg = p.data()
+        loss = p.loss(p.model(xl), yl)
+        loss.backward()
+        ref = p.loss(p.plain(xg), yg)
+        ref.backward()
+        p.finish(f"step {step} (stepped in backward)", loss, ref)
+        if len(runs) != shards * (step + 1):
+            ctx.problem(f"step {step}: {len(runs)} hook runs on {shards} shards")
+    p.compare_params("after 2 steps stepped in backward")
+    with p.model.no_sync():  # reduces nothing, so no hook runs
+        p.loss(p.model(xl), yl).backward()
+    torch_xla.sync()
+    if len(runs) != 2 * shards:
+        ctx.problem(f"a no_sync backward ran {len(runs) - 2 * shards} shard hooks")
+    for opt in optimizers:
+        opt.param_groups.clear()
+        opt.state.clear()
+
+
 def shared_module_names(ctx):
     p = Pair(ctx, SharedEmbeddingLM, kind="tied")
     for step in range(3):
@@ -384,6 +425,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
     "eval_no_grad": eval_no_grad,
     "load_assign": load_assign,
     "abandoned_no_sync": abandoned_no_sync,
+    "optimizer_in_backward": optimizer_in_backward,
     "shared_module_names": shared_module_names,
     "independent_groups": independent_groups,
 }

@@ -140,3 +140,6 @@ class RootContext:
             torch_xla.sync()
         fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.params.shard_groups
                          if g.offload is not None])
+        for state in self.states:  # see [Note: hooks on a shard's gradient]
+            for g in state.params.shard_groups:
+                g.run_gradient_hooks()

@@ -9,18 +9,28 @@ gradients arrived, whether it was reduced) is the unit's reduction's (``UnitPara
 
 With ``offload_optimizer`` the shard is on the host and the device holds a copy of it
 (``local()``): see [Note: the optimizer on the host].
+
+[Note: hooks on a shard's gradient]
+A shard is not in the autograd graph (its placeholders are), so autograd never runs what is
+registered on it. The hooks of ``register_post_accumulate_grad_hook`` on a shard (how an
+optimizer steps inside backward, and what FSDP2 runs on its sharded parameters after their
+reduce-scatter) run here instead: once at the end of each backward whose reduction changed
+the shard's ``.grad``, after an offloaded gradient reached the host. A ``no_sync`` backward
+changes no shard's gradient and runs none. ``register_hook`` on a shard stays silent, as
+in FSDP2: autograd computes no gradient of the shard for it to see.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+import weakref
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
-from .._xla.private_api import version
+from .._xla.private_api import post_accumulate_grad_hooks, version
 from .._xla.trace_only import to_device
 from .host_offload import DeviceCopy, host_master
 from .param_record import Member, ParamRecord, mark_taken
@@ -46,6 +56,8 @@ class ShardGroup:
     # whether ``sentinel`` is set, as a plain flag: the path choice Dynamo traces
     # (``UnitParams.traceable``) then reads no tensor-holding field
     accumulation_pending: bool = False
+    # the gradient the shard's hooks last ran for: a weak reference to it and its version
+    hooked_gradient: Optional[Tuple[Any, int]] = None
 
     @property
     def names(self) -> List[str]:
@@ -130,6 +142,21 @@ class ShardGroup:
     def end_accumulation(self) -> None:
         self.sentinel = None
         self.accumulation_pending = False
+
+    def run_gradient_hooks(self) -> None:
+        """At the end of a backward: the shard's post-accumulate-grad hooks, if its gradient
+        changed since they last ran (see [Note: hooks on a shard's gradient])."""
+        hooks = post_accumulate_grad_hooks(self.shard)
+        grad = self.shard.grad
+        if not hooks or grad is None or self.accumulation_pending:
+            return
+        seen = self.hooked_gradient
+        if seen is not None and seen[0]() is grad and seen[1] == version(grad):
+            return
+        for hook in hooks:
+            hook(self.shard)
+        grad = self.shard.grad
+        self.hooked_gradient = None if grad is None else (weakref.ref(grad), version(grad))
 
 
 def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:

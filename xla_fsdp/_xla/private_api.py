@@ -45,6 +45,12 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def post_accumulate_grad_hooks(t: torch.Tensor) -> List[Callable[[torch.Tensor], None]]:
+    """The hooks registered on ``t`` with ``register_post_accumulate_grad_hook``."""
+    hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+    return list(hooks.values()) if hooks else []
+
+
 def in_backward() -> bool:
     """Whether this code runs inside the autograd engine (e.g. a forward recomputed by
     activation checkpointing during backward)."""
