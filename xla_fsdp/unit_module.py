@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 import torch.nn as nn
@@ -34,7 +35,7 @@ from ._unit.training_state import TrainingState
 from ._unit.unit_params import FullParams, UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
-from ._xla.private_api import CollectiveBindings
+from ._xla.private_api import CollectiveBindings, incompatible_keys
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.metadata import original_names_and_shards, shard_metadata
@@ -297,6 +298,17 @@ class UnitModule(FallThrough):
         self.check_root_call("load_full_state_dict")
         return load_full_state_dict(self, state_dict, strict)
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False) -> Any:
+        """This unit's own state dict, as ``state_dict()`` gives it (this rank's shards); on
+        the root also an unwrapped model's, such as a consolidated checkpoint or what Hugging
+        Face Trainer loads its best checkpoint from, which loads as ``load_full_state_dict``
+        loads it (every rank calls it). Given to torch's loader, no key of an unwrapped
+        model's state dict matches a unit's, so ``strict=False`` would load nothing."""
+        if self._state.is_root and state_dict and _unwrapped_names(self, state_dict):
+            return incompatible_keys(*self.load_full_state_dict(dict(state_dict), strict))
+        return super().load_state_dict(state_dict, strict, assign)
+
     def load_full_optim_state_dict(self, optimizer: torch.optim.Optimizer,
                                    optim_state_dict: Dict[str, Any],
                                    param_names: Optional[List[str]] = None) -> None:
@@ -322,6 +334,13 @@ class UnitModule(FallThrough):
     def assert_state(self, state: Union[TrainingState, Sequence[TrainingState]]) -> None:
         """Raises ``TrainingStateError`` unless the unit is in ``state`` (or one of them)."""
         self._state.assert_state([state] if isinstance(state, TrainingState) else list(state))
+
+
+def _unwrapped_names(root: UnitModule, state_dict: Mapping[str, Any]) -> bool:
+    """Whether ``state_dict`` names no entry of the wrapped model's state dict, and is not
+    torch_xla's (which ``_refuse_torch_xla_names`` refuses)."""
+    wrapped = set(nn.Module.state_dict(root, keep_vars=True))
+    return not any(k in wrapped or "_fpw_module" in k for k in state_dict)
 
 
 def _refuse_torch_xla_names(unit: UnitModule, state_dict: Dict[str, Any], prefix: str,

@@ -6,7 +6,8 @@ The same Trainer run on one device with the whole batch, at N = 4 plain data par
 imports of torch_xla's FSDP get ours. Same model init, data, SGD and gradient clipping
 (which the first steps hit: clipping by each rank's own norm shows). The logged losses must
 agree step by step, and the models Trainer's ``save_model()`` writes must load with
-``from_pretrained`` and be equal. The file also runs on transformers 5
+``from_pretrained`` and be equal; each is the best checkpoint's, which
+``load_best_model_at_end`` loaded back into the model. The file also runs on transformers 5
 (``test_transformers_5.py``), where Trainer lost the line that made this work
 ([Note: Trainer's wrapped model on transformers 5]). This exercises, through Trainer's public
 entry points: wrapping with a transformer-layer policy, accelerate's sharded-gradient
@@ -62,15 +63,26 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2):
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=batch,
                              optim="sgd", learning_rate=LR, lr_scheduler_type="constant",
                              weight_decay=0.1,   # LayerNorms and biases undecayed, as plain
-                             max_grad_norm=1.0, logging_steps=1, save_strategy="no",
-                             report_to="none", dataloader_drop_last=True, seed=0,
-                             gradient_checkpointing=grad_ckpt, **extra)
-    trainer = Trainer(model=model, args=args, train_dataset=TokenData())
+                             max_grad_norm=1.0, logging_steps=1, report_to="none",
+                             dataloader_drop_last=True, seed=0,
+                             gradient_checkpointing=grad_ckpt,
+                             # the "best" checkpoint is the first (the higher loss), so the
+                             # model saved at the end is step 3's, reloaded by Trainer
+                             eval_strategy="steps", eval_steps=3, save_strategy="steps",
+                             save_steps=3, load_best_model_at_end=True,
+                             metric_for_best_model="eval_loss", greater_is_better=True,
+                             **extra)
+    trainer = Trainer(model=model, args=args, train_dataset=TokenData(),
+                      eval_dataset=torch.utils.data.Subset(TokenData(), range(WORLD * 8)))
     trainer.train()
     trainer.save_model(out)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model).__module__
-    return {"losses": losses, "wrapped_by": wrapped}
+    # accelerate is told the gradients are sharded between an FSDP backward and its step
+    # only, so a model trained later in the process gets accelerate's all-reduce (see
+    # [Note: telling accelerate the gradients are sharded])
+    return {"losses": losses, "wrapped_by": wrapped, "left": os.environ.get("ACCELERATE_USE_FSDP"),
+            "best": os.path.basename(trainer.state.best_model_checkpoint)}
 
 
 @pytest.mark.slow
@@ -84,7 +96,7 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
     for grad_ckpt in (False, True):
         fsdp_dir = str(tmp_path / f"fsdp_ckpt{int(grad_ckpt)}")
         sharded = launch(run_trainer, (fsdp_dir, True, grad_ckpt), num_devices=WORLD)[0]
-        assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded"
+        assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded" and sharded["left"] is None
         _compare(plain, plain_dir, sharded, fsdp_dir)
         _compare(one, one_dir, sharded, fsdp_dir)
 
@@ -92,6 +104,7 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
 def _compare(plain, plain_dir, sharded, fsdp_dir):
     """``sharded`` (the run in ``fsdp_dir``) equals ``plain`` (in ``plain_dir``)."""
     assert len(plain["losses"]) == len(sharded["losses"]) == STEPS
+    assert plain["best"] == sharded["best"] == "checkpoint-3", (plain["best"], sharded["best"])
     for step, (a, b) in paired(sharded["losses"], plain["losses"]):
         assert abs(a - b) <= LOSS_BOUND * abs(b), (step, a, b)
     # Trainer's consolidated save loads into the plain model class, tied weights included

@@ -82,18 +82,29 @@ def test_refuses_when_a_module_holds_torch_xla_fsdp():
 
 
 @pytest.mark.slow
-def test_accelerate_is_told_when_a_unit_is_built():
-    code = ("import os, torch, warnings, xla_fsdp\n"
+def test_accelerate_is_told_from_a_backward_to_the_step():
+    """[Note: telling accelerate the gradients are sharded]: set between an FSDP backward and
+    the next optimizer step only, so that a model trained later without FSDP gets
+    accelerate's all-reduce; a value the user set stays."""
+    code = ("import os, torch, torch_xla, warnings, xla_fsdp\n"
+            "def told(when): print(when, os.environ.get('ACCELERATE_USE_FSDP'))\n"
             "xla_fsdp.patch_torch_xla()\n"
-            "print('after patch:', os.environ.get('ACCELERATE_USE_FSDP'))\n"
-            "xla_fsdp.FSDP(torch.nn.Linear(4, 4))\n"
-            "print('after a unit:', os.environ.get('ACCELERATE_USE_FSDP'))\n")
+            "told('after patch:')\n"
+            "model = xla_fsdp.FSDP(torch.nn.Linear(4, 4))\n"
+            "told('after a unit:')\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "model(torch.ones(2, 4, device=torch_xla.device())).sum().backward()\n"
+            "told('after a backward:')\n"
+            "opt.step()\n"
+            "told('after the step:')\n")
     clean = {k: v for k, v in ENV.items() if k != "ACCELERATE_USE_FSDP"}
     # unset and set to false, in two interpreters side by side
     unset, false = [subprocess.Popen([sys.executable, "-c", code], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
                     for env in (clean, dict(clean, ACCELERATE_USE_FSDP="false"))]
     out, err = unset.communicate(timeout=300)
-    assert "after patch: None\nafter a unit: true" in out, out + err[-3000:]
+    assert "after patch: None\nafter a unit: None\nafter a backward: true\n" \
+        "after the step: None" in out, out + err[-3000:]
     out, err = false.communicate(timeout=300)
-    assert "after a unit: false" in out and "ACCELERATE_USE_FSDP=false" in err
+    assert "after a backward: false\nafter the step: false" in out, out + err[-3000:]
+    assert "ACCELERATE_USE_FSDP=false" in err

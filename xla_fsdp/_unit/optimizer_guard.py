@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import warnings
 import weakref
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Set
 
 import torch
 
@@ -43,19 +44,58 @@ from .shard_group import shard_group_of
 ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
 
 
-def declare_sharded_gradients() -> None:
-    """Tells Hugging Face accelerate that this process trains an FSDP model.
-
-    Without ``ACCELERATE_USE_FSDP`` accelerate all-reduces every gradient on XLA, in its
-    optimizer step and its ``clip_grad_norm_``, averaging different ranks' shards together;
-    transformers' Trainer sets it only for non-XLA FSDP. accelerate reads it at each step,
-    so setting it when a unit is built is in time. A value the user set is kept, and
-    ``check_step`` refuses the step it would corrupt."""
-    value = os.environ.setdefault(ACCELERATE_FSDP, "true")
-    if not _accelerate_told():
+def check_accelerate_setting() -> None:
+    """When the first unit is built: warns if the user set ``ACCELERATE_USE_FSDP`` to
+    anything but true (see [Note: telling accelerate the gradients are sharded])."""
+    value = os.environ.get(ACCELERATE_FSDP)
+    if value is not None and not _accelerate_told():
         warnings.warn(f"{ACCELERATE_FSDP}={value}: accelerate (and Hugging Face Trainer) will "
                       f"all-reduce the sharded gradients of this FSDP model, averaging different "
                       f"ranks' shards; its optimizer step will be refused")
+
+
+# [Note: telling accelerate the gradients are sharded]
+# Without ``ACCELERATE_USE_FSDP`` Hugging Face accelerate all-reduces every gradient on XLA,
+# in its optimizer step and its ``clip_grad_norm_``, averaging different ranks' shards
+# together; transformers' Trainer sets it only for non-XLA FSDP. accelerate reads it at each
+# step, between the backward and the optimizer's step, so FSDP sets it when a backward of
+# its own ends and takes it back after the step of an optimizer over that model's shards,
+# once no device (one per rank; several on virtual devices) is between the two. Set for
+# good, it also stopped the all-reduce of any model trained without FSDP later in the
+# process (a plain data-parallel Trainer after an FSDP one), whose replicas then drifted
+# apart silently. A value the user set is never changed, and ``check_step`` refuses the
+# step it would corrupt.
+_between_backward_and_step: Set[str] = set()   # devices
+_declared = False                              # whether the variable's value is ours
+_declaration = threading.Lock()
+
+
+def declare_sharded_gradients(device: torch.device) -> None:
+    """At the end of an FSDP backward on ``device`` (see [Note: telling accelerate the
+    gradients are sharded])."""
+    global _declared
+    with _declaration:
+        if ACCELERATE_FSDP in os.environ and not _declared:
+            return
+        _between_backward_and_step.add(str(device))
+        os.environ[ACCELERATE_FSDP] = "true"
+        _declared = True
+
+
+def withdraw_declaration(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook (see [Note: telling accelerate the gradients are sharded])."""
+    global _declared
+    devices = {str(g.device) for g in _shard_groups(optimizer)}
+    with _declaration:
+        _between_backward_and_step.difference_update(devices)
+        if _declared and not _between_backward_and_step:
+            os.environ.pop(ACCELERATE_FSDP, None)
+            _declared = False
+
+
+def _shard_groups(optimizer: torch.optim.Optimizer) -> List[Any]:
+    found = (shard_group_of(p) for pg in optimizer.param_groups for p in pg["params"])
+    return [g for g in found if g is not None]
 
 
 def _accelerate_told() -> bool:

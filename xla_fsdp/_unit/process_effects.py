@@ -5,8 +5,9 @@ when the first unit is built (never at import):
   keeps donated buffers updated in place (``_xla.donation_order``);
 * ``torch.xla``, the device module ``torch.utils.checkpoint`` needs for XLA tensors
   (``_xla.torch_device_module``);
-* ``ACCELERATE_USE_FSDP=true`` unless set, so that accelerate does not average sharded
-  gradients across ranks (``optimizer_guard.declare_sharded_gradients``);
+* ``ACCELERATE_USE_FSDP=true`` unless set, from the end of each FSDP backward to the next
+  optimizer step, so that accelerate does not average sharded gradients across ranks (see
+  [Note: telling accelerate the gradients are sharded] in ``optimizer_guard``);
 * ``torch.nn.functional``'s ``scaled_dot_product_attention`` and ``softmax`` wrapped, so
   that inside a low-precision unit attention computes in the unit's dtype
   (``low_precision_attention``); outside one they are torch's;
@@ -27,7 +28,8 @@ from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
 from .._xla.private_api import dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write
 from . import low_precision_attention, peft_names
-from .optimizer_guard import check_step, count_updates, declare_sharded_gradients
+from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
+                              withdraw_declaration)
 
 _installed = False
 
@@ -44,7 +46,8 @@ def install() -> None:
     register_optimizer_step_post_hook(count_updates)
     register_optimizer_step_post_hook(reissue_in_order)
     torch_device_module.register()
-    declare_sharded_gradients()
+    register_optimizer_step_post_hook(withdraw_declaration)
+    check_accelerate_setting()
     low_precision_attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()

@@ -19,6 +19,7 @@ import torch.nn as nn
 from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
 from .host_offload import fetch_gradients
+from .optimizer_guard import declare_sharded_gradients
 from .training_state import TrainingState
 from .unit_params import UnitParams
 
@@ -140,6 +141,7 @@ class RootContext:
             torch_xla.sync()
         fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.params.shard_groups
                          if g.offload is not None])
+        declare_sharded_gradients(self.root.params.device)
         for state in self.states:  # see [Note: hooks on a shard's gradient]
             for g in state.params.shard_groups:
                 g.run_gradient_hooks()

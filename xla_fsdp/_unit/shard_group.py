@@ -67,6 +67,11 @@ class ShardGroup:
     def placeholders(self) -> List[torch.Tensor]:
         return [r.placeholder for r in self.records]
 
+    @property
+    def device(self) -> torch.device:
+        """Where the unit computes: the shard's device, or with offload its copy's."""
+        return self.shard.device if self.offload is None else self.offload.device
+
     # -- where the values are ----------------------------------------------------------------
     def local(self) -> torch.Tensor:
         """The shard on the device, what gathers read: the shard itself, or with offload its

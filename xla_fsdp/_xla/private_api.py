@@ -45,6 +45,13 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def incompatible_keys(missing: List[str], unexpected: List[str]) -> Any:
+    """What ``nn.Module.load_state_dict`` returns: its named tuple of the keys that did not
+    match."""
+    from torch.nn.modules.module import _IncompatibleKeys
+    return _IncompatibleKeys(missing, unexpected)
+
+
 def post_accumulate_grad_hooks(t: torch.Tensor) -> List[Callable[[torch.Tensor], None]]:
     """The hooks registered on ``t`` with ``register_post_accumulate_grad_hook``."""
     hooks = getattr(t, "_post_accumulate_grad_hooks", None)
