@@ -233,7 +233,7 @@ def _shifted(module, offset):
 def test_each_shard_gets_its_slice_of_the_summed_gradients_divided(layout, rank):
     world = FakeWorld(model(), **LAYOUTS[layout])
     params, fake = world.params[rank], world.collectives[rank]
-    params.set_divide(2.0, 4.0)
+    params.set_divide(2.0, 4.0, world_size=2)
     answers = wire(params)
     x = data(1)
     run_pass(world, rank, x, finalize=False)
@@ -269,7 +269,7 @@ def test_low_precision_gradients_are_pre_divided_or_reduced_in_float32(fp32_redu
     world = FakeWorld(model(), compute_dtype=torch.bfloat16,
                       fp32_reduce_scatter=fp32_reduce_scatter)
     params, fake = world.params[1], world.collectives[1]
-    params.set_divide(2.0, 4.0)
+    params.set_divide(2.0, 4.0, world_size=2)
     wire(params)
     x = data(1, torch.bfloat16)
     run_pass(world, 1, x)

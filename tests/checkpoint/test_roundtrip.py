@@ -311,6 +311,8 @@ def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
         assert "unexpected ['b2.seen', 'head.bias', 'inp.bias', 'inp.weight']" \
             in out["other_model"]
         assert "ranks [3] are missing" in out["missing_rank"]
+        assert "own_at_2_rank-*-of-*.pth" in out["other_class"] and \
+            "another optimizer class" in out["other_class"], out["other_class"]
         assert "corrupt_rank-00000001-of-00000004.pth" in out["corrupt"]
         assert "CRC-32" in out["corrupt"]
         assert "nope: no such checkpoint" in out["no_checkpoint"]

@@ -246,7 +246,8 @@ def _refusals(rank, root):
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
-    from xla_fsdp.checkpoint import CheckpointError, load_sharded, sharded_checkpoint_path
+    from xla_fsdp.checkpoint import (CheckpointError, load_sharded, save_sharded,
+                                     sharded_checkpoint_path)
     world = xr.world_size()
     source = os.path.join(root, "nested_tied")
     bad = os.path.join(root, "bad")
@@ -276,6 +277,14 @@ def _refusals(rank, root):
             out[label] = "no error"
         except CheckpointError as exc:
             out[label] = str(exc)
+    # this world size's own files (each rank reads its own) into another optimizer class
+    own = os.path.join(root, f"own_at_{world}")
+    save_sharded(own, model, opt)
+    try:
+        load_sharded(own, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        out["other_class"] = "no error"
+    except CheckpointError as exc:
+        out["other_class"] = str(exc)
     out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
     torch_xla.sync()
     return out

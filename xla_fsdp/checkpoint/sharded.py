@@ -193,12 +193,16 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
             f.verify()
             ours = RankRecord.of(f.tree)
             has_optimizer = isinstance(f.tree, dict) and OPTIMIZER in f.tree
+            saved_groups = f.tree[OPTIMIZER].get("param_groups", []) if has_optimizer else []
     except CheckpointError:
         return None
     if ours is None or ours.fingerprint != wrapping_fingerprint(model.get_shard_metadata()):
         return None
+    # another optimizer class (settings of its own not saved) is refused by the source
     if optimizer is not None and (not has_optimizer or ours.optimizer_param_keys
-                                  != optimizer_shard_keys(model, optimizer)):
+                                  != optimizer_shard_keys(model, optimizer)
+                                  or any(not set(optimizer.defaults) <= set(g)
+                                         for g in saved_groups)):
         return None
     return path, ours
 
