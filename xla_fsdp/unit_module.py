@@ -49,6 +49,17 @@ def _local_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
     return torch.stack(zero + [g.norm(norm_type).float() for g in grads]).norm(norm_type)
 
 
+def _option(name: str) -> Any:
+    """A unit's attribute for one of its options, which are set at construction only."""
+    def get(unit: "UnitModule") -> Any:
+        return getattr(unit.options, name)
+
+    def refuse(unit: "UnitModule", _value: Any) -> None:
+        raise AttributeError(f"FSDP unit around {unit.unit_state.name}: {name} is set when the "
+                             f"unit is built (an argument of its constructor), not after")
+    return property(get, refuse, doc=f"The ``{name}`` the unit was built with.")
+
+
 class UnitModule(FallThrough):
     """An FSDP unit: the modules it holds (``wrapped_module``), this rank's shards of their
     parameters, and the state that drives them (``_state``). A kind of unit says how it
@@ -62,10 +73,6 @@ class UnitModule(FallThrough):
         kind does and becomes the parent of the units built below it."""
         super().__init__()
         self._options = options
-        self.rank, self.world_size = options.rank, options.world_size
-        self.sharding_groups = options.sharding_groups
-        self.flatten_parameters = options.flatten_parameters
-        self.compute_dtype, self.buffer_dtype = options.compute_dtype, options.buffer_dtype
         self._collectives = Collectives(self.world_size, self.sharding_groups,
                                         options.pin_layout_in_collective_ops,
                                         CollectiveBindings(), self.rank,
@@ -151,6 +158,23 @@ class UnitModule(FallThrough):
     @property
     def options(self) -> FsdpOptions:
         return self._options
+
+    # torch_xla's attributes for its constructor's arguments, read-only: set after
+    # construction, torch_xla reads some of them and not others, and a unit none of them
+    rank = _option("rank")
+    world_size = _option("world_size")
+    sharding_groups = _option("sharding_groups")
+    flatten_parameters = _option("flatten_parameters")
+    compute_dtype = _option("compute_dtype")
+    buffer_dtype = _option("buffer_dtype")
+    fp32_reduce_scatter = _option("fp32_reduce_scatter")
+    disable_reshard_on_root = _option("disable_reshard_on_root")
+    optimization_barrier_in_forward = _option("optimization_barrier_in_forward")
+    optimization_barrier_in_backward = _option("optimization_barrier_in_backward")
+    sync_on_finalization = _option("sync_on_finalization")
+    coalesce_all_gather_ops = _option("coalesce_all_gather_ops")
+    _shard_param_on_dim_0 = _option("shard_param_on_dim_0")
+    _shard_size_multiple = _option("shard_size_multiple")
 
     @property
     def collectives(self) -> Collectives:

@@ -130,6 +130,19 @@ def _torch_xla_arguments(out, device):
                       aliased.optimization_barrier_in_forward,
                       aliased.optimization_barrier_in_backward,
                       FsdpOptions.from_arguments(aliased.as_arguments()) == aliased)
+    # torch_xla's attributes for the arguments, read-only
+    unit = FSDP(Net(), disable_reshard_on_root=False, fp32_reduce_scatter=True,
+                optimization_barrier_in_forward=False, mark_step_on_finalization=True,
+                _shard_size_multiple=4)
+    out["option_attributes"] = (unit.disable_reshard_on_root, unit.fp32_reduce_scatter,
+                                unit.optimization_barrier_in_forward,
+                                unit.optimization_barrier_in_backward,
+                                unit.sync_on_finalization, unit._shard_size_multiple)
+    try:
+        unit.compute_dtype = torch.bfloat16
+        out["option_set_later"] = "no error"
+    except AttributeError as exc:
+        out["option_set_later"] = str(exc)
     # auto-wrapped children get the same param_init_fn, not a copy of what it is bound to
     initializer = _Initializer()
     given = FSDP(Net(), param_init_fn=initializer.fill).options.as_arguments()["param_init_fn"]
@@ -252,6 +265,9 @@ def test_wrapper_api():
     assert out["divide_below_one"] <= 1e-6 * out["grad_scale"]
     assert out["factors_mean"] == (1.0, 1.0) and out["factors_below_one"] == (0.5, 4.0)
     assert out["on_neuron_dim0"]
+    assert out["option_attributes"] == (False, True, False, True, True, 4)
+    assert "compute_dtype is set when the unit is built" in out["option_set_later"], \
+        out["option_set_later"]
     assert out["aliases"] == (True, True, 0, False, False, True)
     assert out["param_init_fn_bound_to_the_same"]
     assert out["dummy_step_collectives"] == []
