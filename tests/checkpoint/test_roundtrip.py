@@ -313,6 +313,10 @@ def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
         assert "ranks [3] are missing" in out["missing_rank"]
         assert "own_at_2_rank-*-of-*.pth" in out["other_class"] and \
             "another optimizer class" in out["other_class"], out["other_class"]
+        extras = result["layouts"]["own_extras"]
+        assert extras["own"] == ({"rank": rank}, {"rank": rank}), extras
+        assert extras["common"] == ({"step": 3}, {"step": 3}), extras
+        assert extras["common_dcp_keys"] == ["extra"], extras
         assert "corrupt_rank-00000001-of-00000004.pth" in out["corrupt"]
         assert "CRC-32" in out["corrupt"]
         assert "nope: no such checkpoint" in out["no_checkpoint"]

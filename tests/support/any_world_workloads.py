@@ -192,7 +192,33 @@ def resume_layouts(rank, root):
            for name in LAYOUTS}
     if world == 2:
         out["refusals"] = _refusals(rank, root)
+        out["own_extras"] = _own_extras(rank, root)
     return out
+
+
+def _own_extras(rank, root):
+    """Each rank's own ``extra`` back at the world size that saved it, from per-rank files
+    read into another wrapping (the source, not the own file) and from DCP; a common one
+    saved once (see [Note: each rank's extra])."""
+    import torch_xla.runtime as xr
+    from xla_fsdp.checkpoint import load_dcp, load_sharded, save_dcp, save_sharded
+    world = xr.world_size()
+    model = wrap(build("net", 1), "nested", world, rank)
+    out = {}
+    for label, extra in (("own", {"rank": rank}), ("common", {"step": 3})):
+        save_sharded(os.path.join(root, f"extras_{label}"), model, None, extra=extra)
+        save_dcp(os.path.join(root, f"extras_{label}_dcp"), model, None, extra=extra)
+        other = wrap(build("net", 2), "flattened", world, rank)
+        out[label] = (load_sharded(os.path.join(root, f"extras_{label}"), other, None),
+                      load_dcp(os.path.join(root, f"extras_{label}_dcp"), model, None))
+    out["common_dcp_keys"] = sorted(
+        k for k in _dcp_keys(os.path.join(root, "extras_common_dcp")) if "extra" in k)
+    return out
+
+
+def _dcp_keys(directory):
+    from torch.distributed.checkpoint import FileSystemReader
+    return FileSystemReader(directory).read_metadata().state_dict_metadata
 
 
 def _resume(name, root, fmt, rank, world, resave=None):

@@ -14,6 +14,7 @@ beyond training's own.
 """
 from __future__ import annotations
 
+import hashlib
 import pickle
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
@@ -57,6 +58,11 @@ def exchange(tag: str, obj: Any) -> List[Any]:
     """Every rank's ``obj``, in rank order (global ranks)."""
     import torch_xla.core.xla_model as xm
     return [pickle.loads(p) for p in xm.rendezvous(tag, pickle.dumps(obj))]
+
+
+def digest(obj: Any) -> str:
+    """A fingerprint of ``obj`` (host values: its pickle), equal for equal objects."""
+    return hashlib.sha256(pickle.dumps(obj)).hexdigest()
 
 
 def agree(tag: str, error: Any) -> None:

@@ -33,7 +33,8 @@ from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree, agree_or_undo
 from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
-                                ParamSlot, extra_key, param_slots, slots_by_shard)
+                                ParamSlot, param_slots, rank_extra_key, rank_extras,
+                                slots_by_shard)
 from .files import CheckpointError
 from .metadata import persistent_buffers, refuse_extra_state
 from .optimizer_state import (GROUP_MEMBERS, param_group_settings, refuse_foreign_params,
@@ -83,10 +84,11 @@ class StagedLoad:
             self._model(model, slots)
         if optimizer is not None:
             self._optimizer(model, optimizer, slots)
-        if EXTRA in self.stored:
-            self.objects[extra_key()[0]] = None
+        extra = _extra_key(self.stored, model)
+        if extra is not None:
+            self.objects[extra] = None
         self._read()
-        self.extra = self.objects.get(extra_key()[0])
+        self.extra = None if extra is None else self.objects.get(extra)
 
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
@@ -310,6 +312,21 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer,
     optimizer.load_state_dict(state_dict)
     return lambda: optimizer.load_state_dict(before)
 
+
+
+def _extra_key(stored: Any, model: ShardedModel) -> Optional[str]:
+    """[Note: each rank's extra]
+    ``extra`` is what a training loop saves beside the state (a step, a scheduler's state),
+    usually the same on every rank; where the ranks saved different ones (a per-rank data
+    position or RNG state), per-rank files hold each rank's, and a DCP save keeps each
+    rank's beside the first rank's. Every rank then gets its own back at the world size
+    that saved it, whatever the loader; at another world size there is no own one, and
+    every rank gets the first rank's. Before, a DCP checkpoint and every per-rank load that
+    did not read the rank's own file alone gave all ranks the first rank's, silently."""
+    own = rank_extra_key(model.rank)[0]
+    if own in stored and len(rank_extras(stored)) == model.world_size:
+        return own
+    return EXTRA if EXTRA in stored else None
 
 def load_staged(open_source: Callable[[], Source], model: ShardedModel,
                 optimizer: Optional[torch.optim.Optimizer], tag: str,

@@ -46,10 +46,10 @@ from ..metadata import ShardMetadata, persistent_buffers, refuse_extra_state
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
                              sharding_group_path, writes_sharding_group_copy)
-from ..coordination import agree, agree_or_undo, exchange
+from ..coordination import agree, agree_or_undo, digest, exchange
 from ..dcp_format.files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
-                                 slots_by_shard)
+                                 rank_extra_key, slots_by_shard)
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 
 
@@ -84,7 +84,10 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     sharding_group = sharding_group_index(model)
     rank = model.rank
     host = HostCopies(all_at_once=async_save)
-    planner = (_planner(model, optimizer, copy_of_extra(extra), scheme, rank == 0, host)
+    extra = copy_of_extra(extra)
+    # see [Note: each rank's extra] in staging
+    per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", digest(extra)))) > 1
+    planner = (_planner(model, optimizer, extra, scheme, rank, host, per_rank)
                if writes else None)
     writer, local = local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
@@ -173,10 +176,12 @@ class HostCopies:
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
-             scheme: KeyScheme, first: bool, host: HostCopies) -> ChunkSavePlanner:
+             scheme: KeyScheme, rank: int, host: HostCopies,
+             per_rank_extra: bool) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
     first rank) the buffers, the replicated optimizer state and every other value, read
-    through ``host``."""
+    through ``host``; with ``per_rank_extra`` also this rank's ``extra``."""
+    first = rank == 0
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
     if optimizer is not None:
@@ -229,5 +234,8 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                     paths[key], objects[key] = path, value
     if first and extra is not None:
         key, paths[key] = extra_key()
+        objects[key] = extra
+    if per_rank_extra:
+        key, paths[key] = rank_extra_key(rank)
         objects[key] = extra
     return ChunkSavePlanner(tensors, wholes, objects, paths)

@@ -44,6 +44,17 @@ def extra_key() -> Tuple[str, Path]:
     return EXTRA, (EXTRA,)
 
 
+def rank_extra_key(rank: int) -> Tuple[str, Path]:
+    """Where one rank's ``extra`` is kept when the ranks saved different ones (see [Note:
+    each rank's extra])."""
+    key = f"{EXTRA}.rank{rank:05d}"
+    return key, (key,)
+
+
+def rank_extras(keys: Any) -> List[str]:
+    return [k for k in keys if k.startswith(EXTRA + ".rank")]
+
+
 @dataclass(frozen=True)
 class KeyScheme:
     """Which keys (and nest paths) the model's and optimizer's entries have."""

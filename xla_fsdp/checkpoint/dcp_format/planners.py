@@ -83,11 +83,13 @@ class ChunkSavePlanner(SavePlanner):
                 items.append(WriteItem(index, WriteItemType.TENSOR, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(index.offset, size),
                     TensorProperties(dtype=tensor.dtype), size)))
-            for key, value in self.objects.items():
-                index = MetadataIndex(key)
-                self._by_index[index] = value
-                items.append(WriteItem(index, WriteItemType.BYTE_IO))
-        return SavePlan(items, planner_data=self.paths if self.is_coordinator else {})
+        # the coordinator's objects, and any other rank's own (its extra)
+        for key, value in self.objects.items():
+            index = MetadataIndex(key)
+            self._by_index[index] = value
+            items.append(WriteItem(index, WriteItemType.BYTE_IO))
+        return SavePlan(items, planner_data=self.paths if self.is_coordinator else
+                        {k: self.paths[k] for k in self.objects})
 
     def create_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
         plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)

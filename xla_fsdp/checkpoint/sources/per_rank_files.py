@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Tuple
 
+from ..dcp_format.layout import rank_extra_key
 from ..files import CheckpointError
 from ..metadata import EXTRA, MODEL
 from .entries import EntrySource, model_entries, optimizer_entries
@@ -77,4 +78,7 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         objects.update(more_objects)
     if EXTRA in head:
         objects[EXTRA] = head[EXTRA]
+        if len(shards.files) > 1:   # each rank's own (see [Note: each rank's extra])
+            for rank, f in enumerate(shards.files):
+                objects[rank_extra_key(rank)[0]] = f.tree.get(EXTRA)
     return EntrySource(shards.pattern, tensors, objects, [shards.close] if closes else [])
