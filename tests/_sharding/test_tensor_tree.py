@@ -40,3 +40,25 @@ def test_inputs_are_collected_where_outputs_are_hooked():
     hooked = []
     map_tensors(lambda t: hooked.append(t) or t, ([Carrier(a)], Frozen(b), {"x": (c, c)}))
     assert [id(t) for t in found] == list(dict.fromkeys(id(t) for t in hooked))
+
+
+def test_the_input_cast_leaves_the_callers_objects_as_they_are():
+    """A batch given to a low-precision unit (a ``UserDict`` as Hugging Face's
+    ``BatchEncoding``, a dataclass, a plain object) keeps its float32 tensors for the
+    caller; an object with nothing to cast (a cache the module updates) is passed itself."""
+    import collections
+    from xla_fsdp._sharding.tensor_tree import cast_floating
+    batch = collections.UserDict(x=torch.ones(2), ids=torch.zeros(2, dtype=torch.long))
+    out = Out(torch.ones(2), [torch.ones(2)])
+    carrier = Carrier(torch.ones(2))
+    cast = cast_floating(torch.bfloat16, (batch, out, carrier))
+    assert [t.dtype for t in collect_tensors(cast)] == [torch.bfloat16, torch.int64] + \
+        [torch.bfloat16] * 3
+    assert [t.dtype for t in collect_tensors((batch, out, carrier))] == [torch.float32,
+                                                                       torch.int64] + \
+        [torch.float32] * 3
+    assert type(cast[0]) is collections.UserDict and isinstance(cast[1], Out)
+    cache = Carrier(torch.ones(2, dtype=torch.bfloat16))
+    cache.keys = [torch.ones(1, dtype=torch.bfloat16)]
+    kept = cache.keys
+    assert cast_floating(torch.bfloat16, (cache,))[0] is cache and cache.keys is kept

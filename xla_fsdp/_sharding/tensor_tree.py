@@ -7,6 +7,7 @@ dataclasses, and the attributes of plain objects, one level deep.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import OrderedDict
 from typing import Any, Callable, List
@@ -40,17 +41,28 @@ def collect_tensors(obj: Any) -> List[torch.Tensor]:
 
 
 def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
-    """``obj`` with its floating-point tensors cast to ``dtype``."""
-    return map_tensors(
-        lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t, obj)
+    """``obj`` with its floating-point tensors cast to ``dtype``. The caller's objects are
+    left as they are: a dict-like, dataclass or plain object holding a tensor that changes is
+    copied (a batch given to a unit keeps its float32 targets for a loss taken outside)."""
+    return _walk(lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype
+                 else t, obj, rebuild=True, copies=True)
 
 
-def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True) -> Any:
+def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True,
+          copies: bool = False) -> Any:
     """Calls ``fn`` on every tensor in ``obj``; with ``rebuild``, returns ``obj`` with the
     results in place of the tensors. ``objects``: whether to look inside a plain object's
-    attributes (not inside an object found that way)."""
+    attributes (not inside an object found that way). ``copies``: a mutable container whose
+    contents change is copied, not changed."""
     def walk(value: Any) -> Any:
-        return _walk(fn, value, rebuild)
+        return _walk(fn, value, rebuild, copies=copies)
+
+    def target(pairs: List[Any]) -> Any:
+        """Where a rebuild writes: ``obj``, or with ``copies`` a copy of it if any of the
+        (old, new) ``pairs`` differs (None if none does: ``obj`` is kept as it is)."""
+        if not copies:
+            return obj
+        return copy.copy(obj) if any(_changed(a, b) for a, b in pairs) else None
 
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -67,11 +79,12 @@ def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True) -> Any:
         values = [walk(v) for v in obj]
         return type(obj)(values) if rebuild else obj
     if hasattr(obj, "keys") and hasattr(obj, "__setitem__") and hasattr(obj, "items"):
-        for k, v in list(obj.items()):  # dict-like model outputs: updated in place
-            new = walk(v)
-            if rebuild:
-                obj[k] = new
-        return obj
+        # dict-like model outputs: updated in place
+        new_items = [(k, v, walk(v)) for k, v in list(obj.items())]
+        out = target([(v, new) for _, v, new in new_items]) if rebuild else None
+        for k, _, new in new_items if out is not None else ():
+            out[k] = new
+        return obj if out is None else out
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {f.name: walk(getattr(obj, f.name)) for f in dataclasses.fields(obj)
                    if hasattr(obj, f.name)}
@@ -80,16 +93,30 @@ def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True) -> Any:
         if type(obj).__dataclass_params__.frozen:
             return dataclasses.replace(obj, **{k: v for k, v in changes.items()
                                                if type(obj).__dataclass_fields__[k].init})
-        for k, v in changes.items():
-            setattr(obj, k, v)
-        return obj
+        out = target([(getattr(obj, k), v) for k, v in changes.items()])
+        for k, v in changes.items() if out is not None else ():
+            setattr(out, k, v)
+        return obj if out is None else out
     if objects and _is_plain_object(obj):
-        for k, v in list(vars(obj).items()):
-            new = _walk(fn, v, rebuild, objects=False)
-            if rebuild:
-                setattr(obj, k, new)
-        return obj
+        changes = {k: _walk(fn, v, rebuild, objects=False, copies=copies)
+                   for k, v in list(vars(obj).items())}
+        out = target([(getattr(obj, k), v) for k, v in changes.items()]) if rebuild else None
+        for k, v in changes.items() if out is not None else ():
+            setattr(out, k, v)
+        return obj if out is None else out
     return obj
+
+
+def _changed(old: Any, new: Any) -> bool:
+    """Whether a walk's result ``new`` holds another tensor than ``old`` anywhere (a
+    container rebuilt around the same tensors has not changed)."""
+    if old is new:
+        return False
+    if isinstance(old, (list, tuple)) and type(old) is type(new) and len(old) == len(new):
+        return any(_changed(a, b) for a, b in zip(old, new))
+    if isinstance(old, dict) and isinstance(new, dict) and old.keys() == new.keys():
+        return any(_changed(old[k], new[k]) for k in old)
+    return True
 
 
 def _is_plain_object(obj: Any) -> bool:
