@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from ._init.compiled_module import split_compiled
 from ._init.find_parameters import find_parameters
-from ._init.mixed_precision import float32_modules, run_in_float32
+from ._init.mixed_precision import float32_modules, float32_statistics, run_in_float32
 from ._init.shard_members import ShardedParameters, shard_members
 from ._init.module_group import ModuleGroup, check_members, mark_grouped
 from ._init.validate import validate_group_arguments, validate_module
@@ -282,8 +282,9 @@ class XlaFullyShardedDataParallel(UnitModule):
         for m in modules:
             if id(m) in fp32:
                 run_in_float32(m, self.compute_dtype)
+        kept = float32_statistics(modules)
         for _, m in roots:
-            place_buffers(m, self.buffer_dtype, self.xla_device, keep=fp32)
+            place_buffers(m, self.buffer_dtype, self.xla_device, keep=kept)
         return sharded
 
     # -- forward ---------------------------------------------------------------------------

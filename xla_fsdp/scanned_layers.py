@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from ._init.find_parameters import find_parameters
+from ._init.mixed_precision import float32_statistics
 from ._init.shard_members import ShardedParameters, shard_members
 from ._init.validate import validate_module
 from ._sharding.tensor_tree import cast_floating
@@ -124,7 +125,8 @@ class ScannedLayers(UnitModule):
         found = [find_parameters([(str(i), layer)], self) for i, layer in enumerate(stack)]
         sharded = shard_members(found, True, self.options, self.xla_device, unit_name,
                                 lambda _owners: self.compute_dtype)
-        place_buffers(stack, self.buffer_dtype, self.xla_device)
+        place_buffers(stack, self.buffer_dtype, self.xla_device,
+                      keep=float32_statistics(stack.modules()))
         return sharded
 
     # -- forward ---------------------------------------------------------------------------

@@ -143,6 +143,12 @@ def _torch_xla_arguments(out, device):
         out["option_set_later"] = "no error"
     except AttributeError as exc:
         out["option_set_later"] = str(exc)
+    # BatchNorm's statistics stay float32 under buffer_dtype, float32 compute too
+    bn = FSDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)),
+              buffer_dtype=torch.bfloat16)
+    bn(torch.randn(4, 8).to(device)).sum().backward()
+    torch_xla.sync()
+    out["batch_norm_statistics"] = str(bn.module[1].running_mean.dtype)
     # auto-wrapped children get the same param_init_fn, not a copy of what it is bound to
     initializer = _Initializer()
     given = FSDP(Net(), param_init_fn=initializer.fill).options.as_arguments()["param_init_fn"]
@@ -266,6 +272,7 @@ def test_wrapper_api():
     assert out["factors_mean"] == (1.0, 1.0) and out["factors_below_one"] == (0.5, 4.0)
     assert out["on_neuron_dim0"]
     assert out["option_attributes"] == (False, True, False, True, True, 4)
+    assert out["batch_norm_statistics"] == "torch.float32"
     assert "compute_dtype is set when the unit is built" in out["option_set_later"], \
         out["option_set_later"]
     assert out["aliases"] == (True, True, 0, False, False, True)

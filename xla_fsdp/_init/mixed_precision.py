@@ -25,6 +25,13 @@ def float32_modules(modules: Iterable[nn.Module], compute_dtype: torch.dtype) ->
     """Ids of the modules among ``modules`` that compute in float32."""
     if compute_dtype == torch.float32:
         return set()
+    return float32_statistics(modules)
+
+
+def float32_statistics(modules: Iterable[nn.Module]) -> Set[int]:
+    """Ids of the modules among ``modules`` whose buffers stay float32 whatever
+    ``buffer_dtype`` asks: BatchNorm's statistics, under any compute dtype (a float32
+    BatchNorm cannot read bf16 statistics either)."""
     return {id(m) for m in modules if is_batch_norm(m)}
 
 
