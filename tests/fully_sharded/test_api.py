@@ -149,6 +149,25 @@ def _torch_xla_arguments(out, device):
     bn(torch.randn(4, 8).to(device)).sum().backward()
     torch_xla.sync()
     out["batch_norm_statistics"] = str(bn.module[1].running_mean.dtype)
+    # loss scaling under fp16: an overflow in one rank's slice only (the bias, rank 0's)
+    # skips the step on every rank (see [Note: loss scaling over shards])
+    torch.manual_seed(0)
+    scaled = FSDP(torch.nn.Linear(8, 2), compute_dtype=torch.float16)
+    opt = torch.optim.SGD(scaled.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("xla", init_scale=2.0 ** 16)
+    x = torch.full((4, 8), 1e-3).to(device)
+    out["loss_scaling"] = []
+    for _ in range(2):
+        before = [p.detach().cpu().clone() for p in scaled.parameters()]
+        opt.zero_grad()
+        y = scaled(x).float()
+        scaler.scale((y[:, 0] * 0.305 + y[:, 1] * 0.01).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+        torch_xla.sync()
+        moved = any(not torch.equal(a, p.detach().cpu()) for a, p in
+                    zip(before, scaled.parameters()))
+        out["loss_scaling"].append((scaler.get_scale(), moved))
     # auto-wrapped children get the same param_init_fn, not a copy of what it is bound to
     initializer = _Initializer()
     given = FSDP(Net(), param_init_fn=initializer.fill).options.as_arguments()["param_init_fn"]
@@ -245,7 +264,12 @@ def checks(rank):
 
 
 def test_wrapper_api():
-    out = launch(checks, num_devices=WORLD)[0]
+    results = launch(checks, num_devices=WORLD)
+    out = results[0]
+    # both ranks skip the first step and lower their scale; both take the second
+    for rank_out in results.values():
+        assert rank_out["loss_scaling"] == [(2.0 ** 15, False), (2.0 ** 15, True)], \
+            rank_out["loss_scaling"]
     # Net has two Blocks, so the policy makes them units under the root
     assert out["auto_wrapped_units"] == 3
     assert out["children_options_differ"] == []

@@ -13,6 +13,8 @@ when the first unit is built (never at import):
   (``low_precision_attention``); outside one they are torch's;
 * torch_xla's compile backend traces dropout through PyTorch's decomposition, not its own
   kernel, which scales wrongly (see [Note: dropout under torch.compile] in ``_xla.private_api``);
+* ``torch.amp.GradScaler`` decides for all ranks at once over FSDP shards (see
+  [Note: loss scaling over shards] in ``loss_scaling``);
 * ``torch._foreach_zero_`` counts its write on XLA tensors, so that FSDP sees an optimizer's
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
 * peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
@@ -26,8 +28,10 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
-from .._xla.private_api import dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write
+from .._xla.private_api import (after_grad_scaler_unscale, dropout_decomposed_when_compiled,
+                                foreach_zero_counts_as_a_write)
 from . import low_precision_attention, peft_names
+from .loss_scaling import agree_on_infs
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               withdraw_declaration)
 
@@ -51,3 +55,4 @@ def install() -> None:
     low_precision_attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
+    after_grad_scaler_unscale(agree_on_infs)

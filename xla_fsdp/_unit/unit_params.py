@@ -48,6 +48,7 @@ from .._sharding.layout import compute_cached, unshard_all
 from .._xla.private_api import in_backward, run_pending
 from .options import FsdpOptions
 from .param_record import ParamRecord
+from .registry import WeakRegistry
 from .shard_group import ShardGroup
 from .traced_unshard import blocker, full_values
 
@@ -56,6 +57,14 @@ class FullParams(enum.Enum):
     SHARDED = "sharded"
     GATHERING = "gathering"
     UNSHARDED = "unsharded"
+
+
+_BY_SHARD_GROUP: "WeakRegistry[UnitParams]" = WeakRegistry()
+
+
+def params_of(shard_group: ShardGroup) -> Optional["UnitParams"]:
+    """The unit parameters (and reduction) ``shard_group`` belongs to."""
+    return _BY_SHARD_GROUP.get(shard_group)
 
 
 class UnitParams:
@@ -92,6 +101,7 @@ class UnitParams:
         self.shard_groups.extend(shard_groups)
         for g in shard_groups:
             compute_cached(g.layout)
+            _BY_SHARD_GROUP[g] = self
 
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()

@@ -45,6 +45,26 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     Variable._execution_engine.queue_callback(fn)
 
 
+def after_grad_scaler_unscale(then: Callable[[Any, Dict[torch.device, torch.Tensor]], None]
+                              ) -> None:
+    """``then(optimizer, found_inf_per_device)`` runs each time ``torch.amp.GradScaler`` has
+    unscaled an optimizer's gradients, before anything reads its inf flags (its step's
+    decision, its scale's update). Once per process."""
+    scaler = torch.amp.GradScaler
+    original = scaler._unscale_grads_
+    if getattr(original, "followed", False):
+        return
+
+    def unscale(self: Any, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                allow_fp16: bool) -> Dict[torch.device, torch.Tensor]:
+        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+        then(optimizer, found)
+        return found
+
+    unscale.followed = True  # type: ignore[attr-defined]
+    scaler._unscale_grads_ = unscale
+
+
 def incompatible_keys(missing: List[str], unexpected: List[str]) -> Any:
     """What ``nn.Module.load_state_dict`` returns: its named tuple of the keys that did not
     match."""

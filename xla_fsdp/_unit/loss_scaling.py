@@ -1,0 +1,35 @@
+"""Loss scaling over shards: ``torch.amp.GradScaler`` deciding once for all ranks.
+
+[Note: loss scaling over shards]
+``GradScaler`` skips a step, and lowers its scale, when the gradients its optimizer holds
+contain an inf or a NaN. On FSDP shards each rank looks at its own slice only: with fp16
+compute one rank skipped a step that another took, their scales parted, and their next
+collectives no longer matched (XLA gave up on them). Once the scaler has unscaled an
+optimizer over shards, each of its inf flags becomes the maximum over the ranks that hold
+parts of the same gradients (every rank, or with ``replicate_across_groups`` each sharding
+group: where ``clip_grad_norm_`` takes its norm), before its step or its update reads them,
+as PyTorch FSDP's ``ShardedGradScaler`` does. A host gradient's flag (``offload_optimizer``)
+goes through the device. Installed with FSDP's process-wide effects.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from .shard_group import shard_group_of
+from .unit_params import params_of
+
+
+def agree_on_infs(optimizer: torch.optim.Optimizer,
+                  found_inf_per_device: Dict[torch.device, torch.Tensor]) -> None:
+    """Makes ``optimizer``'s inf flags every rank's maximum, if it holds FSDP shards."""
+    params = next((params_of(g) for pg in optimizer.param_groups for p in pg["params"]
+                   for g in [shard_group_of(p)] if g is not None), None)
+    if params is None:
+        return
+    options = params.options
+    rank_groups = options.sharding_groups if options.replicate_across_groups else None
+    for flag in found_inf_per_device.values():
+        agreed = params.collectives.all_reduce_max(flag.to(params.device), rank_groups)
+        flag.copy_(agreed.to(flag.device))
