@@ -15,6 +15,7 @@ and shard metadata).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -300,12 +301,29 @@ class XlaFullyShardedDataParallel(UnitModule):
             # (see [Note: collectives traced into the compiled graph]).
             self.unit_state.context.choose_path()
         try:
-            if compiled is not None:
-                return compiled(*args, **kwargs)
-            return self.wrapped_module(*args, **kwargs)
+            with _without_inference_mode():
+                if compiled is not None:
+                    return compiled(*args, **kwargs)
+                return self.wrapped_module(*args, **kwargs)
         except BaseException:
             self.unit_state.forward_raised()
             raise
+
+
+def _without_inference_mode() -> Any:
+    """[Note: a forward under inference_mode]
+    torch_xla 2.9 cannot run a module under ``torch.inference_mode()``: any view of an
+    ordinary XLA tensor there (a weight's transpose in ``nn.Linear``) fails with "Cannot set
+    version_counter for inference tensor", unwrapped or not; and a placeholder cannot take
+    an inference tensor as its data. Hugging Face's pipelines run their forward under it. A
+    unit's forward therefore runs with inference mode off and gradients off, as under
+    ``torch.no_grad()``: the same values, ordinary tensors out."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 def options_from_keywords(keywords: Dict[str, Any], owner: str) -> FsdpOptions:

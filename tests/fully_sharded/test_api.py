@@ -143,6 +143,15 @@ def _torch_xla_arguments(out, device):
         out["option_set_later"] = "no error"
     except AttributeError as exc:
         out["option_set_later"] = str(exc)
+    # a forward under inference_mode, which torch_xla cannot run unwrapped, gives no_grad's
+    # values (see [Note: a forward under inference_mode])
+    nested = FSDP(nn.Sequential(FSDP(nn.Linear(32, 8)), nn.Linear(8, 2)))
+    x = torch.randn(4, 32).to(device)
+    with torch.no_grad():
+        want = nested(x).cpu()
+    with torch.inference_mode():
+        got = nested(x).cpu()
+    out["inference_mode"] = float((got - want).abs().max())
     # BatchNorm's statistics stay float32 under buffer_dtype, float32 compute too
     bn = FSDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8)),
               buffer_dtype=torch.bfloat16)
@@ -297,6 +306,7 @@ def test_wrapper_api():
     assert out["on_neuron_dim0"]
     assert out["option_attributes"] == (False, True, False, True, True, 4)
     assert out["batch_norm_statistics"] == "torch.float32"
+    assert out["inference_mode"] == 0.0
     assert "compute_dtype is set when the unit is built" in out["option_set_later"], \
         out["option_set_later"]
     assert out["aliases"] == (True, True, 0, False, False, True)
