@@ -134,6 +134,8 @@ def test_wrapped_lora_saves_the_unsharded_adapter(tmp_path):
         for g in result["shards"]:
             assert g["state"] == g["trains"], (name, g)
         assert "pass state_dict=full_state_dict(model)" in result["no_state_dict"], result
+        assert "save_pretrained() was given no state_dict, and FSDP units stand in" in \
+            result["no_state_dict_base"], result["no_state_dict_base"]
     # what each variant adds to the 8 LoRA tensors
     assert counts == {"lora": 8, "modules_to_save": 8 + 3, "bias_lora_only": 8 + 4,
                       "embedding": 8 + 3}, counts

@@ -216,7 +216,14 @@ def _train_variant(rank: int, out: str, name: str) -> Dict[str, Any]:
         no_state_dict = "saved"
     except ValueError as exc:
         no_state_dict = str(exc)
+    try:  # the base model's own save_pretrained: refused too (its names are the wrapper's)
+        root.module.module.get_base_model().save_pretrained(
+            os.path.join(out, name, "base_no_state_dict"), safe_serialization=False)
+        no_state_dict_base = "saved"
+    except ValueError as exc:
+        no_state_dict_base = str(exc)
     return {"losses": torch.stack(losses).cpu().tolist(), "no_state_dict": no_state_dict,
+            "no_state_dict_base": no_state_dict_base,
             "plain_losses": torch.stack(plain_losses).cpu().tolist(), "shards": facts}
 
 
