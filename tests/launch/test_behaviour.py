@@ -66,6 +66,11 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     masked[masked.lt(0)] = 0
     out["masked"] = [masked.cpu().tolist(), torch.nonzero(xm.all_reduce(
         xm.REDUCE_SUM, masked, pin_layout=False)).flatten().cpu().tolist()]
+    # ops torch_xla runs on the CPU read a pending collective's values too (Hugging Face's
+    # generate calls isin at every token)
+    gathered = xm.all_gather(torch.tensor([rank, 1]).to(device), pin_layout=False)
+    out["fallbacks"] = [torch.bincount(gathered).cpu().tolist(),
+                        torch.isin(gathered, torch.tensor([1]).to(device)).cpu().tolist()]
     # ...and on a sharded model, where each rank's mask counts differ (torch's Rprop on
     # FSDP's gradient shards); the counts end up in the graphs of the next collectives
     out["rprop"] = rprop_losses(rank, xr.world_size(), device)
@@ -121,6 +126,7 @@ def test_everyday_calls_work(tmp_path):
         assert r["cpu"] == [4.0] * 4
         assert r["gathered"] == [1.0] * 4 + [2.0] * 4
         assert r["masked"] == [[3.0, 0.0, 3.0, 0.0], [0, 2]]
+        assert r["fallbacks"] == [[1, 3], [False, True, True, True]]
         assert r["pinned"] == [r["gathered"], [[1.0, 1.0, 2.0, 2.0]] * 2]
         assert r["in_place"] == [[1.0] * 3] * 2
         assert r["saw_marker"]

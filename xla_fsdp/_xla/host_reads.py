@@ -21,6 +21,12 @@ _CPU_TARGET_ONLY = frozenset(("to", "copy_"))
 # results whose shape depends on the values: torch_xla runs the graph to learn it
 _SHAPE_FROM_VALUES = frozenset(("nonzero", "argwhere", "masked_select", "unique",
                                 "unique_consecutive"))
+# ops torch_xla 2.9 runs on the CPU (its fallbacks), which read their operands there; the
+# list is ``torch_xla.debug.metrics.executed_fallback_ops()`` over a probe of torch's
+# functions (nanmedian, quantile, kthvalue and argsort run on the device)
+_CPU_FALLBACKS = frozenset(("bincount", "histc", "median", "nanmedian", "mode",
+                            "searchsorted", "isin", "multinomial", "logcumsumexp",
+                            "linalg_det", "det"))
 # ...and indexing by a boolean mask, which is a nonzero
 _INDEXING = frozenset(("__getitem__", "__setitem__", "index", "index_put", "index_put_"))
 _MASKED_WRITES = frozenset(("__setitem__", "index_put", "index_put_"))
@@ -33,8 +39,11 @@ def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
     if reads_host_value(func, args, kwargs):
         return True
     name = getattr(func, "__name__", "")
-    if name in _SHAPE_FROM_VALUES:
+    if name in _SHAPE_FROM_VALUES or name in _CPU_FALLBACKS:
         return True
+    if name == "repeat_interleave":  # by a tensor of counts: a fallback, and a nonzero
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor)
     if name == "where":
         return len(args) + len(kwargs) == 1
     return name in _INDEXING and len(args) > 1 and _has_mask(args[1])
