@@ -62,3 +62,19 @@ def test_the_input_cast_leaves_the_callers_objects_as_they_are():
     cache.keys = [torch.ones(1, dtype=torch.bfloat16)]
     kept = cache.keys
     assert cast_floating(torch.bfloat16, (cache,))[0] is cache and cache.keys is kept
+
+
+def test_the_input_cast_saturates_finite_values():
+    """[Note: casting without overflow]: a float32 mask's minimum stays finite in bf16, and
+    -1e9 in float16; infinities and NaN stay."""
+    from xla_fsdp._sharding.tensor_tree import cast_floating
+    f32 = torch.finfo(torch.float32)
+    values = torch.tensor([f32.min, f32.max, -1e9, float("-inf"), float("nan"), 1.5])
+    for dtype in (torch.bfloat16, torch.float16):
+        info = torch.finfo(dtype)
+        cast = cast_floating(dtype, values)
+        assert cast.dtype == dtype
+        assert cast[:2].tolist() == [info.min, info.max]
+        assert torch.isfinite(cast[2]) and (dtype == torch.bfloat16 or cast[2] == info.min)
+        assert cast[3].item() == float("-inf") and cast[4].isnan() and cast[5].item() == 1.5
+    assert cast_floating(torch.float32, values.to(torch.bfloat16)).dtype == torch.float32

@@ -41,11 +41,28 @@ def collect_tensors(obj: Any) -> List[torch.Tensor]:
 
 
 def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
-    """``obj`` with its floating-point tensors cast to ``dtype``. The caller's objects are
-    left as they are: a dict-like, dataclass or plain object holding a tensor that changes is
-    copied (a batch given to a unit keeps its float32 targets for a loss taken outside)."""
-    return _walk(lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype
-                 else t, obj, rebuild=True, copies=True)
+    """``obj`` with its floating-point tensors cast to ``dtype``, finite values saturating
+    (see [Note: casting without overflow]). The caller's objects are left as they are: a
+    dict-like, dataclass or plain object holding a tensor that changes is copied (a batch
+    given to a unit keeps its float32 targets for a loss taken outside)."""
+    return _walk(lambda t: _saturating_cast(t, dtype), obj, rebuild=True, copies=True)
+
+
+def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[Note: casting without overflow]
+    A low-precision unit casts its floating inputs to its compute dtype. A finite value
+    beyond that dtype's range became an infinity: an additive mask filled with
+    ``torch.finfo(torch.float32).min`` (or -1e9 under float16) turned -inf, and a row it
+    masks entirely then gave NaN losses and gradients by hand-written attention and a
+    uniform row by torch's sdpa, where the unsharded model, adding the float32 mask to its
+    scores, computes finite values. Finite values saturate at the dtype's largest; an
+    infinity or a NaN stays what it was. Only a cast that narrows the range pays for it."""
+    if not torch.is_floating_point(t) or t.dtype == dtype:
+        return t
+    info = torch.finfo(dtype)
+    if torch.finfo(t.dtype).max > info.max:
+        t = torch.where(t.isinf(), t, t.clamp(info.min, info.max))
+    return t.to(dtype)
 
 
 def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True,
