@@ -318,7 +318,8 @@ def _without_inference_mode() -> Any:
     an inference tensor as its data. Hugging Face's pipelines run their forward under it. A
     unit's forward therefore runs with inference mode off and gradients off, as under
     ``torch.no_grad()``: the same values, ordinary tensors out."""
-    if not torch.is_inference_mode_enabled():
+    # Dynamo cannot trace the question, and a compiled graph answers it itself
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.inference_mode(False))
