@@ -136,6 +136,8 @@ def test_wrapped_lora_saves_the_unsharded_adapter(tmp_path):
         assert "pass state_dict=full_state_dict(model)" in result["no_state_dict"], result
         assert "save_pretrained() was given no state_dict, and FSDP units stand in" in \
             result["no_state_dict_base"], result["no_state_dict_base"]
+        assert "resize_token_embeddings() on a model inside FSDP units" in result["resized"], \
+            result["resized"]
     # what each variant adds to the 8 LoRA tensors
     assert counts == {"lora": 8, "modules_to_save": 8 + 3, "bias_lora_only": 8 + 4,
                       "embedding": 8 + 3}, counts

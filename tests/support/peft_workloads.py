@@ -222,7 +222,13 @@ def _train_variant(rank: int, out: str, name: str) -> Dict[str, Any]:
         no_state_dict_base = "saved"
     except ValueError as exc:
         no_state_dict_base = str(exc)
+    try:
+        root.module.module.get_base_model().resize_token_embeddings(VOCAB + 2)
+        resized = "resized"
+    except ValueError as exc:
+        resized = str(exc)
     return {"losses": torch.stack(losses).cpu().tolist(), "no_state_dict": no_state_dict,
+            "resized": resized,
             "no_state_dict_base": no_state_dict_base,
             "plain_losses": torch.stack(plain_losses).cpu().tolist(), "shards": facts}
 

@@ -17,9 +17,9 @@ when the first unit is built (never at import):
   [Note: loss scaling over shards] in ``loss_scaling``);
 * ``torch._foreach_zero_`` counts its write on XLA tensors, so that FSDP sees an optimizer's
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
-* Hugging Face's ``save_pretrained`` refused without a state dict on a model inside units
-  (see [Note: save_pretrained inside units] in ``save_pretrained_guard``), once
-  transformers has been imported;
+* Hugging Face's ``save_pretrained`` without a state dict and ``resize_token_embeddings``
+  refused on a model inside units (see [Note: save_pretrained inside units] in
+  ``hf_model_guard``), once transformers has been imported;
 * peft's ``get_peft_model_state_dict`` wrapped so that PEFT adapters save from a model with
   nested units (``peft_names``). It waits for peft: installed on the first unit built once
   peft has been imported, never importing peft itself.
@@ -33,7 +33,7 @@ from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
 from .._xla.private_api import (after_grad_scaler_unscale, dropout_decomposed_when_compiled,
                                 foreach_zero_counts_as_a_write)
-from . import low_precision_attention, peft_names, save_pretrained_guard
+from . import low_precision_attention, peft_names, hf_model_guard
 from .loss_scaling import agree_on_infs
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               withdraw_declaration)
@@ -46,7 +46,7 @@ def install() -> None:
     the first call after peft was imported)."""
     global _installed
     peft_names.install()
-    save_pretrained_guard.install()
+    hf_model_guard.install()
     if _installed:
         return
     _installed = True

@@ -1,4 +1,5 @@
-"""Hugging Face's ``save_pretrained`` on a model whose parameters FSDP replaced.
+"""Hugging Face model methods that would read or replace parameters FSDP replaced: refused
+with what to do instead.
 
 [Note: save_pretrained inside units]
 ``PreTrainedModel.save_pretrained`` without ``state_dict`` reads ``self.state_dict()``. On a
@@ -27,8 +28,8 @@ _lock = threading.Lock()
 
 
 def install() -> None:
-    """Wraps ``transformers.PreTrainedModel.save_pretrained`` once transformers has been
-    imported (see [Note: save_pretrained inside units])."""
+    """Wraps ``transformers.PreTrainedModel.save_pretrained`` and ``resize_token_embeddings``
+    once transformers has been imported (see [Note: save_pretrained inside units])."""
     global _installed
     if _installed or "transformers.modeling_utils" not in sys.modules:
         return
@@ -38,6 +39,7 @@ def install() -> None:
         cls = getattr(sys.modules["transformers.modeling_utils"], "PreTrainedModel", None)
         if cls is not None:
             cls.save_pretrained = _guarded(cls.save_pretrained)
+            cls.resize_token_embeddings = _refused_inside_units(cls.resize_token_embeddings)
         _installed = True
 
 
@@ -55,3 +57,17 @@ def _guarded(original: Callable[..., Any]) -> Callable[..., Any]:
                 f"xla_fsdp.checkpoint.save_consolidated(path, model, format='hf')")
         return original(self, save_directory, *args, **kwargs)
     return save_pretrained
+
+
+def _refused_inside_units(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``resize_token_embeddings`` builds new embedding tables from the old ones' values,
+    which inside units are placeholders (it failed unpacking the empty one's shape)."""
+    @functools.wraps(original)
+    def resize_token_embeddings(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if placeholders_in(self):
+            raise ValueError(
+                f"{type(self).__name__}.resize_token_embeddings() on a model inside FSDP "
+                f"units: its embedding tables are shards. Resize the model before wrapping "
+                f"it (the optimizer too is built after wrapping)")
+        return original(self, *args, **kwargs)
+    return resize_token_embeddings
