@@ -93,7 +93,6 @@ class UnitModule(FallThrough):
                                 compile_refusal=compile_refusal)
         pre = default_predivide_factor(self.world_size)
         self.set_gradient_divide_factors(pre, self.world_size / pre, False)
-        self.register_load_state_dict_pre_hook(_refuse_torch_xla_names)
         self.register_load_state_dict_post_hook(_after_load)
         if not detached:
             attach_module_groups(self)
@@ -328,7 +327,9 @@ class UnitModule(FallThrough):
         the root also an unwrapped model's, such as a consolidated checkpoint or what Hugging
         Face Trainer loads its best checkpoint from, which loads as ``load_full_state_dict``
         loads it (every rank calls it). Given to torch's loader, no key of an unwrapped
-        model's state dict matches a unit's, so ``strict=False`` would load nothing."""
+        model's state dict matches a unit's, so ``strict=False`` would load nothing. A state
+        dict saved by torch_xla's FSDP is refused."""
+        _refuse_torch_xla_names(self, state_dict)
         if self._state.is_root and state_dict and _unwrapped_names(self, state_dict):
             return incompatible_keys(*self.load_full_state_dict(dict(state_dict), strict))
         return super().load_state_dict(state_dict, strict, assign)
@@ -361,20 +362,18 @@ class UnitModule(FallThrough):
 
 
 def _unwrapped_names(root: UnitModule, state_dict: Mapping[str, Any]) -> bool:
-    """Whether ``state_dict`` names no entry of the wrapped model's state dict, and is not
-    torch_xla's (which ``_refuse_torch_xla_names`` refuses)."""
+    """Whether ``state_dict`` names no entry of the wrapped model's state dict."""
     wrapped = set(nn.Module.state_dict(root, keep_vars=True))
-    return not any(k in wrapped or "_fpw_module" in k for k in state_dict)
+    return not any(k in wrapped for k in state_dict)
 
 
-def _refuse_torch_xla_names(unit: UnitModule, state_dict: Dict[str, Any], prefix: str,
-                            *_args: Any) -> None:
+def _refuse_torch_xla_names(unit: UnitModule, state_dict: Mapping[str, Any]) -> None:
     """A state dict saved from torch_xla's FSDP names what its flattener wrapped
     (``_fpw_module``), which no unit here has, and pads and cuts its shards as this wrapper
     does not: loaded as it is, it would load nothing under ``strict=False`` and, where names
     and shapes happen to agree, the wrong elements. Refused, pointing to the loaders that
     read torch_xla's per-rank files by their shard metadata."""
-    theirs = next((k for k in state_dict if k.startswith(prefix) and "_fpw_module" in k), None)
+    theirs = next((k for k in state_dict if "_fpw_module" in k), None)
     if theirs is not None:
         raise ValueError(
             f"FSDP unit around {unit.unit_state.name}: load_state_dict() got a state dict "

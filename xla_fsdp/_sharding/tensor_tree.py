@@ -96,7 +96,7 @@ def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True,
         values = [walk(v) for v in obj]
         return type(obj)(values) if rebuild else obj
     if hasattr(obj, "keys") and hasattr(obj, "__setitem__") and hasattr(obj, "items"):
-        # dict-like model outputs: updated in place
+        # dict-like model outputs: updated in place (with ``copies``, a copy is)
         new_items = [(k, v, walk(v)) for k, v in list(obj.items())]
         out = target([(v, new) for _, v, new in new_items]) if rebuild else None
         for k, _, new in new_items if out is not None else ():

@@ -13,21 +13,21 @@ goes through the device. Installed with FSDP's process-wide effects.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 
-from .shard_group import shard_group_of
+from .shard_group import shard_groups_of
 from .unit_params import params_of
 
 
 def agree_on_infs(optimizer: torch.optim.Optimizer,
                   found_inf_per_device: Dict[torch.device, torch.Tensor]) -> None:
     """Makes ``optimizer``'s inf flags every rank's maximum, if it holds FSDP shards."""
-    params = next((params_of(g) for pg in optimizer.param_groups for p in pg["params"]
-                   for g in [shard_group_of(p)] if g is not None), None)
-    if params is None:
+    shard_groups = shard_groups_of(optimizer)
+    if not shard_groups:
         return
+    params = params_of(shard_groups[0])
     options = params.options
     rank_groups = options.sharding_groups if options.replicate_across_groups else None
     for flag in found_inf_per_device.values():

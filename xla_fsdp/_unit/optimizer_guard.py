@@ -39,7 +39,8 @@ from .._sharding.layout import Dim0Layout
 from .._xla import reduced_gradients
 from .._xla.private_api import graph_hash, graph_hlo, needs_computation
 from .param_record import taken_name
-from .shard_group import shard_group_of
+from .shard_group import shard_group_of, shard_groups_of
+from .unit_params import params_of
 
 ACCELERATE_FSDP = "ACCELERATE_USE_FSDP"
 
@@ -85,17 +86,12 @@ def declare_sharded_gradients(device: torch.device) -> None:
 def withdraw_declaration(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step post-hook (see [Note: telling accelerate the gradients are sharded])."""
     global _declared
-    devices = {str(g.device) for g in _shard_groups(optimizer)}
+    devices = {str(params_of(g).device) for g in shard_groups_of(optimizer)}
     with _declaration:
         _between_backward_and_step.difference_update(devices)
         if _declared and not _between_backward_and_step:
             os.environ.pop(ACCELERATE_FSDP, None)
             _declared = False
-
-
-def _shard_groups(optimizer: torch.optim.Optimizer) -> List[Any]:
-    found = (shard_group_of(p) for pg in optimizer.param_groups for p in pg["params"])
-    return [g for g in found if g is not None]
 
 
 def _accelerate_told() -> bool:
@@ -104,11 +100,8 @@ def _accelerate_told() -> bool:
 
 def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Optimizer step post-hook."""
-    for param_group in optimizer.param_groups:
-        for p in param_group["params"]:
-            shard_group = shard_group_of(p)
-            if shard_group is not None:
-                shard_group.mark_updated()
+    for shard_group in shard_groups_of(optimizer):
+        shard_group.mark_updated()
 
 
 _audited: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()

@@ -33,7 +33,7 @@ from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
 from .._xla.private_api import (after_grad_scaler_unscale, dropout_decomposed_when_compiled,
                                 foreach_zero_counts_as_a_write)
-from . import low_precision_attention, peft_names, hf_model_guard
+from . import hf_model_guard, low_precision_attention, peft_names
 from .loss_scaling import agree_on_infs
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               withdraw_declaration)

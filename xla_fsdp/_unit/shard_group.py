@@ -22,8 +22,8 @@ in FSDP2: autograd computes no gradient of the shard for it to see.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import weakref
+from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -66,11 +66,6 @@ class ShardGroup:
     @property
     def placeholders(self) -> List[torch.Tensor]:
         return [r.placeholder for r in self.records]
-
-    @property
-    def device(self) -> torch.device:
-        """Where the unit computes: the shard's device, or with offload its copy's."""
-        return self.shard.device if self.offload is None else self.offload.device
 
     # -- where the values are ----------------------------------------------------------------
     def local(self) -> torch.Tensor:
@@ -166,6 +161,12 @@ class ShardGroup:
 
 def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:
     return _BY_SHARD.get(shard)
+
+
+def shard_groups_of(optimizer: torch.optim.Optimizer) -> List[ShardGroup]:
+    """The shard groups whose shards ``optimizer`` steps, in its order."""
+    found = (shard_group_of(p) for pg in optimizer.param_groups for p in pg["params"])
+    return [g for g in found if g is not None]
 
 
 def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,

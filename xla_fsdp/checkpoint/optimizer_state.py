@@ -26,6 +26,12 @@ def param_group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in param_group.items() if k not in GROUP_MEMBERS}
 
 
+def holds_settings_of(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> bool:
+    """Whether a saved param group (or its settings) holds every setting ``optimizer`` has:
+    one saved from another optimizer class does not."""
+    return set(optimizer.defaults) <= set(saved)
+
+
 # the state torch's optimizers keep as one number per parameter whatever its shape: every
 # optimizer's step count, NAdam's momentum product, ASGD's eta and mu
 SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})

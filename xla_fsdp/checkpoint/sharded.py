@@ -49,7 +49,7 @@ from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, RankRecord,
                        other_world_files, rank_file_tree, sharded_checkpoint_path,
                        wrapping_fingerprint)
-from .optimizer_state import optimizer_shard_keys
+from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
                             writes_sharding_group_copy)
 
@@ -201,8 +201,8 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
     # another optimizer class (settings of its own not saved) is refused by the source
     if optimizer is not None and (not has_optimizer or ours.optimizer_param_keys
                                   != optimizer_shard_keys(model, optimizer)
-                                  or any(not set(optimizer.defaults) <= set(g)
-                                         for g in saved_groups)):
+                                  or not all(holds_settings_of(optimizer, g)
+                                             for g in saved_groups)):
         return None
     return path, ours
 

@@ -37,8 +37,8 @@ from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, K
                                 slots_by_shard)
 from .files import CheckpointError
 from .metadata import persistent_buffers, refuse_extra_state
-from .optimizer_state import (GROUP_MEMBERS, param_group_settings, refuse_foreign_params,
-                              state_is_sharded)
+from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
+                              refuse_foreign_params, state_is_sharded)
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
@@ -165,13 +165,12 @@ class StagedLoad:
         settings_of = self._saved_settings()
         by_shard = slots_by_shard(slots)
         kind = type(optimizer).__name__
-        ours = set(optimizer.defaults)
         for name, settings in settings_of.items():
-            if not ours <= set(settings):
+            if not holds_settings_of(optimizer, settings):
                 raise CheckpointError(
                     f"{self.where}: its optimizer's settings for '{name}' are "
-                    f"{sorted(settings)}, but {kind} has {sorted(ours)}: the checkpoint was "
-                    f"saved from another optimizer class")
+                    f"{sorted(settings)}, but {kind} has {sorted(optimizer.defaults)}: the "
+                    f"checkpoint was saved from another optimizer class")
         refuse_foreign_params(optimizer, by_shard)
         new_groups, state, held = [], {}, set()
         index = 0
