@@ -96,6 +96,12 @@ class XlaFullyShardedDataParallel(UnitModule):
     * ``.to()``, ``.half()``, ``.cpu()`` and the like never replace a shard: moving an
       offloaded model to its device keeps its host shards, other moves and casts are
       refused (see [Note: converting a wrapped model] in ``_unit/conversions.py``);
+    * ``vocab_parallel=True`` (not in torch_xla) keeps vocabulary tables (``nn.Embedding``
+      weights, and bias-free ``nn.Linear`` weights shaped like one, the LM head) in row
+      blocks that are never gathered: lookups and logits are computed on each rank's rows
+      for every rank's tokens, as FSDPv2's partitioner does, so no rank holds a whole
+      table (see [Note: vocabulary-parallel tables] in ``_sharding/vocab_parallel.py``).
+      Every rank's batch must have the same shape;
     * ``offload_optimizer=True`` (not in torch_xla) keeps each rank's shards, their
       gradients and so the optimizer's state on the host, where the optimizer steps; the
       device holds a compute-dtype copy of each shard (see [Note: the optimizer on the
@@ -142,6 +148,7 @@ class XlaFullyShardedDataParallel(UnitModule):
         replicate_across_groups: bool = False,
         zero_missing_gradients: bool = False,
         offload_optimizer: bool = False,
+        vocab_parallel: bool = False,
     ) -> None:
         # every other argument is an option, by torch_xla's name (FsdpOptions.from_arguments)
         arguments = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
@@ -264,7 +271,7 @@ class XlaFullyShardedDataParallel(UnitModule):
         """Frees this unit's full parameters (and any gather issued for it)."""
         self.assert_state(TrainingState.IDLE)
         params = self.unit_state.params
-        params.reshard(params.shard_groups, [], self.options.optimization_barrier_in_forward)
+        params.reshard(params.gathered, [], self.options.optimization_barrier_in_forward)
 
     # -- sharding at construction ------------------------------------------------------------
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str

@@ -17,6 +17,7 @@ import torch
 from .._unit.options import FsdpOptions
 from .._unit.param_record import Member, Owner
 from .._unit.shard_group import ShardGroup, build_shard_group
+from .._unit.vocab_tables import table_ids
 from .find_parameters import shard_group_members
 
 
@@ -35,9 +36,13 @@ def shard_members(layers: List[List[Member]], stacked: bool, options: FsdpOption
     with ``stacked`` one per layer of a scanned stack, in the same order in every layer.
     ``dtype_of`` gives the compute dtype of a parameter's owners."""
     position = {id(p): k for k, (p, _, _) in enumerate(layers[0])}
+    tables = table_ids(layers[0]) if options.vocab_parallel and not stacked else set()
+    ordinary = [m for m in layers[0] if id(m[0]) not in tables]
+    grouped = [[m] for m in layers[0] if id(m[0]) in tables] + \
+        shard_group_members(ordinary, options.flatten_parameters, dtype_of)
     shard_groups = []
-    for index, members in enumerate(shard_group_members(
-            layers[0], options.flatten_parameters, dtype_of)):
+    for index, members in enumerate(grouped):
+        table = id(members[0][0]) in tables
         at = [position[id(p)] for p, _, _ in members]
         shard_groups.append(build_shard_group(
             [[layer[k] for k in at] for layer in layers], index, stacked=stacked,
@@ -45,7 +50,7 @@ def shard_members(layers: List[List[Member]], stacked: bool, options: FsdpOption
             world_size=options.world_size, rank=options.rank,
             multiple=options.shard_size_multiple, device=device,
             compute_dtype=dtype_of(members[0][1]), unit_name=unit_name,
-            offload=options.offload_optimizer))
+            offload=options.offload_optimizer, vocab_table=table))
     found = [m for layer in layers for m in layer]
     return ShardedParameters(shard_groups,
                              [(alias, names[0]) for _, _, names in found for alias in names[1:]],

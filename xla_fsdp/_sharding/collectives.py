@@ -151,6 +151,14 @@ class Collectives:
         return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:])).clone()
                 for part, t in zip(reduced.split(sizes), tensors)]
 
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank ``j`` gets block ``j`` of ``tensor``'s dim 0 from every rank; the blocks
+        received are concatenated along dim 0 in the senders' rank order."""
+        import torch_xla.core.xla_model as xm
+        return xm.all_to_all(tensor, split_dimension=0, concat_dimension=0,
+                             split_count=self.world_size, groups=self.rank_groups,
+                             pin_layout=self.pin_layout)
+
     def all_reduce_sum(self, tensor: torch.Tensor,
                        rank_groups: RankGroups = None) -> torch.Tensor:
         return self._all_reduce("sum", tensor, rank_groups)

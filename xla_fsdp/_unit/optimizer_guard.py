@@ -203,9 +203,11 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
                              params: List[torch.Tensor]) -> None:
     """See [Note: auditing reduced gradients]: once per optimizer, on the graph of the
     gradients it is about to apply, before anything of it runs."""
-    # a world of one holds whole gradients: nothing done to them mixes slices
+    # a world of one holds whole gradients: nothing done to them mixes slices; a vocabulary
+    # table's gradient is reduced by its lookups' own collectives, read as the rest are
     audited = [p for p in params if p.grad is not None and p.grad.device.type == "xla"
-               and shard_group_of(p).layout.world_size > 1]
+               and shard_group_of(p).layout.world_size > 1
+               and not shard_group_of(p).vocab_table]
     if audited:
         pending = needs_computation([p.grad for p in audited])
         audited = [p for p, waits in zip(audited, pending) if waits]

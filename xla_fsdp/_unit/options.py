@@ -80,6 +80,7 @@ class FsdpOptions:
     replicate_across_groups: bool
     zero_missing_gradients: bool
     offload_optimizer: bool
+    vocab_parallel: bool
     shard_param_on_dim_0: bool
     pin_layout_in_collective_ops: bool
     reduce_scatter_bucket_size_mb: int
@@ -133,6 +134,11 @@ class FsdpOptions:
             raise ValueError("replicate_across_groups=True needs sharding_groups")
         if kw["shard_size_multiple"] < 1:
             raise ValueError("_shard_size_multiple must be >= 1")
+        if kw["vocab_parallel"] and (kw["offload_optimizer"] or kw["replicate_across_groups"]):
+            raise ValueError("vocab_parallel=True does not combine with offload_optimizer or "
+                             "replicate_across_groups: a vocabulary table's gradient is "
+                             "reduced by its lookups' collectives, on the device, within one "
+                             "sharding group")
         if kw["debug_dummy_forward_pass"]:
             warnings.warn("_debug_dummy_forward_pass is accepted for compatibility with "
                           "torch_xla and has no effect in xla_fsdp: the real forward runs")

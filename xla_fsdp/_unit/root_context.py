@@ -142,6 +142,8 @@ class RootContext:
         fetch_gradients([(g.shard, g.offload) for s in self.states for g in s.params.shard_groups
                          if g.offload is not None])
         declare_sharded_gradients(self.root.params.device)
-        for state in self.states:  # see [Note: hooks on a shard's gradient]
-            for g in state.params.shard_groups:
+        # see [Note: hooks on a shard's gradient]; a vocabulary table is in autograd's graph,
+        # which ran its hooks
+        for state in self.states:
+            for g in state.params.gathered:
                 g.run_gradient_hooks()

@@ -58,6 +58,9 @@ class ShardGroup:
     accumulation_pending: bool = False
     # the gradient the shard's hooks last ran for: a weak reference to it and its version
     hooked_gradient: Optional[Tuple[Any, int]] = None
+    # a vocabulary table: its modules compute on the shard, which is never gathered (see
+    # [Note: vocabulary-parallel tables])
+    vocab_table: bool = False
 
     @property
     def names(self) -> List[str]:
@@ -170,7 +173,9 @@ def shard_groups_of(optimizer: torch.optim.Optimizer) -> List[ShardGroup]:
 
 
 def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,
-            multiple: int) -> Layout:
+            multiple: int, vocab_table: bool) -> Layout:
+    if vocab_table:
+        return Dim0Layout(shapes[0], world_size)
     if flatten:
         return InterleavedLayout(shapes, world_size, multiple)
     if dim0 and math.prod(shapes[0]):  # no rows to block: a row block would hold nothing,
@@ -182,15 +187,17 @@ def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_siz
 def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, flatten: bool,
                       dim0: bool, world_size: int, rank: int, multiple: int,
                       device: torch.device, compute_dtype: torch.dtype, unit_name: str,
-                      offload: bool = False) -> ShardGroup:
+                      offload: bool = False, vocab_table: bool = False) -> ShardGroup:
     """Shards one group of parameters and puts placeholders where they were.
 
     ``layers`` holds the group's members (parameter, every (module, attribute) holding it,
     every name it has): one list, or with ``stacked`` one list per layer of a scanned stack,
     whose members at the same position become one ``StackedLayout`` shard. Only the shard
-    is copied to ``device``."""
+    is copied to ``device``. A ``vocab_table`` is sharded in row blocks whatever the unit's
+    layout."""
     shapes = tuple(p.shape for p, _, _ in layers[0])
-    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple)
+    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple, vocab_table)
+    flatten = flatten and not vocab_table
     size = torch.Size([layout.numel]) if flatten else shapes[0]
     first = layers[0][0][2][0]
     if stacked:
@@ -199,8 +206,10 @@ def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, 
         first = first.split(".", 1)[1]  # its name within a layer
     orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
     members = [m for layer in layers for m in layer]
-    return _finish(layout, layout.shard([p.detach() for p, _, _ in members], rank), size,
-                   orig_name, members, device, compute_dtype, unit_name, offload)
+    shard_group = _finish(layout, layout.shard([p.detach() for p, _, _ in members], rank),
+                          size, orig_name, members, device, compute_dtype, unit_name, offload)
+    shard_group.vocab_table = vocab_table
+    return shard_group
 
 
 def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,

@@ -51,6 +51,7 @@ from .param_record import ParamRecord
 from .registry import WeakRegistry
 from .shard_group import ShardGroup
 from .traced_unshard import blocker, full_values
+from .vocab_tables import compute_on_shard
 
 
 class FullParams(enum.Enum):
@@ -71,6 +72,9 @@ class UnitParams:
     def __init__(self, collectives: Collectives, options: FsdpOptions,
                  device: torch.device) -> None:
         self.shard_groups: List[ShardGroup] = []
+        # what the unit gathers and reduces: not the vocabulary tables, whose modules
+        # compute on their shards (see [Note: vocabulary-parallel tables])
+        self.gathered: List[ShardGroup] = []
         self.collectives = collectives
         self.options = options
         self.device = device
@@ -102,6 +106,10 @@ class UnitParams:
         for g in shard_groups:
             compute_cached(g.layout)
             _BY_SHARD_GROUP[g] = self
+            if g.vocab_table:
+                compute_on_shard(g, self.collectives, lambda: self.divide[0] * self.divide[1])
+            else:
+                self.gathered.append(g)
 
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()
@@ -119,7 +127,7 @@ class UnitParams:
             deps = []
         issue = [u for u in (self, *prefetch) if u._needs_gather()]
         if issue and barrier:
-            optimization_barrier([g.local() for u in issue for g in u.shard_groups] + list(deps))
+            optimization_barrier([g.local() for u in issue for g in u.gathered] + list(deps))
         for unit in issue:
             unit._issue_gather()
         installing = self.state is not FullParams.UNSHARDED
@@ -129,8 +137,8 @@ class UnitParams:
 
     def _needs_gather(self) -> bool:
         if self.state is not FullParams.SHARDED and self._stale():
-            self.reshard(self.shard_groups, [], barrier=False)
-        return bool(self.shard_groups) and self.state is FullParams.SHARDED
+            self.reshard(self.gathered, [], barrier=False)
+        return bool(self.gathered) and self.state is FullParams.SHARDED
 
     def _stale(self) -> bool:
         """Whether the shards changed (an optimizer step, a load) since the full parameters
@@ -138,11 +146,11 @@ class UnitParams:
         return self._gathered_generation != self._generation()
 
     def _generation(self) -> Tuple[tuple, ...]:
-        return tuple(g.generation() for g in self.shard_groups)
+        return tuple(g.generation() for g in self.gathered)
 
     def _issue_gather(self) -> None:
         self._gathered = gather_pieces(
-            self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.shard_groups],
+            self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.gathered],
             self.options.coalesce_all_gather_ops, chained=in_backward())
         self._gathered_generation = self._generation()
         self.state = FullParams.GATHERING
@@ -154,8 +162,8 @@ class UnitParams:
                 optimization_barrier(gathered + deps)
             if self.immediate:
                 run_pending(gathered)
-            ParamRecord.install([r for g in self.shard_groups for r in g.records],
-                                unshard_all([g.layout for g in self.shard_groups], gathered))
+            ParamRecord.install([r for g in self.gathered for r in g.records],
+                                unshard_all([g.layout for g in self.gathered], gathered))
         self.state = FullParams.UNSHARDED
 
     @torch.no_grad()
@@ -167,10 +175,10 @@ class UnitParams:
             records += g.records
             dummies += [self._dummy(g.compute_dtype)] * len(g.records)
         freed = ParamRecord.free(records, dummies)
-        if len(shard_groups) == len(self.shard_groups):
+        if len(shard_groups) == len(self.gathered):
             self._gathered = None
         if self._gathered is None:
-            held = any(r.gathered for g in self.shard_groups for r in g.records)
+            held = any(r.gathered for g in self.gathered for r in g.records)
             self.state = FullParams.UNSHARDED if held else FullParams.SHARDED
         if barrier and (freed or deps):
             optimization_barrier([g.local() for g in shard_groups] + list(deps))
@@ -186,8 +194,8 @@ class UnitParams:
         and the reductions not issued yet (see [Note: a pass that raised])."""
         self._queue, self._queue_bytes = [], 0
         self.drop_prefetch()
-        self.reshard(self.shard_groups, [], barrier=False)
-        for g in self.shard_groups:
+        self.reshard(self.gathered, [], barrier=False)
+        for g in self.gathered:
             g.drop_unreduced()
         self._end_backward()
 
@@ -204,19 +212,19 @@ class UnitParams:
         ``no_sync`` accumulation)."""
         return (self.traced_blocker is None and self.sync_gradients
                 and self.state is FullParams.SHARDED
-                and not any(g.accumulation_pending for g in self.shard_groups))
+                and not any(g.accumulation_pending for g in self.gathered))
 
     def lend_full_values(self, x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """In a traced forward: gathers the full values in the graph and lends them to the
         modules for this forward; returns ``x`` tied to the unit's reductions."""
-        x, values = full_values(self.shard_groups, self.collectives.world_size, self.options,
+        x, values = full_values(self.gathered, self.collectives.world_size, self.options,
                                 self.divide, not self.reshard_after_forward, x)
-        ParamRecord.lend([r for g in self.shard_groups for r in g.records], values)
+        ParamRecord.lend([r for g in self.gathered for r in g.records], values)
         return x
 
     def take_back(self) -> None:
         """After a traced forward: the placeholders back where the full values were lent."""
-        ParamRecord.take_back([r for g in self.shard_groups for r in g.records])
+        ParamRecord.take_back([r for g in self.gathered for r in g.records])
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
     def set_reshard_after_forward(self, value: bool) -> None:
@@ -261,7 +269,7 @@ class UnitParams:
                 or self.options.zero_missing_gradients:
             return False
         self._reduce(shard_group, hold=self.immediate)
-        last = all(g in self._reduced for g in self.shard_groups if g.shard.requires_grad)
+        last = all(g in self._reduced for g in self.gathered if g.shard.requires_grad)
         if last and self.immediate:
             self.run_reductions()
         return last
@@ -293,7 +301,7 @@ class UnitParams:
         # (a head used only in earlier micro-batches) is reduced here too, in the same order:
         # unsharded training steps with the gradients accumulated so far.
         zero_fill = self.options.zero_missing_gradients
-        for g in self.shard_groups:
+        for g in self.gathered:
             carried = self.sync_gradients and g.shard.requires_grad and g.accumulating()
             if carried or took_part and self._needs_reduction(g, zero_fill):
                 self._reduce(g, hold=False)
@@ -303,7 +311,7 @@ class UnitParams:
         self._end_backward()
         self.drop_prefetch()  # prefetched for a backward that did not reach the unit
         if self.reshard_after_backward_now():
-            self.reshard(self.shard_groups, [], self.options.optimization_barrier_in_backward)
+            self.reshard(self.gathered, [], self.options.optimization_barrier_in_backward)
 
     def run_reductions(self) -> None:
         """Under torch.compile: issues the reductions held back and executes them now (see
@@ -312,7 +320,7 @@ class UnitParams:
         run_pending(self.shard_gradients())
 
     def shard_gradients(self) -> List[torch.Tensor]:
-        grads = [g.device_gradient() for g in self.shard_groups]
+        grads = [g.device_gradient() for g in self.gathered]
         return [g for g in grads if g is not None]
 
     @torch.no_grad()
@@ -368,13 +376,13 @@ class UnitParams:
     def _mark_accumulating(self) -> None:
         """After a ``no_sync`` backward: marks each shard group whose placeholders hold
         unreduced gradients (see ``ShardGroup.mark_accumulation``)."""
-        for g in self.shard_groups:
+        for g in self.gathered:
             if g.sentinel is None and any(r.placeholder.grad is not None for r in g.records):
                 g.mark_accumulation()
 
     def drop_abandoned(self) -> None:
         """Drops the full gradients of an accumulation whose shard gradient was dropped."""
-        for g in self.shard_groups:
+        for g in self.gathered:
             if g.accumulation_abandoned():
                 for r in g.records:
                     r.placeholder.grad = None

@@ -270,14 +270,14 @@ class UnitState:
         last = len(self._members_run) >= len(self.members)
         outputs, hooked = self._hook_outputs(outputs)
         if last and (self.params.reshard_after_forward or not grad):
-            if grad and not hooked and any(g.shard.requires_grad for g in self.params.shard_groups):
+            if grad and not hooked and any(g.shard.requires_grad for g in self.params.gathered):
                 self._keep_for_hidden_outputs()
             else:
                 barrier = self.options.optimization_barrier_in_forward
                 # not on a compiled region's outputs (see [Note: FSDP's hooks under
                 # torch.compile])
                 deps = collect_tensors(outputs) if barrier and not self.params.immediate else []
-                self.params.reshard(self.params.shard_groups, deps, barrier)
+                self.params.reshard(self.params.gathered, deps, barrier)
         if last:
             self.training_state = TrainingState.IDLE
         if self is self.context.root:
@@ -288,9 +288,9 @@ class UnitState:
         if self.training_state is TrainingState.FORWARD:  # a grouped member never ran
             self.training_state = TrainingState.IDLE
             if self.params.reshard_after_forward:
-                self.params.reshard(self.params.shard_groups, [], barrier=False)
+                self.params.reshard(self.params.gathered, [], barrier=False)
         if not grad_enabled and self.params.state is not FullParams.SHARDED:
-            self.params.reshard(self.params.shard_groups, [], barrier=False)
+            self.params.reshard(self.params.gathered, [], barrier=False)
 
     def _first_root_forward(self) -> None:
         self._first_forward_check(self)
