@@ -99,6 +99,17 @@ SETTINGS = {
     # ([Note: converting a wrapped model])
     "offload_torch_xla_recipe": ("net", {"offload_optimizer": True}, "sgd",
                                  {"torch_xla_recipe": True, "worlds": (2, 4)}),
+    # the vocabulary tables in row blocks, never gathered ([Note: vocabulary-parallel
+    # tables]): 50 rows, padded at N = 4 and 8; the tied table in the root beside wrapped
+    # blocks, clipped over every shard; an untied head in one flattened unit, accumulated
+    # under no_sync; bf16 lookups and logits
+    "vocab_parallel_tied_clip": ("tied", {"vocab_parallel": True}, "adamw", {"clip": 0.05}),
+    "vocab_parallel_untied_no_sync": ("tied", {"vocab_parallel": True,
+                                               "flatten_parameters": True}, "sgd",
+                                      {"untie": True, "micro": 2, "no_sync": True,
+                                       "one_unit": True}),
+    "vocab_parallel_bf16": ("tied", {"vocab_parallel": True, "compute_dtype": torch.bfloat16,
+                                     "fp32_reduce_scatter": True}, "sgd", {}),
     "offload_groups_frozen": ("net", {"offload_optimizer": True}, "sgd_foreach",
                               {"groups": 2, "freeze": ("b1.up", "inp.bias"), "worlds": (4,)}),
 }
@@ -143,6 +154,8 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         model.b1 = FSDP(model.b1.to(device), **kw)
         model.b2 = FSDP(model.b2.to(device), **kw)
         return FSDP(model.to(device), **kw)
+    if extra.get("one_unit"):
+        return FSDP(model, **kw)
     model.b1 = FSDP(model.b1, **kw)
     model.b2 = FSDP(model.b2, **kw)
     if extra.get("torch_checkpoint") == "around":
@@ -202,6 +215,9 @@ def train(rank, names, sharded):
         reference_dtype = None if sharded else low_precision_reference(name)
         torch.manual_seed(0)
         model = build_model(kind)
+        tied = kind in TIED_KINDS and not extra.get("untie")
+        if extra.get("untie"):
+            model.head.weight = torch.nn.Parameter(model.emb.weight.detach() * 0.5)
         for prefix in extra.get("freeze", ()):
             for pname, p in model.named_parameters():
                 if pname.startswith(prefix):
@@ -215,7 +231,7 @@ def train(rank, names, sharded):
             model = wrap(model, kind, fsdp_kwargs, extra, world)
         else:
             model = model.to(device)
-            if kind in TIED_KINDS:
+            if tied:
                 model.head.weight = model.emb.weight  # moving to XLA unties
         opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
         micro = extra.get("micro", 1)
@@ -257,7 +273,7 @@ def train(rank, names, sharded):
             buffers = {clean_name(k): v.cpu() for k, v in model.named_buffers()}
         else:
             params = {k: v.detach().float().cpu() for k, v in model.named_parameters()}
-            if kind in TIED_KINDS:
+            if tied:
                 params["head.weight"] = params["emb.weight"]
             buffers = {k: v.cpu() for k, v in model.named_buffers()}
         torch_xla.sync()
