@@ -106,6 +106,65 @@ def _divide_factors(out, device):
     out["grad_scale"] = float(grads["default"].abs().max())
 
 
+class _PaddedLM(nn.Module):
+    def __init__(self, tied):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, padding_idx=2)
+        self.mid = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mid(self.emb(tokens))))
+
+
+def _vocab_tables(out, device):
+    """vocab_parallel: the tables are row blocks that are never gathered (the placeholders
+    stay empty while their modules run), and one step's outputs and gradients, padding row
+    and divide factors included, are the unsharded model's on the global batch."""
+    import copy
+
+    from xla_fsdp import FSDP
+    tokens = torch.tensor([[2, 0, 10, 2], [5, 9, 2, 1], [3, 3, 8, 7], [2, 6, 4, 10]])
+    for tied in (True, False):
+        torch.manual_seed(0)
+        plain = _PaddedLM(tied)
+        model = FSDP(copy.deepcopy(plain), vocab_parallel=True)
+        model.set_gradient_divide_factors(0.5, 4.0, recursive=True)  # a sum over 4 ranks' data
+        seen = []
+        for m in (model.emb, model.head):
+            m.register_forward_pre_hook(lambda mod, _a: seen.append(mod.weight.numel()))
+        mine = tokens[2 * model.rank:2 * model.rank + 2]
+        logits = model(mine.to(device))
+        logits.square().sum().backward()
+        plain = plain.to(device)
+        if tied:
+            plain.head.weight = plain.emb.weight  # moving to XLA unties
+        want = plain(tokens.to(device))
+        want.square().sum().div(4.0).backward()
+        got = model.full_state_dict(rank0_only=False)
+        tables = [g for g in model.shard_groups if g.vocab_table]
+        shard = tables[0].shard
+        rows = slice(6 * model.rank, 6 * model.rank + 6)
+        out[f"vocab_{tied}"] = (
+            seen, [tuple(g.shard.shape) for g in tables],
+            float((logits - want[2 * model.rank:2 * model.rank + 2]).abs().max()),
+            float((shard.grad[:5 if model.rank else 6] - plain.emb.weight.grad[rows][
+                :5 if model.rank else 6]).abs().max()),
+            float(plain.emb.weight.grad.abs().max()),
+            sorted(got) == sorted(plain.state_dict()))
+    for label, build in (("offload", lambda: FSDP(_PaddedLM(True), vocab_parallel=True,
+                                                  offload_optimizer=True)),
+                         ("max_norm", lambda: FSDP(nn.Embedding(5, 3, max_norm=1.0),
+                                                   vocab_parallel=True))):
+        try:
+            build()
+            out[f"vocab_refused_{label}"] = "no error"
+        except ValueError as exc:
+            out[f"vocab_refused_{label}"] = str(exc)
+
+
 class _Initializer:
     def fill(self, module):
         for p in module.parameters(recurse=False):
@@ -266,6 +325,7 @@ def checks(rank):
     _nested_names(out)
     _meta_init(out)
     _divide_factors(out, device)
+    _vocab_tables(out, device)
     _torch_xla_arguments(out, device)
     _attribute_fall_through(out)
     torch_xla.sync()
@@ -302,6 +362,14 @@ def test_wrapper_api():
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
     assert out["divide_mean"] <= 1e-6 * out["grad_scale"]
     assert out["divide_below_one"] <= 1e-6 * out["grad_scale"]
+    for tied in (True, False):
+        seen, shapes, logits, grad, scale, names = out[f"vocab_{tied}"]
+        assert seen == [0, 0] and shapes == [(6, 6)] * (1 if tied else 2), (seen, shapes)
+        assert logits <= 1e-5 and grad <= 1e-5 * scale and scale > 1e-3 and names, \
+            out[f"vocab_{tied}"]
+    assert "offload_optimizer" in out["vocab_refused_offload"]
+    assert "embedding 'weight' uses max_norm" in out["vocab_refused_max_norm"], \
+        out["vocab_refused_max_norm"]
     assert out["factors_mean"] == (1.0, 1.0) and out["factors_below_one"] == (0.5, 4.0)
     assert out["on_neuron_dim0"]
     assert out["option_attributes"] == (False, True, False, True, True, 4)
