@@ -36,6 +36,9 @@ LAYOUTS = {
     "scanned": ("stack", "scanned", "scanned"),   # ScannedLayers, flattened: interleaved rows
     "groups": ("net", "groups", "groups"),        # independent sharding groups, files per group
     "hybrid": ("net", "hybrid", "hybrid"),        # replicate_across_groups: the first group writes
+    # vocab_parallel's row-block table in a flattened root, into flat shards, and back
+    "vocab_into_flat": ("tied", "vocab", "nested"),
+    "flat_into_vocab": ("tied", "nested", "vocab"),
 }
 ACROSS = ("flat", "dim0_buffer")   # also loaded into the other layout at N = 4, and trained on
 BUFFER = "b2.seen"   # the flat and dim-0 layouts' buffer, set before the save to values bf16 holds
@@ -58,7 +61,8 @@ def _sharding_group_size(how, world):
 
 def wrap(model, how, world, rank):
     from xla_fsdp import FSDP, ScannedLayers
-    kw = {"flatten_parameters": how == "flattened", "shard_param_on_dim_0": how == "dim0"}
+    kw = {"flatten_parameters": how in ("flattened", "vocab"),
+          "shard_param_on_dim_0": how == "dim0", "vocab_parallel": how == "vocab"}
     if how in ("flat", "dim0"):
         kw["buffer_dtype"] = torch.bfloat16
     if how in ("groups", "hybrid"):

@@ -151,13 +151,18 @@ class Collectives:
         return [part.reshape((t.shape[0] // n,) + tuple(t.shape[1:])).clone()
                 for part, t in zip(reduced.split(sizes), tensors)]
 
-    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Rank ``j`` gets block ``j`` of ``tensor``'s dim 0 from every rank; the blocks
-        received are concatenated along dim 0 in the senders' rank order."""
+    def all_to_all(self, tensor: torch.Tensor, split: int, concat: int) -> torch.Tensor:
+        """Rank ``j`` gets block ``j`` of ``tensor`` along dim ``split`` from every rank; the
+        blocks received are concatenated along dim ``concat`` in the senders' rank order.
+
+        Never pinned: torch_xla lowers a pinned all-to-all to XLA's tuple form, which
+        libtpu's StableHLO path cannot legalize (the planner's compile fails), and an
+        unpinned one relies on every rank compiling the same program, as FSDP's unpinned
+        gathers do (see [Note: defaults that depend on the hardware])."""
         import torch_xla.core.xla_model as xm
-        return xm.all_to_all(tensor, split_dimension=0, concat_dimension=0,
+        return xm.all_to_all(tensor, split_dimension=split, concat_dimension=concat,
                              split_count=self.world_size, groups=self.rank_groups,
-                             pin_layout=self.pin_layout)
+                             pin_layout=False)
 
     def all_reduce_sum(self, tensor: torch.Tensor,
                        rank_groups: RankGroups = None) -> torch.Tensor:

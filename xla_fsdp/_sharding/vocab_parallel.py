@@ -65,16 +65,17 @@ class _SumToOwner(torch.autograd.Function):
 
 
 class _Exchange(torch.autograd.Function):
-    """Block ``j`` of dim 0 to rank ``j``; its own transpose."""
+    """Row block ``j`` (rank ``j``'s tokens) to rank ``j``, the blocks received side by side
+    in rank order (every rank's rows of the table): no transpose of the logits after it."""
 
     @staticmethod
     def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
         ctx.collectives = collectives
-        return collectives.all_to_all(x)
+        return collectives.all_to_all(x, split=0, concat=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.collectives.all_to_all(grad.contiguous())
+        return None, ctx.collectives.all_to_all(grad.contiguous(), split=1, concat=0)
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -115,12 +116,9 @@ def project(collectives: Collectives, rows: torch.Tensor, hidden: torch.Tensor,
             vocab: int) -> torch.Tensor:
     """``F.linear(hidden, table)`` where this rank holds ``rows``, its block of the table's
     ``vocab`` rows (padded to a multiple of the world size)."""
-    n, block = collectives.world_size, rows.shape[0]
     tokens = hidden.reshape(-1, hidden.shape[-1])
     every = _GatherTokens.apply(collectives, tokens)
-    mine = _Exchange.apply(collectives, F.linear(every, rows))
-    logits = mine.reshape(n, tokens.shape[0], block).transpose(0, 1)
-    logits = logits.reshape(tokens.shape[0], n * block)
-    if n * block != vocab:
+    logits = _Exchange.apply(collectives, F.linear(every, rows))
+    if logits.shape[1] != vocab:
         logits = logits[:, :vocab]
     return logits.reshape(*hidden.shape[:-1], vocab)

@@ -112,6 +112,13 @@ class UnitState:
 
     def add_shard_groups(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.params.add(shard_groups)
+        tables = [g.names[0] for g in shard_groups if g.vocab_table]
+        if tables and self.compile_refusal is None:
+            self.compile_refusal = (
+                f"FSDP unit around {self.name}: the vocab_parallel tables {tables} cannot run "
+                f"inside "
+                f"torch.compile (their lookups' collectives are issued eagerly); wrap without "
+                f"vocab_parallel to compile")
         for g in shard_groups:
             self._hook_gradients(g)
 

@@ -63,19 +63,14 @@ def compute_on_shard(shard_group: ShardGroup, collectives: Collectives,
     first = to_device(torch.tensor([collectives.rank * shard_group.layout.shard_shape[0]]),
                       shard_group.shard.device)
 
-    def rows(module: nn.Module) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError(
-                f"vocab_parallel: {type(module).__name__} '{record.name}' ran under "
-                f"torch.compile, which does not trace vocabulary-parallel tables; wrap "
-                f"without vocab_parallel to compile")
+    def rows() -> torch.Tensor:
         return table_rows(shard_group.shard, shard_group.compute_dtype, divisor())
 
     def embedding(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        return lookup(collectives, rows(module), first, ids, module.padding_idx)
+        return lookup(collectives, rows(), first, ids, module.padding_idx)
 
     def projection(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-        return project(collectives, rows(module), hidden, vocab)
+        return project(collectives, rows(), hidden, vocab)
 
     for module, _ in record.owners:
         forward = embedding if isinstance(module, nn.Embedding) else projection
