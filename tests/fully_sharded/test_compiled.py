@@ -161,5 +161,8 @@ def test_placements_that_cannot_work_are_refused_by_name():
     assert "FSDP(torch.compile(layer))" in out["scanned"], out["scanned"]
     assert "torch.compile'd module (Block) to group" in out["group_of_compiled"], \
         out["group_of_compiled"]
+    assert out["vocab_parallel"].startswith(
+        "RuntimeError: FSDP unit around TiedLM: the vocab_parallel tables ['emb.weight'] "
+        "cannot run inside torch.compile"), out["vocab_parallel"]
     # torch_xla's own dropout kernel scaled kept values by 1/p: 2.3 here
     assert every(abs(mean - 1) < 0.05 for mean in out["dropout"]), out["dropout"]

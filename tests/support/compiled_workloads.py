@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .models import STEPS, Block, Net, batch, loss_fn
+from .models import STEPS, Block, Net, TiedLM, batch, loss_fn
 
 COMPILE_STEPS = 6
 WARM_UP = 3  # steps after which nothing may compile
@@ -248,9 +248,15 @@ def refusals(rank):
         net = Net()
         FSDP([_compile(net.b1), _compile(net.b2)])
 
+    def vocab_parallel():  # the tables' collectives are eager
+        lm = TiedLM()
+        tokens, _ = batch("tied", 0)
+        _compile(FSDP(lm, vocab_parallel=True))(tokens.to(device))
+
     for name, fn in (("fullgraph", fullgraph), ("fullgraph_traced", fullgraph_traced),
                      ("fullgraph_inside_block", fullgraph_inside_block),
-                     ("scanned", scanned), ("group_of_compiled", group_of_compiled)):
+                     ("scanned", scanned), ("group_of_compiled", group_of_compiled),
+                     ("vocab_parallel", vocab_parallel)):
         torch._dynamo.reset()
         torch.manual_seed(0)
         attempt(name, fn)

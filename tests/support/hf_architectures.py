@@ -244,6 +244,7 @@ class Architecture:
     batch: Callable[[str, int], Dict[str, torch.Tensor]]
     hf: bool = True                # a transformers model: loss in .loss, tie_weights()
     scan: str = ""                 # the layer list to run as ScannedLayers, unchanged code
+    vocab_parallel: bool = False   # the vocabulary tables in row blocks, never gathered
 
 
 ARCHITECTURES: Dict[str, Architecture] = {
@@ -257,6 +258,12 @@ ARCHITECTURES: Dict[str, Architecture] = {
     "llama_scanned": Architecture(llama, LlamaDecoderLayer, causal_lm_batch, scan="model.layers"),
     "qwen2_scanned": Architecture(qwen2, Qwen2DecoderLayer, causal_lm_batch, scan="model.layers"),
     "gpt2_scanned": Architecture(gpt2, GPT2Block, causal_lm_batch, scan="transformer.h"),
+    # vocab_parallel: GPT-2's tied head and its position table; Llama's untied head; T5's
+    # table shared by encoder, decoder and head, and each layer's relative-position table
+    "gpt2_vocab_parallel": Architecture(gpt2, GPT2Block, causal_lm_batch, vocab_parallel=True),
+    "llama_vocab_parallel": Architecture(llama, LlamaDecoderLayer, causal_lm_batch,
+                                         vocab_parallel=True),
+    "t5_vocab_parallel": Architecture(t5, T5Block, seq2seq_batch, vocab_parallel=True),
 }
 
 
@@ -357,7 +364,7 @@ def _train_one(rank: int, name: str, ckpt_dir: str, reference: Dict[str, Any]
         owner, attr = arch.scan.rsplit(".", 1)
         owner = model.get_submodule(owner)
         setattr(owner, attr, ScannedLayers(getattr(owner, attr)))
-    sharded = FSDP(model, auto_wrap_policy=policy)
+    sharded = FSDP(model, auto_wrap_policy=policy, vocab_parallel=arch.vocab_parallel)
     opt = optimizer(sharded)
 
     losses, routing = [], []
