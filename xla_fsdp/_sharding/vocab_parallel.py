@@ -35,7 +35,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .collectives import Collectives
+from .collectives import Collectives, optimization_barrier
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -64,18 +64,32 @@ class _SumToOwner(torch.autograd.Function):
         return None, ctx.collectives.all_gather([grad.contiguous()], coalesce=False)[0]
 
 
-class _Exchange(torch.autograd.Function):
-    """Row block ``j`` (rank ``j``'s tokens) to rank ``j``, the blocks received side by side
-    in rank order (every rank's rows of the table): no transpose of the logits after it."""
+class _Project(torch.autograd.Function):
+    """Every rank's tokens' logits for this rank's rows, exchanged so that each rank gets its
+    own tokens' logits over every rank's rows: an all-to-all from row block ``j`` (rank
+    ``j``'s tokens) to rank ``j``, the blocks received side by side in rank order, so no
+    transpose of the logits follows. Backward computes the table's gradient beside the
+    hidden states' behind one barrier: left free, libtpu's scheduler defers it, a weight
+    gradient nothing reads before the update, to the end of backward, and the logits'
+    gradient (a GiB at a 128K vocabulary) stays live all that time."""
 
     @staticmethod
-    def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, collectives: Collectives, rows: torch.Tensor,
+                every: torch.Tensor) -> torch.Tensor:
         ctx.collectives = collectives
-        return collectives.all_to_all(x, split=0, concat=1)
+        ctx.save_for_backward(rows, every)
+        return collectives.all_to_all(F.linear(every, rows), split=0, concat=1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.collectives.all_to_all(grad.contiguous(), split=1, concat=0)
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor, torch.Tensor]:
+        rows, every = ctx.saved_tensors
+        mine = ctx.collectives.all_to_all(grad.contiguous(), split=1, concat=0)
+        grad_every = mine @ rows
+        if not ctx.needs_input_grad[1]:  # a frozen table
+            return None, None, grad_every
+        grad_rows = mine.t() @ every
+        optimization_barrier([grad_every, grad_rows])
+        return None, grad_rows, grad_every
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -118,7 +132,7 @@ def project(collectives: Collectives, rows: torch.Tensor, hidden: torch.Tensor,
     ``vocab`` rows (padded to a multiple of the world size)."""
     tokens = hidden.reshape(-1, hidden.shape[-1])
     every = _GatherTokens.apply(collectives, tokens)
-    logits = _Exchange.apply(collectives, F.linear(every, rows))
+    logits = _Project.apply(collectives, rows, every)
     if logits.shape[1] != vocab:
         logits = logits[:, :vocab]
     return logits.reshape(*hidden.shape[:-1], vocab)
