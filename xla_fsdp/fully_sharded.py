@@ -97,7 +97,7 @@ class XlaFullyShardedDataParallel(UnitModule):
       offloaded model to its device keeps its host shards, other moves and casts are
       refused (see [Note: converting a wrapped model] in ``_unit/conversions.py``);
     * ``vocab_parallel=True`` (not in torch_xla) keeps vocabulary tables (``nn.Embedding``
-      weights, and bias-free ``nn.Linear`` weights shaped like one, the LM head) in row
+      weights, and ``nn.Linear`` weights shaped like one, the LM head) in row
       blocks that are never gathered: lookups and logits are computed on each rank's rows
       for every rank's tokens, as FSDPv2's partitioner does, so no rank holds a whole
       table (see [Note: vocabulary-parallel tables] in ``_sharding/vocab_parallel.py``).

@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
-IMPLS = ("xla_fsdp", "xla_fsdp_unpinned", "torch_xla", "fsdpv2")
-# "xla_fsdp" at its defaults, a TPU's (row-block shards, one unpinned gather per unit); the
-# unpinned variant has the options torch_xla's FSDP runs with here (its pinned all-gather is
+IMPLS = ("xla_fsdp", "xla_fsdp_vocab", "xla_fsdp_unpinned", "torch_xla", "fsdpv2")
+# "xla_fsdp" at its defaults, a TPU's (row-block shards, one unpinned gather per unit), and
+# with vocab_parallel=True (docs/wrapper.md); the unpinned variant has the options torch_xla's FSDP runs with here (its pinned all-gather is
 # an all-reduce of N times the data). Not run by default: "xla_fsdp_flat", the defaults off
 # a TPU (torch_xla's flat shards, a TPU's too before issue 52), and "xla_fsdp_tpu", issue
 # 38's recommended settings (TPU_SETTINGS).
@@ -129,6 +129,8 @@ def train_step(rank: int, setting: Setting) -> None:
         from xla_fsdp import FSDP, checkpoint_module
         from xla_fsdp.wrap import transformer_auto_wrap_policy
         options = dict(setting.options)
+        if setting.impl == "xla_fsdp_vocab":   # the defaults and vocabulary-parallel tables
+            options["vocab_parallel"] = True
         if setting.impl == "xla_fsdp_unpinned":
             options["pin_layout_in_collective_ops"] = False
         if setting.impl == "xla_fsdp_flat":

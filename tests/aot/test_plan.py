@@ -83,6 +83,22 @@ def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
 
 
 @pytest.mark.slow
+def test_vocabulary_parallel_tables_compile_for_a_tpu_and_are_never_gathered():
+    """libtpu compiles the step (torch_xla's pinned all-to-all is XLA's tuple form, which it
+    cannot take through StableHLO); no all-gather yields a whole table; the logits go out
+    and their gradient comes back in one all-to-all each."""
+    import functools
+    report = compile_for_tpu(functools.partial(tpu_plans.ours, vocab_parallel=True), "v5e-4",
+                             args=("meta",))
+    assert report.fits and report.programs == 1
+    table = f"[{tpu_plans.VOCAB},{tpu_plans.DIM}]"
+    gathers = [line for hlo in report.optimized_hlo for line in hlo.splitlines()
+               if re.search(r"= \S+ all-gather(-start)?\(", line)]
+    assert gathers and not [g for g in gathers if table in g.split(" all-gather")[0]], gathers
+    assert report.collective_summary()["all-to-all"]["count"] == 2
+
+
+@pytest.mark.slow
 def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
     report = compile_for_tpu(tpu_plans.syncs_twice, "v6e-4")
     assert report.programs == 2 and "2 programs" in report.notes[0]

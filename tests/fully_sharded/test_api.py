@@ -111,7 +111,7 @@ class _PaddedLM(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(11, 6, padding_idx=2)
         self.mid = nn.Linear(6, 6)
-        self.head = nn.Linear(6, 11, bias=False)
+        self.head = nn.Linear(6, 11, bias=not tied)   # an untied head with a bias
         if tied:
             self.head.weight = self.emb.weight
 
@@ -146,12 +146,15 @@ def _vocab_tables(out, device):
         got = model.full_state_dict(rank0_only=False)
         tables = [g for g in model.shard_groups if g.vocab_table]
         shard = tables[0].shard
+        bias = next((g for g in model.shard_groups if g.names == ["head.bias"]), None)
+        n = 5 if model.rank else 6   # this rank's elements of 11 rows (or biases)
         rows = slice(6 * model.rank, 6 * model.rank + 6)
         out[f"vocab_{tied}"] = (
             seen, [tuple(g.shard.shape) for g in tables],
             float((logits - want[2 * model.rank:2 * model.rank + 2]).abs().max()),
-            float((shard.grad[:5 if model.rank else 6] - plain.emb.weight.grad[rows][
-                :5 if model.rank else 6]).abs().max()),
+            max(float((shard.grad[:n] - plain.emb.weight.grad[rows][:n]).abs().max()),
+                0.0 if tied else float((bias.shard.grad[:n] - plain.head.bias.grad[
+                    6 * model.rank:6 * model.rank + n]).abs().max())),
             float(plain.emb.weight.grad.abs().max()),
             sorted(got) == sorted(plain.state_dict()))
     for label, build in (("offload", lambda: FSDP(_PaddedLM(True), vocab_parallel=True,

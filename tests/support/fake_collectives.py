@@ -40,7 +40,7 @@ def fsdp_options(world_size: int, rank: int, **overrides) -> FsdpOptions:
         sync_on_finalization=False, disable_reshard_on_root=True, compute_dtype=torch.float32,
         buffer_dtype=None, fp32_reduce_scatter=False, sharding_groups=None, sharding_rank=None,
         sharding_world_size=None, replicate_across_groups=False, zero_missing_gradients=False,
-        offload_optimizer=False,
+        offload_optimizer=False, vocab_parallel=False,
         shard_param_on_dim_0=False, pin_layout_in_collective_ops=True,
         reduce_scatter_bucket_size_mb=0, coalesce_all_gather_ops=False, param_init_fn=None,
         shard_size_multiple=1, use_xla_patched_linear=True, debug_dummy_forward_pass=False,

@@ -6,8 +6,8 @@ Replica FSDP gathers a unit's whole table before it runs: at a 128K vocabulary t
 per chip for Llama 3.2 1B's embedding (float32), the same again for its gradient, and the
 logits' buffers beside them. FSDPv2's partitioner never holds it: it computes the lookup,
 the output projection and the loss on vocabulary-sharded weights. With ``vocab_parallel``,
-a table (``nn.Embedding`` weights, and bias-free ``nn.Linear`` weights shaped like one:
-the LM head, tied or not) stays a row block, ``shard_rows = ceil(V / N)`` rows per rank,
+a table (``nn.Embedding`` weights, and ``nn.Linear`` weights shaped like one: the LM
+head, tied or not) stays a row block, ``shard_rows = ceil(V / N)`` rows per rank,
 and its modules compute on it:
 
 * lookup: the ranks' token ids are gathered (integers, a few KiB); each rank looks up the
@@ -43,12 +43,12 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
-        ctx.collectives = collectives
+        ctx.vocab_collectives = collectives
         return collectives.all_gather([x], coalesce=False)[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.collectives.reduce_scatter([grad.contiguous()], 1.0)[0]
+        return None, ctx.vocab_collectives.reduce_scatter([grad.contiguous()], 1.0)[0]
 
 
 class _SumToOwner(torch.autograd.Function):
@@ -56,12 +56,12 @@ class _SumToOwner(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
-        ctx.collectives = collectives
+        ctx.vocab_collectives = collectives
         return collectives.reduce_scatter([x], 1.0)[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.collectives.all_gather([grad.contiguous()], coalesce=False)[0]
+        return None, ctx.vocab_collectives.all_gather([grad.contiguous()], coalesce=False)[0]
 
 
 class _Project(torch.autograd.Function):
@@ -76,14 +76,14 @@ class _Project(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, collectives: Collectives, rows: torch.Tensor,
                 every: torch.Tensor) -> torch.Tensor:
-        ctx.collectives = collectives
+        ctx.vocab_collectives = collectives
         ctx.save_for_backward(rows, every)
         return collectives.all_to_all(F.linear(every, rows), split=0, concat=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor, torch.Tensor]:
         rows, every = ctx.saved_tensors
-        mine = ctx.collectives.all_to_all(grad.contiguous(), split=1, concat=0)
+        mine = ctx.vocab_collectives.all_to_all(grad.contiguous(), split=1, concat=0)
         grad_every = mine @ rows
         if not ctx.needs_input_grad[1]:  # a frozen table
             return None, None, grad_every
@@ -95,12 +95,12 @@ class _Project(torch.autograd.Function):
 class _ScaleGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
+        ctx.gradient_scale = scale
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
+        return grad * ctx.gradient_scale, None
 
 
 def table_rows(shard: torch.Tensor, dtype: torch.dtype, divisor: float) -> torch.Tensor:

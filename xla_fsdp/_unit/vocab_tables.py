@@ -1,9 +1,9 @@
 """Which of a unit's parameters are vocabulary tables under ``vocab_parallel``, and the
 forwards their modules run on the shards (see [Note: vocabulary-parallel tables]).
 
-A table is an ``nn.Embedding``'s weight, or a bias-free ``nn.Linear``'s weight shaped like
-one of the unit's embedding tables (an untied LM head); a weight held by anything else as
-well (a module that reads it as a plain tensor) stays an ordinary parameter. Code that
+A table is an ``nn.Embedding``'s weight, or an ``nn.Linear``'s weight shaped like one of the
+unit's embedding tables (an untied LM head; its bias, if any, stays an ordinary parameter,
+added to the logits); a weight held by anything else as well (a module that reads it as a plain tensor) stays an ordinary parameter. Code that
 reads a table's attribute directly (``F.linear(h, embed.weight)``) finds an empty
 placeholder and fails there, naming the shape (see [Note: a freed placeholder is empty]).
 """
@@ -27,7 +27,7 @@ def _owner_kind(module: nn.Module, attr: str) -> str:
         return ""
     if isinstance(module, nn.Embedding):
         return "embedding"
-    if isinstance(module, nn.Linear) and module.bias is None:
+    if isinstance(module, nn.Linear):
         return "projection"
     return ""
 
@@ -70,7 +70,9 @@ def compute_on_shard(shard_group: ShardGroup, collectives: Collectives,
         return lookup(collectives, rows(), first, ids, module.padding_idx)
 
     def projection(module: nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
-        return project(collectives, rows(), hidden, vocab)
+        logits = project(collectives, rows(), hidden, vocab)
+        # an ordinary parameter, gathered with the unit's others
+        return logits if module.bias is None else logits + module.bias
 
     for module, _ in record.owners:
         forward = embedding if isinstance(module, nn.Embedding) else projection
