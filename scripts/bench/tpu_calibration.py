@@ -177,8 +177,9 @@ def torchprime_step(rank: int, kind: str, steps: int = 3) -> None:
         torch_xla.sync()
 
 
-def ours_step(rank: int, steps: int = 3) -> None:
-    """torchprime's model and batch with ``xla_fsdp`` (see the module docstring)."""
+def ours_step(rank: int, steps: int = 3, vocab_parallel: bool = False) -> None:
+    """torchprime's model and batch with ``xla_fsdp`` (see the module docstring), with its
+    vocabulary tables in row blocks if ``vocab_parallel``."""
     import functools
 
     import torch
@@ -195,7 +196,8 @@ def ours_step(rank: int, steps: int = 3) -> None:
     policy = functools.partial(transformer_auto_wrap_policy,
                                transformer_layer_cls={LlamaDecoderLayer})
     model = FSDP(model, auto_wrap_policy=policy, compute_dtype=torch.bfloat16,
-                 auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k))
+                 auto_wrapper_callable=lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k),
+                 vocab_parallel=vocab_parallel)
     # Adafactor's statistics over each rank's slice: not the unsharded update, but the
     # optimizer torchprime's step runs (see [Note: optimizers that read the whole tensor])
     optimizer = allow_per_shard_statistics(Adafactor(model.parameters(), lr=5e-5,

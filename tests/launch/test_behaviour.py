@@ -4,6 +4,8 @@ Each misuse costs one short launch at N = 2; everything that must work is batche
 """
 import os
 import random
+import signal
+import threading
 import time
 
 import numpy as np
@@ -95,7 +97,22 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     # xm.save moves a pending collective's result to the CPU and rendezvouses
     xm.save({"total": xm.all_reduce(xm.REDUCE_SUM, x * 2, pin_layout=False)}, save_path)
     xm.mark_step()
+    out["preempted"] = _preempted_through_a_rank_thread(rank)
     return out
+
+
+def _preempted_through_a_rank_thread(rank: int) -> bool:
+    """A SIGTERM the kernel hands to a rank's thread, not the main thread, while a manager
+    watches: the preemption flag is set while the ranks still run."""
+    from xla_fsdp.checkpoint.manager import preemption
+    if rank != 0:
+        return False
+    preemption.start_watching()   # left on: the flag must not end this worker at its exit
+    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while not preemption.requested() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return preemption.requested()
 
 
 @pytest.mark.slow
@@ -131,6 +148,7 @@ def test_everyday_calls_work(tmp_path):
         assert r["in_place"] == [[1.0] * 3] * 2
         assert r["saw_marker"]
         assert r["payloads"] == [b"hello from 0", b"hello from 1"]
+    assert (r0["preempted"], r1["preempted"]) == (True, False)
 
 
 def fails_on_rank_one(rank: int) -> None:

@@ -11,6 +11,13 @@ as they unpickle the function), ``CheckpointManager`` when it is made on a main 
 the user through ``watch_for_preemption()`` before starting training any other way. The
 parent of the virtual worker forwards the signal to it.
 
+The handler runs when the main thread next runs Python. Linux hands a process's signal to its
+main thread unless that thread already has one pending; then to any other thread, which does
+not wake a main thread blocked in an untimed wait. The virtual worker's main thread therefore
+waits for the ranks with a timeout (seen once in CI: a run trained to its end and was then
+killed by the notice it got at step 8). torch_xla's own launcher waits for its device threads
+without one, which a process we do not write cannot change.
+
 The handler only sets a flag while some ``CheckpointManager`` of the process watches for
 preemption. Otherwise it does what SIGTERM did before it was installed (by default, end the
 process), so a process that uses no manager behaves as if nothing were installed.
