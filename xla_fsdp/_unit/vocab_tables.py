@@ -3,9 +3,10 @@ forwards their modules run on the shards (see [Note: vocabulary-parallel tables]
 
 A table is an ``nn.Embedding``'s weight, or an ``nn.Linear``'s weight shaped like one of the
 unit's embedding tables (an untied LM head; its bias, if any, stays an ordinary parameter,
-added to the logits); a weight held by anything else as well (a module that reads it as a plain tensor) stays an ordinary parameter. Code that
-reads a table's attribute directly (``F.linear(h, embed.weight)``) finds an empty
-placeholder and fails there, naming the shape (see [Note: a freed placeholder is empty]).
+added to the logits); a weight held by anything else as well (a module that reads it as a
+plain tensor) stays an ordinary parameter. Code that reads a table's attribute directly
+finds an empty placeholder (see [Note: a freed placeholder is empty]):
+``F.linear(h, embed.weight)`` fails there, but a reduction over it is 0.
 """
 from __future__ import annotations
 
