@@ -145,16 +145,15 @@ def _vocab_tables(out, device):
         want.square().sum().div(4.0).backward()
         got = model.full_state_dict(rank0_only=False)
         tables = [g for g in model.shard_groups if g.vocab_table]
-        shard = tables[0].shard
-        bias = next((g for g in model.shard_groups if g.names == ["head.bias"]), None)
-        n = 5 if model.rank else 6   # this rank's elements of 11 rows (or biases)
-        rows = slice(6 * model.rank, 6 * model.rank + 6)
+        # this rank's rows of 11 (6 and 5), of every table and of the head's bias
+        first, n = 6 * model.rank, 5 if model.rank else 6
+        checked = tables + [g for g in model.shard_groups if g.names == ["head.bias"]]
+        grads = [float((g.shard.grad[:n] - plain.get_parameter(g.names[0]).grad[
+            first:first + n]).abs().max()) for g in checked]
         out[f"vocab_{tied}"] = (
             seen, [tuple(g.shard.shape) for g in tables],
             float((logits - want[2 * model.rank:2 * model.rank + 2]).abs().max()),
-            max(float((shard.grad[:n] - plain.emb.weight.grad[rows][:n]).abs().max()),
-                0.0 if tied else float((bias.shard.grad[:n] - plain.head.bias.grad[
-                    6 * model.rank:6 * model.rank + n]).abs().max())),
+            [g.names[0] for g in checked], max(grads),
             float(plain.emb.weight.grad.abs().max()),
             sorted(got) == sorted(plain.state_dict()))
     for label, build in (("offload", lambda: FSDP(_PaddedLM(True), vocab_parallel=True,
@@ -366,8 +365,10 @@ def test_wrapper_api():
     assert out["divide_mean"] <= 1e-6 * out["grad_scale"]
     assert out["divide_below_one"] <= 1e-6 * out["grad_scale"]
     for tied in (True, False):
-        seen, shapes, logits, grad, scale, names = out[f"vocab_{tied}"]
+        seen, shapes, logits, checked, grad, scale, names = out[f"vocab_{tied}"]
         assert seen == [0, 0] and shapes == [(6, 6)] * (1 if tied else 2), (seen, shapes)
+        assert checked == (["emb.weight"] if tied else
+                           ["emb.weight", "head.weight", "head.bias"]), checked
         assert logits <= 1e-5 and grad <= 1e-5 * scale and scale > 1e-3 and names, \
             out[f"vocab_{tied}"]
     assert "offload_optimizer" in out["vocab_refused_offload"]

@@ -173,9 +173,7 @@ def shard_groups_of(optimizer: torch.optim.Optimizer) -> List[ShardGroup]:
 
 
 def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_size: int,
-            multiple: int, vocab_table: bool) -> Layout:
-    if vocab_table:
-        return Dim0Layout(shapes[0], world_size)
+            multiple: int) -> Layout:
     if flatten:
         return InterleavedLayout(shapes, world_size, multiple)
     if dim0 and math.prod(shapes[0]):  # no rows to block: a row block would hold nothing,
@@ -193,11 +191,10 @@ def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, 
     ``layers`` holds the group's members (parameter, every (module, attribute) holding it,
     every name it has): one list, or with ``stacked`` one list per layer of a scanned stack,
     whose members at the same position become one ``StackedLayout`` shard. Only the shard
-    is copied to ``device``. A ``vocab_table`` is sharded in row blocks whatever the unit's
-    layout."""
+    is copied to ``device``; ``vocab_table`` marks it (see [Note: vocabulary-parallel
+    tables])."""
     shapes = tuple(p.shape for p, _, _ in layers[0])
-    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple, vocab_table)
-    flatten = flatten and not vocab_table
+    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple)
     size = torch.Size([layout.numel]) if flatten else shapes[0]
     first = layers[0][0][2][0]
     if stacked:

@@ -116,9 +116,8 @@ class UnitState:
         if tables and self.compile_refusal is None:
             self.compile_refusal = (
                 f"FSDP unit around {self.name}: the vocab_parallel tables {tables} cannot run "
-                f"inside "
-                f"torch.compile (their lookups' collectives are issued eagerly); wrap without "
-                f"vocab_parallel to compile")
+                f"inside torch.compile (their lookups' collectives are issued eagerly); wrap "
+                f"without vocab_parallel to compile")
         for g in shard_groups:
             self._hook_gradients(g)
 

@@ -40,7 +40,7 @@ def table_ids(found: List[Member]) -> Set[int]:
     tables = set()
     for p, owners, names in found:
         kinds = {_owner_kind(m, a) for m, a in owners}
-        if "" in kinds or tuple(p.shape) not in shapes:
+        if "" in kinds or tuple(p.shape) not in shapes or not p.numel():
             continue
         for m, _ in owners:
             if isinstance(m, nn.Embedding) and (m.max_norm is not None or m.sparse

@@ -181,7 +181,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
                 layer = g.layout.layer
                 names = [n.split(".", 1)[1] for n in g.names[:len(layer.shapes)]]
                 stack_info[key] = (names, list(layer.shapes), [math.prod(s) for s in layer.shapes])
-            elif unit.flatten_parameters and not g.vocab_table:  # a table is one parameter
+            elif unit.flatten_parameters and not isinstance(g.layout, Dim0Layout):
                 info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
                 info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
         if unit.shared_params:

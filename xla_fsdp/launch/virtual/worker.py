@@ -180,10 +180,8 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
     for t in threads:
         t.start()
     for t in threads:
-        # timed: Python runs a signal's handler (a preemption notice) on the main thread,
-        # once it runs again, and a signal the kernel hands to a rank's thread does not
-        # wake an untimed wait, so training would end before the notice is seen (see [Note:
-        # who installs the SIGTERM handler])
+        # timed, so that a preemption notice is seen while the ranks run (see [Note: who
+        # installs the SIGTERM handler])
         while t.is_alive():
             t.join(timeout=0.1)
     if ring.failed_rank is not None:
