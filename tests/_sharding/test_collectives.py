@@ -1,11 +1,12 @@
 """Which of FSDP's collectives wait on one another in the program torch_xla builds (see
-[Note: collectives off the token chain]): one launch at N = 2 reads the HLO of a three-unit
+[Note: collectives off the token chain]): launches at N = 2 read the HLO of a three-unit
 model's forward and backward before it runs.
 
 An all-gather must depend on no other collective, or XLA can neither overlap nor combine
-them, nor be pinned (libtpu runs no pinned gather asynchronously); a reduce-scatter must
-depend on the one before it, or XLA combines a backward's reductions and holds every unit's
-full gradient at once.
+them, nor be pinned (libtpu runs no pinned gather asynchronously); off a TPU a reduce-scatter
+must depend on the one before it, or XLA combines a backward's reductions and holds every
+unit's full gradient at once. On a TPU no collective carries torch_xla's token (see [Note: no
+collective token on a TPU]): the reductions stay pinned, and nothing is added to their input.
 """
 import re
 from typing import Dict, List, Set, Tuple
@@ -16,6 +17,8 @@ import torch.nn as nn
 
 from xla_fsdp import launch
 from xla_fsdp._unit.options import hardware_defaults
+
+from ..support.checks import every
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -62,6 +65,16 @@ def trace(rank):
     return [_trace(options) for options in SETTINGS.values()]
 
 
+def trace_as_tpu(rank):
+    """The same step as a TPU runs it: the TPU's defaults, and the process's collectives
+    without torch_xla's token (set by the first unit built)."""
+    from xla_fsdp._xla.hardware import plan_for
+    from xla_fsdp._xla.private_api import collective_token_added
+    plan_for("TPU")
+    traced = _trace({})
+    return traced, collective_token_added()
+
+
 def _trace(options):
     import torch_xla
     from xla_fsdp import FSDP
@@ -88,10 +101,14 @@ def _trace(options):
     return forward, backward, loss.item(), total.item(), after.item()
 
 
-def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before():
+@pytest.fixture(scope="module")
+def traced():
+    return dict(zip(SETTINGS, launch(trace, num_devices=2)[0]))
+
+
+def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before(traced):
     """And a step that also calls ``xm.all_reduce`` (pinned, torch_xla's default) compiles
-    and trains the same, with FSDP's collectives pinned, unpinned or as a TPU gets them."""
-    traced = dict(zip(SETTINGS, launch(trace, num_devices=2)[0]))
+    and trains the same, with FSDP's collectives pinned, unpinned or in a TPU's layout."""
     first = traced["pinned"]
     for name, (forward, backward, loss, total, after) in traced.items():
         pin_layout = SETTINGS[name].get("pin_layout_in_collective_ops", True)
@@ -114,3 +131,28 @@ def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before
         assert len(scatters) >= 3, (name, scatters)
         chained = sorted(len(_token_upstream(graph, s) & set(scatters)) for s in scatters)
         assert chained == list(range(len(scatters))), (name, chained)
+
+
+def test_on_a_tpu_no_collective_carries_the_token_and_the_step_trains_the_same(traced):
+    """The TPU's step: no collective waits on another through torch_xla's token, none adds
+    it to its input, and the reductions keep their pinned layout; with the user's
+    ``xm.all_reduce`` in the same step it trains as the token-chained pinned step does.
+    Without the switch every reduce-scatter's input is the gradient plus the token."""
+    pinned = traced["pinned"]
+    (forward, backward, loss, total, after), token_added = launch(trace_as_tpu,
+                                                                  num_devices=2)[0]
+    assert not token_added
+    assert total == pytest.approx(2 * loss, rel=1e-6), (loss, total)
+    assert (loss, after) == pytest.approx((pinned[2], pinned[4]), rel=1e-6), (loss, after)
+    assert re.search(r"reduce-scatter\(.*constrain_layout=true", backward)
+    for hlo in (forward, backward):
+        graph = _dependencies(hlo)
+        collectives = [n for n, (op, *_) in graph.items() if op in COLLECTIVES]
+        assert collectives, hlo
+        for c in collectives:
+            assert not _token_upstream(graph, c), c
+    graph = _dependencies(backward)
+    scatters = [n for n, (op, *_) in graph.items() if op == "reduce-scatter"]
+    assert len(scatters) >= 3, scatters
+    for s in scatters:
+        assert every(graph[o][0] != "add" for o in graph[s][2] if o in graph), (s, graph[s][2])

@@ -10,8 +10,6 @@ import functools
 
 import torch
 
-from xla_fsdp._unit.options import hardware_defaults
-
 from .bounds import PARAM, loss_problems, parameter_problems, precision
 from .models import (GLOBAL_BATCH, STEPS, TIED_KINDS, Block, batch, build_model,
                      checkpoint_forward, forward_in, loss_fn)
@@ -25,8 +23,14 @@ SETTINGS = {
     "flattened_coalesced": ("net", {"flatten_parameters": True,
                                     "coalesce_all_gather_ops": True}, "sgd", {}),
     # what a TPU gets at the defaults: row-block shards, one gather per unit ([Note:
-    # defaults that depend on the hardware])
-    "tpu_defaults": ("net", hardware_defaults("TPU"), "sgd", {}),
+    # defaults that depend on the hardware]), and no collective token ([Note: no collective
+    # token on a TPU]). "hardware" settings run in a launch of their own, whose units are
+    # built as for that hardware
+    "tpu_defaults": ("net", {}, "sgd", {"hardware": "TPU"}),
+    "tpu_adamw_no_sync_clip": ("net", {}, "adamw", {"hardware": "TPU", "micro": 2,
+                                                    "no_sync": True, "clip": 0.05}),
+    "tpu_scanned_bf16": ("stack", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True},
+                         "sgd", {"hardware": "TPU", "scan": True}),
     "adamw": ("net", {}, "adamw", {}),
     "frozen": ("net", {}, "sgd", {"freeze": ("b1.up", "inp.bias")}),
     "flattened_frozen": ("net", {"flatten_parameters": True}, "sgd",
@@ -209,6 +213,11 @@ def train(rank, names, sharded):
 
     device = torch_xla.device()
     world = xr.world_size() if sharded else 1
+    hardware = {SETTINGS[n][3].get("hardware") for n in names}
+    if sharded and hardware != {None}:
+        assert len(hardware) == 1, f"one launch builds units for one hardware: {names}"
+        from xla_fsdp._xla.hardware import plan_for
+        plan_for(hardware.pop())
     results = {}
     for name in names:
         kind, fsdp_kwargs, opt_name, extra = SETTINGS[name]
@@ -279,6 +288,9 @@ def train(rank, names, sharded):
         torch_xla.sync()
         results[name] = {"losses": losses, "norms": norms, "params": params, "buffers": buffers,
                          "new_graphs": new_graphs}
+        if sharded and "hardware" in extra:
+            from xla_fsdp._xla.private_api import collective_token_added
+            results[name]["token_added"] = collective_token_added()
     return results
 
 
@@ -306,4 +318,6 @@ def compare(name, got, ref):
             problems.append(f"buffer {buffer} differs")
     if got["new_graphs"]:
         problems.append(f"{got['new_graphs']} graphs compiled after step 2")
+    if got.get("token_added"):   # a TPU's collectives carry no token
+        problems.append("its collectives carried torch_xla's token")
     return [f"{name}: {p}" for p in problems]

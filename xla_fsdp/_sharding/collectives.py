@@ -25,17 +25,16 @@ GPT (v5e-4, AdamW, the defaults) the step's HBM traffic went from 1874 to 1675 M
 estimated step from 3.97 to 2.82 ms at the same peak (``scripts/bench/tpu_levers``' model);
 on a Llama 3.2 1B (v5e-8, 2,048 tokens per chip) from 276 to 259 GiB and 744 to 639 ms.
 
-Gathers issued during a backward pass stay on the chain. A backward gather re-reads a shard
-that the shard's own gradient does not depend on (a weight's gradient needs the layer's
-input, not the weight), so nothing else orders the optimizer's in-place update of the shard
-after that read, and XLA keeps a copy of every such shard for the step (seen on XLA:CPU,
-``tests/_xla/test_donation_order``). On the chain, the unit's reduce-scatter follows its
-gather, and the update follows the reduce-scatter.
-
-Reduce-scatters and all-reduces stay on the chain. Taken off it too, XLA combines a
-backward's reduce-scatters, which libtpu lowers to all-reduces of full gradients when the
-shards are flat: every unit's full gradient was then held at once (peak 122 -> 142 MiB on
-the same step). On the chain they run one at a time, as ZeRO-3's memory needs.
+Where the token is on (off a TPU: see the next Note), gathers issued during a backward pass
+stay on the chain. A backward gather re-reads a shard that the shard's own gradient does not
+depend on (a weight's gradient needs the layer's input, not the weight), so nothing else
+orders the optimizer's in-place update of the shard after that read, and XLA:CPU keeps a copy
+of every such shard for the step (``tests/_xla/test_donation_order``). On the chain, the
+unit's reduce-scatter follows its gather, and the update follows the reduce-scatter.
+Reduce-scatters and all-reduces stay on it too. Taken off it, XLA combines a backward's
+reduce-scatters, which libtpu lowers to all-reduces of full gradients when the shards are
+flat: every unit's full gradient was then held at once (peak 122 -> 142 MiB on the same
+step). On the chain they run one at a time, as ZeRO-3's memory needs.
 
 The chain is not what keeps ranks in step. Every rank runs the same program (the virtual
 launcher refuses divergent graphs; on a pod each host compiles the same HLO), and XLA's
@@ -43,6 +42,29 @@ scheduler is deterministic for a given program, so every rank runs the gathers i
 order without it. The order FSDP needs (prefetch at most one unit ahead, full parameters
 freed after their use) is expressed by data dependencies and optimization barriers, which
 hold with or without the token.
+
+[Note: no collective token on a TPU]
+The token costs more than its order: adding it is a pass over each collective's input,
+every backward gradient before its reduce-scatter included, which libtpu does not fuse into
+the matmul that made the gradient. torch_xla 2.9 has one way to issue a layout-pinned
+collective without it: its ``DISABLE_NUMERIC_CC_TOKEN`` switch, read when it lowers the
+first collective of the process and then holding for every collective, the user's too.
+(torch's functional collectives carry no token but pin no layout, and libtpu relays out
+their inputs: more traffic than the add, ``docs/tpu_step.md``.) On a TPU the first unit built
+sets the switch (``drop_token_on``), unless the environment chose either way; if a
+collective was lowered before, the switch is already fixed and a warning says so.
+
+Without the token every rank still issues the same collectives in the same order (the
+previous Note), which FSDP's unpinned gathers already rest on (see [Note: defaults that
+depend on the hardware] in ``_unit/options``); a script whose ranks trace different steps
+keeps the token with ``DISABLE_NUMERIC_CC_TOKEN=0``. What the chain ordered for memory,
+libtpu now orders as its schedule sees fit, within the barriers. On a Llama 3.2 1B step
+(v5e-8, 2,048 tokens per chip, float32, AdamW, the defaults) libtpu's HBM traffic went from
+227.0 to 217.8 GiB and the estimated step from 466 to 453 ms, at the same peak. On the 8B's
+shape (v6e-8) libtpu's peak rose from 27.14 to 28.59 GiB of its 31.25, but held to 27.14 it
+fits in 25.06: memory the schedule uses because it is free, not memory the program needs
+(``docs/tpu_step.md`` has every shape). Other hardware keeps torch_xla's token: nothing was
+measured for GPU or Neuron compilers.
 
 [Note: a rank-1 gather needs no pinned layout]
 torch_xla pins a collective's layout (``pin_layout=True``, its default) so that ranks whose
@@ -65,6 +87,8 @@ unpinned one per piece, still 15 of 290 (703 ms estimated); unpinned and coalesc
 from __future__ import annotations
 
 import contextlib
+import os
+import warnings
 from typing import (AbstractSet, ContextManager, List, Optional, Protocol,
                     Sequence, Tuple)
 
@@ -86,6 +110,28 @@ class CollectiveBindings(Protocol):
     def off_token_chain(self, device: torch.device) -> ContextManager[None]:
         """Collectives issued inside wait on none before them, nor make later ones wait
         (see [Note: collectives off the token chain])."""
+
+    def collective_token_added(self) -> bool:
+        """Whether the collectives lowered from now on add torch_xla's token to their input;
+        asking settles it for the process (see [Note: no collective token on a TPU])."""
+
+
+TOKEN_SWITCH = "DISABLE_NUMERIC_CC_TOKEN"   # torch_xla's
+
+
+def drop_token_on(hardware: Optional[str], bindings: CollectiveBindings) -> None:
+    """Switches torch_xla's collective token off for this process if ``hardware`` is a TPU
+    and the environment did not choose (see [Note: no collective token on a TPU])."""
+    if hardware != "TPU" or TOKEN_SWITCH in os.environ:
+        return
+    os.environ[TOKEN_SWITCH] = "1"
+    if bindings.collective_token_added():
+        warnings.warn(
+            f"xla_fsdp: torch_xla lowered a collective before the first FSDP unit was built, "
+            f"so its collective token stays on in this process: each collective waits for the "
+            f"one before it and makes a pass over its input (docs/tpu_step.md). Set "
+            f"{TOKEN_SWITCH}=1 in the environment, or build the model before the first "
+            f"collective, to run without it")
 
 
 class Collectives:

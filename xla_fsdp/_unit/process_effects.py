@@ -17,6 +17,8 @@ when the first unit is built (never at import):
   [Note: loss scaling over shards] in ``loss_scaling``);
 * ``torch._foreach_zero_`` counts its write on XLA tensors, so that FSDP sees an optimizer's
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
+* on a TPU, torch_xla's collective token switched off (see [Note: no collective token on a
+  TPU] in ``_sharding.collectives``);
 * Hugging Face's ``save_pretrained`` without a state dict and ``resize_token_embeddings``
   refused on a model inside units (see [Note: save_pretrained inside units] in
   ``hf_model_guard``), once transformers has been imported;
@@ -29,10 +31,12 @@ from __future__ import annotations
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
+from .._sharding.collectives import drop_token_on
 from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
-from .._xla.private_api import (after_grad_scaler_unscale, dropout_decomposed_when_compiled,
-                                foreach_zero_counts_as_a_write)
+from .._xla.hardware import device_type
+from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
+                                dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
 from . import hf_model_guard, low_precision_attention, peft_names
 from .loss_scaling import agree_on_infs
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
@@ -60,3 +64,4 @@ def install() -> None:
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
     after_grad_scaler_unscale(agree_on_infs)
+    drop_token_on(device_type(), CollectiveBindings())

@@ -251,6 +251,23 @@ def fresh_collective_token() -> Iterator[None]:
         torch_xla._XLAC._set_all_reduce_token(device, outer)
 
 
+def collective_token_added() -> bool:
+    """Whether the collectives torch_xla lowers in this process add its collective token to
+    their input (see [Note: no collective token on a TPU] in ``_sharding.collectives``).
+    Lowers, never runs, one reduce-scatter under a token of its own to see. torch_xla reads
+    its switch when it lowers its first collective, so this also settles the switch."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    xlac = torch_xla._XLAC
+    with fresh_collective_token():
+        token, _ = xm._get_all_reduce_token()
+        probe = torch.zeros(2, device=torch_xla.device())
+        reduced, _ = xlac._xla_reduce_scatter(xm.REDUCE_SUM, probe, token, 1.0, 0, 1, [], True,
+                                              None, None)
+        hlo = xlac._get_xla_tensors_hlo([reduced])
+    return " add(" in hlo[hlo.index("\nENTRY"):]
+
+
 def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
     """Executes the pending graph of ``tensors`` now, as its own computation, and restarts
     the device's collective token after it (see [Note: FSDP's hooks under torch.compile]).
@@ -317,6 +334,7 @@ class CollectiveBindings:
     layer may not import them)."""
     pinned_all_gathers = staticmethod(pinned_all_gathers)
     off_token_chain = staticmethod(off_token_chain)
+    collective_token_added = staticmethod(collective_token_added)
 
 
 def multiply_in_place(tensors: List[torch.Tensor], value: float) -> None:
