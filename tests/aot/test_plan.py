@@ -71,14 +71,16 @@ def test_the_report_says_what_libtpu_says_of_the_same_program(tmp_path):
     figures = json.loads(direct.stdout.strip().splitlines()[-1])
     assert figures["donors"] > 0
     assert report.peak_bytes == figures["peak"] and report.flops == figures["flops"]
-    # FSDP's collectives, each mapped back to the traced program's instruction: a
-    # reduce-scatter per parameter (12 in each of 3 blocks, 3 in the root); each block's
-    # gathered in forward and again in backward, the root's once (it keeps them), each unit's
-    # rank-1 pieces as one all-gather per pass (see [Note: a rank-1 gather needs no pinned
-    # layout]): 8 in this program
+    # FSDP's collectives, each mapped back to the traced program's instruction: the step
+    # issues a reduce-scatter per parameter (12 in each of 3 blocks, 3 in the root), which
+    # libtpu combines into fewer, no token chaining them (see [Note: no collective token on a
+    # TPU]); each block's gathered in forward and again in backward, the root's once (it
+    # keeps them), each unit's rank-1 pieces as one all-gather per pass (see [Note: a rank-1
+    # gather needs no pinned layout]): 8 in this program
+    assert report.hlo[0].count(" reduce-scatter(") == 39
     kinds = report.collective_summary()
     assert set(kinds) == {"all-gather", "reduce-scatter"}
-    assert kinds["reduce-scatter"]["count"] == 39 and kinds["all-gather"]["count"] == 8
+    assert kinds["reduce-scatter"]["count"] < 39 and kinds["all-gather"]["count"] == 8
     assert "TPU plan for v5e-4" in str(report) and "MFU" in str(report)
 
 
