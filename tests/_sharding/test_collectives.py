@@ -156,3 +156,22 @@ def test_on_a_tpu_no_collective_carries_the_token_and_the_step_trains_the_same(t
     assert len(scatters) >= 3, scatters
     for s in scatters:
         assert every(graph[o][0] != "add" for o in graph[s][2] if o in graph), (s, graph[s][2])
+
+
+def _built_after_a_collective(rank):
+    import warnings
+    from xla_fsdp import FSDP
+    from xla_fsdp._xla.hardware import plan_for
+    from xla_fsdp._xla.private_api import collective_token_added
+    first = collective_token_added()   # lowers a collective: torch_xla reads its switch now
+    plan_for("TPU")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        FSDP(nn.Linear(4, 4))
+    return first, collective_token_added(), [str(w.message) for w in caught]
+
+
+def test_a_collective_lowered_before_the_first_unit_keeps_the_token_and_says_so():
+    first, after, messages = launch(_built_after_a_collective, num_devices=1)[0]
+    assert first and after
+    assert [m for m in messages if "DISABLE_NUMERIC_CC_TOKEN=1" in m], messages
