@@ -22,9 +22,18 @@ Inside a unit whose ``compute_dtype`` is low precision, ``torch.nn.functional``'
   batch, heads, queries, keys; along the keys) in float32 as asked, keeping for backward its
   output rounded to ``x``'s dtype. Other float32 softmaxes (a mixture of experts' router's,
   2-D) are left as written: they are small, and their gradients keep float32's precision.
-Both softmax backwards are computed in float32 from the kept probabilities
-(``_SoftmaxKeptLow``). Nothing float32 of shape (batch, heads, queries, keys) outlives the
-forward, and XLA fuses the casts, scale, mask and softmax into the matmuls' neighbours.
+Both softmax backwards are computed in float32 from low-precision probabilities. The
+attention keeps no probabilities at all: it keeps query, key and value, which its matmuls'
+backwards keep anyway, and computes the probabilities again in backward (``_Attention``,
+one more query-key matmul per layer), op for op as forward did, so the gradients are those
+of the kept computation bit for bit. libtpu otherwise kept every layer's bf16 probabilities
+through the step (8 GiB on the Llama 8B shape at 2,048 tokens per chip, v6e-8), where for
+float32 it computes them again itself when memory is short, and the bf16 step needed more
+HBM than the float32 one. (Attention with dropout keeps them: the mask would have to be
+drawn again.) Hugging Face's eager path multiplies by the probabilities itself, so
+``_SoftmaxKeptLow`` keeps them in the low precision. Nothing float32 of shape (batch,
+heads, queries, keys) outlives the forward, and XLA fuses the casts, scale, mask and softmax
+into the matmuls' neighbours.
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
@@ -89,6 +98,46 @@ class _SoftmaxKeptLow(torch.autograd.Function):
         return dx.to(ctx.in_dtype), None, None, None, None
 
 
+def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
+                   mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The attention probabilities in the query's dtype: softmax in float32 of the scaled
+    scores plus the mask (boolean: keep; else added), a row masking every key all zeros."""
+    scores = (query @ key.transpose(-2, -1)).float() * scale
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if mask is None:
+        return torch.softmax(scores, -1).to(query.dtype)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    else:
+        scores = scores + mask.float()
+    masked_rows = (scores == -math.inf).all(-1, keepdim=True)
+    return torch.softmax(scores, -1).masked_fill(masked_rows, 0.0).to(query.dtype)
+
+
+class _Attention(torch.autograd.Function):
+    """``probabilities @ value`` that keeps query, key and value for backward, not the
+    probabilities, and computes them again there (see [Note: attention under a low-precision
+    compute_dtype]); its gradients are, op for op, those of the same computation kept."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_backward(query, key, value, mask)
+        return _probabilities(query, key, scale, causal, mask) @ value
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        query, key, value, mask = ctx.saved_tensors
+        probs = _probabilities(query, key, ctx.scale, ctx.causal, mask)
+        grad_value = probs.transpose(-2, -1) @ grad
+        y, g = probs.float(), (grad @ value.transpose(-2, -1)).float()
+        grad_scores = (y * (g - (g * y).sum(-1, keepdim=True)) * ctx.scale).to(query.dtype)
+        return (grad_scores @ key, grad_scores.transpose(-2, -1) @ query, grad_value,
+                None, None, None)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
               is_causal: bool = False, scale: Optional[float] = None,
@@ -105,6 +154,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale = 1.0 / math.sqrt(query.size(-1))
     if query.dtype == torch.float16:  # unscaled q.k can exceed float16's range (65504)
         query, scale = query * scale, 1.0
+    if dropout_p == 0.0 and not (attn_mask is not None and attn_mask.requires_grad):
+        return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
     scores = (query @ key.transpose(-2, -1)).float() * scale
     masked_rows = None
     if is_causal:
