@@ -61,7 +61,7 @@ keeps the token with ``DISABLE_NUMERIC_CC_TOKEN=0``. What the chain ordered for 
 libtpu now orders as its schedule sees fit, within the barriers. On a Llama 3.2 1B step
 (v5e-8, 2,048 tokens per chip, float32, AdamW, the defaults) libtpu's HBM traffic went from
 227.0 to 217.8 GiB and the estimated step from 466 to 453 ms, at the same peak. On the 8B's
-shape (v6e-8) libtpu's peak rose from 27.14 to 28.59 GiB of its 31.25, but held to 27.14 it
+shape (v6e-8) libtpu's peak rose from 27.14 to 28.59 GiB of its 31.24, but held to 27.14 it
 fits in 25.06: memory the schedule uses because it is free, not memory the program needs
 (``docs/tpu_step.md`` has every shape). Other hardware keeps torch_xla's token: nothing was
 measured for GPU or Neuron compilers.

@@ -28,8 +28,7 @@ backwards keep anyway, and computes the probabilities again in backward (``_Atte
 one more query-key matmul per layer), op for op as forward did, so the gradients are those
 of the kept computation bit for bit. libtpu otherwise kept every layer's bf16 probabilities
 through the step (8 GiB on the Llama 8B shape at 2,048 tokens per chip, v6e-8), where for
-float32 it computes them again itself when memory is short, and the bf16 step needed more
-HBM than the float32 one. (Attention with dropout keeps them: the mask would have to be
+float32 it computes them again itself when memory is short (``docs/tpu_step.md``). (Attention with dropout keeps them: the mask would have to be
 drawn again.) Hugging Face's eager path multiplies by the probabilities itself, so
 ``_SoftmaxKeptLow`` keeps them in the low precision. Nothing float32 of shape (batch,
 heads, queries, keys) outlives the forward, and XLA fuses the casts, scale, mask and softmax
@@ -123,17 +122,18 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.scale, ctx.causal = scale, causal
+        ctx.attention_scale, ctx.attention_causal = scale, causal
         ctx.save_for_backward(query, key, value, mask)
         return _probabilities(query, key, scale, causal, mask) @ value
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         query, key, value, mask = ctx.saved_tensors
-        probs = _probabilities(query, key, ctx.scale, ctx.causal, mask)
+        probs = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask)
         grad_value = probs.transpose(-2, -1) @ grad
         y, g = probs.float(), (grad @ value.transpose(-2, -1)).float()
-        grad_scores = (y * (g - (g * y).sum(-1, keepdim=True)) * ctx.scale).to(query.dtype)
+        grad_scores = y * (g - (g * y).sum(-1, keepdim=True)) * ctx.attention_scale
+        grad_scores = grad_scores.to(query.dtype)
         return (grad_scores @ key, grad_scores.transpose(-2, -1) @ query, grad_value,
                 None, None, None)
 
