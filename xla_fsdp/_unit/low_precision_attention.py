@@ -28,11 +28,11 @@ backwards keep anyway, and computes the probabilities again in backward (``_Atte
 one more query-key matmul per layer), op for op as forward did, so the gradients are those
 of the kept computation bit for bit. libtpu otherwise kept every layer's bf16 probabilities
 through the step (8 GiB on the Llama 8B shape at 2,048 tokens per chip, v6e-8), where for
-float32 it computes them again itself when memory is short (``docs/tpu_step.md``). (Attention with dropout keeps them: the mask would have to be
-drawn again.) Hugging Face's eager path multiplies by the probabilities itself, so
-``_SoftmaxKeptLow`` keeps them in the low precision. Nothing float32 of shape (batch,
-heads, queries, keys) outlives the forward, and XLA fuses the casts, scale, mask and softmax
-into the matmuls' neighbours.
+float32 it computes them again itself when memory is short (``docs/tpu_step.md``).
+(Attention with dropout keeps them: the mask would have to be drawn again.) Hugging Face's
+eager path multiplies by the probabilities itself, so ``_SoftmaxKeptLow`` keeps them in the
+low precision. Nothing float32 of shape (batch, heads, queries, keys) outlives the forward,
+and XLA fuses the casts, scale, mask and softmax into the matmuls' neighbours.
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
