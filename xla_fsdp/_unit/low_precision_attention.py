@@ -64,7 +64,7 @@ import contextlib
 import functools
 import math
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -97,21 +97,30 @@ class _SoftmaxKeptLow(torch.autograd.Function):
         return dx.to(ctx.in_dtype), None, None, None, None
 
 
-def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
-                   mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The attention probabilities in the query's dtype: softmax in float32 of the scaled
-    scores plus the mask (boolean: keep; else added), a row masking every key all zeros."""
+def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
+            mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the scaled scores in float32 plus the mask (boolean: keep; else added), the rows that
+    mask every key; None without a mask)."""
     scores = (query @ key.transpose(-2, -1)).float() * scale
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
     if mask is None:
-        return torch.softmax(scores, -1).to(query.dtype)
+        return scores, None
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, -math.inf)
     else:
         scores = scores + mask.float()
-    masked_rows = (scores == -math.inf).all(-1, keepdim=True)
-    return torch.softmax(scores, -1).masked_fill(masked_rows, 0.0).to(query.dtype)
+    return scores, (scores == -math.inf).all(-1, keepdim=True)
+
+
+def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
+                   mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The attention probabilities in the query's dtype, a row masking every key all zeros."""
+    scores, masked_rows = _scores(query, key, scale, causal, mask)
+    probs = torch.softmax(scores, -1)
+    if masked_rows is not None:
+        probs = probs.masked_fill(masked_rows, 0.0)
+    return probs.to(query.dtype)
 
 
 class _Attention(torch.autograd.Function):
@@ -156,17 +165,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, scale = query * scale, 1.0
     if dropout_p == 0.0 and not (attn_mask is not None and attn_mask.requires_grad):
         return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
-    scores = (query @ key.transpose(-2, -1)).float() * scale
-    masked_rows = None
-    if is_causal:
-        n, s = query.size(-2), key.size(-2)
-        attn_mask = torch.ones(n, s, dtype=torch.bool, device=query.device).tril()
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            scores = scores.masked_fill(~attn_mask, -math.inf)
-        else:
-            scores = scores + attn_mask.float()
-        masked_rows = (scores == -math.inf).all(-1, keepdim=True)
+    # dropout's mask cannot be drawn again in backward: the probabilities are kept
+    scores, masked_rows = _scores(query, key, scale, is_causal, attn_mask)
     probs = _SoftmaxKeptLow.apply(scores, -1, query.dtype, query.dtype, masked_rows)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, training=True)
