@@ -205,13 +205,26 @@ def _read_compiled_dots():
     torch_xla._XLAC._xla_warm_up_cache = reading_dots
 
 
+class _TorchCheckpointed(torch.nn.Module):
+    """torch's non-reentrant checkpoint inside the unit (as Hugging Face 5's decoder layers
+    take it): its recompute, in backward, bypasses the unit's hooks."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args):
+        return torch.utils.checkpoint.checkpoint(self.module, *args, use_reentrant=False)
+
+
 def _bf16_step_dots(rank):
     """{placement: {dtype: count}} of the dots in a bf16 step of the attention model.
 
     Eager, in checkpointed units: the HLO of forward, recompute and backward, with
-    ``checkpoint_module`` inside each unit (its recompute bypasses the unit's hooks) and
+    ``checkpoint_module`` inside each unit (its recompute bypasses the unit's hooks),
     torch's ``checkpoint_wrapper`` around each (its recompute runs the unit's forward again,
-    as Hugging Face's gradient checkpointing does).
+    as Hugging Face 4's gradient checkpointing does) and torch's checkpoint inside each (its
+    recompute bypasses the hooks, as Hugging Face 5's does).
 
     Under ``torch.compile``: every program the openxla bridge compiles over three steps (read
     as it warms its cache), with the blocks compiled inside their units and with the root
@@ -229,7 +242,8 @@ def _bf16_step_dots(rank):
     device = torch_xla.device()
     results = {}
     for where, unit in (("inside", lambda m, *a, **k: FSDP(checkpoint_module(m), *a, **k)),
-                        ("around", lambda m, *a, **k: checkpoint_wrapper(FSDP(m, *a, **k)))):
+                        ("around", lambda m, *a, **k: checkpoint_wrapper(FSDP(m, *a, **k))),
+                        ("torch_inside", lambda m, *a, **k: FSDP(_TorchCheckpointed(m), *a, **k))):
         torch.manual_seed(0)
         model = FSDP(build_model("attention"), compute_dtype=torch.bfloat16,
                      auto_wrap_policy=policy, auto_wrapper_callable=unit)
@@ -284,3 +298,46 @@ def test_every_matmul_of_a_bf16_step_is_bf16_checkpointed_or_compiled():
         # the compiled steps train as the eager one does, within the bf16 parity bound
         for step, (got, want) in enumerate(zip(losses, eager_losses, strict=True)):
             assert abs(got - want) <= 3e-2 * abs(want), (where, step, got, want)
+
+
+def _float32_on_xla(rank):
+    """{mask: (the largest difference from torch's sdpa over output and gradients, the
+    attention-matrix-sized tensors kept for backward, whether the backward's HLO has a
+    barrier)} for float32 XLA tensors in the scope."""
+    import torch_xla
+    device = torch_xla.device()
+    results = {}
+    for mask in ("none", "causal", "bool", "float", "row_fully_masked"):
+        kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                  for k, v in _mask(mask).items()}
+        if mask == "float":
+            kwargs["attn_mask"] = kwargs["attn_mask"].float()
+        got = []
+        for scope in (False, True):
+            q, k, v = (t.detach().to(device).requires_grad_() for t in _inputs(torch.float32))
+            kept = []
+
+            def pack(t):   # the user's mask is theirs to keep
+                if tuple(t.shape[-2:]) == (L, S) and t is not kwargs.get("attn_mask"):
+                    kept.append(tuple(t.shape))
+                return t
+            with low_precision_attention(scope), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            hlo = torch_xla._XLAC._get_xla_tensors_hlo(list(grads))
+            got.append(([t.cpu() for t in (out, *grads)], kept, "opt-barrier" in hlo))
+        (want, kept_torch, _), (ours, kept_ours, barrier) = got
+        difference = max(float((a - b).abs().max()) for a, b in pairs(ours, want))
+        results[mask] = (difference, kept_torch, kept_ours, barrier)
+    return results
+
+
+def test_float32_xla_attention_in_the_scope_is_torchs_bit_for_bit_and_keeps_no_probabilities():
+    """On XLA torch's sdpa runs its math path and keeps the float32 probabilities for
+    backward; in the scope the same values and gradients come from a computation that keeps
+    query, key and value and computes the probabilities again behind a barrier."""
+    results = launch(_float32_on_xla, num_devices=1)[0]
+    for mask, (difference, kept_torch, kept_ours, barrier) in results.items():
+        assert difference == 0.0, (mask, difference)
+        assert kept_torch and kept_ours == [] and barrier, (mask, kept_torch, kept_ours)

@@ -9,6 +9,7 @@ import re
 import subprocess
 
 import pytest
+import torch
 
 from tests.support import tpu_plans
 from xla_fsdp.aot import compile_for_tpu, tpu_compiler
@@ -132,6 +133,20 @@ def test_256_chips_are_planned_by_one_traced_rank_and_spmd_stops_at_64():
 def test_an_unknown_topology_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match="unknown TPU topology 'v4-8'.*v5e-8 / v5e:2x4"):
         compile_for_tpu(tpu_plans.ours, "v4-8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_no_layer_keeps_its_attention_probabilities_until_backward(dtype):
+    """libtpu, given memory to spare, keeps every layer's sdpa probabilities from forward to
+    backward (a float32 (batch, heads, seq, seq) buffer per layer, 64 MiB here) unless the
+    units' attention computes them again behind a barrier: each layer added then costs its
+    activations and shards, a few MiB, not its probabilities."""
+    f = tpu_plans.SDPA
+    probabilities = f["batch"] * f["heads"] * f["seq"] ** 2 * dtype.itemsize
+    temp = [compile_for_tpu(tpu_plans.with_sdpa, "v5e-4", args=(layers, dtype)).temp_bytes
+            for layers in (1, 4)]
+    assert (temp[1] - temp[0]) / 3 < probabilities / 4, (temp, probabilities)
 
 
 @pytest.mark.slow

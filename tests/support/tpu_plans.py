@@ -260,3 +260,34 @@ def with_flash_attention(rank: int, steps: int = 4):
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
+
+
+class _SdpaBlock(_FlashBlock):
+    """Causal self-attention through torch's ``scaled_dot_product_attention``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(attended.transpose(1, 2).reshape(b, s, d))
+
+
+SDPA = dict(dim=256, heads=4, seq=2048, batch=1)
+
+
+def with_sdpa(rank: int, layers: int, compute_dtype: torch.dtype = torch.float32,
+              steps: int = 4):
+    """``layers`` units of sdpa attention in ``compute_dtype``, trained with AdamW."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(*(FSDP(_SdpaBlock(SDPA["dim"], SDPA["heads"]),
+                                      compute_dtype=compute_dtype) for _ in range(layers))),
+                 compute_dtype=compute_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    shape = (SDPA["batch"], SDPA["seq"], SDPA["dim"])
+    for _ in range(steps):
+        model(torch.randn(shape).to(torch_xla.device())).float().pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch_xla.sync()

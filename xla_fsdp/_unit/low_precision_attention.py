@@ -1,5 +1,5 @@
-"""Attention inside a low-precision unit: its matmuls in the compute dtype, and nothing the size
-of the attention matrix kept in float32 for backward.
+"""Attention inside a unit: no probabilities kept for backward, and inside a low-precision
+unit its matmuls in the compute dtype.
 
 [Note: attention under a low-precision compute_dtype]
 Two attention paths undo ``compute_dtype=torch.bfloat16`` (or float16) where it matters most:
@@ -22,17 +22,32 @@ Inside a unit whose ``compute_dtype`` is low precision, ``torch.nn.functional``'
   batch, heads, queries, keys; along the keys) in float32 as asked, keeping for backward its
   output rounded to ``x``'s dtype. Other float32 softmaxes (a mixture of experts' router's,
   2-D) are left as written: they are small, and their gradients keep float32's precision.
-Both softmax backwards are computed in float32 from low-precision probabilities. The
-attention keeps no probabilities at all: it keeps query, key and value, which its matmuls'
-backwards keep anyway, and computes the probabilities again in backward (``_Attention``,
-one more query-key matmul per layer), op for op as forward did, so the gradients are those
-of the kept computation bit for bit. libtpu otherwise kept every layer's bf16 probabilities
-through the step (8 GiB on the Llama 8B shape at 2,048 tokens per chip, v6e-8), where for
-float32 it computes them again itself when memory is short (``docs/tpu_step.md``).
-(Attention with dropout keeps them: the mask would have to be drawn again.) Hugging Face's
-eager path multiplies by the probabilities itself, so ``_SoftmaxKeptLow`` keeps them in the
-low precision. Nothing float32 of shape (batch, heads, queries, keys) outlives the forward,
+Both softmax backwards are computed in float32 from low-precision probabilities. Hugging
+Face's eager path multiplies by the probabilities itself, so ``_SoftmaxKeptLow`` keeps them in
+the low precision. Nothing float32 of shape (batch, heads, queries, keys) outlives the forward,
 and XLA fuses the casts, scale, mask and softmax into the matmuls' neighbours.
+
+[Note: attention inside a unit keeps no probabilities]
+On XLA torch's sdpa runs its math path, and autograd keeps each layer's probabilities from
+forward to backward: (batch, heads, queries, keys), 512 MiB per layer in float32 for the
+Llama 1B at 2,048 tokens, more than half the 1B step's peak on a v5e-8. Inside any unit (any
+``compute_dtype``), sdpa is one autograd function instead (``_Attention``) that keeps query,
+key and value, which its matmuls' backwards keep anyway, and computes the probabilities again
+in backward, op for op as forward did: one more query-key matmul and softmax per layer. Its
+outputs and gradients are those of the kept computation bit for bit; for float32 that is
+torch's own math path (query and key each scaled by the root of ``scale``), so a float32 unit
+computes what torch computes (with ``enable_gqa`` the key's gradient, summed over the heads
+that share it, may differ in its last bit). Elsewhere torch's fused kernels keep no probabilities, so
+float32 tensors off XLA pass through.
+The recompute sits behind an optimization barrier over its inputs and the incoming gradient:
+without it XLA's common-subexpression pass merges the recompute with the forward's identical
+computation, and the probabilities are kept after all (libtpu kept all 32 layers' bf16
+probabilities of the Llama 8B shape that way). Under ``torch.compile`` forward and backward are
+separate programs, and Dynamo cannot trace the barrier, so there is none.
+The cost is the recompute's HBM traffic: libtpu's figures (``docs/tpu_step.md``) give the 1B
+float32 step 7.44 instead of 14.70 GiB at 7% more estimated time, and the 8B shape's bf16 step
+19.38 instead of 27.01 GiB. With dropout, or a mask that requires grad, attention keeps its
+probabilities (a dropout mask cannot be drawn again); float32 then is torch's sdpa.
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
 
@@ -48,15 +63,16 @@ Not a torch-function mode: a mode would run Python for every operation of the fo
 names before the first unit was built keeps torch's; Hugging Face looks them up at each
 call, and so does ``nn.MultiheadAttention``.
 
-Where the scope holds: from a low-precision unit's pre-forward hook to its post-forward hook
-(the outermost such unit's, so the root's covers the model; hooks that Dynamo traces, under a
+Where the scope holds: from a unit's pre-forward hook to its post-forward hook
+(the outermost unit's, so the root's covers the model; hooks that Dynamo traces, under a
 compiled root, take and end it too), whether the forward runs first
 or again as a recompute in backward (``torch.utils.checkpoint`` around or inside the unit,
 e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
 bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, takes it again when the
 forward it recomputes held it. So the recomputed step is the same program. A forward that
-raises ends it (``abandon``, from the unit's ``forward_raised``). A float32 unit inside a
-bf16 one sees float32 inputs, which the wrappers pass through.
+raises ends it (``abandon``, from the unit's ``forward_raised``). What the wrappers do
+depends on the inputs' dtype, not the unit's: a float32 unit inside a bf16 one computes
+float32 attention, a bf16 unit inside a float32 root bf16 attention.
 """
 from __future__ import annotations
 
@@ -69,6 +85,7 @@ from typing import Any, Iterator, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import script_as
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -100,8 +117,12 @@ class _SoftmaxKeptLow(torch.autograd.Function):
 def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
             mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the scaled scores in float32 plus the mask (boolean: keep; else added), the rows that
-    mask every key; None without a mask)."""
-    scores = (query @ key.transpose(-2, -1)).float() * scale
+    mask every key; None without a mask). Float32 scores are scaled as torch's math path
+    scales them, query and key each by the root of ``scale`` (see [Note: attention inside a
+    unit keeps no probabilities])."""
+    q_scale, k_scale, after = _scale_split(query, scale)
+    scores = _times(query, q_scale) @ _times(key.transpose(-2, -1), k_scale)
+    scores = _times(scores.float(), after)
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
     if mask is None:
@@ -111,6 +132,18 @@ def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
     else:
         scores = scores + mask.float()
     return scores, (scores == -math.inf).all(-1, keepdim=True)
+
+
+def _scale_split(query: torch.Tensor, scale: float) -> Tuple[float, float, float]:
+    """(query's, key's, the float32 scores') factors whose product is ``scale``."""
+    if query.dtype == torch.float32:
+        root = math.sqrt(scale)
+        return root, root, 1.0
+    return 1.0, 1.0, scale
+
+
+def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x if factor == 1.0 else x * factor
 
 
 def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
@@ -125,8 +158,8 @@ def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal:
 
 class _Attention(torch.autograd.Function):
     """``probabilities @ value`` that keeps query, key and value for backward, not the
-    probabilities, and computes them again there (see [Note: attention under a low-precision
-    compute_dtype]); its gradients are, op for op, those of the same computation kept."""
+    probabilities, and computes them again there (see [Note: attention inside a unit keeps no
+    probabilities]); its gradients are, op for op, those of the same computation kept."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -138,13 +171,17 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         query, key, value, mask = ctx.saved_tensors
+        if query.device.type == "xla" and not torch.compiler.is_compiling():
+            # see [Note: attention inside a unit keeps no probabilities]
+            optimization_barrier([query, key, value, mask, grad])
         probs = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask)
         grad_value = probs.transpose(-2, -1) @ grad
         y, g = probs.float(), (grad @ value.transpose(-2, -1)).float()
-        grad_scores = y * (g - (g * y).sum(-1, keepdim=True)) * ctx.attention_scale
-        grad_scores = grad_scores.to(query.dtype)
-        return (grad_scores @ key, grad_scores.transpose(-2, -1) @ query, grad_value,
-                None, None, None)
+        q_scale, k_scale, after = _scale_split(query, ctx.attention_scale)
+        grad_scores = _times(y * (g - (g * y).sum(-1, keepdim=True)), after).to(query.dtype)
+        grad_query = _times(grad_scores @ _times(key, k_scale), q_scale)
+        grad_key = _times(grad_scores.transpose(-2, -1) @ _times(query, q_scale), k_scale)
+        return grad_query, grad_key, grad_value, None, None, None
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -155,6 +192,10 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention under a low-precision compute_dtype])."""
     if attn_mask is not None and is_causal:
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal, not both")
+    kept = dropout_p > 0.0 or (attn_mask is not None and attn_mask.requires_grad)
+    if query.dtype == torch.float32 and kept:
+        return _TORCH["sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale,
+                              enable_gqa=enable_gqa)
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
         key = key.repeat_interleave(repeat, dim=-3)
@@ -163,7 +204,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         scale = 1.0 / math.sqrt(query.size(-1))
     if query.dtype == torch.float16:  # unscaled q.k can exceed float16's range (65504)
         query, scale = query * scale, 1.0
-    if dropout_p == 0.0 and not (attn_mask is not None and attn_mask.requires_grad):
+    if not kept:
         return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
     # dropout's mask cannot be drawn again in backward: the probabilities are kept
     scores, masked_rows = _scores(query, key, scale, is_causal, attn_mask)
@@ -178,6 +219,16 @@ def _holds(x: Any) -> bool:
     return active() and type(x) is torch.Tensor and x.dtype in LOW_PRECISION
 
 
+def _recomputes(query: Any, key: Any, value: Any) -> bool:
+    """Whether float32 attention on this thread is computed again in backward: inside the
+    scope, plain XLA tensors (elsewhere torch's fused kernels keep no probabilities), a
+    gradient to take."""
+    return (active() and torch.is_grad_enabled()
+            and all(type(x) is torch.Tensor and x.dtype == torch.float32
+                    and x.device.type == "xla" for x in (query, key, value))
+            and any(x.requires_grad for x in (query, key, value)))
+
+
 def install() -> None:
     """Wraps ``F.scaled_dot_product_attention`` and ``F.softmax`` once per process."""
     if _TORCH:
@@ -185,10 +236,11 @@ def install() -> None:
     _TORCH.update(sdpa=F.scaled_dot_product_attention, softmax=F.softmax)
 
     @functools.wraps(_TORCH["sdpa"])
-    def scaled_dot_product_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _holds(query):
-            return attention(query, *args, **kwargs)
-        return _TORCH["sdpa"](query, *args, **kwargs)
+    def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor,
+                                     value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _holds(query) or _recomputes(query, key, value):
+            return attention(query, key, value, *args, **kwargs)
+        return _TORCH["sdpa"](query, key, value, *args, **kwargs)
 
     @functools.wraps(_TORCH["softmax"])
     def softmax(input: torch.Tensor, dim: Optional[int] = None, _stacklevel: int = 3,

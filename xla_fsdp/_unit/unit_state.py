@@ -229,10 +229,9 @@ class UnitState:
         return args, kwargs
 
     def _enter_attention_scope(self, member: nn.Module) -> None:
-        # see [Note: attention under a low-precision compute_dtype]; traced by Dynamo too,
+        # see [Note: attention inside a unit keeps no probabilities]; traced by Dynamo too,
         # which guards the compiled code on the scope
-        if self.options.compute_dtype in attention_scope.LOW_PRECISION:
-            attention_scope.enter((id(self), id(member)))
+        attention_scope.enter((id(self), id(member)))
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
                     compiled: bool) -> Tuple[tuple, dict]:
@@ -372,6 +371,9 @@ class UnitState:
                 f"which are freed when the backward ends, so its gradients would be wrong.")
         context = self.context
         context.queue_final_callback()
+        # a forward recomputed in this backward (torch's checkpoint inside a unit, which
+        # bypasses its hooks) computes attention as the forward did, until finish_backward
+        attention_scope.enter(_backward_scope(context))
         immediate = self.params.immediate
         # a barrier on the gradient, a compiled region's output, would replace a tensor the
         # bridge still holds (see [Note: FSDP's hooks under torch.compile])
@@ -420,6 +422,7 @@ class UnitState:
         self.params.finalize_backward(self._took_part)
         self.training_state = TrainingState.IDLE
         self._took_part = False
+        attention_scope.leave(_backward_scope(self.context))
 
     def forward_raised(self) -> None:
         """The unit's forward raised: settles the model's pass, unless it is a recompute
@@ -440,6 +443,7 @@ class UnitState:
         self.training_state = TrainingState.IDLE
         self._took_part = False
         self._members_run.clear()
+        attention_scope.leave(_backward_scope(self.context))
 
 
 def _checks_at_trace(state: "UnitState") -> Callable[[], bool]:
@@ -464,6 +468,11 @@ def _gradient_arrived(state: "weakref.ref[UnitState]", shard_group: "weakref.ref
     s, g = state(), shard_group()
     if s is not None and g is not None:
         s._post_accumulate(g, index)
+
+
+def _backward_scope(context: RootContext) -> Tuple[str, int]:
+    """Who holds the attention scope through a backward of ``context``'s model."""
+    return ("backward", id(context))
 
 
 def _in_checkpoint_recompute() -> bool:
