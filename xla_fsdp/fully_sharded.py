@@ -69,9 +69,10 @@ class XlaFullyShardedDataParallel(UnitModule):
       keep their dtype unless ``buffer_dtype`` is given (torch_xla casts them to the
       compute dtype);
     * under a low-precision ``compute_dtype`` attention's matmuls run in it too (torch's
-      ``scaled_dot_product_attention`` would cast them to float32) and backward keeps its
-      probabilities in it, not in float32 (see [Note: attention under a low-precision
-      compute_dtype] in ``_unit/low_precision_attention.py``);
+      ``scaled_dot_product_attention`` would cast them to float32; see [Note: attention
+      under a low-precision compute_dtype] in ``_unit/low_precision_attention.py``), and in
+      every unit sdpa on XLA keeps no probabilities for backward: it computes them again
+      there (see [Note: attention inside a unit keeps no probabilities]);
     * ``zero_missing_gradients=True`` keeps ranks' collectives identical when their data
       leave different parameters without a gradient;
     * parameters are padded only to what the collectives need (a multiple of the world size),

@@ -31,22 +31,27 @@ and XLA fuses the casts, scale, mask and softmax into the matmuls' neighbours.
 On XLA torch's sdpa runs its math path, and autograd keeps each layer's probabilities from
 forward to backward: (batch, heads, queries, keys), 512 MiB per layer in float32 for the
 Llama 1B at 2,048 tokens, more than half the 1B step's peak on a v5e-8. Inside any unit (any
-``compute_dtype``), sdpa is one autograd function instead (``_Attention``) that keeps query,
-key and value, which its matmuls' backwards keep anyway, and computes the probabilities again
-in backward, op for op as forward did: one more query-key matmul and softmax per layer. Its
-outputs and gradients are those of the kept computation bit for bit; for float32 that is
-torch's own math path (query and key each scaled by the root of ``scale``), so a float32 unit
-computes what torch computes (with ``enable_gqa`` the key's gradient, summed over the heads
-that share it, may differ in its last bit). Elsewhere torch's fused kernels keep no probabilities, so
-float32 tensors off XLA pass through.
-The recompute sits behind an optimization barrier over its inputs and the incoming gradient:
-without it XLA's common-subexpression pass merges the recompute with the forward's identical
-computation, and the probabilities are kept after all (libtpu kept all 32 layers' bf16
-probabilities of the Llama 8B shape that way). Under ``torch.compile`` forward and backward are
-separate programs, and Dynamo cannot trace the barrier, so there is none.
-The cost is the recompute's HBM traffic: libtpu's figures (``docs/tpu_step.md``) give the 1B
-float32 step 7.44 instead of 14.70 GiB at 7% more estimated time, and the 8B shape's bf16 step
-19.38 instead of 27.01 GiB. With dropout, or a mask that requires grad, attention keeps its
+``compute_dtype``), sdpa is one autograd function instead (``_Attention``), computed as flash
+attention's backward computes it:
+- forward takes the probabilities as ``exp(scores - log_sum)``, with each row's log-sum-exp
+  of the scores, and keeps query, key, value (which its matmuls' backwards keep anyway), the
+  output and the log-sums: a row of floats per query, not a matrix;
+- backward computes the scores again and the probabilities from them and the kept log-sums,
+  one elementwise pass that XLA fuses into the query-key matmul (no softmax again), and
+  softmax's backward ``p * (g - sum_j p_j g_j)`` takes its row sum as ``grad . output``, so
+  no reduction runs over the attention matrix.
+Float32 scores are scaled as torch's math path scales them (query and key each by the root of
+``scale``); outputs and gradients then equal torch's to float32's rounding (within torch's
+``assert_close`` defaults on XLA:CPU, every mask kind). Off XLA, torch's fused kernels keep no
+probabilities, and float32 tensors pass through.
+The recompute sits behind an optimization barrier over everything it reads: without it XLA's
+common-subexpression pass merges it with the forward's identical computation, and the
+probabilities are kept after all (libtpu kept all 32 layers' bf16 probabilities of the Llama
+8B shape that way). Under ``torch.compile`` forward and backward are separate programs, and
+Dynamo cannot trace the barrier, so there is none.
+libtpu's figures (``docs/tpu_step.md``): the 1B float32 step peaks at about half the memory
+and accesses no more HBM than with the probabilities kept; the 8B shape's bf16 step needs 19
+instead of 27 GiB. With dropout, or a mask that requires grad, attention keeps its
 probabilities (a dropout mask cannot be drawn again); float32 then is torch's sdpa.
 Masks, ``is_causal``, ``scale``, dropout and ``enable_gqa`` mean what they mean to torch; a
 row that masks every key gets zero probabilities, as torch's math path gives it.
@@ -147,38 +152,48 @@ def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
-                   mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The attention probabilities in the query's dtype, a row masking every key all zeros."""
+                   mask: Optional[torch.Tensor], log_sums: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(the attention probabilities in the query's dtype, a row masking every key all zeros;
+    each row's log-sum-exp of the scores, in float32), as ``exp(scores - log_sum)``, from the
+    log-sums given or taken here."""
     scores, masked_rows = _scores(query, key, scale, causal, mask)
-    probs = torch.softmax(scores, -1)
-    if masked_rows is not None:
+    if log_sums is None:
+        log_sums = torch.logsumexp(scores, -1, keepdim=True)
+    probs = torch.exp(scores - log_sums)
+    if masked_rows is not None:   # exp(-inf - -inf) is NaN
         probs = probs.masked_fill(masked_rows, 0.0)
-    return probs.to(query.dtype)
+    return probs.to(query.dtype), log_sums
 
 
 class _Attention(torch.autograd.Function):
-    """``probabilities @ value`` that keeps query, key and value for backward, not the
-    probabilities, and computes them again there (see [Note: attention inside a unit keeps no
-    probabilities]); its gradients are, op for op, those of the same computation kept."""
+    """``probabilities @ value`` that keeps for backward query, key, value, the output and
+    each row's log-sum-exp, not the probabilities, and computes them again there (see [Note:
+    attention inside a unit keeps no probabilities])."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.attention_scale, ctx.attention_causal = scale, causal
-        ctx.save_for_backward(query, key, value, mask)
-        return _probabilities(query, key, scale, causal, mask) @ value
+        probs, log_sums = _probabilities(query, key, scale, causal, mask)
+        out = probs @ value
+        ctx.save_for_backward(query, key, value, mask, out, log_sums)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        query, key, value, mask = ctx.saved_tensors
+        query, key, value, mask, out, log_sums = ctx.saved_tensors
         if query.device.type == "xla" and not torch.compiler.is_compiling():
             # see [Note: attention inside a unit keeps no probabilities]
-            optimization_barrier([query, key, value, mask, grad])
-        probs = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask)
+            optimization_barrier([query, key, value, mask, out, log_sums, grad])
+        probs, _ = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask,
+                                  log_sums)
         grad_value = probs.transpose(-2, -1) @ grad
-        y, g = probs.float(), (grad @ value.transpose(-2, -1)).float()
+        # softmax's backward, p * (g - sum_j p_j g_j), with the sum taken as grad . out
+        g = (grad @ value.transpose(-2, -1)).float()
+        row = (grad.float() * out.float()).sum(-1, keepdim=True)
         q_scale, k_scale, after = _scale_split(query, ctx.attention_scale)
-        grad_scores = _times(y * (g - (g * y).sum(-1, keepdim=True)), after).to(query.dtype)
+        grad_scores = _times(probs.float() * (g - row), after).to(query.dtype)
         grad_query = _times(grad_scores @ _times(key, k_scale), q_scale)
         grad_key = _times(grad_scores.transpose(-2, -1) @ _times(query, q_scale), k_scale)
         return grad_query, grad_key, grad_value, None, None, None
