@@ -6,7 +6,7 @@ import torch.nn as nn
 from xla_fsdp._init.find_parameters import find_parameters
 from xla_fsdp._init.shard_members import shard_members
 from xla_fsdp._sharding.layout import StackedLayout
-from ..support.checks import every
+from ..support.checks import every, pairs
 from ..support.fake_collectives import fsdp_options
 
 CPU = torch.device("cpu")
@@ -44,4 +44,4 @@ def test_a_stack_is_sharded_position_by_position_as_one_stacked_group_each(flatt
         full = g0.layout.unshard(torch.cat([g0.shard.detach(), g1.shard.detach()]))
         want = [reference[i][j] for i in range(3)
                 for j in (range(3) if flatten else [k])]
-        assert len(full) == len(want) and every(torch.equal(a, b) for a, b in zip(full, want))
+        assert len(full) == len(want) and every(torch.equal(a, b) for a, b in pairs(full, want))

@@ -31,7 +31,7 @@ def test_interleaved_layout_round_trip(world, multiple, shapes):
     shards = [layout.shard(tensors, r) for r in range(world)]
     assert every(s.shape == layout.shard_shape for s in shards)
     # each parameter is padded on its own, only to a multiple of N (times ``multiple``)
-    for n, piece in zip(layout.numels, layout.piece_numels):
+    for n, piece in pairs(layout.numels, layout.piece_numels):
         assert piece % multiple == 0 and 0 <= piece * world - n < world * multiple
     # from one all-gather per parameter piece (what training does) ...
     pieces = [torch.cat([layout.pieces(s)[i] for s in shards]) for i in range(len(shapes))]
@@ -102,7 +102,7 @@ def test_stacked_layout_is_a_layout_like_the_others(world, layer):
     assert every(s.shape == layout.shard_shape for s in shards)
     blocks = layout.pad(tensors).chunk(world)
     assert len(blocks) == len(shards) == world
-    assert every(torch.equal(b.view(layout.shard_shape), s) for b, s in zip(blocks, shards))
+    assert every(torch.equal(b.view(layout.shard_shape), s) for b, s in pairs(blocks, shards))
     gathered = [torch.cat([layout.pieces(s)[i] for s in shards])
                 for i in range(len(layout.pieces(shards[0])))]
     for got, want in pairs(layout.unshard_pieces(gathered), tensors):
@@ -125,4 +125,4 @@ def test_a_units_gathered_pieces_come_back_as_every_layouts_tensors(world):
     want = [t for ts in tensors for t in ts]
     got = unshard_all(layouts, gathered)
     assert len(got) == len(want) == 5
-    assert every(torch.equal(g, w) for g, w in zip(got, want))
+    assert every(torch.equal(g, w) for g, w in pairs(got, want))

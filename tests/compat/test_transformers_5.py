@@ -29,7 +29,7 @@ def test_trainer_and_peft_tests_pass_on_transformers_5(tmp_path):
     try:
         assert client_venvs.version("transformers-5", "transformers").startswith("5.")
         passed = 0
-        for name, run in zip(FILES, runs):
+        for name, run in zip(FILES, runs, strict=True):
             out, err = run.communicate(timeout=1500)
             summary = out.strip().splitlines()[-1] if out.strip() else ""
             assert run.returncode == 0, name + "\n" + out[-6000:] + err[-3000:]

@@ -89,7 +89,7 @@ class FakeCollectives(Collectives):
         every = self.peer_pieces()
         mine = every[self.rank]
         assert len(mine) == len(shards), (len(mine), len(shards))
-        for own, given in zip(mine, shards):
+        for own, given in zip(mine, shards, strict=True):
             assert given.dtype == own.dtype and torch.equal(given, own), \
                 "the all-gather's inputs are not this rank's current shards"
         self.gathers.append(len(shards))

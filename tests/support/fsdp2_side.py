@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .checks import every
 from .models import GLOBAL_BATCH, Net, batch, loss_fn
 
 LR, WEIGHT_DECAY = 1e-3, 0.01
@@ -125,7 +126,7 @@ def _worker(rank, world, port, mode, a, b, targets, out):
 def main(argv):
     mode, a, b, out, world = argv[0], int(argv[1]), int(argv[2]), argv[3], int(argv[4])
     targets = [tuple(t.split("=", 1)) for t in argv[5:]]
-    assert targets and all(r in ("get_state_dict", "torchtitan") for r, _ in targets), targets
+    assert every(r in ("get_state_dict", "torchtitan") for r, _ in targets), targets
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

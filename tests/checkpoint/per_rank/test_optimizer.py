@@ -13,6 +13,7 @@ from xla_fsdp.checkpoint.per_rank.optimizer import (consolidate_optimizer, named
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
 
+from ...support.checks import every
 from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key, write_set
 
 
@@ -109,4 +110,4 @@ def test_the_named_walk_reads_a_shared_shard_state_by_state_and_both_forms_agree
     assert index_names == names and optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
     assert [t.shape for t in added] == [torch.Size(SHAPES[p]) if n == "momentum_buffer"
                                         else torch.Size([]) for p, n, _ in order]
-    assert all(torch.equal(optimizer["state"][names.index(p)][n], v) for p, n, v in order)
+    assert every(torch.equal(optimizer["state"][names.index(p)][n], v) for p, n, v in order)

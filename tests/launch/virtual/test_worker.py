@@ -6,6 +6,7 @@ import math
 import pytest
 
 from tests.support import matrix
+from tests.support.checks import every
 from xla_fsdp import launch
 from xla_fsdp.launch.virtual.worker import MAPS_PER_PROGRAM, environment, xla_flags
 
@@ -60,7 +61,7 @@ def test_a_scanned_step_keeps_its_collectives_in_order_with_many_xla_threads(
     cell = matrix.Cell("scanned", "default", "AdamW", False, "dcp", "same")
     out = launch(_train_repeatedly, (cell, str(tmp_path), 4), num_devices=2)
     assert out[0] == out[1]
-    assert len(out[0]) == 4 and all(math.isfinite(x) for losses in out[0] for x in losses)
+    assert len(out[0]) == 4 and every(math.isfinite(x) for losses in out[0] for x in losses)
 
 
 def _train_repeatedly(rank, cell, root, times):
