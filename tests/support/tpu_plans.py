@@ -236,58 +236,51 @@ class _FlashBlock(nn.Module):
         self.heads = heads
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         from torch_xla.experimental.custom_kernel import flash_attention
+        return flash_attention(q, k, v, causal=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, d = x.shape
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attended = flash_attention(q, k, v, causal=True)
-        return x + self.out(attended.transpose(1, 2).reshape(b, s, d))
-
-
-FLASH = dict(dim=512, heads=4, seq=1024, batch=2, layers=2)
-
-
-def with_flash_attention(rank: int, steps: int = 4):
-    """Two units of flash attention, trained with AdamW."""
-    import torch_xla
-    from xla_fsdp import FSDP
-    model = FSDP(nn.Sequential(*(FSDP(_FlashBlock(FLASH["dim"], FLASH["heads"]))
-                                 for _ in range(FLASH["layers"]))))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    shape = (FLASH["batch"], FLASH["seq"], FLASH["dim"])
-    for _ in range(steps):
-        model(torch.randn(shape).to(torch_xla.device())).float().pow(2).mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        torch_xla.sync()
+        return x + self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, s, d))
 
 
 class _SdpaBlock(_FlashBlock):
     """Causal self-attention through torch's ``scaled_dot_product_attention``."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return x + self.out(attended.transpose(1, 2).reshape(b, s, d))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+FLASH = dict(dim=512, heads=4, seq=1024, batch=2, layers=2)
 SDPA = dict(dim=256, heads=4, seq=2048, batch=1)
 
 
-def with_sdpa(rank: int, layers: int, compute_dtype: torch.dtype = torch.float32,
-              steps: int = 4):
-    """``layers`` units of sdpa attention in ``compute_dtype``, trained with AdamW."""
+def _attention_units(block: type, sizes: dict, layers: int, steps: int,
+                     compute_dtype: torch.dtype = torch.float32) -> None:
+    """``layers`` units of ``block`` in ``compute_dtype``, trained with AdamW."""
     import torch_xla
     from xla_fsdp import FSDP
     torch.manual_seed(0)
-    model = FSDP(nn.Sequential(*(FSDP(_SdpaBlock(SDPA["dim"], SDPA["heads"]),
+    model = FSDP(nn.Sequential(*(FSDP(block(sizes["dim"], sizes["heads"]),
                                       compute_dtype=compute_dtype) for _ in range(layers))),
                  compute_dtype=compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    shape = (SDPA["batch"], SDPA["seq"], SDPA["dim"])
+    shape = (sizes["batch"], sizes["seq"], sizes["dim"])
     for _ in range(steps):
         model(torch.randn(shape).to(torch_xla.device())).float().pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         torch_xla.sync()
+
+
+def with_flash_attention(rank: int, steps: int = 4):
+    """Two units of flash attention, trained with AdamW."""
+    _attention_units(_FlashBlock, FLASH, FLASH["layers"], steps)
+
+
+def with_sdpa(rank: int, layers: int, compute_dtype: torch.dtype = torch.float32,
+              steps: int = 4):
+    """``layers`` units of sdpa attention in ``compute_dtype``, trained with AdamW."""
+    _attention_units(_SdpaBlock, SDPA, layers, steps, compute_dtype)

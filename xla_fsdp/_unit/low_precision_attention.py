@@ -128,8 +128,9 @@ def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
     q_scale, k_scale, after = _scale_split(query, scale)
     scores = _times(query, q_scale) @ _times(key.transpose(-2, -1), k_scale)
     scores = _times(scores.float(), after)
-    if causal:
-        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if causal:   # every row keeps its first key: no row is masked whole
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
+        return scores.masked_fill(~keep, -math.inf), None
     if mask is None:
         return scores, None
     if mask.dtype == torch.bool:
