@@ -20,7 +20,6 @@ from typing import Any, Iterator
 import torch
 import torch.nn as nn
 
-from ._unit.low_precision_attention import active, low_precision_attention
 from ._unit.param_record import placeholders_in
 
 
@@ -51,11 +50,10 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     original = module.forward
 
-    def run_flat(_view: nn.Module, low: bool, n_args: int, keys: tuple, *flat: Any) -> Any:
-        # the recompute runs in backward, outside the unit's forward: it computes attention
-        # as the forward did (see [Note: attention under a low-precision compute_dtype])
-        with low_precision_attention(low):
-            return original(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
+    def run_flat(_view: nn.Module, n_args: int, keys: tuple, *flat: Any) -> Any:
+        # the recompute runs in the unit's backward, which holds the attention scope as its
+        # forward did (see [Note: attention inside a unit keeps no probabilities])
+        return original(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
 
     recompute = MethodType(run_flat, _BarrierView(module))
 
@@ -63,7 +61,7 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
         flat = args + tuple(kwargs.values())
         if not any(getattr(t, "requires_grad", False) for t in flat):
             return original(*args, **kwargs)
-        return checkpoint(recompute, active(), len(args), tuple(kwargs), *flat)
+        return checkpoint(recompute, len(args), tuple(kwargs), *flat)
 
     eager = torch.compiler.disable(forward)
 

@@ -72,9 +72,13 @@ Where the scope holds: from a unit's pre-forward hook to its post-forward hook
 (the outermost unit's, so the root's covers the model; hooks that Dynamo traces, under a
 compiled root, take and end it too), whether the forward runs first
 or again as a recompute in backward (``torch.utils.checkpoint`` around or inside the unit,
-e.g. Hugging Face's gradient checkpointing, runs the unit's hooks again). A recompute that
-bypasses the unit's hooks, ``checkpoint_module``'s inside the unit, takes it again when the
-forward it recomputes held it. So the recomputed step is the same program. A forward that
+e.g. Hugging Face 4's gradient checkpointing, runs the unit's hooks again). A recompute that
+bypasses the unit's hooks (``checkpoint_module`` or torch's checkpoint inside the unit, as
+Hugging Face 5's decoder layers take it) runs in the unit's backward, and the scope holds
+from a unit's pre-backward hook to the end of the backward. So the recomputed step is the
+same program. (Code outside every unit but recomputed after a unit's backward began, a
+checkpointed module before the root, would recompute inside the scope: torch's
+non-reentrant checkpoint then refuses it loudly. Wrap the whole model.) A forward that
 raises ends it (``abandon``, from the unit's ``forward_raised``). What the wrappers do
 depends on the inputs' dtype, not the unit's: a float32 unit inside a bf16 one computes
 float32 attention, a bf16 unit inside a float32 root bf16 attention.
