@@ -319,6 +319,34 @@ def _unit_kinds(out, stack):
         out["prefetch_stack"] = str(exc)
 
 
+class _OwnLoss(nn.Module):
+    """A model that returns its loss, as Hugging Face's do given labels: a reduction whose
+    gradient does not read it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(32, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).exp().sum()
+
+
+def _loss_before_backward(out, device):
+    """The backward's first barrier holds the loss: every gradient's graph computes it
+    (see [Note: the loss before the backward]); the loss equals the unwrapped model's."""
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    plain = _OwnLoss()
+    model = FSDP(_OwnLoss())
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 32)
+    loss = model(x.to(device))
+    loss.backward()
+    hlo = traced_hlo([p.grad for p in model.parameters()])
+    out["loss_in_gradients"] = "reduce" in opcodes(hlo)
+    out["loss_value"] = abs(float(loss.cpu()) - float(plain(x)))
+
+
 def checks(rank):
     import torch_xla
     device = torch_xla.device()
@@ -330,6 +358,7 @@ def checks(rank):
     _vocab_tables(out, device)
     _torch_xla_arguments(out, device)
     _attribute_fall_through(out)
+    _loss_before_backward(out, device)
     torch_xla.sync()
     return out
 
@@ -393,6 +422,8 @@ def test_wrapper_api():
     assert out["stack_controls"] == [] and out["root_schedule"] == (False, False)
     assert out["prefetch_stack"].startswith("set_modules_to_forward_prefetch: ScannedLayers "
                                             "gathers one layer at a time"), out["prefetch_stack"]
+    assert out["loss_in_gradients"] and out["loss_value"] < 1e-4, \
+        (out["loss_in_gradients"], out["loss_value"])
     assert out["fall_through"] == ("s", "s", True, True, "full", True, [
         "'Net' object has no attribute 'absent'", "'Net' object has no attribute 'absent'",
         "'Block' object has no attribute 'absent'"])

@@ -49,6 +49,7 @@ class RootContext:
         self.states: List[Participant] = [root]  # the root's first, then in module order
         self.forward_id = 0               # root forwards started; tells passes apart
         self.backward_barrier: List[torch.Tensor] = []
+        self._results: List[torch.Tensor] = []
         self._callback_queued = False
         self._sync = sync_on_finalization
         self._barrier = barrier
@@ -92,12 +93,30 @@ class RootContext:
             self._initialized = True
         return True
 
-    def end_forward(self, grad_enabled: bool) -> None:
+    def end_forward(self, grad_enabled: bool, outputs: Sequence[torch.Tensor]) -> None:
         """After the root's forward: units whose forward did not complete (a grouped unit
         whose member was skipped) finish it, and without grad (eval) every unit frees its
-        full parameters, since no backward will."""
+        full parameters, since no backward will. The forward's scalar ``outputs`` (the
+        loss) are held for the backward's first barrier (see [Note: the loss before the
+        backward])."""
         for state in self.states:
             state.end_of_model_forward(grad_enabled)
+        self._results = [t for t in outputs if t.dim() == 0] if grad_enabled else []
+
+    # [Note: the loss before the backward]
+    # A loss the model computes in its forward (Hugging Face's, from ``labels``) is a
+    # reduction over the logits that the backward never reads: the backward starts from the
+    # logits' own gradient. libtpu's scheduler is free to compute it at the end of the step,
+    # and does, where the logits it reads are a GiB at a 128K vocabulary: they then stay
+    # live through the whole backward (the vocabulary-parallel 1B with per-layer
+    # checkpointing peaked 1 GiB higher for it). So the first barrier of the backward holds
+    # the root's scalar outputs with the incoming gradient: the loss is computed before any
+    # backward work. Larger outputs are left alone: a cache the model returns and the user
+    # drops would otherwise be kept until the backward.
+    def take_results(self) -> List[torch.Tensor]:
+        """The root forward's scalar outputs not yet ordered before a backward (once)."""
+        results, self._results = self._results, []
+        return results
 
     # [Note: a pass that raised]
     # An exception from user code inside a forward or a backward (a shape error at some
@@ -118,6 +137,7 @@ class RootContext:
     def abandon_pass(self) -> None:
         self._callback_queued = False
         self.backward_barrier.clear()
+        self._results = []
         for state in self.states:
             state.abandon_pass()
 

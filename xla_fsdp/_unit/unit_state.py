@@ -286,7 +286,7 @@ class UnitState:
         if last:
             self.training_state = TrainingState.IDLE
         if self is self.context.root:
-            self.context.end_forward(grad)
+            self.context.end_forward(grad, collect_tensors(outputs))
         return outputs
 
     def end_of_model_forward(self, grad_enabled: bool) -> None:
@@ -390,7 +390,9 @@ class UnitState:
             self.training_state = TrainingState.BACKWARD_PRE
         self._took_part = True
         if barrier:
-            optimization_barrier([grad])
+            # the first also holds the forward's loss (see [Note: the loss before the
+            # backward])
+            optimization_barrier([grad] + context.take_results())
             grad = grad.view(grad.size())
         return grad
 
