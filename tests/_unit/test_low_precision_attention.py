@@ -3,6 +3,7 @@
 the attention matrix kept in float32, on CPU; and on XLA, inside bf16 units with activation
 checkpointing or under ``torch.compile`` (blocks or root), every matmul of forward, recompute
 and backward in bf16."""
+import contextlib
 import re
 import threading
 
@@ -12,11 +13,25 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xla_fsdp import launch
-from xla_fsdp._unit.low_precision_attention import attention, install, low_precision_attention
+from xla_fsdp._unit.low_precision_attention import attention, enter, install, leave
 
 from ..support.checks import every, pairs
 
 B, H, L, S = 2, 4, 6, 7
+
+
+@contextlib.contextmanager
+def low_precision_attention(enabled: bool = True):
+    """The scope a unit's forward holds, for a block of code, unless ``enabled`` is false
+    (what a unit's hooks do: ``enter`` and ``leave``)."""
+    owner = object()
+    if enabled:
+        install()
+        enter(owner)
+    try:
+        yield
+    finally:
+        leave(owner)
 MATMULS = {"mm", "bmm", "addmm", "baddbmm"}
 
 
@@ -343,30 +358,3 @@ def test_float32_xla_attention_in_the_scope_is_torchs_and_keeps_no_probabilities
             torch.testing.assert_close(a, b, msg=lambda m: f"{mask}: {m}")
         assert kept_torch and kept_ours == [] and barrier, (mask, kept_torch, kept_ours)
 
-
-@pytest.mark.parametrize("mask", ["none", "causal", "bool", "float", "row_fully_masked"])
-def test_attention_a_block_of_queries_at_a_time_is_the_whole(mask):
-    """Queries split into blocks (three here: 128, 128 and 44 rows), each block's
-    probabilities from every key it may see (a causal block reads only the keys up to its
-    last query): torch's values and gradients, to float32's rounding (see [Note: attention
-    in blocks of queries])."""
-    from xla_fsdp._unit.low_precision_attention import _Attention, _query_blocks
-    g = torch.Generator().manual_seed(2)
-    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
-    q, k, v = make(1, 2, 300, 8), make(1, 2, 320, 8), make(1, 2, 320, 5)
-    kwargs = {"is_causal": True} if mask == "causal" else {}
-    if mask in ("bool", "row_fully_masked"):
-        keep = torch.rand(300, 320, generator=g) > 0.3
-        keep[200] = mask == "bool"
-        kwargs["attn_mask"] = keep
-    if mask == "float":
-        kwargs["attn_mask"] = torch.randn(1, 1, 300, 320, generator=g, dtype=torch.float64)
-    blocks = _query_blocks(q, 320, mask == "causal", 2 ** 10)
-    assert [b[:2] for b in blocks] == [(0, 128), (128, 256), (256, 300)], blocks
-    want = F.scaled_dot_product_attention(q, k, v, scale=0.3, **kwargs)
-    got = _Attention.apply(q, k, v, 0.3, mask == "causal", kwargs.get("attn_mask"), 2 ** 10)
-    grad = torch.randn_like(want)
-    for a, b in pairs(torch.autograd.grad(got, (q, k, v), grad),
-                      torch.autograd.grad(want, (q, k, v), grad)):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -150,22 +150,6 @@ def test_no_layer_keeps_its_attention_probabilities_until_backward(dtype):
 
 
 @pytest.mark.slow
-def test_attention_in_blocks_of_queries_holds_a_block_of_scores_not_the_whole():
-    """One sdpa unit whose scores (64 MiB in float32) are one block at the default block
-    size; in blocks of 16 MiB (128 rows) libtpu's temporaries shrink by at least the
-    whole matrix's (the scores and their gradient were each the whole), and a causal block
-    reads only the keys up to its last query, so the step takes fewer FLOPs (see [Note:
-    attention in blocks of queries])."""
-    whole = compile_for_tpu(tpu_plans.with_sdpa, "v5e-4", args=(1,))
-    blocks = compile_for_tpu(tpu_plans.with_sdpa, "v5e-4",
-                             args=(1, torch.float32, 4, 16 * 2 ** 20))
-    f = tpu_plans.SDPA
-    scores = f["batch"] * f["heads"] * f["seq"] ** 2 * 4
-    assert blocks.temp_bytes < whole.temp_bytes - scores, (blocks.temp_bytes, whole.temp_bytes)
-    assert blocks.flops < whole.flops, (blocks.flops, whole.flops)
-
-
-@pytest.mark.slow
 def test_a_step_with_pallas_flash_attention_is_planned_and_its_kernels_costed():
     """torch_xla's flash attention kernels, lowered for the TPU here and compiled by libtpu:
     each kernel carries the analytic cost the step-time model reads (forward 2 matmuls over

@@ -281,11 +281,6 @@ def with_flash_attention(rank: int, steps: int = 4):
 
 
 def with_sdpa(rank: int, layers: int, compute_dtype: torch.dtype = torch.float32,
-              steps: int = 4, block_bytes: Optional[int] = None):
-    """``layers`` units of sdpa attention in ``compute_dtype``, trained with AdamW;
-    ``block_bytes``: the attention's block size (see [Note: attention in blocks of
-    queries]), for the process that traces the step."""
-    if block_bytes is not None:
-        from xla_fsdp._unit import low_precision_attention
-        low_precision_attention.BLOCK_BYTES = block_bytes
+              steps: int = 4):
+    """``layers`` units of sdpa attention in ``compute_dtype``, trained with AdamW."""
     _attention_units(_SdpaBlock, SDPA, layers, steps, compute_dtype)

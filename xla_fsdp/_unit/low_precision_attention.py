@@ -85,11 +85,10 @@ float32 attention, a bf16 unit inside a float32 root bf16 attention.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -124,18 +123,16 @@ class _SoftmaxKeptLow(torch.autograd.Function):
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
-            mask: Optional[torch.Tensor], first_row: int = 0
-            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(the scaled scores in float32 plus the mask (boolean: keep; else added), the rows that
-    mask every key; None without a mask), for queries from ``first_row`` of the whole.
-    Float32 scores are scaled as torch's math path scales them, query and key each by the
-    root of ``scale`` (see [Note: attention inside a unit keeps no probabilities])."""
+    mask every key; None without a mask). Float32 scores are scaled as torch's math path
+    scales them, query and key each by the root of ``scale`` (see [Note: attention inside a
+    unit keeps no probabilities])."""
     q_scale, k_scale, after = _scale_split(query, scale)
     scores = _times(query, q_scale) @ _times(key.transpose(-2, -1), k_scale)
     scores = _times(scores.float(), after)
     if causal:   # every row keeps its first key: no row is masked whole
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool,
-                          device=query.device).tril(first_row)
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
         return scores.masked_fill(~keep, -math.inf), None
     if mask is None:
         return scores, None
@@ -159,12 +156,12 @@ def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
-                   mask: Optional[torch.Tensor], log_sums: Optional[torch.Tensor] = None,
-                   first_row: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                   mask: Optional[torch.Tensor], log_sums: Optional[torch.Tensor] = None
+                   ) -> Tuple[torch.Tensor, torch.Tensor]:
     """(the attention probabilities in the query's dtype, a row masking every key all zeros;
     each row's log-sum-exp of the scores, in float32), as ``exp(scores - log_sum)``, from the
     log-sums given or taken here."""
-    scores, masked_rows = _scores(query, key, scale, causal, mask, first_row)
+    scores, masked_rows = _scores(query, key, scale, causal, mask)
     if log_sums is None:
         log_sums = torch.logsumexp(scores, -1, keepdim=True)
     probs = torch.exp(scores - log_sums)
@@ -173,62 +170,17 @@ def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal:
     return probs.to(query.dtype), log_sums
 
 
-# [Note: attention in blocks of queries]
-# The step's largest temporaries, once no layer keeps its probabilities, are one layer's
-# attention matrices: the float32 scores and their gradient, (batch, heads, queries, keys)
-# each, 512 MiB apiece for the Llama 1B at 2,048 tokens. Flash attention never holds them;
-# a replica program without its kernel can still hold less by computing attention a block
-# of queries at a time: each query row needs every key but no other query, so a block's
-# scores, probabilities, output and gradients are computed whole from the block's queries,
-# and key and value gradients are the sum over the blocks. A block's float32 scores are at
-# most ``BLOCK_BYTES`` where ``MAX_BLOCKS`` blocks suffice (each block is more operations to
-# trace); attention smaller than that is one block, the computation as it was.
-# Under a causal mask a block of queries reads only the keys up to its last query (torch's
-# top-left alignment), so the blocks also skip the masked half of both matmuls.
-BLOCK_BYTES, MAX_BLOCKS = 128 * 2 ** 20, 16
-
-
-def _query_blocks(query: torch.Tensor, keys: int, causal: bool,
-                  block_bytes: int) -> List[Tuple[int, int, int]]:
-    """(first query, end query, keys read) of each block (see [Note: attention in blocks of
-    queries]): at most ``MAX_BLOCKS`` of at least 128 rows (a TPU matmul's tile), multiples
-    of 8."""
-    rows = query.size(-2)
-    scores = query.numel() // query.size(-1) * keys * 4
-    count = min(MAX_BLOCKS, -(-scores // block_bytes))
-    per = min(rows, max(128, -(-rows // max(1, count)) + 7 & ~7))
-    return [(i, min(rows, i + per), min(keys, i + per) if causal else keys)
-            for i in range(0, rows, per)]
-
-
-def _part(x: Optional[torch.Tensor], start: int, end: int, dim: int) -> Optional[torch.Tensor]:
-    """``x[start:end]`` along ``dim`` (a mask broadcast along it, or the whole, unsliced)."""
-    if x is None or x.dim() < -dim or x.size(dim) == 1 or (start, end) == (0, x.size(dim)):
-        return x
-    return x.narrow(dim, start, end - start)
-
-
 class _Attention(torch.autograd.Function):
     """``probabilities @ value`` that keeps for backward query, key, value, the output and
     each row's log-sum-exp, not the probabilities, and computes them again there (see [Note:
-    attention inside a unit keeps no probabilities]), a block of queries at a time (see
-    [Note: attention in blocks of queries])."""
+    attention inside a unit keeps no probabilities])."""
 
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                scale: float, causal: bool, mask: Optional[torch.Tensor],
-                block_bytes: int) -> torch.Tensor:
+                scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
         ctx.attention_scale, ctx.attention_causal = scale, causal
-        ctx.attention_blocks = _query_blocks(query, key.size(-2), causal, block_bytes)
-        outs, sums = [], []
-        for first, end, keys in ctx.attention_blocks:
-            probs, log_sums = _probabilities(
-                _part(query, first, end, -2), _part(key, 0, keys, -2), scale, causal,
-                _part(mask, first, end, -2), first_row=first)
-            outs.append(probs @ _part(value, 0, keys, -2))
-            sums.append(log_sums)
-        out, log_sums = (outs[0], sums[0]) if len(outs) == 1 else (
-            torch.cat(outs, -2), torch.cat(sums, -2))
+        probs, log_sums = _probabilities(query, key, scale, causal, mask)
+        out = probs @ value
         ctx.save_for_backward(query, key, value, mask, out, log_sums)
         return out
 
@@ -238,39 +190,17 @@ class _Attention(torch.autograd.Function):
         if query.device.type == "xla" and not torch.compiler.is_compiling():
             # see [Note: attention inside a unit keeps no probabilities]
             optimization_barrier([query, key, value, mask, out, log_sums, grad])
+        probs, _ = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask,
+                                  log_sums)
+        grad_value = probs.transpose(-2, -1) @ grad
+        # softmax's backward, p * (g - sum_j p_j g_j), with the sum taken as grad . out
+        g = (grad @ value.transpose(-2, -1)).float()
+        row = (grad.float() * out.float()).sum(-1, keepdim=True)
         q_scale, k_scale, after = _scale_split(query, ctx.attention_scale)
-        grad_query, grad_key, grad_value = [], [], []
-        for first, end, keys in ctx.attention_blocks:
-            q, k, v = (_part(query, first, end, -2), _part(key, 0, keys, -2),
-                       _part(value, 0, keys, -2))
-            g_out = _part(grad, first, end, -2)
-            probs, _ = _probabilities(q, k, ctx.attention_scale, ctx.attention_causal,
-                                      _part(mask, first, end, -2),
-                                      _part(log_sums, first, end, -2), first_row=first)
-            grad_value.append(probs.transpose(-2, -1) @ g_out)
-            # softmax's backward, p * (g - sum_j p_j g_j), with the sum taken as grad . out
-            g = (g_out @ v.transpose(-2, -1)).float()
-            row = (g_out.float() * _part(out, first, end, -2).float()).sum(-1, keepdim=True)
-            grad_scores = _times(probs.float() * (g - row), after).to(query.dtype)
-            grad_query.append(_times(grad_scores @ _times(k, k_scale), q_scale))
-            grad_key.append(_times(grad_scores.transpose(-2, -1) @ _times(q, q_scale),
-                                   k_scale))
-        if len(grad_query) == 1 and grad_key[0].shape == key.shape:
-            return grad_query[0], grad_key[0], grad_value[0], None, None, None, None
-        return (torch.cat(grad_query, -2), _summed(grad_key, key), _summed(grad_value, value),
-                None, None, None, None)
-
-
-def _summed(parts: List[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-    """The blocks' gradients of ``like`` (each for its first rows: a causal block reads the
-    keys up to its last query), summed in float32."""
-    total = None
-    for part in parts:
-        part = part.float()
-        if part.size(-2) < like.size(-2):
-            part = F.pad(part, (0, 0, 0, like.size(-2) - part.size(-2)))
-        total = part if total is None else total + part
-    return total.to(like.dtype)
+        grad_scores = _times(probs.float() * (g - row), after).to(query.dtype)
+        grad_query = _times(grad_scores @ _times(key, k_scale), q_scale)
+        grad_key = _times(grad_scores.transpose(-2, -1) @ _times(query, q_scale), k_scale)
+        return grad_query, grad_key, grad_value, None, None, None
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -294,7 +224,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if query.dtype == torch.float16:  # unscaled q.k can exceed float16's range (65504)
         query, scale = query * scale, 1.0
     if not kept:
-        return _Attention.apply(query, key, value, scale, is_causal, attn_mask, BLOCK_BYTES)
+        return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
     # dropout's mask cannot be drawn again in backward: the probabilities are kept
     scores, masked_rows = _scores(query, key, scale, is_causal, attn_mask)
     probs = _SoftmaxKeptLow.apply(scores, -1, query.dtype, query.dtype, masked_rows)
@@ -308,13 +238,14 @@ def _holds(x: Any) -> bool:
     return active() and type(x) is torch.Tensor and x.dtype in LOW_PRECISION
 
 
-def _ours_in_float32(query: Any, key: Any, value: Any) -> bool:
-    """Whether float32 attention on this thread is ours: inside the scope, on plain XLA
-    tensors, where torch's math path keeps the probabilities for backward and holds the
-    whole attention matrix even without grad (a checkpointed forward); elsewhere torch's
-    fused kernels do neither."""
-    return active() and all(type(x) is torch.Tensor and x.dtype == torch.float32
-                            and x.device.type == "xla" for x in (query, key, value))
+def _recomputes(query: Any, key: Any, value: Any) -> bool:
+    """Whether float32 attention on this thread is computed again in backward: inside the
+    scope, plain XLA tensors (elsewhere torch's fused kernels keep no probabilities), a
+    gradient to take."""
+    return (active() and torch.is_grad_enabled()
+            and all(type(x) is torch.Tensor and x.dtype == torch.float32
+                    and x.device.type == "xla" for x in (query, key, value))
+            and any(x.requires_grad for x in (query, key, value)))
 
 
 def install() -> None:
@@ -326,7 +257,7 @@ def install() -> None:
     @functools.wraps(_TORCH["sdpa"])
     def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor,
                                      value: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if _holds(query) or _ours_in_float32(query, key, value):
+        if _holds(query) or _recomputes(query, key, value):
             return attention(query, key, value, *args, **kwargs)
         return _TORCH["sdpa"](query, key, value, *args, **kwargs)
 
@@ -368,17 +299,3 @@ def leave(owner: Any) -> None:
 def abandon() -> None:
     """Ends the scope after a forward that raised between ``enter`` and ``leave``."""
     _SCOPE.owner, _SCOPE.held = None, False
-
-
-@contextlib.contextmanager
-def low_precision_attention(enabled: bool = True) -> Iterator[None]:
-    """The scope for a block of code, unless ``enabled`` is false or an outer unit holds it
-    (see [Note: attention under a low-precision compute_dtype])."""
-    owner = object()
-    if enabled:
-        install()
-        enter(owner)
-    try:
-        yield
-    finally:
-        leave(owner)
