@@ -122,18 +122,23 @@ class _SoftmaxKeptLow(torch.autograd.Function):
         return dx.to(ctx.in_dtype), None, None, None, None
 
 
-def _scores(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
-            mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(the scaled scores in float32 plus the mask (boolean: keep; else added), the rows that
-    mask every key; None without a mask). Float32 scores are scaled as torch's math path
-    scales them, query and key each by the root of ``scale`` (see [Note: attention inside a
-    unit keeps no probabilities])."""
+def _scaled(query: torch.Tensor, key: torch.Tensor, scale: float
+            ) -> Tuple[torch.Tensor, torch.Tensor, float]:
+    """(query and key scaled before their matmul, the factor left for the float32 scores).
+    Float32 scores are scaled as torch's math path scales them, query and key each by the
+    root of ``scale`` (see [Note: attention inside a unit keeps no probabilities])."""
     q_scale, k_scale, after = _scale_split(query, scale)
-    scores = _times(query, q_scale) @ _times(key.transpose(-2, -1), k_scale)
-    scores = _times(scores.float(), after)
+    return _times(query, q_scale), _times(key, k_scale), after
+
+
+def _scores(query: torch.Tensor, key: torch.Tensor, after: float, causal: bool,
+            mask: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the scores of the scaled query and key in float32, times ``after``, plus the mask
+    (boolean: keep; else added), the rows that mask every key; None without a mask)."""
+    scores = _times((query @ key.transpose(-2, -1)).float(), after)
     if causal:   # every row keeps its first key: no row is masked whole
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).tril()
-        return scores.masked_fill(~keep, -math.inf), None
+        drop = torch.ones(scores.shape[-2:], dtype=torch.bool, device=query.device).triu(1)
+        return scores.masked_fill(drop, -math.inf), None
     if mask is None:
         return scores, None
     if mask.dtype == torch.bool:
@@ -155,13 +160,13 @@ def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
     return x if factor == 1.0 else x * factor
 
 
-def _probabilities(query: torch.Tensor, key: torch.Tensor, scale: float, causal: bool,
+def _probabilities(query: torch.Tensor, key: torch.Tensor, after: float, causal: bool,
                    mask: Optional[torch.Tensor], log_sums: Optional[torch.Tensor] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(the attention probabilities in the query's dtype, a row masking every key all zeros;
-    each row's log-sum-exp of the scores, in float32), as ``exp(scores - log_sum)``, from the
-    log-sums given or taken here."""
-    scores, masked_rows = _scores(query, key, scale, causal, mask)
+    """(the attention probabilities of the scaled query and key, in the query's dtype, a row
+    masking every key all zeros; each row's log-sum-exp of the scores, in float32), as
+    ``exp(scores - log_sum)``, from the log-sums given or taken here."""
+    scores, masked_rows = _scores(query, key, after, causal, mask)
     if log_sums is None:
         log_sums = torch.logsumexp(scores, -1, keepdim=True)
     probs = torch.exp(scores - log_sums)
@@ -178,8 +183,10 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
-        ctx.attention_scale, ctx.attention_causal = scale, causal
-        probs, log_sums = _probabilities(query, key, scale, causal, mask)
+        # kept scaled: backward's recompute and its gradients read them as they are
+        query, key, after = _scaled(query, key, scale)
+        ctx.attention_factors = _scale_split(query, scale) + (causal,)
+        probs, log_sums = _probabilities(query, key, after, causal, mask)
         out = probs @ value
         ctx.save_for_backward(query, key, value, mask, out, log_sums)
         return out
@@ -187,19 +194,18 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
         query, key, value, mask, out, log_sums = ctx.saved_tensors
+        q_scale, k_scale, after, causal = ctx.attention_factors
         if query.device.type == "xla" and not torch.compiler.is_compiling():
             # see [Note: attention inside a unit keeps no probabilities]
             optimization_barrier([query, key, value, mask, out, log_sums, grad])
-        probs, _ = _probabilities(query, key, ctx.attention_scale, ctx.attention_causal, mask,
-                                  log_sums)
+        probs, _ = _probabilities(query, key, after, causal, mask, log_sums)
         grad_value = probs.transpose(-2, -1) @ grad
         # softmax's backward, p * (g - sum_j p_j g_j), with the sum taken as grad . out
         g = (grad @ value.transpose(-2, -1)).float()
         row = (grad.float() * out.float()).sum(-1, keepdim=True)
-        q_scale, k_scale, after = _scale_split(query, ctx.attention_scale)
         grad_scores = _times(probs.float() * (g - row), after).to(query.dtype)
-        grad_query = _times(grad_scores @ _times(key, k_scale), q_scale)
-        grad_key = _times(grad_scores.transpose(-2, -1) @ _times(query, q_scale), k_scale)
+        grad_query = _times(grad_scores @ key, q_scale)
+        grad_key = _times(grad_scores.transpose(-2, -1) @ query, k_scale)
         return grad_query, grad_key, grad_value, None, None, None
 
 
@@ -226,7 +232,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not kept:
         return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
     # dropout's mask cannot be drawn again in backward: the probabilities are kept
-    scores, masked_rows = _scores(query, key, scale, is_causal, attn_mask)
+    scores, masked_rows = _scores(*_scaled(query, key, scale), is_causal, attn_mask)
     probs = _SoftmaxKeptLow.apply(scores, -1, query.dtype, query.dtype, masked_rows)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, training=True)
