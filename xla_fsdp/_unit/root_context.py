@@ -156,6 +156,7 @@ class RootContext:
             grads = [g for s in self.states for g in s.params.shard_gradients()]
             optimization_barrier(grads + self.backward_barrier)
         self.backward_barrier.clear()
+        self._results = []   # a backward without barriers never took them
         if self._sync:
             import torch_xla
             torch_xla.sync()
