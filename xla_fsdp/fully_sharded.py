@@ -70,7 +70,7 @@ class XlaFullyShardedDataParallel(UnitModule):
       compute dtype);
     * under a low-precision ``compute_dtype`` attention's matmuls run in it too (torch's
       ``scaled_dot_product_attention`` would cast them to float32; see [Note: attention
-      under a low-precision compute_dtype] in ``_unit/low_precision_attention.py``), and in
+      under a low-precision compute_dtype] in ``_unit/attention.py``), and in
       every unit sdpa on XLA keeps no probabilities for backward: it computes them again
       there (see [Note: attention inside a unit keeps no probabilities]);
     * ``zero_missing_gradients=True`` keeps ranks' collectives identical when their data

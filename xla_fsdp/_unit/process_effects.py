@@ -9,8 +9,8 @@ when the first unit is built (never at import):
   optimizer step, so that accelerate does not average sharded gradients across ranks (see
   [Note: telling accelerate the gradients are sharded] in ``optimizer_guard``);
 * ``torch.nn.functional``'s ``scaled_dot_product_attention`` and ``softmax`` wrapped, so
-  that inside a low-precision unit attention computes in the unit's dtype
-  (``low_precision_attention``); outside one they are torch's;
+  that inside a unit attention keeps no probabilities for backward, and in a low-precision
+  unit computes in its dtype (``attention``); outside every unit they are torch's;
 * torch_xla's compile backend traces dropout through PyTorch's decomposition, not its own
   kernel, which scales wrongly (see [Note: dropout under torch.compile] in ``_xla.private_api``);
 * ``torch.amp.GradScaler`` decides for all ranks at once over FSDP shards (see
@@ -37,7 +37,7 @@ from .._xla.donation_order import reissue_in_order
 from .._xla.hardware import device_type
 from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
                                 dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
-from . import hf_model_guard, low_precision_attention, peft_names
+from . import attention, hf_model_guard, peft_names
 from .loss_scaling import agree_on_infs
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               withdraw_declaration)
@@ -60,7 +60,7 @@ def install() -> None:
     torch_device_module.register()
     register_optimizer_step_post_hook(withdraw_declaration)
     check_accelerate_setting()
-    low_precision_attention.install()
+    attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
     after_grad_scaler_unscale(agree_on_infs)

@@ -37,7 +37,7 @@ from .._sharding.collectives import optimization_barrier
 from .._sharding.tensor_tree import cast_floating, collect_tensors, map_tensors
 from .._xla.donation_order import pin_parameter_order
 from .._xla.private_api import in_backward, run_at_trace
-from . import low_precision_attention as attention_scope
+from . import attention as attention_scope
 from .options import FsdpOptions
 from .registry import WeakRegistry
 from .root_context import RootContext

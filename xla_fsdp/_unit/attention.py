@@ -284,7 +284,8 @@ def install() -> None:
 
 
 def active() -> bool:
-    """Whether this thread computes inside a low-precision unit's forward."""
+    """Whether this thread computes inside a unit: its forward, or a backward of its model
+    (see [Note: attention inside a unit keeps no probabilities])."""
     # a boolean beside the owner: Dynamo guards on its value, where a guard on the owner
     # (another object on every rank) would recompile per rank
     return getattr(_SCOPE, "held", False)

@@ -1,8 +1,8 @@
-"""Attention inside a low-precision unit (``_unit/low_precision_attention.py``): torch's
-``scaled_dot_product_attention`` semantics, matmuls in the inputs' dtype and nothing the size of
-the attention matrix kept in float32, on CPU; and on XLA, inside bf16 units with activation
-checkpointing or under ``torch.compile`` (blocks or root), every matmul of forward, recompute
-and backward in bf16."""
+"""Attention inside a unit (``_unit/attention.py``): torch's ``scaled_dot_product_attention``
+semantics, matmuls in the inputs' dtype and nothing the size of the attention matrix kept in
+float32, on CPU; on XLA, float32 attention equal to torch's keeping no probabilities, and
+inside bf16 units with activation checkpointing or under ``torch.compile`` (blocks or root),
+every matmul of forward, recompute and backward in bf16."""
 import contextlib
 import re
 import threading
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from xla_fsdp import launch
-from xla_fsdp._unit.low_precision_attention import attention, enter, install, leave
+from xla_fsdp._unit.attention import attention, enter, install, leave
 
 from ..support.checks import every, pairs
 
@@ -21,7 +21,7 @@ B, H, L, S = 2, 4, 6, 7
 
 
 @contextlib.contextmanager
-def low_precision_attention(enabled: bool = True):
+def inside_unit(enabled: bool = True):
     """The scope a unit's forward holds, for a block of code, unless ``enabled`` is false
     (what a unit's hooks do: ``enter`` and ``leave``)."""
     owner = object()
@@ -132,7 +132,7 @@ def _run(path, scope):
             kept.append((t.dtype, tuple(t.shape)))
         return t
 
-    with _Matmuls() as matmuls, low_precision_attention(scope), \
+    with _Matmuls() as matmuls, inside_unit(scope), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = path(q, k, v)
     with matmuls:
@@ -159,7 +159,7 @@ def test_the_scope_passes_float32_through_and_holds_on_its_thread_only():
     q, k, v = _inputs(torch.float32)
     bq, bk, bv = _inputs(torch.bfloat16)
     elsewhere = {}
-    with low_precision_attention():
+    with inside_unit():
         inside = F.scaled_dot_product_attention(q, k, v)
         softmax = F.softmax(q, dim=-1, dtype=torch.float32)
         thread = threading.Thread(target=lambda: elsewhere.update(
@@ -174,7 +174,7 @@ def test_the_scope_passes_float32_through_and_holds_on_its_thread_only():
     assert softmax.grad_fn.name() == "SoftmaxBackward0"
     assert torch.equal(elsewhere["out"], torchs(bq, bk, bv))
     assert torch.equal(F.scaled_dot_product_attention(bq, bk, bv), torchs(bq, bk, bv))
-    with low_precision_attention(enabled=False):
+    with inside_unit(enabled=False):
         assert F.softmax(bq, -1, dtype=torch.float32).grad_fn.name() == "SoftmaxBackward0"
 
 
@@ -336,7 +336,7 @@ def _float32_on_xla(rank):
                 if tuple(t.shape[-2:]) == (L, S) and t is not kwargs.get("attn_mask"):
                     kept.append(tuple(t.shape))
                 return t
-            with low_precision_attention(scope), \
+            with inside_unit(scope), \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = F.scaled_dot_product_attention(q, k, v, **kwargs)
             grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
