@@ -9,7 +9,7 @@ import torch.nn as nn
 from xla_fsdp import launch
 
 from ..support.hlo import opcodes, traced_hlo
-from ..support.models import Block, Net
+from ..support.models import Block, MemStack, Net
 from ..support.parity import full_parameters
 from ..support.checks import every
 
@@ -104,6 +104,23 @@ def _divide_factors(out, device):
     out["divide_mean"] = float((grads["mean"] - grads["default"]).abs().max())
     out["divide_below_one"] = float((grads["below_one"] - WORLD / 4 * grads["default"]).abs().max())
     out["grad_scale"] = float(grads["default"].abs().max())
+    # a ScannedLayers stack's reductions follow the same rule
+    from xla_fsdp import ScannedLayers
+    scanned = {}
+    for label, factors in (("default", None), ("mean", (1.0, 1.0)), ("below_one", (0.5, 4.0))):
+        torch.manual_seed(0)
+        stack = MemStack(layers=2, dim=16, hidden=32)
+        stack.layers = ScannedLayers(stack.layers)
+        model = FSDP(stack)
+        if factors:
+            model.set_gradient_divide_factors(*factors, recursive=True)
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5 + model.rank))
+        model(x.to(device)).square().mean().backward()
+        scanned[label] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).cpu()
+    out["scanned_grad_scale"] = float(scanned["default"].abs().max())
+    out["scanned_divide_mean"] = float((scanned["mean"] - scanned["default"]).abs().max())
+    out["scanned_divide_below_one"] = float(
+        (scanned["below_one"] - WORLD / 4 * scanned["default"]).abs().max())
 
 
 class _PaddedLM(nn.Module):
@@ -393,6 +410,9 @@ def test_wrapper_api():
     assert out["divide_pre_all"] <= 1e-6 * out["grad_scale"]
     assert out["divide_mean"] <= 1e-6 * out["grad_scale"]
     assert out["divide_below_one"] <= 1e-6 * out["grad_scale"]
+    assert out["scanned_grad_scale"] > 1e-4
+    assert out["scanned_divide_mean"] <= 1e-6 * out["scanned_grad_scale"]
+    assert out["scanned_divide_below_one"] <= 1e-6 * out["scanned_grad_scale"]
     for tied in (True, False):
         seen, shapes, logits, checked, grad, scale, names = out[f"vocab_{tied}"]
         assert seen == [0, 0] and shapes == [(6, 6)] * (1 if tied else 2), (seen, shapes)
