@@ -208,8 +208,10 @@ def _resolve_ranks(rank_groups: Optional[List[List[int]]], rank: Optional[int],
 
 
 def default_predivide_factor(world_size: int) -> float:
-    """The largest power of two that divides ``world_size`` and is at most its square root:
-    dividing by it before the reduction keeps low-precision sums in range."""
+    """torch_xla's predivide factor: doubled from 1 while the factor divides ``world_size``
+    and is below ``world_size / factor``, so about its square root, a power of two that need
+    not divide it (2 for 3 ranks, 4 for 6). Dividing by it before the reduction keeps
+    low-precision sums in range; the postdivide factor is ``world_size`` over it."""
     factor = 1
     while world_size % factor == 0 and world_size / factor > factor:
         factor *= 2

@@ -18,7 +18,7 @@ from .._xla.trace_only import refuse_reads
 from .coordination import agree
 from .staging import load_staged
 from .writers.formats import FORMATS, OutputOptions, read_order, write_output
-from .writers.live_model import gathered_shard_set
+from .per_rank.live_model import gathered_shard_set
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from .per_rank.optimizer import why_not_consolidated
 from .per_rank.plan import plan_model

@@ -138,7 +138,7 @@ class NamedState:
     def in_read_order(self) -> Iterator[Tuple[str, str, Any]]:
         """(parameter name, state name, value), the parameters that share a shard one state
         name at a time, so that each state tensor of a shard is read in one pass (one
-        gather, when the files are a live model's: ``writers.live_model``), not once per
+        gather, when the files are a live model's: ``per_rank.live_model``), not once per
         parameter."""
         by_shard = itertools.groupby(self.state.items(), key=lambda item: self.shard[item[0]])
         for _, run in by_shard:

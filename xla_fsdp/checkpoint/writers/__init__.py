@@ -3,4 +3,4 @@
 a Hugging Face directory (``hf_directory``), and the choice among them with the check of what
 was written (``formats``). ``save_consolidated`` and the ``consolidate`` tool both write
 through them; from training code a live model's shards, gathered over the collectives, stand
-in for the per-rank files (``live_model``)."""
+in for the per-rank files (``per_rank.live_model``)."""

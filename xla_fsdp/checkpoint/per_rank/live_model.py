@@ -1,4 +1,4 @@
-"""The per-rank checkpoint of a live model, read over the collectives instead of from files:
+"""A live model's per-rank checkpoint, read over the collectives instead of from files:
 consolidation from training code on pods whose hosts share no filesystem.
 
 ``gathered_shard_set`` gives every rank a ``ShardSet`` whose rank files are views of the
@@ -40,8 +40,8 @@ from ..metadata import (SHARD_METADATA, FORMAT_VERSION, RankRecord, ShardMetadat
                         wrapping_fingerprint)
 from ..optimizer_state import StateValue, live_state, optimizer_shard_keys, walk_state
 from ..unit_protocol import ShardedModel
-from ..per_rank.plan import SpreadTensor
-from ..per_rank.shard_set import ShardSet
+from .plan import SpreadTensor
+from .shard_set import ShardSet
 
 
 class Gathers:
@@ -72,6 +72,11 @@ class Gathers:
                                   "save; the sharding groups' models must be alike")
         self._runs = [list(dict.fromkeys(run)) for run in runs_by_size(order, self._full_bytes)]
         self._keep = keep
+
+    def shard_bytes(self, tid: str) -> int:
+        """The bytes of one rank's ``tid``."""
+        tensor, _ = self._tensors[tid]
+        return tensor.numel() * tensor.element_size()
 
     def _full_bytes(self, tid: str) -> int:
         return gathered_bytes(*self._tensors[tid])
@@ -115,8 +120,7 @@ class _RankView:
         self.tree = tree
 
     def record_size(self, key: str) -> int:
-        tensor, _ = self._gathers._tensors[key]
-        return tensor.numel() * tensor.element_size()
+        return self._gathers.shard_bytes(key)
 
     def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
         full = self._gathers.fetch(key).reshape(-1).view(torch.uint8)
