@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type
 import torch.nn as nn
 
 from ._init.compiled_module import split_compiled
+from ._unit.shard_group import shard_group_of
 from ._unit.unit_state import is_unit
 
 
@@ -71,7 +72,7 @@ def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
     if is_unit(module):
         return 0
     return sum(p.numel() for p in module.parameters()
-               if id(p) not in ignored_ids and not getattr(p, "_is_sharded", False))
+               if id(p) not in ignored_ids and shard_group_of(p) is None)
 
 
 def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,

@@ -72,14 +72,10 @@ def test_optimizers_are_pinned_in_the_order_they_first_stepped_shards():
     # every rank must trace the same step graph: an order that follows object addresses (a
     # WeakSet's) differs between ranks once two optimizers have stepped shards
     from xla_fsdp._xla import donation_order
-    optimizers = []
-    for _ in range(24):
-        shard = nn.Parameter(torch.zeros(2))
-        shard._is_sharded = True
-        optimizers.append(torch.optim.SGD([shard], lr=0.1))
+    optimizers = [torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1) for _ in range(24)]
     for opt in reversed(optimizers[::2]):
-        donation_order.reissue_in_order(opt)
+        donation_order.reissue_in_order(lambda p: True, opt)
     for opt in optimizers[1::2]:
-        donation_order.reissue_in_order(opt)
+        donation_order.reissue_in_order(lambda p: True, opt)
     order = [o for o in donation_order._optimizers if any(o is p for p in optimizers)]
     assert order == list(reversed(optimizers[::2])) + optimizers[1::2]

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from .._unit.param_record import Member, Owner, taken_by
+from .._unit.shard_group import shard_group_of
 from .._xla.private_api import children
 from .module_group import grouping_unit_of
 
@@ -26,7 +27,7 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
         for mod_path, m in _module_paths(root, unit):
             mod_path = ".".join(p for p in (prefix, mod_path) if p)
             for attr, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
-                if getattr(p, "_is_sharded", False):
+                if shard_group_of(p) is not None:
                     continue
                 name = f"{mod_path}.{attr}" if mod_path else attr
                 taken = taken_by(p)

@@ -7,7 +7,8 @@ eagerly by swapping the placeholder's data (``install``, ``free``), and in a gra
 
 No FSDP state lives on tensors except what code written for torch_xla's FSDP reads there:
 ``_is_sharded``, ``_orig_size`` and ``_orig_name`` on a shard, and ``_has_full_param`` on a
-placeholder (a unit's ``full_params``), whether it holds the full value now. That one is a
+placeholder (a unit's ``full_params``), whether it holds the full value now; our own code
+tells a shard by ``shard_group.shard_group_of``, never by them. ``_has_full_param`` is a
 copy of ``ParamRecord.gathered``, the state FSDP itself reads, written by the two methods
 that change it and nowhere else. The records are found from their tensors through
 identity-keyed weak maps, so a tensor that dies takes its entry with it.

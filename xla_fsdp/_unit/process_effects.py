@@ -28,6 +28,8 @@ when the first unit is built (never at import):
 """
 from __future__ import annotations
 
+import functools
+
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
@@ -39,6 +41,7 @@ from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
                                 dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
 from . import attention, hf_model_guard, peft_names
 from .loss_scaling import agree_on_infs
+from .shard_group import shard_group_of
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               withdraw_declaration)
 
@@ -56,7 +59,8 @@ def install() -> None:
     _installed = True
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_post_hook(count_updates)
-    register_optimizer_step_post_hook(reissue_in_order)
+    register_optimizer_step_post_hook(
+        functools.partial(reissue_in_order, lambda p: shard_group_of(p) is not None))
     torch_device_module.register()
     register_optimizer_step_post_hook(withdraw_declaration)
     check_accelerate_setting()

@@ -47,6 +47,7 @@ class ShardGroup:
     records: List[ParamRecord]
     shard_name: str                      # where the unit registers the shard
     orig_name: str                       # torch_xla's name for it, relative to the unit
+    orig_size: torch.Size                # torch_xla's size for it (the unflattened, unsharded)
     compute_dtype: torch.dtype           # dtype of the gathered full parameters
     updates: int = 0                     # optimizer steps and loads, equal on every rank
     # a gradient left by a no_sync backward stands for the full gradients still held by
@@ -230,7 +231,7 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
         records.append(ParamRecord(full, list(names), list(owners), unit_name))
     shard_group = ShardGroup(layout, shard, records,
                              ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR), orig_name,
-                             compute_dtype,
+                             orig_size, compute_dtype,
                              offload=DeviceCopy(device, compute_dtype) if offload else None)
     _BY_SHARD[shard] = shard_group
     return shard_group

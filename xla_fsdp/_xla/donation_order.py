@@ -18,7 +18,7 @@ Two no-op operations make both orders the same list, ``donors()``:
 from __future__ import annotations
 
 import weakref
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -86,11 +86,13 @@ def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 @torch.no_grad()
-def reissue_in_order(optimizer: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
-    """Optimizer step post-hook; acts on optimizers that step FSDP shards."""
+def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.optim.Optimizer,
+                     args: Any = (), kwargs: Any = None) -> None:
+    """Optimizer step post-hook, with ``is_shard`` bound; acts on optimizers that step FSDP
+    shards."""
     cache = _optimizers.get(optimizer)
     if cache is None:
-        if not any(getattr(p, "_is_sharded", False)
+        if not any(is_shard(p)
                    for param_group in optimizer.param_groups for p in param_group["params"]):
             return
         cache = _optimizers.setdefault(optimizer, _Donors())

@@ -172,7 +172,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
     for path, unit in units:
         shard_groups = unit.shard_groups
         shard_info[path] = {
-            g.shard_name: {"_orig_size": g.shard._orig_size, "_orig_name": g.orig_name}
+            g.shard_name: {"_orig_size": g.orig_size, "_orig_name": g.orig_name}
             for g in shard_groups}
         layout_info[path] = {g.shard_name: _layout_entry(g.layout) for g in shard_groups}
         for g in shard_groups:
