@@ -27,6 +27,7 @@ from xla_fsdp import launch
 
 pytest.importorskip("peft")
 from ..support import peft_workloads as work  # noqa: E402 (imports peft)
+from ..support.checks import every  # noqa: E402
 from ..support.parity import paired  # noqa: E402
 
 BOUND = 1e-5
@@ -108,7 +109,7 @@ def test_trainer_frozen_base_is_neither_reduced_nor_optimized(trainer_runs):
     assert len(run["at_steps"]) == work.TRAINER_STEPS
     for step, groups in enumerate(run["at_steps"]):
         for g in groups:
-            lora = all(".lora_" in n for n in g["names"])
+            lora = every((".lora_" in n for n in g["names"]), "names")
             # a shard group holds LoRA parameters only or base parameters only
             assert lora or not any(".lora_" in n for n in g["names"]), g
             assert g["trains"] == lora and g["grad"] == lora, (step, g)

@@ -53,7 +53,8 @@ def snapshot(model, opt):
 
 
 def same_state(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Whether two state dicts hold equal tensors under the same keys (and hold some)."""
+    return a.keys() == b.keys() and every((torch.equal(a[k], b[k]) for k in a), "state entries")
 
 
 def same_snapshot(a, b):
