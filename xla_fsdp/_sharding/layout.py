@@ -36,6 +36,7 @@ and the first rank's stream of a checkpoint is cut into buckets by a ``FlatLayou
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,11 +62,7 @@ def _ceil_to(value: int, multiple: int) -> int:
 
 def _starts(sizes: Sequence[int]) -> Tuple[int, ...]:
     """Where each of ``sizes`` starts when they are laid end to end."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
-    return tuple(out)
+    return tuple(itertools.accumulate(sizes, initial=0))[:-1]
 
 
 @dataclass(frozen=True)

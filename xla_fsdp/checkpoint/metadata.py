@@ -143,12 +143,10 @@ def refuse_extra_state(root: nn.Module, what: str) -> None:
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
     persistent ones, under every name a shared module gives them."""
-    out = []
-    for path, m in root.named_modules(remove_duplicate=False):
-        for name, buf in m.named_buffers(recurse=False, remove_duplicate=False):
-            if is_persistent_buffer(m, name):
-                out.append((unwrapped_name(path, name), buf))
-    return out
+    return [(unwrapped_name(path, name), buf)
+            for path, m in root.named_modules(remove_duplicate=False)
+            for name, buf in m.named_buffers(recurse=False, remove_duplicate=False)
+            if is_persistent_buffer(m, name)]
 
 
 def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
@@ -156,11 +154,8 @@ def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
     """(name in the unwrapped model, shard) for every shard group of every unit.
 
     A flattened group is named ``<unit path>.flat_param_<i>``."""
-    out = []
-    for path, unit in units:
-        for g in unit.shard_groups:
-            out.append((unwrapped_name(path, g.orig_name), g.shard))
-    return out
+    return [(unwrapped_name(path, g.orig_name), g.shard)
+            for path, unit in units for g in unit.shard_groups]
 
 
 def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], world_size: int,

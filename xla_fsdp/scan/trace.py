@@ -31,7 +31,6 @@ class LayerGraphs:
     forward: fx.GraphModule    # (*inputs) -> (output, *saved)
     backward: fx.GraphModule   # (*saved, grad of output) -> grad of each input (or None)
     saved_inputs: Tuple[Optional[int], ...]  # per saved value: the input it is, or None
-    num_inputs: int
 
     @property
     def draws_random(self) -> bool:
@@ -81,8 +80,7 @@ def trace_layer(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
         raise NotImplementedError(f"the layer's backward graph takes {got} inputs, expected "
                                   f"{expected} (saved values and one gradient)")
     return LayerGraphs(forward, backward,
-                       tuple(index.get(n) if isinstance(n, fx.Node) else None for n in saved),
-                       len(inputs))
+                       tuple(index.get(n) if isinstance(n, fx.Node) else None for n in saved))
 
 
 def _dropout_decompositions() -> Dict[Any, Callable]:
