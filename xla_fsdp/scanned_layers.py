@@ -34,7 +34,8 @@ from ._unit.buffers import place_buffers
 from ._unit.param_record import ParamRecord
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
 from .fully_sharded import options_from_keywords
-from .scan.checks import (check_identical, forward_graph, refuse_input_mutation,
+from .scan.checks import (check_identical, describe_layer, forward_graph,
+                          refuse_float32_modules, refuse_input_mutation,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
 from .scan.loop import ScanFunction, ScanLoop, run_forward_only
 from .scan.trace import LayerGraphs, trace_layer
@@ -53,10 +54,12 @@ class ScannedLayers(UnitModule):
     options of ``XlaFullyShardedDataParallel``, except ``auto_wrap_policy``. The options
     about a whole unit's schedule do not apply to a stack, whose scan gathers, frees and
     reduces one layer at a time: ``reshard_after_forward``, ``optimization_barrier_in_*``,
-    ``reduce_scatter_bucket_size_mb`` and ``zero_missing_gradients`` (every layer gets a
-    gradient). Under ``no_sync`` the gradients are still reduce-scattered, one layer at a
+    ``reduce_scatter_bucket_size_mb`` and ``zero_missing_gradients`` (a parameter the
+    layer never uses gets no gradient, as unscanned without that option). Under ``no_sync`` the gradients are still reduce-scattered, one layer at a
     time (the sum is the same; the communication is not saved). ``ignored_attributes`` names plain
-    attributes that may differ between layers. ``prefetch_next_layer=True`` gathers the next
+    attributes that may differ between layers; the others may change after wrapping on every
+    layer alike (dropout's ``p``), which traces the layer anew, and a change seen on the first
+    layer that the others do not share is refused. ``prefetch_next_layer=True`` gathers the next
     layer beside the current layer's compute, at the cost of a second layer's full
     parameters (see [Note: gathering the next layer ahead] in ``scan.loop``)."""
 
@@ -73,9 +76,12 @@ class ScannedLayers(UnitModule):
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
             raise TypeError(f"ScannedLayers takes a non-empty nn.ModuleList or nn.Sequential "
                             f"of identical layers, got {type(layers).__name__}")
-        check_identical(list(layers), tuple(ignored_attributes))
+        ignored = tuple(ignored_attributes)
+        check_identical(list(layers), ignored)
         options = options_from_keywords(kwargs, "ScannedLayers")
-        self.__dict__["_varying"] = varying_attributes(list(layers), tuple(ignored_attributes))
+        refuse_float32_modules(layers[0], options.compute_dtype)
+        self.__dict__["_varying"] = varying_attributes(list(layers), ignored)
+        self.__dict__["_ignored"] = ignored
         self.__dict__["_scan_cache"] = {}
         self.__dict__["_tracing"] = False
         self.__dict__["_prefetch"] = bool(prefetch_next_layer)
@@ -90,6 +96,10 @@ class ScannedLayers(UnitModule):
                          compile_refusal=refusal)
         for i, layer in enumerate(layers):
             layer.register_forward_pre_hook(self._refuse_direct_call(i))
+        # layer 0's descriptions the stack has run with, as sharding left it; the index of
+        # the current one keys the traces (see ``_settings_seen``)
+        self.__dict__["_descriptions"] = [describe_layer(layers[0], ignored, hooks=True)]
+        self.__dict__["_last_settings"] = 0
 
     # -- the stack as Hugging Face's loops see it ------------------------------------------
     def __len__(self) -> int:
@@ -134,6 +144,8 @@ class ScannedLayers(UnitModule):
         if not isinstance(hidden, torch.Tensor):
             raise TypeError(f"ScannedLayers carries its first argument from layer to layer; "
                             f"it must be a tensor, got {type(hidden).__name__}")
+        self.unit_state.sync_trainable()  # frozen through a layer's attribute since wrapping
+        settings = self._settings_seen()
         if self.compute_dtype != torch.float32:
             hidden, args, kwargs = cast_floating(self.compute_dtype, (hidden, args, kwargs))
         leaves, spec = tree_flatten((args, kwargs))
@@ -148,7 +160,7 @@ class ScannedLayers(UnitModule):
         key = (tuple((tuple(t.shape), t.dtype) for t in [hidden] + invariants),
                tuple(differentiable), str(spec),
                tuple(repr(x) for i, x in enumerate(leaves) if i not in set(tensors)),
-               stack[0].training, tuple(g.shard.requires_grad for g in shard_groups))
+               settings, tuple(g.shard.requires_grad for g in shard_groups))
         if key not in self._scan_cache:
             self._scan_cache[key] = self._trace(hidden, invariants, differentiable, leaves,
                                                 tensors, spec, buffer_slots)
@@ -168,6 +180,26 @@ class ScannedLayers(UnitModule):
             return rebuild(run_forward_only(loop, hidden))
         return rebuild(ScanFunction.apply(loop, hidden, *invariants,
                                           *[g.local() for g in shard_groups]))
+
+    def _settings_seen(self) -> int:
+        """Which of the settings the stack has run with its layers have now (``training``,
+        dropout's ``p``, any plain attribute): each traces the layer anew. Settings changed
+        since the last call are checked across every layer again, as at construction; a
+        change to other layers than the first alone is not seen here."""
+        descriptions, last = self._descriptions, self._last_settings
+        # the layers' hooks now include the stack's own (``_refuse_direct_call``)
+        now = describe_layer(self.wrapped_module[0], self._ignored, hooks=True)
+        if now == descriptions[last]:
+            return last
+        layers = list(self.wrapped_module)
+        check_identical(layers, self._ignored, hooks=True)
+        self.__dict__["_varying"] = varying_attributes(layers, self._ignored)
+        seen = next((i for i, d in enumerate(descriptions) if d == now), None)
+        if seen is None:
+            descriptions.append(now)
+            seen = len(descriptions) - 1
+        self.__dict__["_last_settings"] = seen
+        return seen
 
     def _trace(self, hidden: torch.Tensor, invariants: List[torch.Tensor],
                differentiable: List[bool], leaves: List[Any], tensors: List[int], spec: Any,

@@ -180,6 +180,84 @@ def test_what_only_the_layer_trace_shows_is_refused_at_the_first_call():
     assert "neither parameters nor buffers (scale)" in messages[1], messages[1]
 
 
+class Scaled(nn.Module):
+    """A residual block scaled by a plain setting, with a layer it never uses."""
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.unused = nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 8)
+        self.alpha = 1.0
+
+    def forward(self, x):
+        return x + self.alpha * self.fc2(torch.relu(self.fc1(x)))
+
+
+def _changed_after_wrapping(rank):
+    """What the user changes on the layers after wrapping, as the unscanned model runs it."""
+    import copy
+
+    import torch_xla
+    from xla_fsdp import FSDP, ScannedLayers
+    device = torch_xla.device()
+    torch.manual_seed(0)
+    plain = MemStack(layers=3, dim=8, hidden=12)
+    plain.layers = nn.ModuleList([Scaled() for _ in range(3)])
+    model = copy.deepcopy(plain)
+    model.layers = ScannedLayers(model.layers)
+    model = FSDP(model)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    out = {"first": float((model(x.to(device)) - plain(x).to(device)).abs().max())}
+    stack = model.layers.wrapped_module   # iterating the ScannedLayers gives the stack itself
+    for layers in (plain.layers, stack):   # a setting changed on every layer
+        for layer in layers:
+            layer.alpha = 0.25
+    out["alpha"] = float((model(x.to(device)) - plain(x).to(device)).abs().max())
+    stack[0].alpha = 0.5   # on one layer: the scan cannot run it
+    try:
+        model(x.to(device))
+        out["one_layer"] = "no error"
+    except ValueError as e:
+        out["one_layer"] = str(e)
+    stack[0].alpha = 0.25
+    # frozen through the layers' attributes after wrapping; a parameter never used
+    for layer in stack:
+        layer.fc1.weight.requires_grad_(False)
+    model(x.to(device)).sum().backward()
+    names = dict(model.named_parameters())
+    out["grads"] = {n.split("layers.")[-1]: p.grad is not None for n, p in names.items()
+                    if "layers" in n}
+    stack[2].fc1.weight.requires_grad_(True)
+    try:
+        model(x.to(device))
+        out["one_frozen"] = "no error"
+    except ValueError as e:
+        out["one_frozen"] = str(e)
+    norm = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False))
+    try:
+        ScannedLayers([norm, copy.deepcopy(norm)], compute_dtype=torch.bfloat16)
+        out["bf16_norm"] = "no error"
+    except ValueError as e:
+        out["bf16_norm"] = str(e)
+    torch_xla.sync()
+    return out
+
+
+def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
+    """A setting changed on every layer traces the layer anew (it ran the first trace); on
+    the first layer alone it is refused; a parameter frozen through its layer's attribute gets no
+    gradient, nor does one never used (it got zeros, which weight decay and AdamW's step
+    count act on); BatchNorm under bf16 compute is refused when the stack is built."""
+    for out in launch(_changed_after_wrapping, (), num_devices=2).values():
+        assert out["first"] < 1e-6 and out["alpha"] < 1e-6, out
+        assert "layer 1 differs from layer 0 at '.alpha'" in out["one_layer"], out["one_layer"]
+        grads = out["grads"]
+        assert grads and every(not g for n, g in grads.items() if "fc1.weight" in n
+                               or "unused" in n), grads
+        assert every(g for n, g in grads.items() if "fc2" in n or "fc1.bias" in n), grads
+        assert "must all be trainable or all frozen" in out["one_frozen"], out["one_frozen"]
+        assert "BatchNorm1d" in out["bf16_norm"] and "float32" in out["bf16_norm"], \
+            out["bf16_norm"]
+
+
 DROP_DIM, DROP_LAYERS, DROP_P = 12, 3, 0.3
 
 

@@ -249,7 +249,7 @@ class UnitState:
         self._members_run.add(id(member))
         if not recompute:  # a recompute runs inside this unit's backward: keep its state
             self.params.set_immediate(compiled)
-            self._sync_trainable()
+            self.sync_trainable()
             self.params.drop_abandoned()
             self.training_state = TrainingState.FORWARD
         if self.options.compute_dtype != torch.float32:
@@ -304,7 +304,7 @@ class UnitState:
             print(f"root FSDP unit got {count} sharded parameters "
                   f"(_debug_msg: {self.options.debug_msg})")
 
-    def _sync_trainable(self) -> None:
+    def sync_trainable(self) -> None:
         """Agrees ``requires_grad`` between shards and placeholders, whichever of the two
         was changed since wrapping (frozen through ``model.parameters()``, which yields
         shards, or through a module attribute, which is a placeholder)."""
@@ -316,7 +316,8 @@ class UnitState:
                     names = ", ".join(r.name for r in g.records)
                     raise ValueError(
                         f"FSDP unit around {self.name}: parameters {names} are sharded as one "
-                        f"flat tensor and must all be trainable or all frozen; set "
+                        f"tensor (flattened together, or one parameter of every layer of a "
+                        f"scanned stack) and must all be trainable or all frozen; set "
                         f"requires_grad on all of them (or wrap without flatten_parameters)")
                 g.shard.requires_grad_(want)
             trainable = g.shard.requires_grad

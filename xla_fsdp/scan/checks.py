@@ -18,6 +18,7 @@ that reaches the graph only as a tensor constant's value, is not caught.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
@@ -114,34 +115,59 @@ def refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[tor
                 f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
 
 
-def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
-    """Refuses layers the scan cannot run as copies of one: differing structure, shapes,
-    settings, shared parameters, hooks, nested units or running statistics."""
-    def describe(layer: nn.Module) -> Dict[str, Any]:
-        out: Dict[str, Any] = {}
-        for path, m in layer.named_modules(remove_duplicate=False):
-            where = path or "(the layer)"
-            if is_unit(m):
-                raise ValueError(f"{where} of a scanned layer is an FSDP unit; a scanned stack "
-                                 f"is one unit, with nothing wrapped inside it")
-            if is_batch_norm(m) and m.track_running_stats:
-                raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
-                                 f"in forward, which a scan cannot carry out per layer")
-            if has_module_hooks(m):
-                raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
-                                 f"scan would not call")
-            out[f"{path}:type"] = type(m)
-            for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
-                out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype, p.requires_grad)
-            for name, b in m.named_buffers(recurse=False, remove_duplicate=False):
-                out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)
-            for name, v in vars(m).items():
-                if name.startswith("_") or name in ignored or isinstance(v, (torch.Tensor, nn.Module)):
-                    continue
-                out[f"{path}.{name}"] = ("attribute", v)
-        return out
+def describe_layer(layer: nn.Module, ignored: Tuple[str, ...], hooks: bool = False
+                   ) -> Dict[str, Any]:
+    """What the scan's one trace assumes of every layer: each module's type, parameters'
+    shapes, buffers and plain settings (but ``ignored``); refuses what no scan can run (nested
+    units, running statistics, and unless ``hooks`` (the stack's own, once built) module
+    hooks)."""
+    out: Dict[str, Any] = {}
+    for path, m in layer.named_modules(remove_duplicate=False):
+        where = path or "(the layer)"
+        if is_unit(m):
+            raise ValueError(f"{where} of a scanned layer is an FSDP unit; a scanned stack "
+                             f"is one unit, with nothing wrapped inside it")
+        if is_batch_norm(m) and m.track_running_stats:
+            raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
+                             f"in forward, which a scan cannot carry out per layer")
+        if not hooks and has_module_hooks(m):
+            raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
+                             f"scan would not call")
+        out[f"{path}:type"] = type(m)
+        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+            out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype, p.requires_grad)
+        for name, b in m.named_buffers(recurse=False, remove_duplicate=False):
+            out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)
+        for name, v in vars(m).items():
+            if name.startswith("_") or name in ignored or isinstance(v, (torch.Tensor, nn.Module)):
+                continue
+            # a method set on the instance (a patched forward) is bound to each layer's
+            # module: what it runs is its function
+            out[f"{path}.{name}"] = ("method", v.__func__) if inspect.ismethod(v) \
+                else ("attribute", v)
+    return out
 
-    reference = describe(layers[0])
+
+def refuse_float32_modules(layer: nn.Module, compute_dtype: torch.dtype) -> None:
+    """A unit runs BatchNorm in float32 under a low-precision ``compute_dtype``; the scan runs
+    every parameter of a layer in ``compute_dtype``, so it refuses a layer that has one."""
+    if compute_dtype == torch.float32:
+        return
+    for path, m in layer.named_modules():
+        if is_batch_norm(m):
+            raise ValueError(
+                f"{path or '(the layer)'} ({type(m).__name__}) of a scanned layer would compute "
+                f"in {compute_dtype}, which BatchNorm cannot: a scanned stack runs all of a "
+                f"layer in compute_dtype. Wrap these layers with FSDP one by one (which keeps "
+                f"BatchNorm in float32), or scan them with float32 compute")
+
+
+def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...], hooks: bool = False
+                    ) -> None:
+    """Refuses layers the scan cannot run as copies of one: differing structure, shapes,
+    settings, shared parameters, hooks (unless ``hooks``), nested units or running
+    statistics."""
+    reference = describe_layer(layers[0], ignored, hooks)
     seen: Dict[int, int] = {}
     for i, layer in enumerate(layers):
         for p in layer.parameters():
@@ -150,7 +176,7 @@ def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...]) -> None:
                                  f"layers must each hold their own")
         if i == 0:
             continue
-        other = describe(layer)
+        other = describe_layer(layer, ignored, hooks)
         for key in sorted(set(reference) | set(other)):
             if reference.get(key) != other.get(key):
                 raise ValueError(

@@ -85,7 +85,7 @@ class ScanLoop:
                  ) -> Tuple[torch.Tensor, List[Optional[torch.Tensor]], List[Optional[torch.Tensor]]]:
         stacked = self.graphs.stacked_saved
         carried = [i for i, d in enumerate(self.differentiable) if d]
-        trainable = [i for i, g in enumerate(self.shard_groups) if g.shard.requires_grad]
+        trainable = self._given_gradients()
         base, n = len(self._xs()), len(self.shard_groups)
 
         def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
@@ -116,6 +116,19 @@ class ScanLoop:
         for i, g in zip(trainable, reduced):
             g_shards[i] = g
         return carry[0], g_inv, g_shards
+
+    def _given_gradients(self) -> List[int]:
+        """The shard groups whose shards get a gradient: trainable, with a parameter the
+        layer's backward reaches. A group of parameters the layer never uses is not reduced,
+        and its shard's ``.grad`` stays None, as unscanned: a zero gradient would still
+        move it under weight decay and count an AdamW step."""
+        given, at, out = self.graphs.given_gradients, 1 + len(self.invariants), []
+        for i, g in enumerate(self.shard_groups):
+            k = len(g.layout.layer.shapes)
+            if g.shard.requires_grad and any(given[at:at + k]):
+                out.append(i)
+            at += k
+        return out
 
     # -- prefetching (see [Note: gathering the next layer ahead]) ---------------------------
     def _layers(self) -> int:

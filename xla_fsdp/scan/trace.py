@@ -39,6 +39,13 @@ class LayerGraphs:
                    for n in self.forward.graph.nodes if n.op == "call_function")
 
     @property
+    def given_gradients(self) -> Tuple[bool, ...]:
+        """Per input of the layer, whether its backward gives it a gradient: a parameter the
+        layer never uses gets None, as it does unscanned."""
+        (returned,) = [n.args[0] for n in self.backward.graph.nodes if n.op == "output"]
+        return tuple(g is not None for g in returned)
+
+    @property
     def stacked_saved(self) -> List[int]:
         """Positions of the saved values the forward loop must stack, one per layer."""
         return [i for i, k in enumerate(self.saved_inputs) if k is None]
