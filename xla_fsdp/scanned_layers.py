@@ -35,7 +35,7 @@ from ._unit.param_record import ParamRecord
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
 from .fully_sharded import options_from_keywords
 from .scan.checks import (check_identical, describe_layer, forward_graph,
-                          refuse_float32_modules, refuse_input_mutation,
+                          refuse_float32_modules, refuse_input_mutation, refuse_opaque_arguments,
                           refuse_varying_computation, tensor_attributes, varying_attributes)
 from .scan.loop import ScanFunction, ScanLoop, run_forward_only
 from .scan.trace import LayerGraphs, trace_layer
@@ -149,6 +149,7 @@ class ScannedLayers(UnitModule):
         if self.compute_dtype != torch.float32:
             hidden, args, kwargs = cast_floating(self.compute_dtype, (hidden, args, kwargs))
         leaves, spec = tree_flatten((args, kwargs))
+        refuse_opaque_arguments(leaves, kwargs)
         tensors = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         invariants = [leaves[i] for i in tensors]
         differentiable = [t.is_floating_point() and t.requires_grad for t in invariants]

@@ -187,8 +187,12 @@ class Scaled(nn.Module):
         self.fc1, self.fc2, self.unused = nn.Linear(8, 12), nn.Linear(12, 8), nn.Linear(8, 8)
         self.alpha = 1.0
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         return x + self.alpha * self.fc2(torch.relu(self.fc1(x)))
+
+
+class _Cache:
+    """An object argument, as Hugging Face's KV cache is."""
 
 
 def _changed_after_wrapping(rank):
@@ -231,6 +235,12 @@ def _changed_after_wrapping(rank):
         out["one_frozen"] = "no error"
     except ValueError as e:
         out["one_frozen"] = str(e)
+    stack[2].fc1.weight.requires_grad_(False)
+    try:  # an object the layers would read or fill (a KV cache), which one trace cannot
+        model.layers(x.to(device), cache=_Cache())
+        out["object"] = "no error"
+    except TypeError as e:
+        out["object"] = str(e)
     norm = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False))
     try:
         ScannedLayers([norm, copy.deepcopy(norm)], compute_dtype=torch.bfloat16)
@@ -245,7 +255,8 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
     """A setting changed on every layer traces the layer anew (it ran the first trace); on
     the first layer alone it is refused; a parameter frozen through its layer's attribute gets no
     gradient, nor does one never used (it got zeros, which weight decay and AdamW's step
-    count act on); BatchNorm under bf16 compute is refused when the stack is built."""
+    count act on); BatchNorm under bf16 compute is refused when the stack is built; so is an object
+    among the arguments at the call."""
     for out in launch(_changed_after_wrapping, (), num_devices=2).values():
         assert out["first"] < 1e-6 and out["alpha"] < 1e-6, out
         assert "layer 1 differs from layer 0 at '.alpha'" in out["one_layer"], out["one_layer"]
@@ -256,6 +267,7 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
         assert "must all be trainable or all frozen" in out["one_frozen"], out["one_frozen"]
         assert "BatchNorm1d" in out["bf16_norm"] and "float32" in out["bf16_norm"], \
             out["bf16_norm"]
+        assert "cache=_Cache object" in out["object"], out["object"]
 
 
 DROP_DIM, DROP_LAYERS, DROP_P = 12, 3, 0.3

@@ -18,6 +18,7 @@ that reaches the graph only as a tensor constant's value, is not caught.
 """
 from __future__ import annotations
 
+import enum
 import inspect
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -146,6 +147,29 @@ def describe_layer(layer: nn.Module, ignored: Tuple[str, ...], hooks: bool = Fal
             out[f"{path}.{name}"] = ("method", v.__func__) if inspect.ismethod(v) \
                 else ("attribute", v)
     return out
+
+
+# argument values the scan keys its traces by: equal values trace alike
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.memory_format, torch.layout, enum.Enum, slice, type(Ellipsis))
+
+
+def refuse_opaque_arguments(leaves: Sequence[Any], kwargs: Dict[str, Any]) -> None:
+    """The scan traces the layer once per set of argument values (tensors by shape) and runs
+    that trace for every layer. An object among the arguments (a Hugging Face KV cache the
+    layers fill one by one, anything holding tensors or changed between calls) is neither:
+    what a layer reads from or writes to it the trace fixes, so it is refused."""
+    for x in leaves:
+        if isinstance(x, (torch.Tensor,) + _PLAIN):
+            continue
+        name = next((f"{k}=" for k, v in kwargs.items() if v is x), "an argument ")
+        hint = (" (a Hugging Face model passes its KV cache when use_cache is on: train with "
+                "model.config.use_cache = False)" if "Cache" in type(x).__name__ else "")
+        raise TypeError(
+            f"ScannedLayers: {name}{type(x).__name__} object: the scan runs one trace of the "
+            f"layer for every layer and call with the same argument values, and cannot "
+            f"follow what a layer reads from or writes to an object. Pass tensors and plain "
+            f"values (None, numbers, strings, dtypes), in lists, tuples or dicts{hint}")
 
 
 def refuse_float32_modules(layer: nn.Module, compute_dtype: torch.dtype) -> None:
