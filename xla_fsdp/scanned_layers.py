@@ -174,7 +174,8 @@ class ScannedLayers(UnitModule):
                 "masks than the forward. Do not checkpoint the stack (the scan saves only "
                 "activations, never weights), or set dropout to 0")
         loop = ScanLoop(graphs, invariants, differentiable, shard_groups, buffers,
-                        self.collectives, self.options, self.gradient_divisors, self._prefetch)
+                        self.collectives, self.options, self.unit_state.params.divide,
+                        self._prefetch)
         grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
                                             any(g.shard.requires_grad for g in shard_groups))
         if not grad:

@@ -208,12 +208,6 @@ class UnitModule(FallThrough):
     def gradient_postdivide_factor(self) -> float:
         return self._state.params.divide_factors[1]
 
-    @property
-    def gradient_divisors(self) -> Tuple[float, float]:
-        """What the unit's reductions divide gradients by, before and after: the factors
-        as torch_xla applies them (``set_gradient_divide_factors``)."""
-        return self._state.params.divide
-
     def _apply(self, fn: Callable, recurse: bool = True) -> "UnitModule":
         # torch's .to(), .half(), .cpu()...: see [Note: converting a wrapped model]
         for unit in self.units():

@@ -123,12 +123,13 @@ class _SoftmaxKeptLow(torch.autograd.Function):
 
 
 def _scaled(query: torch.Tensor, key: torch.Tensor, scale: float
-            ) -> Tuple[torch.Tensor, torch.Tensor, float]:
-    """(query and key scaled before their matmul, the factor left for the float32 scores).
-    Float32 scores are scaled as torch's math path scales them, query and key each by the
-    root of ``scale`` (see [Note: attention inside a unit keeps no probabilities])."""
-    q_scale, k_scale, after = _scale_split(query, scale)
-    return _times(query, q_scale), _times(key, k_scale), after
+            ) -> Tuple[torch.Tensor, torch.Tensor, Tuple[float, float, float]]:
+    """(query and key scaled before their matmul; the query's, the key's and the float32
+    scores' factors, ``after`` last). Float32 scores are scaled as torch's math path scales
+    them, query and key each by the root of ``scale`` (see [Note: attention inside a unit
+    keeps no probabilities])."""
+    q_scale, k_scale, after = factors = _scale_split(query, scale)
+    return _times(query, q_scale), _times(key, k_scale), factors
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, after: float, causal: bool,
@@ -184,9 +185,9 @@ class _Attention(torch.autograd.Function):
     def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float, causal: bool, mask: Optional[torch.Tensor]) -> torch.Tensor:
         # kept scaled: backward's recompute and its gradients read them as they are
-        query, key, after = _scaled(query, key, scale)
-        ctx.attention_factors = _scale_split(query, scale) + (causal,)
-        probs, log_sums = _probabilities(query, key, after, causal, mask)
+        query, key, factors = _scaled(query, key, scale)
+        ctx.attention_factors = factors + (causal,)
+        probs, log_sums = _probabilities(query, key, factors[2], causal, mask)
         out = probs @ value
         ctx.save_for_backward(query, key, value, mask, out, log_sums)
         return out
@@ -232,7 +233,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if not kept:
         return _Attention.apply(query, key, value, scale, is_causal, attn_mask)
     # dropout's mask cannot be drawn again in backward: the probabilities are kept
-    scores, masked_rows = _scores(*_scaled(query, key, scale), is_causal, attn_mask)
+    query, key, factors = _scaled(query, key, scale)
+    scores, masked_rows = _scores(query, key, factors[2], is_causal, attn_mask)
     probs = _SoftmaxKeptLow.apply(scores, -1, query.dtype, query.dtype, masked_rows)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p, training=True)

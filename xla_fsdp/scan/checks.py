@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._init.mixed_precision import float32_modules
 from .._unit.unit_state import is_unit
 from .._xla.private_api import has_module_hooks, is_batch_norm
 
@@ -173,17 +174,17 @@ def refuse_opaque_arguments(leaves: Sequence[Any], kwargs: Dict[str, Any]) -> No
 
 
 def refuse_float32_modules(layer: nn.Module, compute_dtype: torch.dtype) -> None:
-    """A unit runs BatchNorm in float32 under a low-precision ``compute_dtype``; the scan runs
-    every parameter of a layer in ``compute_dtype``, so it refuses a layer that has one."""
-    if compute_dtype == torch.float32:
-        return
+    """A unit runs some modules in float32 under a low-precision ``compute_dtype``
+    (``_init.mixed_precision``); the scan runs every parameter of a layer in
+    ``compute_dtype``, so it refuses a layer that has one."""
+    fp32 = float32_modules(layer.modules(), compute_dtype)
     for path, m in layer.named_modules():
-        if is_batch_norm(m):
+        if id(m) in fp32:
             raise ValueError(
                 f"{path or '(the layer)'} ({type(m).__name__}) of a scanned layer would compute "
-                f"in {compute_dtype}, which BatchNorm cannot: a scanned stack runs all of a "
-                f"layer in compute_dtype. Wrap these layers with FSDP one by one (which keeps "
-                f"BatchNorm in float32), or scan them with float32 compute")
+                f"in {compute_dtype}, where a unit computes it in float32: a scanned stack runs "
+                f"all of a layer in compute_dtype. Wrap these layers with FSDP one by one, or "
+                f"scan them with float32 compute")
 
 
 def check_identical(layers: List[nn.Module], ignored: Tuple[str, ...], hooks: bool = False
