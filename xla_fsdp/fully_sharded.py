@@ -27,13 +27,14 @@ from ._init.find_parameters import find_parameters
 from ._init.mixed_precision import float32_modules, float32_statistics, run_in_float32
 from ._init.shard_members import ShardedParameters, shard_members
 from ._init.module_group import ModuleGroup, check_members, mark_grouped
-from ._init.validate import validate_group_arguments, validate_module
+from ._init.validate import validate_first_forward, validate_group_arguments, validate_module
 from ._unit.buffers import place_buffers
 from ._unit.module_view import ModuleView
 from ._unit.options import FsdpOptions
 from ._unit.param_record import Owner
 from ._unit.training_state import TrainingState
-from ._unit.unit_state import UnitState
+from ._unit.unit_hooks import HookedUnitState
+from ._unit.unit_params import UnitParams
 from .unit_module import UnitModule
 from .wrap import recursive_wrap
 
@@ -252,7 +253,8 @@ class XlaFullyShardedDataParallel(UnitModule):
         unit(s) whose backward runs next (the ones before it in forward order)."""
         self.unit_state.set_prefetch(backward=self._prefetch_targets(modules, "backward"))
 
-    def _prefetch_targets(self, modules: Sequence[Any], which: str) -> List[UnitState]:
+    def _prefetch_targets(self, modules: Sequence[Any], which: str
+                          ) -> List[HookedUnitState]:
         modules = list(modules)
         for m in modules:
             if isinstance(m, UnitModule) and not isinstance(m, XlaFullyShardedDataParallel):
@@ -275,6 +277,12 @@ class XlaFullyShardedDataParallel(UnitModule):
         params.reshard(params.gathered, [], self.options.optimization_barrier_in_forward)
 
     # -- sharding at construction ------------------------------------------------------------
+    def _new_state(self, name: str, members: List[nn.Module], params: UnitParams,
+                   detached: bool, compile_refusal: Optional[str]) -> HookedUnitState:
+        return HookedUnitState(self, name, members, params, self.options, detached,
+                               first_forward_check=validate_first_forward,
+                               compile_refusal=compile_refusal)
+
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
                        ) -> ShardedParameters:
         """Each parameter below ``roots`` on its own, or with ``flatten_parameters`` a unit's

@@ -20,7 +20,7 @@ does (``layers.3.mlp.fc1.weight``); the shards are ``StackedLayout`` groups.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -32,6 +32,8 @@ from ._init.validate import validate_module
 from ._sharding.tensor_tree import cast_floating
 from ._unit.buffers import place_buffers
 from ._unit.param_record import ParamRecord
+from ._unit.unit_params import UnitParams
+from ._unit.unit_state import UnitState
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
 from .fully_sharded import options_from_keywords
 from .scan.checks import (check_identical, describe_layer, forward_graph,
@@ -129,6 +131,11 @@ class ScannedLayers(UnitModule):
         return hook
 
     # -- sharding at construction ----------------------------------------------------------
+    def _new_state(self, name: str, members: List[nn.Module], params: UnitParams,
+                   detached: bool, compile_refusal: Optional[str]) -> UnitState:
+        # the loop takes each layer's gradients and reduces them itself: nothing to hook
+        return UnitState(self, name, members, params, self.options, detached, compile_refusal)
+
     def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
                        ) -> ShardedParameters:
         ((_, stack),) = roots

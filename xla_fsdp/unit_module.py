@@ -6,8 +6,10 @@ gather a unit's full parameters around its modules' forward and backward, and
 core (``_unit``: a ``UnitState`` with its ``UnitParams`` and shard groups; ``_sharding``: the
 collectives), and both are this class: its shards, its settings, and the calls on a root
 unit that concern the whole model (clipping, ``no_sync``, state dicts). What differs is
-only how a kind shards its modules at construction (``_shard_members``) and how it runs
-them (``forward``); neither kind switches off anything of the other's.
+only how a kind shards its modules at construction (``_shard_members``), what state drives
+it (``_new_state``: the wrapper's hooks it on its modules and gradients, the stack's hooks
+nothing) and how it runs them (``forward``); neither kind switches off anything of the
+other's.
 """
 from __future__ import annotations
 
@@ -22,7 +24,6 @@ import torch.nn as nn
 from ._init.meta_init import materialize_meta
 from ._init.module_group import attach_module_groups
 from ._init.shard_members import ShardedParameters
-from ._init.validate import validate_first_forward
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
@@ -86,11 +87,9 @@ class UnitModule(FallThrough):
         self.xla_device = torch_xla.device()
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names
         self._param_order: List[str] = []
-        self._state = UnitState(self, name, members,
-                                UnitParams(self._collectives, options, self.xla_device),
-                                options, detached=detached,
-                                first_forward_check=validate_first_forward,
-                                compile_refusal=compile_refusal)
+        self._state = self._new_state(name, members,
+                                      UnitParams(self._collectives, options, self.xla_device),
+                                      detached, compile_refusal)
         pre = default_predivide_factor(self.world_size)
         self.set_gradient_divide_factors(pre, self.world_size / pre, False)
         self.register_load_state_dict_post_hook(_after_load)
@@ -125,6 +124,11 @@ class UnitModule(FallThrough):
                        ) -> ShardedParameters:
         """Shards the parameters below ``roots`` ((name prefix, module) pairs) and places
         their buffers, as this kind of unit runs them."""
+        raise NotImplementedError
+
+    def _new_state(self, name: str, members: List[nn.Module], params: UnitParams,
+                   detached: bool, compile_refusal: Optional[str]) -> UnitState:
+        """The state that drives this kind of unit."""
         raise NotImplementedError
 
     # -- public surface ---------------------------------------------------------------------

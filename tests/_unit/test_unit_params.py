@@ -44,7 +44,7 @@ def loss(out):
 
 
 def wire(params, log=None):
-    """What the unit's placeholder hooks do (``UnitState._post_accumulate``); returns the
+    """What the unit's placeholder hooks do (``HookedUnitState._post_accumulate``); returns the
     log of ``post_backward``'s answers, each with ``log()`` after it when given."""
     answers = []
 
@@ -63,7 +63,7 @@ def run_pass(world, rank, x, use_second=True, finalize=True):
     params.unshard([], barrier=False)
     loss(world.modules[rank](x, use_second)).backward()
     if finalize:
-        params.finalize_backward(took_part=True)
+        params.finalize_backward()
 
 
 def reference_grads(world, inputs, use_second=True, dtype=torch.float32):
@@ -184,7 +184,7 @@ def test_a_backward_that_never_reached_the_unit_drops_its_prefetch():
     a, b = world.params[0], other.params[0]
     b.set_reshard_after_backward(False)  # what b gathered, it would keep
     a.unshard([], barrier=False, prefetch=[b])
-    b.finalize_backward(took_part=False)
+    b.finalize_backward()
     assert b.state is FullParams.SHARDED and other.collectives[0].reductions == []
     assert every(g.shard.grad is None for g in b.shard_groups)
 
@@ -241,7 +241,7 @@ def test_each_shard_gets_its_slice_of_the_summed_gradients_divided(layout, rank)
     assert len(fake.reductions) == len(params.shard_groups)
     assert answers[-1] and not any(answers[:-1])  # the unit's last shard group says so
     assert params.state is FullParams.SHARDED and dummies(params)  # each freed once reduced
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     assert len(fake.reductions) == len(params.shard_groups)
     assert fake.scales == [1 / 8] * len(params.shard_groups)
     grads = reference_grads(world, [x])
@@ -296,7 +296,7 @@ def test_reduce_scatters_are_bucketed_by_size():
         for g in params.shard_groups:  # in shard group order, whatever autograd's order
             for i in range(len(g.records)):
                 params.post_backward(g, i)
-        params.finalize_backward(took_part=True)
+        params.finalize_backward()
         assert [len(call) for call in fake.reductions] == calls
         for g in params.shard_groups:
             assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
@@ -316,7 +316,7 @@ def test_an_immediate_pass_holds_its_reductions_until_the_units_last_then_issues
     assert len(answers) == sum(len(g.records) for g in params.shard_groups) > 1
     assert answers[:-1] == [(False, [])] * (len(answers) - 1)   # none issued before the last
     assert answers[-1] == (True, [n])                          # then all, as one call
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     assert len(fake.reductions) == 1  # nothing left to reduce
     grads = reference_grads(world, [x])
     for g in params.shard_groups:
@@ -354,7 +354,7 @@ def test_no_sync_gradients_stay_on_placeholders_until_a_synced_reduction_adds_th
     run_pass(world, 1, x1, finalize=False)
     assert fake.reductions == []
     assert params.state is FullParams.SHARDED and dummies(params)  # each freed once complete
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     first = reference_grads(world, [x1])
     for g in params.shard_groups:
         for name, r in pairs(g.names, g.records):
@@ -395,7 +395,7 @@ def test_an_accumulation_is_reduced_when_the_synced_backward_skips_it(took_part)
     if took_part:
         run_pass(world, 1, x2, use_second=False)            # skips `second`
     else:
-        params.finalize_backward(took_part=False)           # never reaches the unit
+        params.finalize_backward()           # never reaches the unit
     ref = copy.deepcopy(world.reference)
     loss(ref(x1)).backward()
     if took_part:
@@ -445,7 +445,7 @@ def test_a_shard_group_is_reduced_once_every_trainable_record_has_its_gradient()
     assert fake.reductions == []
     assert params.post_backward(g, 1)  # complete: reduced, the unit's last
     assert len(fake.reductions) == 1
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     assert len(fake.reductions) == 1               # nothing arrived since
 
     g.records[1].agree_requires_grad(False)        # frozen since: no gradient to wait for
@@ -466,9 +466,9 @@ def test_a_gradient_arriving_after_its_shard_groups_reduction_is_reduced_at_the_
         params.post_backward(g, i)
     g.records[0].placeholder.grad = torch.ones_like(g.records[0].placeholder)  # used again
     assert not params.post_backward(g, 0) and len(fake.reductions) == 1
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     assert len(fake.reductions) == 2
-    params.finalize_backward(took_part=True)       # the next backward starts afresh
+    params.finalize_backward()       # the next backward starts afresh
     assert len(fake.reductions) == 2
 
 
@@ -485,7 +485,7 @@ def test_shard_groups_without_a_gradient(zero_missing):
     # zero-filled: nothing is reduced before the end of backward, then every trainable
     # shard group in shard group order, on every rank alike
     assert len(fake.reductions) == (0 if zero_missing else 2)
-    params.finalize_backward(took_part=True)
+    params.finalize_backward()
     first_w, first_b, second_w, second_b = params.shard_groups
     padded = [(g.layout.pad([torch.zeros(s) for s in g.layout.shapes]).shape, torch.float32)
               for g in (first_w, first_b, second_w)]
@@ -523,7 +523,7 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
     assert b.state is FullParams.SHARDED and dummies(b)
     assert every(r.placeholder.grad is None for g in a.shard_groups for r in g.records)
     a.run_reductions()
-    a.finalize_backward(took_part=True)  # nothing of the pass that raised is left to reduce
+    a.finalize_backward()  # nothing of the pass that raised is left to reduce
     assert fake.reductions == [] and every(g.shard.grad is None for g in a.shard_groups)
 
     # the next pass is the one a model that never saw the error would take

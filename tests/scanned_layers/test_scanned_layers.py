@@ -229,6 +229,9 @@ def _changed_after_wrapping(rank):
     names = dict(model.named_parameters())
     out["grads"] = {n.split("layers.")[-1]: p.grad is not None for n, p in names.items()
                     if "layers" in n}
+    # the loop hands the layers' gradients over itself: no placeholder of the stack is hooked
+    out["hooked"] = [r.name for g in model.layers.shard_groups for r in g.records
+                     if r.grad_hook is not None]
     stack[2].fc1.weight.requires_grad_(True)
     try:
         model(x.to(device))
@@ -265,6 +268,7 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
                                or "unused" in n), grads
         assert every(g for n, g in grads.items() if "fc2" in n or "fc1.bias" in n), grads
         assert "must all be trainable or all frozen" in out["one_frozen"], out["one_frozen"]
+        assert out["hooked"] == [], out["hooked"]
         assert "BatchNorm1d" in out["bf16_norm"] and "float32" in out["bf16_norm"], \
             out["bf16_norm"]
         assert "cache=_Cache object" in out["object"], out["object"]

@@ -87,7 +87,7 @@ class RootContext:
 
     def check_first_forward(self, first_time: Callable[[], None]) -> bool:
         """Runs the checks of the model's first forward, once; Dynamo runs it while it traces
-        (``assume_constant_result`` in ``UnitState``), so the traced graph holds none of it."""
+        (``assume_constant_result`` in ``unit_hooks``), so the traced graph holds none of it."""
         if not self._initialized:
             first_time()
             self._initialized = True

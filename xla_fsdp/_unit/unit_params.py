@@ -84,8 +84,9 @@ class UnitParams:
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
         self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
         self._queue_bytes = 0
-        # this backward's facts: each shard group's records whose gradient arrived since
-        # it was last reduced, and the shard groups reduced
+        # this backward's facts: whether it reached the unit, each shard group's records
+        # whose gradient arrived since it was last reduced, and the shard groups reduced
+        self._reached = False
         self._arrived: Dict[ShardGroup, Set[int]] = {}
         self._reduced: Set[ShardGroup] = set()
         # the reduction's settings, changed only through the unit's setters
@@ -257,12 +258,17 @@ class UnitParams:
         return self.reshard_after_backward and not keep_for_no_sync
 
     # -- gradients ----------------------------------------------------------------------------
+    def reached(self) -> None:
+        """The backward reached this unit (an output's gradient, before any of its own)."""
+        self._reached = True
+
     def post_backward(self, shard_group: ShardGroup, index: int) -> bool:
         """Record ``index`` of ``shard_group`` has its gradient: a shard group whose trainable
         records all have theirs is reduced now (unless missing gradients are zero-filled at
         the end of backward: see [Note: parameters without a gradient]). In an ``immediate``
         pass the reduce-scatters are held until every trainable shard group of the unit is
         reduced, then executed together. Returns whether every one is."""
+        self._reached = True
         arrived = self._arrived.setdefault(shard_group, set())
         arrived.add(index)
         if not arrived.issuperset(shard_group.trainable_records()) \
@@ -282,12 +288,13 @@ class UnitParams:
             bool(self._arrived.get(shard_group)) or zero_fill and shard_group not in self._reduced)
 
     def _end_backward(self) -> None:
+        self._reached = False
         self._arrived.clear()
         self._reduced.clear()
 
     @torch.no_grad()
-    def finalize_backward(self, took_part: bool) -> None:
-        """The end of a backward (``took_part``: whether it reached this unit)."""
+    def finalize_backward(self) -> None:
+        """The end of a backward, whether or not it reached this unit."""
         # [Note: parameters without a gradient]
         # A shard group none of whose parameters got a gradient on this rank keeps a None
         # gradient, as unsharded training does when no rank used them (a skipped module: the
@@ -303,9 +310,9 @@ class UnitParams:
         zero_fill = self.options.zero_missing_gradients
         for g in self.gathered:
             carried = self.sync_gradients and g.shard.requires_grad and g.accumulating()
-            if carried or took_part and self._needs_reduction(g, zero_fill):
+            if carried or self._reached and self._needs_reduction(g, zero_fill):
                 self._reduce(g, hold=False)
-        if took_part and not self.sync_gradients:
+        if self._reached and not self.sync_gradients:
             self._mark_accumulating()
         self._flush(self.options.optimization_barrier_in_backward)
         self._end_backward()

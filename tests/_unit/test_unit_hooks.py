@@ -1,4 +1,4 @@
-"""The hook state machine on its own: two ``UnitState``s (an inner unit around ``first``
+"""The hook state machine on its own: two ``HookedUnitState``s (an inner unit around ``first``
 and the root around the rest) sharing one ``RootContext``, their hooks on the modules,
 over the fake collectives of ``tests/support/fake_collectives.py`` (no XLA, no launch).
 A probe inside the model's forward and backward reads, at each point, where every unit
@@ -14,7 +14,8 @@ from torch.testing import assert_close
 from tests.support.fake_collectives import CPU, FakeWorld
 from xla_fsdp._unit.training_state import TrainingState, TrainingStateError
 from xla_fsdp._unit.unit_params import FullParams, UnitParams
-from xla_fsdp._unit.unit_state import _STATES, UnitState
+from xla_fsdp._unit.unit_hooks import HookedUnitState
+from xla_fsdp._unit.unit_state import _STATES
 from ..support.checks import every
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
@@ -57,11 +58,11 @@ class Units:
         self.root.adopt([self.root, self.inner])
         self.log = []
 
-    def _state(self, world: FakeWorld, member: nn.Module) -> UnitState:
+    def _state(self, world: FakeWorld, member: nn.Module) -> HookedUnitState:
         options = world.params[self.rank].options
-        state = UnitState(member, type(member).__name__, [member],
-                          UnitParams(world.collectives[self.rank], options, CPU), options,
-                          detached=False, first_forward_check=lambda _: None)
+        state = HookedUnitState(member, type(member).__name__, [member],
+                                UnitParams(world.collectives[self.rank], options, CPU),
+                                options, detached=False, first_forward_check=lambda _: None)
         state.add_shard_groups(world.shard_groups[self.rank])
         state.hook_members()
         return state
@@ -132,6 +133,22 @@ def test_a_training_step_walks_both_units_through_their_states():
     assert (units.root.training_state, units.inner.training_state) == (IDLE, IDLE)
     assert (units.root.params.state, units.inner.params.state) == (SHARDED, SHARDED)
     units.expected_grads(x(1))
+
+
+@pytest.mark.parametrize("zero_missing", [True, False])
+def test_a_unit_the_backward_reaches_without_gradients_zero_fills_only_if_asked(zero_missing):
+    """The inner unit runs without using its weight (a router that chose no expert): its
+    output's gradient reaches it, none of its parameters gets one. With
+    ``zero_missing_gradients`` it still reduces (zeros), as the ranks that used it do."""
+    units = Units(zero_missing_gradients=zero_missing)
+    units.net.first.forward = lambda h: torch.cat([h, h[:, :2]], 1)  # 4 -> 6, no weight
+    step(units)
+    inner = [g.shard.grad for g in units.inner.params.shard_groups]
+    if zero_missing:
+        assert units.reductions()[0] == len(inner) and every(g is not None and not g.any()
+                                                             for g in inner)
+    else:
+        assert units.reductions()[0] == 0 and every(g is None for g in inner)
 
 
 def test_a_forward_without_grad_frees_every_unit_root_included():
