@@ -167,8 +167,7 @@ class HookedUnitState(UnitState):
         inputs = collect_tensors((args, kwargs))
         prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
         self.params.unshard(inputs, self.options.optimization_barrier_in_forward, prefetch)
-        if self.options.optimization_barrier_in_backward and torch.is_grad_enabled() \
-                and not self.params.immediate:
+        if self.params.barrier_on_activations(backward=True) and torch.is_grad_enabled():
             for t in inputs:
                 if t.requires_grad:
                     self._hook(t, self._input_grad_barrier)
@@ -187,11 +186,10 @@ class HookedUnitState(UnitState):
             if grad and not hooked and any(g.shard.requires_grad for g in self.params.gathered):
                 self._keep_for_hidden_outputs()
             else:
-                barrier = self.options.optimization_barrier_in_forward
-                # not on a compiled region's outputs (see [Note: FSDP's hooks under
-                # torch.compile])
-                deps = collect_tensors(outputs) if barrier and not self.params.immediate else []
-                self.params.reshard(self.params.gathered, deps, barrier)
+                on_outputs = self.params.barrier_on_activations(backward=False)
+                self.params.reshard(self.params.gathered,
+                                    collect_tensors(outputs) if on_outputs else [],
+                                    self.options.optimization_barrier_in_forward)
         if last:
             self.training_state = TrainingState.IDLE
         if self is self.context.root:
@@ -252,13 +250,10 @@ class HookedUnitState(UnitState):
         # a forward recomputed in this backward (torch's checkpoint inside a unit, which
         # bypasses its hooks) computes attention as the forward did, until finish_backward
         attention_scope.enter(_backward_scope(context))
-        immediate = self.params.immediate
-        # a barrier on the gradient, a compiled region's output, would replace a tensor the
-        # bridge still holds (see [Note: FSDP's hooks under torch.compile])
-        barrier = self.options.optimization_barrier_in_backward and not immediate
+        barrier = self.params.barrier_on_activations(backward=True)
         if barrier:
             context.backward_barrier.append(grad)
-        if immediate:  # the reductions held so far, before this unit's compiled backward
+        if self.params.immediate:  # the reductions held so far, before its compiled backward
             for state in context.states:
                 state.params.run_reductions()
         if self.params.unshard(list(context.backward_barrier) if barrier else [], barrier,

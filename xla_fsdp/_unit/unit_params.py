@@ -240,6 +240,15 @@ class UnitParams:
     def set_immediate(self, value: bool) -> None:
         self.immediate = value
 
+    def barrier_on_activations(self, backward: bool) -> bool:
+        """Whether this pass ties activations (inputs, outputs, their gradients) into the
+        unit's optimization barriers of the forward or the ``backward``: as the options say,
+        but never in an ``immediate`` pass, whose activations are a compiled region's, which
+        the bridge still holds (see [Note: FSDP's hooks under torch.compile])."""
+        option = (self.options.optimization_barrier_in_backward if backward
+                  else self.options.optimization_barrier_in_forward)
+        return option and not self.immediate
+
     def set_divide(self, pre: float, post: float, world_size: int) -> None:
         """The gradient divide factors, applied as torch_xla's FSDP applies them: each one
         only when it is above 1, and (1, 1) asks for the mean, taken after the sum."""
