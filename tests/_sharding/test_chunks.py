@@ -24,7 +24,7 @@ def test_every_range_is_its_boxes_in_order(shape):
         at = start
         for c in chunks:
             assert c.start == at  # consecutive runs
-            box = full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))]
+            box = full[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))]
             assert box.reshape(-1).tolist() == list(range(at, at + c.numel))
             at += c.numel
         assert at == end
@@ -52,7 +52,7 @@ def test_owned_pieces_as_chunks_rebuild_every_parameter(world):
             for owned in layout.owned(rank):
                 shape = layout.shapes[owned.param]
                 for c, at in run_chunks(shape, owned.start, owned.end, owned.shard_offset):
-                    box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
+                    box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))
                     rebuilt[owned.param][box] = shard[at:at + c.numel].view(c.sizes)
                     covered[owned.param][box] += 1
         for got, want, count in pairs(rebuilt, tensors, covered):

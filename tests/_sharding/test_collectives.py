@@ -103,7 +103,7 @@ def _trace(options):
 
 @pytest.fixture(scope="module")
 def traced():
-    return dict(zip(SETTINGS, launch(trace, num_devices=2)[0]))
+    return dict(zip(SETTINGS, launch(trace, num_devices=2)[0], strict=True))
 
 
 def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before(traced):

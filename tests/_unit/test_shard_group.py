@@ -32,7 +32,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
     names = [[n for n, _ in world.reference.named_parameters()]] if layout == "flatten" else \
         [[n] for n, _ in world.reference.named_parameters()]
     assert [g.names for g in ranks[0]] == [g.names for g in ranks[1]] == names
-    for index, (g0, g1) in enumerate(zip(*ranks)):
+    for index, (g0, g1) in enumerate(zip(*ranks, strict=True)):
         assert isinstance(g0.layout, layout_type)
         # the ranks' shards are the parameters, cut; each shard holds only its own piece
         full = g0.layout.unshard(torch.cat([g0.shard.detach(), g1.shard.detach()]))

@@ -253,7 +253,7 @@ def _torch_xla_arguments(out, device):
         scaler.update()
         torch_xla.sync()
         moved = any(not torch.equal(a, p.detach().cpu()) for a, p in
-                    zip(before, scaled.parameters()))
+                    zip(before, scaled.parameters(), strict=True))
         out["loss_scaling"].append((scaler.get_scale(), moved))
     # auto-wrapped children get the same param_init_fn, not a copy of what it is bound to
     initializer = _Initializer()

@@ -232,7 +232,7 @@ def whole_tensor_optimizers(rank, directory):
             before = [p.detach().cpu().clone() for p in model.parameters()]
             out[f"{name}_{dim0}"] = _error(opt.step)
             out[f"{name}_{dim0}_unchanged"] = every(torch.equal(a, p.detach().cpu()) for a, p in
-                                                    zip(before, model.parameters()))
+                                                    zip(before, model.parameters(), strict=True))
             opt.zero_grad()
     model = FSDP(nn.Sequential(FSDP(Tiny(), shard_param_on_dim_0=True), Tiny()),
                  shard_param_on_dim_0=True)

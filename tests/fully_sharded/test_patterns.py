@@ -73,7 +73,8 @@ def _group_problems(results):
     if len(saved) != WORLD:
         return ["independent_groups: the scenario ended before saving"]
     problems = []
-    for step, ((t0, n0), (t1, n1)) in enumerate(zip(saved[0]["norms"], saved[1]["norms"])):
+    for step, ((t0, n0), (t1, n1)) in enumerate(zip(saved[0]["norms"], saved[1]["norms"],
+                                                     strict=True)):
         whole = (n0 ** 2 + n1 ** 2) ** 0.5
         if not abs(t0 - whole) <= 1e-5 * whole or not abs(t1 - whole) <= 1e-5 * whole:
             problems.append(f"step {step}: clip_grad_norm_ gave {t0:.7g} / {t1:.7g}, the two "

@@ -125,7 +125,7 @@ def test_everyday_calls_work(tmp_path):
     model = build_model("net")
     opt = torch.optim.Rprop(model.parameters(), lr=0.01)
     assert len(r0["rprop"]) == len(r1["rprop"]) == RPROP_STEPS
-    for step, sharded in enumerate(zip(r0["rprop"], r1["rprop"])):
+    for step, sharded in enumerate(zip(r0["rprop"], r1["rprop"], strict=True)):
         x, y = batch("net", step)
         opt.zero_grad()
         loss = loss_fn("net", model(x), y)

@@ -315,7 +315,7 @@ def _refusals(rank, root):
         out["other_class"] = "no error"
     except CheckpointError as exc:
         out["other_class"] = str(exc)
-    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
+    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt), strict=True)]
     torch_xla.sync()
     return out
 

@@ -51,7 +51,7 @@ def loss_problems(got: Sequence[float], want: Sequence[float], key: str,
     if len(got) != len(want):
         return [f"{len(got)} steps' {what} against the reference's {len(want)}"]
     return [f"step {step} {what} {a:.7g} vs {b:.7g}" for step, (a, b) in
-            enumerate(zip(got, want)) if not abs(a - b) <= LOSS[key] * abs(b)]
+            enumerate(zip(got, want, strict=True)) if not abs(a - b) <= LOSS[key] * abs(b)]
 
 
 def parameter_problems(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor], key: str,

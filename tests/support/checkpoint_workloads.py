@@ -59,7 +59,7 @@ def same_state(a, b):
 
 def same_snapshot(a, b):
     """Whether two ``snapshot``s (model and optimizer) are equal."""
-    return len(a) == len(b) and every(same_state(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and every(same_state(x, y) for x, y in zip(a, b, strict=True))
 
 
 def tree_differences(a, b, where=""):
@@ -76,7 +76,7 @@ def tree_differences(a, b, where=""):
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return [f"{where}: lengths {len(a)} and {len(b)}"]
-        return [p for i, (x, y) in enumerate(zip(a, b))
+        return [p for i, (x, y) in enumerate(zip(a, b, strict=True))
                 for p in tree_differences(x, y, f"{where}[{i}]")]
     return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 

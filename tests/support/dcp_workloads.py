@@ -277,6 +277,6 @@ def _refusals(rank, good, bad):
     out["empty_group"] = {k: v for k, v in again.param_groups[1].items() if k != "params"}
     _extra_state_refusals(rank, bad, good, out)
     out["code_ran"] = os.path.exists(bad + "_code_ran")
-    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt))]
+    out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt), strict=True)]
     torch_xla.sync()
     return out

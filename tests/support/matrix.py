@@ -232,10 +232,10 @@ def _backward_as_ranks(model, x, y, split: int, dtype: Optional[torch.dtype]) ->
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         # a power of two: the division is exact, before the sum or after it
         grads = [(g if g is not None else torch.zeros_like(p)).to(dtype) / split
-                 for g, p in zip(grads, params)]
-        total = grads if total is None else [a + b for a, b in zip(total, grads)]
+                 for g, p in zip(grads, params, strict=True)]
+        total = grads if total is None else [a + b for a, b in zip(total, grads, strict=True)]
         losses.append(loss)
-    for p, g in zip(params, total):
+    for p, g in zip(params, total, strict=True):
         p.grad = g.float()
     return sum(losses) / split
 

@@ -25,7 +25,7 @@ def _same_dcp(a_dir, b_dir):
     b = sorted(f for f in os.listdir(b_dir) if f.endswith(".distcp"))
     if len(a) != len(b):
         return [f"{a_dir} has {a}, {b_dir} has {b}"]
-    found = [f"{x} and {y}" for x, y in zip(a, b)
+    found = [f"{x} and {y}" for x, y in zip(a, b, strict=True)
              if not filecmp.cmp(os.path.join(a_dir, x), os.path.join(b_dir, y), shallow=False)]
     meta_a = FileSystemReader(a_dir).read_metadata()
     meta_b = FileSystemReader(b_dir).read_metadata()

@@ -298,7 +298,7 @@ def paired(got, want, what="losses"):
     """(step, got, want) for every step, once both sides are known to have run the same
     number of steps: ``zip`` alone would compare the shorter run's steps and pass."""
     assert len(got) == len(want), f"{len(got)} {what} against the reference's {len(want)}"
-    return enumerate(zip(got, want))
+    return enumerate(zip(got, want, strict=True))
 
 
 def compare(name, got, ref):

@@ -182,7 +182,7 @@ def write_stacked(prefix, world, layer_kind, multiple=1, full=None, layers=LAYER
         md = dict(metadata, rank=rank)
         state = {i: {"exp_avg": shard(g, halves, rank), "exp_avg_sq": shard(g, squares, rank),
                      "step": torch.tensor(3.0)} for i, g in enumerate(groups)}
-        tree = {"model": {k: shard(g, full, rank) for k, g in zip(keys, groups)},
+        tree = {"model": {k: shard(g, full, rank) for k, g in zip(keys, groups, strict=True)},
                 "shard_metadata": md,
                 "optimizer": {"state": state,
                               "param_groups": [{"lr": 0.1, "params": list(range(len(keys)))}]},

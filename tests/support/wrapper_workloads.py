@@ -85,7 +85,7 @@ def _as_before(model: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
     """The metadata with units named by their module path, as written before the fix."""
     from xla_fsdp.checkpoint.metadata import units_by_saved_path
     rename = {saved: path for (path, _), (saved, _) in zip(
-        model.named_units(), units_by_saved_path(model, model.named_units()))}
+        model.named_units(), units_by_saved_path(model, model.named_units()), strict=True)}
     old = dict(metadata)
     for field in ("shard_info", "layout_info", "shared_info"):
         old[field] = {rename.get(k, k): v for k, v in metadata[field].items()}

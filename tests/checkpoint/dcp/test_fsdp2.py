@@ -112,9 +112,9 @@ def runs(tmp_path_factory):
 
 def _close(got, want):
     assert len(got) == len(want) == J
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
     print(f"losses {got} against {want}: largest relative difference {worst:.2e}")
-    for step, (a, b) in enumerate(zip(got, want)):
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
         assert abs(a - b) <= 1e-5 * abs(b), (step, got, want)
 
 
