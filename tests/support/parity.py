@@ -44,6 +44,10 @@ SETTINGS = {
     "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
     "clip": ("net", {}, "sgd", {"clip": 0.05}),
     "bf16": ("net", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True}, "sgd", {}),
+    # torch.autocast around the forward instead of compute_dtype, as torch_xla's AMP recipe
+    # does: every linear (the weight-reading one FSDP patches in too) in bf16 both ways
+    # ([Note: the patched linear under autocast])
+    "autocast_bf16": ("net", {}, "adamw", {"autocast": torch.bfloat16}),
     "checkpointed": ("net", {}, "sgd", {"auto_wrap_checkpoint": True}),
     # bf16 attention, sdpa and eager, in checkpointed units: their matmuls in bf16, forward
     # and recompute alike (see [Note: attention under a low-precision compute_dtype])
@@ -257,8 +261,11 @@ def train(rank, names, sharded):
                 n = local // micro
                 xs, ys = x[m * n:(m + 1) * n].to(device), y[m * n:(m + 1) * n].to(device)
                 skip_sync = sharded and extra.get("no_sync") and m < micro - 1
+                autocast = extra.get("autocast")
                 with (model.no_sync() if skip_sync else contextlib.nullcontext()):
-                    loss = loss_fn(kind, forward_in(model, xs, reference_dtype), ys) / micro
+                    with torch.autocast("xla", dtype=autocast, enabled=autocast is not None):
+                        out = forward_in(model, xs, reference_dtype)
+                    loss = loss_fn(kind, out, ys) / micro
                     loss.backward()
                 total = total + loss.detach()
             if "clip" in extra:
@@ -304,8 +311,8 @@ def paired(got, want, what="losses"):
 def compare(name, got, ref):
     """Problems of setting ``name``'s sharded run ``got`` against the reference ``ref``,
     within the suite's bounds ([Note: parity bounds] in ``bounds.py``)."""
-    _, kwargs, opt, _ = SETTINGS[name]
-    key = precision(kwargs.get("compute_dtype"))
+    _, kwargs, opt, extra = SETTINGS[name]
+    key = precision(kwargs.get("compute_dtype") or extra.get("autocast"))
     problems = loss_problems(got["losses"], ref["losses"], key)
     problems += loss_problems(got["norms"], ref["norms"], key, "total grad norm")
     problems += parameter_problems(got["params"], ref["params"], key,

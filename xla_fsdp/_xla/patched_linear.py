@@ -4,6 +4,14 @@ PyTorch/XLA's traced ``linear`` backward keeps an intermediate derived from the 
 alive from forward to backward (pytorch/xla#3811). Under FSDP that intermediate is a full
 parameter that survives resharding, which defeats ``reshard_after_forward``. This autograd
 function saves the weight tensor, which FSDP frees and re-gathers, instead.
+
+[Note: the patched linear under autocast]
+An autograd function runs its forward with autocast still on, and its backward in the
+engine's thread, where autocast is off. Under ``torch.autocast("xla", dtype=bf16)`` the
+stock ``linear`` casts its input, weight and bias to bf16 and its backward computes in bf16;
+this one computed its backward from a bf16 gradient and the float32 weight, which XLA's
+verifier refuses. So under autocast it casts as autocast would, in both directions, and
+still saves the weight it was given (cast again in backward), not a bf16 copy of it.
 """
 from __future__ import annotations
 
@@ -12,26 +20,34 @@ from types import MethodType
 import torch
 
 
+def _cast(t, dtype):
+    return t if t is None or dtype is None or not t.is_floating_point() else t.to(dtype)
+
+
 class LinearReadingWeight(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, input, weight, bias=None):
-        ctx.save_for_backward(input, weight, bias)
-        with torch.no_grad():
-            return torch.nn.functional.linear(input, weight, bias)
+    def forward(ctx, input, weight, bias=None, dtype=None):
+        """``dtype``: autocast's, when it is on (see [Note: the patched linear under
+        autocast]); the gradients leave in the inputs' own dtypes (autograd casts them)."""
+        x = _cast(input, dtype)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.autocast_to = dtype
+        with torch.no_grad(), torch.autocast("xla", enabled=False):
+            return torch.nn.functional.linear(x, _cast(weight, dtype), _cast(bias, dtype))
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight, bias = ctx.saved_tensors
-        rows_out = grad_output.reshape(-1, grad_output.shape[-1])
+        rows_out = _cast(grad_output, ctx.autocast_to).reshape(-1, grad_output.shape[-1])
         rows_in = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = rows_out.mm(weight).view(*x.shape)
+            grad_x = rows_out.mm(_cast(weight, ctx.autocast_to)).view(*x.shape)
         if ctx.needs_input_grad[1]:
             grad_w = rows_out.t().mm(rows_in)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = rows_out.sum(0)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +57,8 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # input, which torch_xla's bridge (matching outputs to inputs by identity) would
         # expect back from the graph and not get.
         return torch.nn.functional.linear(x, module.weight, module.bias)
-    return LinearReadingWeight.apply(x, module.weight, module.bias)
+    dtype = torch.get_autocast_dtype("xla") if torch.is_autocast_enabled("xla") else None
+    return LinearReadingWeight.apply(x, module.weight, module.bias, dtype)
 
 
 def patch_linear_layers(module: torch.nn.Module) -> None:
