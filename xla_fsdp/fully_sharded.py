@@ -185,7 +185,7 @@ class XlaFullyShardedDataParallel(UnitModule):
         ``unit.module.module`` is the wrapped module itself."""
         view = self.__dict__.get("_module_view")
         if view is None:
-            view = self.__dict__["_module_view"] = ModuleView(self.wrapped_module)
+            view = self.__dict__["_module_view"] = ModuleView(self.wrapped_module, self)
         return view
 
     def _fall_through_to(self) -> Sequence[Any]:

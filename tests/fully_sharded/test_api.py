@@ -308,6 +308,17 @@ def _attribute_fall_through(out):
     out["fall_through"] = (unit.setting, unit.module.setting, unit.module.module is net,
                            unit.head is net.head, stack.attention_type,
                            stack.append.__self__ is stack.wrapped_module, missing)
+    # writes reach what reads see ([Note: a setting written through a unit]); a name the
+    # module lacks, or a private one, stays on the unit
+    unit.setting = "t"
+    written = [net.setting]
+    unit.module.setting = "u"
+    unit.extra, unit._private = 1, 2
+    out["written_through"] = written + [net.setting, "setting" in vars(unit),
+                                        hasattr(net, "extra"), hasattr(net, "_private")]
+    # an optimizer built from unit.module trains every shard, the unit's own included
+    out["view_parameters"] = [id(p) for p in unit.module.parameters()] == \
+        [id(p) for p in unit.parameters()] != []
     _unit_kinds(out, stack)
 
 
@@ -444,6 +455,8 @@ def test_wrapper_api():
                                             "gathers one layer at a time"), out["prefetch_stack"]
     assert out["loss_in_gradients"] and out["loss_value"] < 1e-4, \
         (out["loss_in_gradients"], out["loss_value"])
+    assert out["written_through"] == ["t", "u", False, False, False], out["written_through"]
+    assert out["view_parameters"]
     assert out["fall_through"] == ("s", "s", True, True, "full", True, [
         "'Net' object has no attribute 'absent'", "'Net' object has no attribute 'absent'",
         "'Block' object has no attribute 'absent'"])

@@ -7,6 +7,15 @@ for another in this way: a unit for its wrapped module, a scanned stack also for
 layer, and ``unit.module`` for the wrapped module. Each says only where a missing attribute
 is looked up next (``_fall_through_to``); ``FallThrough.__getattr__`` is the one lookup.
 
+[Note: a setting written through a unit]
+What reads fall through to, writes reach too: ``model.block.scale = 0.5`` on a unit around
+``block`` sets the attribute the block's forward reads, as it would unwrapped. Left on the
+unit, the write changed nothing its forward computes while reading it back gave the new
+value. A write goes to the first place of the fall-through (the wrapped module) when that
+place has the attribute and this module does not own it (its own fields, class attributes,
+parameters, buffers, submodules; private names always stay here). It starts once the module
+is built (``start_writing_through``), since building it sets its own new fields.
+
 torch_xla's FSDP puts a flatten wrapper between the unit and the user's module, and its
 ``unit.module`` returns that wrapper, whose own ``.module`` is the user's module. Code
 written against it reads ``unit.module.module`` (Hugging Face Trainer does, to save the
@@ -17,7 +26,7 @@ tree, so it changes no parameter or state dict names.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence, Tuple
 
 import torch.nn as nn
 
@@ -29,6 +38,22 @@ class FallThrough(nn.Module):
         """Where an attribute this module lacks is looked up next, first to last; the last
         one's ``AttributeError`` is the one raised."""
         raise NotImplementedError
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        target = self._written_through(name)
+        if target is None:
+            super().__setattr__(name, value)
+        else:
+            setattr(target, name, value)
+
+    def _written_through(self, name: str) -> Any:
+        own = self.__dict__
+        if not own.get("_written_through_on") or name.startswith("_") or name in own \
+                or hasattr(type(self), name) \
+                or any(name in own[d] for d in ("_parameters", "_buffers", "_modules")):
+            return None
+        target = self._fall_through_to()[0]
+        return target if hasattr(target, name) else None
 
     def __getattr__(self, name: str) -> Any:
         # only reached when ordinary lookup and nn.Module's (parameters, buffers,
@@ -46,11 +71,21 @@ class FallThrough(nn.Module):
 
 
 class ModuleView(FallThrough):
-    """The user's module one level down (``.module``), everything else forwarded to it."""
+    """The user's module one level down (``.module``), everything else forwarded to it, but
+    its parameters: those are the unit's, every shard it trains (``unit.parameters()``).
+    Unwrapped, ``model.module.parameters()`` is every parameter of the model; the wrapped
+    module alone holds its nested units' shards but not the unit's own, so an optimizer
+    built from it would silently leave those untrained."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, unit: nn.Module) -> None:
         super().__init__()
         self.module = module
+        self.__dict__["_unit"] = unit   # not a submodule: the unit's tree does not hold it
+        start_writing_through(self)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]:
+        return self._unit.named_parameters(prefix, recurse, remove_duplicate)
 
     def _fall_through_to(self) -> Sequence[Any]:
         return (self.module,)
@@ -63,3 +98,9 @@ class ModuleView(FallThrough):
 
     def extra_repr(self) -> str:
         return "view of the wrapped module, as torch_xla's unit.module"
+
+
+def start_writing_through(module: FallThrough) -> None:
+    """``module`` is built: its writes of attributes it does not own fall through from now on
+    (see [Note: a setting written through a unit])."""
+    module.__dict__["_written_through_on"] = True
