@@ -29,8 +29,9 @@ from ._sharding.layout import Dim0Layout
 from ._unit import process_effects
 from ._unit.conversions import check_conversion, shards_kept_out
 from ._unit.host_offload import split_by_place
-from ._unit.module_view import FallThrough
+from ._unit.module_view import FallThrough, start_writing_through
 from ._unit.options import FsdpOptions, default_predivide_factor
+from ._unit.param_record import ParamRecord
 from ._unit.shard_group import ShardGroup
 from ._unit.training_state import TrainingState
 from ._unit.unit_params import FullParams, UnitParams
@@ -93,6 +94,7 @@ class UnitModule(FallThrough):
         pre = default_predivide_factor(self.world_size)
         self.set_gradient_divide_factors(pre, self.world_size / pre, False)
         self.register_load_state_dict_post_hook(_after_load)
+        self.register_state_dict_pre_hook(_before_save)
         if not detached:
             attach_module_groups(self)
             self._shard([("", wrapped)])
@@ -100,6 +102,7 @@ class UnitModule(FallThrough):
         process_effects.install()
         if options.execute_sharding_on_init:
             torch_xla.sync()
+        start_writing_through(self)
 
     # -- sharding at construction ------------------------------------------------------------
     @property
@@ -386,6 +389,13 @@ def _refuse_torch_xla_names(unit: UnitModule, state_dict: Mapping[str, Any]) -> 
             f"{{'model': ..., 'shard_metadata': ...}} dicts) with "
             f"xla_fsdp.checkpoint.load_sharded(prefix, model, optimizer), at any world size, "
             f"or merge them with consolidate_sharded_ckpts. Nothing was loaded.")
+
+
+def _before_save(unit: UnitModule, _prefix: str, _keep_vars: bool) -> None:
+    """A write through a module attribute since the unit was freed is not in its shards:
+    refused rather than saved without it (see [Note: writes to a freed placeholder])."""
+    for g in unit.shard_groups:
+        ParamRecord.refuse_lost_writes(g.records)
 
 
 def _after_load(unit: UnitModule, _incompatible: Any) -> None:

@@ -93,6 +93,8 @@ def misuses(rank):
     # a weight clamped through its module's attribute between steps: a placeholder there
     with torch.no_grad():
         inner.module.lin.weight.clamp_(-0.1, 0.1)
+    # nor saved without it, before that forward
+    out["placeholder_write_saved"] = [_error(model.state_dict), _error(model.full_state_dict)]
     out["placeholder_write"] = _error(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
     # a parameter read outside its unit's forward: fails there, even where no gradient
@@ -289,8 +291,9 @@ def test_misuse_errors():
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
     assert "root FSDP unit" in out["clip_nested"]
-    assert "parameter 'lin.weight' was changed in place through its module attribute" in \
-        out["placeholder_write"], out["placeholder_write"]
+    assert every("parameter 'lin.weight' was changed in place through its module attribute"
+                 in e for e in out["placeholder_write_saved"] + [out["placeholder_write"]]), \
+        (out["placeholder_write_saved"], out["placeholder_write"])
     assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
     assert out["create_graph"].startswith("RuntimeError: FSDP unit around Tiny: a backward "
                                           "with create_graph=True"), out["create_graph"]

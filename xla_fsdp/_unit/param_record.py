@@ -87,6 +87,18 @@ class ParamRecord:
     def install(records: Sequence["ParamRecord"], values: Sequence[torch.Tensor]) -> None:
         """Puts each full value into its record's placeholder (see [Note: swapping .data]).
         A unit's records swap together: one version-counter guard for all of them."""
+        ParamRecord.refuse_lost_writes(records)
+        placeholders = [r.placeholder for r in records]
+        with preserve_version_counter(placeholders):
+            for record, placeholder, value in zip(records, placeholders, values):
+                placeholder.data = value
+                record.gathered = placeholder._has_full_param = True
+
+    @staticmethod
+    def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
+        """Raises if a record's placeholder was written in place since it was last freed:
+        before a gather would overwrite the write, and before a checkpoint would save the
+        shards without it (see [Note: writes to a freed placeholder])."""
         for record in records:
             if version(record.placeholder) != record.freed_at:
                 raise RuntimeError(
@@ -96,11 +108,6 @@ class ParamRecord:
                     f"change would be lost (see [Note: writes to a freed placeholder]). Change "
                     f"the shards instead (model.parameters(), which the optimizer holds), or "
                     f"load a state dict")
-        placeholders = [r.placeholder for r in records]
-        with preserve_version_counter(placeholders):
-            for record, placeholder, value in zip(records, placeholders, values):
-                placeholder.data = value
-                record.gathered = placeholder._has_full_param = True
 
     @staticmethod
     def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> bool:

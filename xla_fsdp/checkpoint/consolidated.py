@@ -23,7 +23,7 @@ from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from .per_rank.optimizer import why_not_consolidated
 from .per_rank.plan import plan_model
 from .files import CheckpointError
-from .metadata import MODEL, refuse_extra_state
+from .metadata import MODEL, refuse_extra_state, refuse_lost_writes
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
@@ -53,6 +53,7 @@ def save_consolidated(path: str, model: ShardedModel,
     shards, gathers = gathered_shard_set(model, optimizer, extra)
     try:  # on every rank: the views are alike, so all refuse together or none does
         refuse_extra_state(model, "save_consolidated")
+        refuse_lost_writes(model)
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         reason = why_not_consolidated(shards, plan) if optimizer is not None else None
         if reason is not None:

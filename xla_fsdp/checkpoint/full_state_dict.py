@@ -9,7 +9,8 @@ from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
 from .coordination import gathered_bytes, gathered_on_host, runs_by_size
 from .staging import load_staged
-from .metadata import persistent_buffers, refuse_extra_state, tied_aliases, unwrapped_name
+from .metadata import (persistent_buffers, refuse_extra_state, refuse_lost_writes, tied_aliases,
+                       unwrapped_name)
 from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
 
@@ -28,6 +29,7 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     the result (the others get ``{}``)."""
     import torch_xla.runtime as xr
     refuse_extra_state(root, "full_state_dict")
+    refuse_lost_writes(root)
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
     for run in runs_by_size(_parameter_slots(root),

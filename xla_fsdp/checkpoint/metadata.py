@@ -44,9 +44,10 @@ import torch.nn as nn
 from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
 from .._sharding.names import clean_name, join_name
 from .._unit.buffers import original_dtype
+from .._unit.param_record import ParamRecord
 from .._xla.private_api import is_persistent_buffer
 from .files import CheckpointError
-from .unit_protocol import ShardedUnit
+from .unit_protocol import ShardedModel, ShardedUnit
 
 # the keys of a per-rank file
 MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
@@ -118,6 +119,15 @@ def tied_aliases(shared: Iterable[Tuple[str, Iterable[Tuple[str, str]]]]
     path and its (alias, source) pairs: a live model's units or ``shared_info``."""
     return [(unwrapped_name(path, a), unwrapped_name(path, s))
             for path, pairs in shared for a, s in pairs]
+
+
+def refuse_lost_writes(root: ShardedModel) -> None:
+    """Refuses to save shards that lack a write made through a module attribute while its
+    unit was sharded (see [Note: writes to a freed placeholder]): ``model.apply(init)``
+    after wrapping, then a checkpoint before any forward."""
+    for _, unit in root.named_units():
+        for g in unit.shard_groups:
+            ParamRecord.refuse_lost_writes(g.records)
 
 
 def refuse_extra_state(root: nn.Module, what: str) -> None:
