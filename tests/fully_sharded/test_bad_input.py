@@ -90,6 +90,14 @@ def misuses(rank):
     out["xm_optimizer_step"] = _error(lambda: xm.optimizer_step(opt))
     out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
     torch_xla.sync()
+    # after a sync the step's audit sees nothing pending: refused where they are called
+    # ([Note: clipping and averaging refused where they are called]); other tensors pass
+    out["torch_clip_after_sync"] = _error(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    out["reduce_gradients"] = _error(lambda: xm.reduce_gradients(opt))
+    plain = torch.ones(3, requires_grad=True)
+    plain.grad = torch.full((3,), 4.0)
+    out["torch_clip_plain"] = float(torch.nn.utils.clip_grad_norm_([plain], 1.0))
     # a weight clamped through its module's attribute between steps: a placeholder there
     with torch.no_grad():
         inner.module.lin.weight.clamp_(-0.1, 0.1)
@@ -169,11 +177,20 @@ def _reduced_gradient_misuses(out):
         torch_xla.sync()
         return result
     params = lambda m: list(m.parameters())  # noqa: E731
-    out["grads_all_reduced"] = step_after(lambda m, opt: xm.reduce_gradients(opt))
-    out["grads_clipped_locally"] = step_after(
-        lambda m, opt: torch.nn.utils.clip_grad_norm_(params(m), 1e-3))
-    out["scanned_clipped_locally"] = step_after(
-        lambda m, opt: torch.nn.utils.clip_grad_norm_(params(m), 1e-3), scanned=True)
+
+    def clip_locally(m, opt):
+        # a library's own clipping, as torch's (which is refused where it is called, see
+        # test_misuse_errors): the norm of this rank's slices scales its gradients
+        grads = [p.grad for p in params(m)]
+        total = torch.stack([g.norm() for g in grads]).norm()
+        for g in grads:
+            g.mul_(torch.clamp(1e-3 / (total + 1e-6), max=1.0))
+    # accelerate's data-parallel all-reduce on XLA (xm.reduce_gradients is refused where
+    # it is called)
+    out["grads_all_reduced"] = step_after(lambda m, opt: xm.all_reduce(
+        xm.REDUCE_SUM, [p.grad for p in params(m)], scale=0.5))
+    out["grads_clipped_locally"] = step_after(clip_locally)
+    out["scanned_clipped_locally"] = step_after(clip_locally, scanned=True)
     out["scanned_clipped_globally"] = step_after(lambda m, opt: m.clip_grad_norm_(1e-3),
                                                  scanned=True)
 
@@ -290,6 +307,10 @@ def test_misuse_errors():
     assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
+    assert "would clip each rank's slice by the norm of that slice alone" in \
+        out["torch_clip_after_sync"], out["torch_clip_after_sync"]
+    assert "Call optimizer.step() instead" in out["reduce_gradients"], out["reduce_gradients"]
+    assert abs(out["torch_clip_plain"] - 48 ** 0.5) < 1e-5, out["torch_clip_plain"]
     assert "root FSDP unit" in out["clip_nested"]
     assert every("parameter 'lin.weight' was changed in place through its module attribute"
                  in e for e in out["placeholder_write_saved"] + [out["placeholder_write"]]), \

@@ -238,6 +238,58 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
            "reduce their gradients") + ". The step is refused before any update.")
 
 
+# [Note: clipping and averaging refused where they are called]
+# The step's audit (see [Note: auditing reduced gradients]) reads an optimizer's first
+# pending step only: clipping that starts at a later step, or a ``torch_xla.sync()`` between
+# the clipping and the step (which executes what the audit would read), went through, and
+# each rank clipped its slice by its own norm (0.45 relative off the unsharded model after
+# three steps). The two calls ported data-parallel code makes are refused where they are
+# called instead, whenever they are given multi-rank shards: torch's ``clip_grad_norm_``
+# (``model.clip_grad_norm_`` takes the norm over every rank) and ``xm.reduce_gradients``
+# (FSDP's gradients are reduced already). Code that bound the function before the first unit
+# was built is still met by the audit.
+def refuse_local_clipping_and_averaging() -> None:
+    """Wraps torch's ``clip_grad_norm_`` and torch_xla's ``reduce_gradients`` once per
+    process (see [Note: clipping and averaging refused where they are called])."""
+    import torch.nn.utils as utils
+    import torch_xla.core.xla_model as xm
+    clip = utils.clip_grad_norm_
+    if getattr(clip, "refuses_shards", False):
+        return
+
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        shards = _multi_rank_shards(params)
+        if shards:
+            raise RuntimeError(
+                f"torch.nn.utils.clip_grad_norm_ over FSDP shards ({', '.join(shards[:3])}"
+                f"{', ...' if len(shards) > 3 else ''}) would clip each rank's slice by the "
+                f"norm of that slice alone; call the root FSDP model's clip_grad_norm_(max_norm,"
+                f" norm_type), which takes the norm over every rank")
+        return clip(params, *args, **kwargs)
+
+    reduce = xm.reduce_gradients
+
+    def reduce_gradients(optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+        params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+        if _multi_rank_shards(params):
+            raise RuntimeError(
+                "xm.reduce_gradients() (or xm.optimizer_step(), which calls it) averages "
+                "gradients across all replicas, but FSDP gradients are already reduced and "
+                "each rank holds a different shard. Call optimizer.step() instead.")
+        return reduce(optimizer, *args, **kwargs)
+
+    clip_grad_norm_.refuses_shards = True  # type: ignore[attr-defined]
+    utils.clip_grad_norm_ = utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    xm.reduce_gradients = reduce_gradients
+
+
+def _multi_rank_shards(params: List[torch.Tensor]) -> List[str]:
+    """The names of the shards among ``params`` that hold a slice each rank has its own of."""
+    shard_groups = [shard_group_of(p) for p in params]
+    return [g.names[0] for g in shard_groups if g is not None and g.layout.world_size > 1]
+
+
 def _called_from(function: str, file_suffix: str) -> bool:
     frame = sys._getframe(2)
     while frame is not None:

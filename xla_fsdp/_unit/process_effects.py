@@ -15,6 +15,8 @@ when the first unit is built (never at import):
   kernel, which scales wrongly (see [Note: dropout under torch.compile] in ``_xla.private_api``);
 * ``torch.amp.GradScaler`` decides for all ranks at once over FSDP shards (see
   [Note: loss scaling over shards] in ``loss_scaling``);
+* torch's ``clip_grad_norm_`` and torch_xla's ``reduce_gradients`` refuse FSDP shards (see
+  [Note: clipping and averaging refused where they are called] in ``optimizer_guard``);
 * ``torch._foreach_zero_`` counts its write on XLA tensors, so that FSDP sees an optimizer's
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
 * on a TPU, torch_xla's collective token switched off (see [Note: no collective token on a
@@ -43,7 +45,7 @@ from . import attention, hf_model_guard, peft_names
 from .loss_scaling import agree_on_infs
 from .shard_group import shard_group_of
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
-                              withdraw_declaration)
+                              refuse_local_clipping_and_averaging, withdraw_declaration)
 
 _installed = False
 
@@ -64,6 +66,7 @@ def install() -> None:
     torch_device_module.register()
     register_optimizer_step_post_hook(withdraw_declaration)
     check_accelerate_setting()
+    refuse_local_clipping_and_averaging()
     attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
