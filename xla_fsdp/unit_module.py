@@ -26,6 +26,7 @@ from ._init.module_group import attach_module_groups
 from ._init.shard_members import ShardedParameters
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
+from ._sharding.names import clean_name
 from ._unit import process_effects
 from ._unit.conversions import check_conversion, shards_kept_out
 from ._unit.host_offload import split_by_place
@@ -217,8 +218,9 @@ class UnitModule(FallThrough):
 
     def _apply(self, fn: Callable, recurse: bool = True) -> "UnitModule":
         # torch's .to(), .half(), .cpu()...: see [Note: converting a wrapped model]
-        for unit in self.units():
-            check_conversion(unit._state.name, unit._state.params.shard_groups, fn)
+        for path, unit in self.named_units():
+            check_conversion(unit._state.name, clean_name(path), unit._state.params.shard_groups,
+                             fn)
         with shards_kept_out(self, [g.shard_name for g in self._state.params.shard_groups]):
             return super()._apply(fn, recurse)
 

@@ -154,6 +154,9 @@ def _conversions(out):
                         [(p.device, p.dtype) for p in model.parameters()] == places)
         out[f"conversions_keep_shards_offload_{offload}"] = every(kept)
         out[f"shard_devices_offload_{offload}"] = sorted({str(p.device) for p in before})
+    # a nested unit is named by its path, its parameter as the unwrapped model names it
+    nested = FSDP(nn.Sequential(FSDP(Tiny()), FSDP(Tiny())))
+    out["nested_half"] = _error(nested.half)
 
 
 def _reduced_gradient_misuses(out):
@@ -350,3 +353,6 @@ def test_misuse_errors():
             assert "Nothing in this unit was converted" in message, message
         assert out[f"conversions_keep_shards_offload_{offload}"]
         assert out[f"shard_devices_offload_{offload}"] == (["cpu"] if offload else ["xla:0"])
+    assert out["nested_half"].startswith("ValueError: FSDP unit 'Tiny' at '0': converting the "
+                                         "wrapped model would take '0.lin.weight'"), \
+        out["nested_half"]

@@ -35,14 +35,16 @@ from typing import Callable, Iterator, List, Sequence
 import torch
 import torch.nn as nn
 
+from .._sharding.names import join_name
 from .shard_group import ShardGroup
 
 
-def check_conversion(unit_name: str, shard_groups: Sequence[ShardGroup],
+def check_conversion(unit_name: str, path: str, shard_groups: Sequence[ShardGroup],
                      fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
     """Raises ``ValueError`` if ``fn``, a conversion ``Module._apply`` would apply, changes
-    a shard of the unit in a way the unit cannot follow (see [Note: converting a wrapped
-    model]). ``fn`` is tried on an empty tensor like each shard, never on the shard."""
+    a shard of the unit at ``path`` (in the unwrapped model) in a way the unit cannot follow
+    (see [Note: converting a wrapped model]). ``fn`` is tried on an empty tensor like each
+    shard, never on the shard."""
     for shard_group in shard_groups:
         shard = shard_group.shard
         # an offloaded unit computes on the device its copies are on, and its shards stay
@@ -52,9 +54,11 @@ def check_conversion(unit_name: str, shard_groups: Sequence[ShardGroup],
         probe = fn(torch.empty(0, dtype=shard.dtype, device=device))
         if probe.device == device and probe.dtype == shard.dtype:
             continue
+        where = f" at '{path}'" if path else ""
         raise ValueError(
-            f"FSDP unit '{unit_name or '<root>'}': converting the wrapped model would take "
-            f"'{shard_group.records[0].name}' from {shard.dtype} on {device} to {probe.dtype} on "
+            f"FSDP unit '{unit_name}'{where}: converting the wrapped model would take "
+            f"'{join_name(path, shard_group.records[0].name)}' from {shard.dtype} on {device} "
+            f"to {probe.dtype} on "
             f"{probe.device}. A wrapped model's shards stay on their device and in their "
             f"dtype: move or cast the model before wrapping it (compute_dtype= sets the "
             f"dtype it computes in), and take its full values elsewhere with "

@@ -111,8 +111,9 @@ class StagedLoad:
         self.missing, self.unexpected = missing, [k[strip:] for k in unexpected]
         if (missing or unexpected) and self.strict:
             raise CheckpointError(
-                f"{self.where} does not hold this model (read with {self.scheme.name}'s "
-                f"keys): missing {missing}, unexpected {self.unexpected}")
+                f"{self.where} does not hold this model: missing {missing}, unexpected "
+                f"{self.unexpected} (as {self.scheme.name} names them); strict=False loads "
+                f"what it holds of the model and leaves the rest")
         stages: Dict[int, torch.Tensor] = {}
         partial = {id(s.shard_group.shard) for s, h in zip(slots, held) if not h}
         for slot, names_held in zip(slots, held):
