@@ -99,7 +99,9 @@ def load_consolidated(path: str, model: ShardedModel,
     refuse_reads(path)
     path, independent = sharding_group_path(path, model)
     if not first_rank_reads:
-        return load_staged(lambda: open_consolidated(path), model, optimizer,
+        # the ranks of a sharding group open one file: each checks its share of the CRCs
+        share = (model.rank, model.world_size)
+        return load_staged(lambda: open_consolidated(path, crc_share=share), model, optimizer,
                            "xla_fsdp.load_consolidated").extra
     if independent:
         raise ValueError("load_consolidated(first_rank_reads=True) cannot load independent "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .dcp_files import DcpSource
 from ..dcp_format.metadata_file import METADATA_FILE
@@ -20,24 +20,29 @@ from ..metadata import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
 
-def open_consolidated(path: str, safetensors: bool = False) -> Source:
+def open_consolidated(path: str, safetensors: bool = False,
+                      crc_share: Optional[Tuple[int, int]] = (0, 1)) -> Source:
     """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
-    when it is none of the formats above, or incomplete. ``safetensors``: a file is one
-    whatever its name ends with (its writer says so)."""
+    when it is none of the formats above, incomplete, or a ``torch.save`` file (``.pth``,
+    a safetensors file's optimizer companion) with a record failing its CRC-32.
+    ``crc_share`` (i, n): this caller checks every n-th record from the i-th, so that n
+    ranks opening the file together read each once; None when the caller checked them.
+    ``safetensors``: a file is one whatever its name ends with (its writer says so)."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, METADATA_FILE)):
             return DcpSource(path)
         if os.path.exists(os.path.join(path, HF_INDEX)):
             return _hf_sharded(path)
         if os.path.exists(os.path.join(path, HF_WEIGHTS)):
-            return _safetensors(os.path.join(path, HF_WEIGHTS), optimizer_file=False)
+            return _safetensors(os.path.join(path, HF_WEIGHTS), optimizer_file=False,
+                                crc_share=None)
         raise CheckpointError(f"{path}: neither a DCP checkpoint ({METADATA_FILE}) nor a "
                               f"Hugging Face directory ({HF_INDEX} or {HF_WEIGHTS})")
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     if safetensors or path.endswith(".safetensors"):
-        return _safetensors(path, optimizer_file=True)
-    return _torch_file(path)
+        return _safetensors(path, optimizer_file=True, crc_share=crc_share)
+    return _torch_file(path, crc_share)
 
 
 def _hf_sharded(directory: str) -> EntrySource:
@@ -71,14 +76,15 @@ def _hf_sharded(directory: str) -> EntrySource:
     return EntrySource(directory, tensors, objects, closers)
 
 
-def _safetensors(path: str, optimizer_file: bool) -> EntrySource:
+def _safetensors(path: str, optimizer_file: bool,
+                 crc_share: Optional[Tuple[int, int]]) -> EntrySource:
     weights = SafetensorsFile(path)
     tensors, objects = model_entries(weights.tensors)
     closers = [weights.close]
     companion = optimizer_companion(path)
     if optimizer_file and os.path.exists(companion):
         try:
-            file = CheckpointFile(companion)
+            file = _checked(companion, crc_share)
         except BaseException:
             weights.close()
             raise
@@ -87,8 +93,19 @@ def _safetensors(path: str, optimizer_file: bool) -> EntrySource:
     return EntrySource(path, tensors, objects, closers)
 
 
-def _torch_file(path: str) -> EntrySource:
+def _checked(path: str, crc_share: Optional[Tuple[int, int]]) -> CheckpointFile:
     file = CheckpointFile(path)
+    try:
+        if crc_share is not None:
+            file.verify(crc_share)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def _torch_file(path: str, crc_share: Optional[Tuple[int, int]]) -> EntrySource:
+    file = _checked(path, crc_share)
     tree = file.tree
     if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
         state = tree[MODEL]

@@ -1,0 +1,45 @@
+"""A consolidated ``torch.save`` file is read only after its records' CRC-32s are checked, as
+per-rank files are: the ranks that open it together check each record once. No XLA."""
+import zipfile
+
+import pytest
+import torch
+
+from xla_fsdp.checkpoint.files import CheckpointError
+from xla_fsdp.checkpoint.sources.consolidated_files import open_consolidated
+
+
+def _corrupted(tmp_path):
+    """A consolidated file of two tensors, one byte inside the larger one's record flipped."""
+    path = str(tmp_path / "full.pth")
+    torch.save({"model": {"w": torch.arange(64.0), "b": torch.ones(3)}}, path)
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        at = info.header_offset + 30 + name_len + extra_len + 8
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return path
+
+
+def test_a_corrupted_record_is_refused_naming_the_file(tmp_path):
+    path = _corrupted(tmp_path)
+    with pytest.raises(CheckpointError, match=r"full\.pth: record .* fails its CRC-32 check"):
+        open_consolidated(path)
+
+
+def test_ranks_sharing_the_check_find_it_once(tmp_path):
+    path = _corrupted(tmp_path)
+    refused = []
+    for share in ((0, 2), (1, 2)):
+        try:
+            open_consolidated(path, crc_share=share).close()
+            refused.append(False)
+        except CheckpointError:
+            refused.append(True)
+    assert sorted(refused) == [False, True]
+    open_consolidated(path, crc_share=None).close()   # a caller that checked them itself
