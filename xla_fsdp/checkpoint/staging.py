@@ -112,8 +112,8 @@ class StagedLoad:
         if (missing or unexpected) and self.strict:
             raise CheckpointError(
                 f"{self.where} does not hold this model: missing {missing}, unexpected "
-                f"{self.unexpected} (as {self.scheme.name} names them); strict=False loads "
-                f"what it holds of the model and leaves the rest")
+                f"{self.unexpected} (read with {self.scheme.name}'s keys); strict=False "
+                f"loads what it holds of the model and leaves the rest")
         stages: Dict[int, torch.Tensor] = {}
         partial = {id(s.shard_group.shard) for s, h in zip(slots, held) if not h}
         for slot, names_held in zip(slots, held):
