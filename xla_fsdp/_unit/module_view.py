@@ -47,6 +47,8 @@ class FallThrough(nn.Module):
             setattr(target, name, value)
 
     def _written_through(self, name: str) -> Any:
+        """Where a write of ``name`` goes instead of this module, or None (see [Note: a
+        setting written through a unit])."""
         own = self.__dict__
         if not own.get("_written_through_on") or name.startswith("_") or name in own \
                 or hasattr(type(self), name) \
