@@ -32,8 +32,11 @@ class LinearReadingWeight(torch.autograd.Function):
         x = _cast(input, dtype)
         ctx.save_for_backward(x, weight, bias)
         ctx.autocast_to = dtype
-        with torch.no_grad(), torch.autocast("xla", enabled=False):
-            return torch.nn.functional.linear(x, _cast(weight, dtype), _cast(bias, dtype))
+        with torch.no_grad():
+            if dtype is None:
+                return torch.nn.functional.linear(x, weight, bias)
+            with torch.autocast("xla", enabled=False):
+                return torch.nn.functional.linear(x, _cast(weight, dtype), _cast(bias, dtype))
 
     @staticmethod
     def backward(ctx, grad_output):
