@@ -14,13 +14,13 @@ per-rank load and a DCP load train on identically.
 import os
 import shutil
 import threading
-import zipfile
 
 import torch
 
 from .checkpoint_workloads import same_state, snapshot, train as train_steps
 from .models import Net, Stack, TiedLM
 from .parity import paired
+from .synthetic_checkpoints import flip_a_tensor_byte
 
 LR = 1e-3
 BEFORE, AFTER = range(0, 2), range(2, 4)
@@ -255,21 +255,6 @@ def _resume(name, root, fmt, rank, world, resave=None):
             "params": params}
 
 
-def _flip_a_tensor_byte(path):
-    """Corrupts one byte inside the largest tensor record of a per-rank file."""
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename),
-                   key=lambda i: i.file_size)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
-        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def _refusals(rank, root):
     """Each bad per-rank checkpoint raises CheckpointError on every rank (its message
     returned) and leaves the model and optimizer as they were."""
@@ -289,7 +274,7 @@ def _refusals(rank, root):
                     continue
                 shutil.copy(sharded_checkpoint_path(source, r, SAVE_WORLD),
                             sharded_checkpoint_path(os.path.join(bad, label), r, SAVE_WORLD))
-        _flip_a_tensor_byte(sharded_checkpoint_path(os.path.join(bad, "corrupt"), 1,
+        flip_a_tensor_byte(sharded_checkpoint_path(os.path.join(bad, "corrupt"), 1,
                                                     SAVE_WORLD))
     xm.rendezvous("xla_fsdp.test.any_world.damaged")  # every rank sees the damaged copies
     model = wrap(build("tied", 1), "nested", world, rank)

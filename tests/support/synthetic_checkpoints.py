@@ -1,5 +1,6 @@
 """Per-rank checkpoint files written without XLA, shaped like save_sharded's, for fast tests."""
 import math
+import zipfile
 
 import torch
 
@@ -193,3 +194,18 @@ def write_stacked(prefix, world, layer_kind, multiple=1, full=None, layers=LAYER
         torch.save(tree, path)
         paths.append(path)
     return paths
+
+
+def flip_a_tensor_byte(path):
+    """Corrupts one byte inside the largest tensor record of a ``torch.save`` file."""
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename),
+                   key=lambda i: i.file_size)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
+        at = info.header_offset + 30 + name_len + extra_len + info.file_size // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))

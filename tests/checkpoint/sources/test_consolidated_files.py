@@ -1,28 +1,19 @@
 """A consolidated ``torch.save`` file is read only after its records' CRC-32s are checked, as
 per-rank files are: the ranks that open it together check each record once. No XLA."""
-import zipfile
-
 import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.sources.consolidated_files import open_consolidated
 
+from ...support.synthetic_checkpoints import flip_a_tensor_byte
+
 
 def _corrupted(tmp_path):
     """A consolidated file of two tensors, one byte inside the larger one's record flipped."""
     path = str(tmp_path / "full.pth")
     torch.save({"model": {"w": torch.arange(64.0), "b": torch.ones(3)}}, path)
-    with zipfile.ZipFile(path) as z:
-        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = (int.from_bytes(f.read(2), "little") for _ in range(2))
-        at = info.header_offset + 30 + name_len + extra_len + 8
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
+    flip_a_tensor_byte(path)
     return path
 
 
