@@ -26,7 +26,7 @@ def _writer_gathers(rank: int) -> Iterator[List[List[str]]]:
     """On rank 0, the writer, the runs of tensors its ``save_consolidated`` gathers, in order
     (one sync each); the other ranks, whose threads share the class, leave it alone and
     record nothing."""
-    from xla_fsdp.checkpoint.per_rank import live_model as gathered
+    from xla_fsdp.checkpoint import gathered_state as gathered
     original, runs = gathered.Gathers._gather, []
     if rank != 0:
         yield runs

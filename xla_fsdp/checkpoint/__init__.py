@@ -9,8 +9,9 @@ checkpoints that stop cleanly on a preemption: ``manager``).
 Laid out by the path data takes. A load: a source (``sources``) -> the one staging loader
 (``staging``), which checks everything and reads it all before the ranks agree
 (``coordination``) -> the live model. A save: the live model -> a writer (``sharded`` for
-per-rank files, ``dcp`` for DCP, ``writers`` for the consolidated formats, through the per-rank
-plan in ``per_rank``). Under them: the per-rank format's record (``metadata``), what they need
+per-rank files, ``dcp`` for DCP, ``writers`` for the consolidated formats, which read an
+``unwrapped_state``: the live model's gathered (``gathered_state``), or per-rank files'
+(``per_rank``)). Under them: the per-rank format's record (``metadata``), what they need
 of a wrapped model (``unit_protocol``), and the files' bytes (``files``). The offline
 ``consolidate_sharded_ckpts`` tool (``consolidate``) imports these; nothing here imports it."""
 from .async_save import PendingSave

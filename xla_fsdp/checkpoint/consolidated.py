@@ -17,13 +17,10 @@ import torch
 from .._xla.trace_only import refuse_reads
 from .coordination import agree
 from .staging import load_staged
-from .writers.formats import FORMATS, OutputOptions, read_order, write_output
-from .per_rank.live_model import gathered_shard_set
+from .gathered_state import gathered_state
+from .writers.formats import FORMATS, OutputOptions, write_output
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
-from .per_rank.optimizer import why_not_consolidated
-from .per_rank.plan import plan_model
-from .files import CheckpointError
-from .metadata import MODEL, refuse_extra_state, refuse_lost_writes
+from .metadata import refuse_extra_state, refuse_lost_writes
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
 from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
@@ -50,16 +47,11 @@ def save_consolidated(path: str, model: ShardedModel,
     with_optimizer = optimizer is not None and format != "hf"
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
-    shards, gathers = gathered_shard_set(model, optimizer, extra)
-    try:  # on every rank: the views are alike, so all refuse together or none does
+    try:  # on every rank: the states are alike, so all refuse together or none does
         refuse_extra_state(model, "save_consolidated")
         refuse_lost_writes(model)
-        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-        reason = why_not_consolidated(shards, plan) if optimizer is not None else None
-        if reason is not None:
-            raise CheckpointError(f"save_consolidated: the optimizer cannot be "
-                                  f"consolidated: {reason}")
-        reads = read_order(shards, plan, format, with_optimizer)
+        state, gathers = gathered_state(model, optimizer if with_optimizer else None, extra)
+        reads = state.read_order(aliases_again=format == "dcp")
     except Exception as exc:
         error = exc
     agree("xla_fsdp.save_consolidated.plan", error)
@@ -67,8 +59,7 @@ def save_consolidated(path: str, model: ShardedModel,
     try:
         if writes:
             options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
-            written, _ = write_output(shards, plan, format, path, with_optimizer, options,
-                                      lambda _: None)
+            written, _ = write_output(state, format, path, options, lambda _: None)
     except Exception as exc:  # every rank raises it, below
         error = exc
     try:

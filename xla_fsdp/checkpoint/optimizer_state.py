@@ -1,9 +1,9 @@
 """Optimizer state in every checkpoint: THE rule for what is sharded like its tensor
 (``state_is_sharded``) and THE walk that applies it to a state dict's ``state``
 (``walk_state``), for a live optimizer and a saved one alike, with what ties an optimizer's
-indices to the model's shards. The per-rank and DCP saves, the live model's gathered view,
-the per-rank files' named walk (``per_rank.optimizer.named_state``) and redistribution walk
-with ``walk_state``; the staging loader, which reads DCP-layout keys rather than a state
+indices to the model's shards. The per-rank and DCP saves, the live model's gathered state
+(``gathered_state``), the per-rank files' named walk (``per_rank.optimizer.named_state``) and
+redistribution walk with ``walk_state``; the staging loader, which reads DCP-layout keys rather than a state
 dict, applies ``state_is_sharded`` to each key it reads."""
 from __future__ import annotations
 

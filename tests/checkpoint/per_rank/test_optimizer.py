@@ -8,8 +8,7 @@ import torch
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.metadata import MODEL, OPTIMIZER
 from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, walk_state
-from xla_fsdp.checkpoint.per_rank.optimizer import (consolidate_optimizer, named_state,
-                                                    optimizer_param_keys)
+from xla_fsdp.checkpoint.per_rank.optimizer import named_state, optimizer_param_keys
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
 
@@ -93,8 +92,7 @@ def test_the_named_walk_reads_a_shared_shard_state_by_state_and_both_forms_agree
         named = named_state(shards, plan)
         order = [(p, n, v.read()) for p, n, v in named.in_read_order()]
         added = []
-        optimizer, index_names = consolidate_optimizer(
-            shards, plan, lambda t: added.append(t) or t)
+        optimizer, index_names = named.as_indexed_state_dict(lambda t: added.append(t) or t)
         return named, order, added, optimizer, index_names
     named, order, added, optimizer, index_names = _with_plan(prefix, walk)
     # the shard's momentum for both parameters (one gather, live), then their step counts

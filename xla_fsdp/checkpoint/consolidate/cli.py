@@ -26,6 +26,7 @@ from ..writers.formats import FORMATS, OutputOptions, output_paths, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from ..per_rank.optimizer import why_not_consolidated
 from ..per_rank.plan import ModelPlan, plan_model
+from ..per_rank.unwrapped import unwrapped_state
 from .redistribute import redistribute
 from ..per_rank.shard_set import ShardSet, find_shard_set, prefix_in_directory
 
@@ -146,8 +147,8 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
             print("optimizer state not included: an HF directory holds the model only "
                   "(--format pt or dcp keep it)")
         options = OutputOptions(args.dcp_keys, args.hf_config, args.max_shard_size)
-        written, summary = write_output(shards, plan, args.format, outputs[0], with_optimizer,
-                                        options, progress)
+        state = unwrapped_state(shards, plan, with_optimizer and args.format != "hf")
+        written, summary = write_output(state, args.format, outputs[0], options, progress)
         progress.close()
         print(f"verified {written[0]}: {summary}; names, shapes and dtypes as the shard "
               f"metadata describes")

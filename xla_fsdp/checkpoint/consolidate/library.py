@@ -18,8 +18,8 @@ from ..files.memory import InMemoryCheckpoint
 from ..metadata import MODEL, SHARD_METADATA, ShardMetadata
 from ..writers.formats import OutputOptions, write_output
 from ..per_rank.optimizer import why_not_consolidated
-from ..writers.consolidated_file import model_entries
 from ..per_rank.plan import ModelPlan, plan_model
+from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, check_shard_set, wait_for_shard_set
 
 DEFAULT_WAIT_SECONDS = 600.0
@@ -43,7 +43,8 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
         if out is None:
             return _state_dict(plan, shards), None
         with_optimizer = why_not_consolidated(shards, plan) is None
-        write_output(shards, plan, "pt", out, with_optimizer, OutputOptions(), lambda _: None)
+        write_output(unwrapped_state(shards, plan, with_optimizer), "pt", out, OutputOptions(),
+                     lambda _: None)
     finally:
         shards.close()
     saved = torch.load(out, map_location="cpu", mmap=True, weights_only=True)
@@ -69,7 +70,8 @@ def consolidate_state_dicts(state_dict_list: List[Dict[str, Any]],
 
 
 def _state_dict(plan: ModelPlan, shards: ShardSet) -> "OrderedDict[str, torch.Tensor]":
-    out: "OrderedDict[str, torch.Tensor]" = OrderedDict(model_entries(plan, shards))
+    out: "OrderedDict[str, torch.Tensor]" = OrderedDict(
+        unwrapped_state(shards, plan, False).entries())
     for alias, source in plan.aliases:
         out[alias] = out[source]  # tied: one tensor under both names
     return out

@@ -8,15 +8,12 @@ resolved by ``optimizer_param_keys``: index ``i`` is the shard whose model state
 """
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
-
-import torch
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import MODEL, OPTIMIZER, RankRecord
-from ..optimizer_state import param_group_settings, per_rank_state, walk_state
+from ..optimizer_state import per_rank_state, walk_state
+from ..unwrapped_state import Member, NamedState, named_state as name_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -99,20 +96,14 @@ def _state_of_every_rank(shards: ShardSet, index: int, name: str) -> List[Tensor
     return out
 
 
-Member = Tuple[ParamSpec, ShardGroupSpec, int]  # a parameter, its shard group, the optimizer
-                                                # index of the group's shard
-
-
-def saved_param_groups(shards: ShardSet, plan: ModelPlan
-                       ) -> List[Tuple[Dict[str, Any], List[Member]]]:
-    """The first rank's param groups as saved, each with its parameters in the unwrapped
-    model's order (the order an optimizer built over the unwrapped model has them in)."""
+def named_state(shards: ShardSet, plan: ModelPlan) -> NamedState:
+    """The per-rank files' optimizer state by parameter name (``unwrapped_state.named_state``),
+    its tensors sharded like their parameter spread over the rank files, the others rank 0's."""
     keys, reason = optimizer_param_keys(shards, plan)
     if keys is None:
         raise CheckpointError(reason)
     specs = plan.spec_of()
-    rank = {name: i for i, name in enumerate(plan.param_order)}
-    out = []
+    param_groups = []
     for param_group in shards.files[0].tree[OPTIMIZER]["param_groups"]:
         members: List[Member] = []
         for index in param_group["params"]:
@@ -120,69 +111,13 @@ def saved_param_groups(shards: ShardSet, plan: ModelPlan
             if spec is None:
                 raise CheckpointError(f"optimizer index {index} refers to {keys[index]}, which "
                                       f"is not a shard of the model")
-            members += [(p, spec, index) for p in spec.params]
-        members.sort(key=lambda m: rank.get(m[0].name, len(rank)))
-        out.append((param_group, members))
-    return out
-
-
-@dataclass
-class NamedState:
-    """The optimizer state an optimizer over the unwrapped model would have, by parameter
-    name, built from per-rank files with ``walk_state`` (``named_state``): the form every
-    output of them (consolidated files, a DCP directory, the per-rank files' source) takes."""
-    state: Dict[str, Dict[str, Any]]   # parameter name -> its state (``saved_state``)
-    shard: Dict[str, str]              # parameter name -> the shard its state is saved with
-    param_groups: List[Tuple[Dict[str, Any], List[str]]]  # each as saved, its parameters
-
-    def in_read_order(self) -> Iterator[Tuple[str, str, Any]]:
-        """(parameter name, state name, value), the parameters that share a shard one state
-        name at a time, so that each state tensor of a shard is read in one pass (one
-        gather, when the files are a live model's: ``per_rank.live_model``), not once per
-        parameter."""
-        by_shard = itertools.groupby(self.state.items(), key=lambda item: self.shard[item[0]])
-        for _, run in by_shard:
-            run = list(run)
-            for name in run[0][1]:
-                for param, state in run:
-                    yield param, name, state[name]
-
-    def as_state_dict(self) -> Dict[str, Any]:
-        """In ``get_state_dict``'s form: state and each param group's ``params`` by name."""
-        return {"state": self.state, "param_groups": [
-            dict(param_group_settings(g), params=names)
-            for g, names in self.param_groups]}
-
-
-def named_state(shards: ShardSet, plan: ModelPlan) -> NamedState:
-    """The per-rank files' optimizer state by parameter name, its tensors sharded like their
-    parameter spread over the rank files, the others rank 0's."""
+            members += [(p.name, spec.key, index) for p in spec.params]
+        param_groups.append((param_group, members))
     saved = shards.files[0].tree[OPTIMIZER]["state"]
-    out = NamedState({}, {}, [])
-    for param_group, members in saved_param_groups(shards, plan):
-        for param, spec, index in members:
-            if index in saved:
-                out.state[param.name] = saved_state(shards, spec, param, index)
-                out.shard[param.name] = spec.key
-        out.param_groups.append((param_group, [p.name for p, _, _ in members]))
-    return out
+    param_of = {p.name: p for spec in plan.shard_groups for p in spec.params}
 
-
-def consolidate_optimizer(shards: ShardSet, plan: ModelPlan,
-                          add: Callable[[torch.Tensor], Any]) -> Tuple[Dict[str, Any], List[str]]:
-    """The optimizer state dict an optimizer over the unwrapped model's parameters would
-    have, and its parameter names by index. Tensors go through ``add`` as they are read."""
-    named = named_state(shards, plan)
-    names = [n for _, params in named.param_groups for n in params]
-    index = {n: i for i, n in enumerate(names)}
-    state: Dict[int, Dict[str, Any]] = {index[p]: {} for p in named.state}
-    for param, name, value in named.in_read_order():
-        state[index[param]][name] = (
-            add(value.read()) if isinstance(value, (SpreadTensor, TensorRef)) else value)
-    param_groups = []
-    for param_group, params in named.param_groups:
-        new_param_group = dict(param_group, params=[index[n] for n in params])
-        if "param_names" in param_group:
-            new_param_group["param_names"] = list(params)
-        param_groups.append(new_param_group)
-    return {"state": state, "param_groups": param_groups}, names
+    def state_of(member: Member) -> Optional[Dict[str, Any]]:
+        name, key, index = member
+        return saved_state(shards, specs[key], param_of[name], index) if index in saved \
+            else None
+    return name_state(param_groups, plan.param_order, state_of)

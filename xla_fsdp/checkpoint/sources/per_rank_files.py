@@ -23,8 +23,9 @@ from ..dcp_format.layout import rank_extra_key
 from ..files import CheckpointError
 from ..metadata import EXTRA, MODEL
 from .entries import EntrySource, model_entries, optimizer_entries
-from ..per_rank.optimizer import named_state, optimizer_param_keys
-from ..per_rank.plan import ModelPlan, plan_model, unwrapped_tensors
+from ..per_rank.optimizer import optimizer_param_keys
+from ..per_rank.plan import ModelPlan, plan_model
+from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, find_shard_set
 
 
@@ -63,16 +64,18 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
     """``shards`` (opened and checked, planned as ``plan``) as a source; with ``closes``
     closing the source closes the files."""
     head = shards.files[0].tree
-    model = unwrapped_tensors(plan, shards.files)
-    for alias, source in plan.aliases:  # tied: under every name, as state_dict() has it
-        model[alias] = model[source]
-    tensors, objects = model_entries(model)
     if with_optimizer:
         keys, reason = optimizer_param_keys(shards, plan)
         if keys is None:
             raise CheckpointError(f"{shards.pattern}: its optimizer state cannot be read: "
                                   f"{reason}")
-        more_tensors, more_objects = optimizer_entries(named_state(shards, plan).as_state_dict(),
+    state = unwrapped_state(shards, plan, with_optimizer)
+    model = dict(state.tensors)
+    for alias, source in state.aliases:  # tied: under every name, as state_dict() has it
+        model[alias] = model[source]
+    tensors, objects = model_entries(model)
+    if state.optimizer is not None:
+        more_tensors, more_objects = optimizer_entries(state.optimizer.as_state_dict(),
                                                        shards.pattern)
         tensors.update(more_tensors)
         objects.update(more_objects)

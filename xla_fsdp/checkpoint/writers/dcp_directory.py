@@ -1,9 +1,9 @@
 """The consolidated checkpoint as a DCP directory (``--format dcp``), in the layout of
-``dcp_format.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and optimizer
-would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that FSDP2
-and torchtitan start from it. Every tensor is read from the
-per-rank files when DCP's writer asks for it and written whole: memory stays near one file's
-worth (see [Note: DCP's writer keeps a file's tensors until it closes]). The directory becomes a checkpoint when its ``.metadata`` is
+``dcp_format.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and
+optimizer would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that
+FSDP2 and torchtitan start from it. Every tensor is read when DCP's writer asks for it and
+written whole: memory stays near one file's worth (see [Note: DCP's writer keeps a file's
+tensors until it closes]). The directory becomes a checkpoint when its ``.metadata`` is
 written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
 from __future__ import annotations
 
@@ -14,18 +14,15 @@ import torch
 from ..dcp_format.layout import KeyScheme, Path, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..dcp_format.files import write_alone
-from ..files import TensorRef
-from ..files.reader import materialized
 from ..metadata import EXTRA
 from ..optimizer_state import param_group_settings
-from ..per_rank.optimizer import named_state
-from ..per_rank.plan import ModelPlan, SpreadTensor, unwrapped_tensors
-from ..per_rank.shard_set import ShardSet
+from ..unwrapped_state import NamedState, Readable, UnwrappedState
 
 
-def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer: bool,
-              scheme: KeyScheme, progress: Callable[[int], None]) -> List[str]:
-    files = shards.files
+def write_dcp(state: UnwrappedState, directory: str, scheme: KeyScheme,
+              progress: Callable[[int], None]) -> List[str]:
+    """Writes ``state`` (with the optimizer when it has it) as a DCP directory under
+    ``scheme``'s keys; returns ``[directory]``."""
     wholes: Dict[str, OnDemand] = {}
     objects: Dict[str, Any] = {}
     paths: Dict[str, Path] = {}
@@ -41,29 +38,26 @@ def write_dcp(shards: ShardSet, plan: ModelPlan, directory: str, with_optimizer:
             return tensor
         wholes[key] = OnDemand(torch.Size(size), dtype, read_counted if counted else read)
 
-    model = unwrapped_tensors(plan, files)
+    model = state.tensors
     for name, tensor in model.items():
         add(scheme.model(name), tensor.shape, tensor.dtype, tensor.read, counted=True)
-    for alias, source in plan.aliases:  # tied: stored under both names, as state_dict has it
+    for alias, source in state.aliases:  # tied: stored under both names, as state_dict has it
         add(scheme.model(alias), model[source].shape, model[source].dtype, model[source].read)
-    if with_optimizer:
-        _optimizer(shards, plan, scheme, add, objects, paths)
-    head = files[0].tree
-    if EXTRA in head:
+    if state.optimizer is not None:
+        _optimizer(state.optimizer, scheme, add, objects, paths)
+    if EXTRA in state.extra:
         key, paths[key] = extra_key()
-        objects[key] = materialized(head[EXTRA])
+        objects[key] = state.extra[EXTRA]
     write_alone(directory, ChunkSavePlanner({}, wholes, objects, paths))
     return [directory]
 
 
-def _optimizer(shards: ShardSet, plan: ModelPlan, scheme: KeyScheme, add: Callable[..., None],
+def _optimizer(named: NamedState, scheme: KeyScheme, add: Callable[..., None],
                objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
-    """The optimizer state by parameter name, and param groups listing names
-    (``per_rank.optimizer.named_state``)."""
-    named = named_state(shards, plan)
+    """The optimizer state by parameter name, and param groups listing names."""
     for param_name, name, value in named.in_read_order():  # DCP reads in the order added
         key_path = scheme.state(param_name, name)
-        if isinstance(value, (SpreadTensor, TensorRef)):
+        if isinstance(value, Readable):
             add(key_path, value.shape, value.dtype, value.read)
         else:
             key, paths[key] = key_path

@@ -1,5 +1,5 @@
-"""One consolidated output of each format from a ``ShardSet`` (per-rank files, or a live
-model's shards over the collectives), written and then verified: what the command line tool,
+"""One consolidated output of each format from an ``UnwrappedState`` (read from per-rank
+files, or gathered from a live model), written and then verified: what the command line tool,
 ``save_consolidated`` and torch_xla's ``consolidate_sharded_model_checkpoints`` share.
 
 What was written is verified in one way for every format (``verify_written``): it is opened
@@ -24,10 +24,8 @@ from ..files import CheckpointError, CheckpointFile
 from ..sources.consolidated_files import open_consolidated
 from .dcp_directory import write_dcp
 from .hf_directory import DEFAULT_MAX_SHARD_SIZE, hf_directory
-from .consolidated_file import entry_specs, model_entries, write_consolidated
-from ..per_rank.optimizer import named_state
-from ..per_rank.plan import ModelPlan, unwrapped_tensors
-from ..per_rank.shard_set import ShardSet
+from .consolidated_file import write_consolidated
+from ..unwrapped_state import UnwrappedState
 
 FORMATS = ("pt", "safetensors", "hf", "dcp")
 Expected = Dict[str, Tuple[torch.dtype, Tuple[int, ...]]]  # model entry -> dtype, shape
@@ -52,42 +50,30 @@ def output_paths(fmt: str, save_path: str, prefix: str) -> List[str]:
     return [path]
 
 
-def write_output(shards: ShardSet, plan: ModelPlan, fmt: str, path: str, with_optimizer: bool,
-                 options: OutputOptions, progress: Callable[[int], None]
-                 ) -> Tuple[List[str], str]:
-    """Writes and verifies; returns the paths written and what was verified."""
-    specs = {n: (d, tuple(s)) for n, d, s in entry_specs(plan, shards)}
+def write_output(state: UnwrappedState, fmt: str, path: str, options: OutputOptions,
+                 progress: Callable[[int], None]) -> Tuple[List[str], str]:
+    """Writes ``state`` (with the optimizer when it has it; an HF directory never does) and
+    verifies it; returns the paths written and what was verified. A writer reads the state
+    in ``UnwrappedState.read_order``, DCP's with each tied alias again (it stores each under
+    its own key); a live model's gathers follow it (see [Note: every rank knows the writer's
+    read order])."""
+    specs = {n: (d, tuple(s)) for n, d, s in state.specs()}
     scheme, layout = GET_STATE_DICT, ""
+    with_optimizer = state.optimizer is not None
     if fmt == "hf":
-        written, specs = hf_directory(path, entry_specs(plan, shards),
-                                      model_entries(plan, shards), plan.aliases,
+        written, specs = hf_directory(path, state.specs(), state.entries(), state.aliases,
                                       options.hf_config, options.model,
                                       options.max_shard_size, progress)
         layout = " in the Hugging Face layout (model weights only)"
         with_optimizer = False
     elif fmt == "dcp":
         scheme = key_scheme(options.dcp_keys)
-        written = write_dcp(shards, plan, path, with_optimizer, scheme, progress)
+        written = write_dcp(state, path, scheme, progress)
         layout = f" under {scheme.name}'s keys"
     else:
-        written = write_consolidated(shards, plan, path, fmt, with_optimizer, progress)
+        written = write_consolidated(state, path, fmt, progress)
     summary = verify_written(fmt, written, specs, with_optimizer, scheme) + layout
     return written, summary + (", optimizer included" if with_optimizer else "")
-
-
-def read_order(shards: ShardSet, plan: ModelPlan, fmt: str, with_optimizer: bool) -> List[Any]:
-    """What the writer of ``fmt`` reads, in the order it reads it: the model's entries
-    (``write_consolidated``, ``hf_directory``), the tied aliases again in DCP (which stores
-    each under its own key), then the optimizer's state as ``NamedState.in_read_order``
-    gives it. A live model's gathers follow it (see [Note: every rank knows the writer's
-    read order])."""
-    model = unwrapped_tensors(plan, shards.files)
-    order = list(model.values())
-    if fmt == "dcp":
-        order += [model[source] for _, source in plan.aliases]
-    if with_optimizer:
-        order += [value for _, _, value in named_state(shards, plan).in_read_order()]
-    return order
 
 
 def verify_written(fmt: str, written: Sequence[str], expected: Expected, with_optimizer: bool,
