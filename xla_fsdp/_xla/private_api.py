@@ -1,8 +1,9 @@
-"""Every use of torch's and torch_xla's private (underscore) APIs, in one place.
+"""Every use of torch's and torch_xla's private (underscore) APIs, and of the client libraries'
+(transformers'), in one place.
 
-Nothing here is promised by either project, so each use sits behind a named function that
-says what it is for, and an upgrade of torch or torch_xla has one file to check. Checked
-against torch 2.9.0 and torch_xla 2.9.0. (The virtual-device launcher, ``launch.virtual``,
+Nothing here is promised by any of those projects, so each use sits behind a named function
+that says what it is for, and an upgrade has one file to check. Checked against torch 2.9.0,
+torch_xla 2.9.0 and transformers 4.57 and 5. (The virtual-device launcher, ``launch.virtual``,
 patches torch_xla's internals of its own and is not routed through here.)
 
 torch_xla is imported inside the functions, so that importing this module stays cheap.
@@ -379,6 +380,13 @@ def run_multiprocess(fn: Callable[[], Any]) -> Dict[int, Any]:
     """torch_xla's launcher for every local device of an accelerator, a process each."""
     from torch_xla._internal import pjrt
     return pjrt.run_multiprocess(fn)
+
+
+# -- transformers -----------------------------------------------------------------------------
+def wrap_trainer_wrap_model(trainer: type, wrap: Callable[[Callable], Callable]) -> None:
+    """Replaces ``Trainer._wrap_model``, where Trainer wraps its model for XLA FSDP, with
+    ``wrap`` of it (see [Note: Trainer's wrapped model on transformers 5])."""
+    trainer._wrap_model = wrap(trainer._wrap_model)
 
 
 # -- tracing without executing (xla_fsdp.aot) --------------------------------------------------

@@ -32,11 +32,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree, agree_or_undo
-from .dcp_format.layout import (EXTRA, GET_STATE_DICT, KEY_SCHEMES, OPTIMIZER, KeyScheme,
-                                ParamSlot, param_slots, rank_extra_key, rank_extras,
-                                slots_by_shard)
+from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlot,
+                                param_slots, rank_extra_key, rank_extras, slots_by_shard)
 from .files import CheckpointError
-from .metadata import persistent_buffers, refuse_extra_state
+from .metadata import EXTRA, OPTIMIZER, persistent_buffers, refuse_extra_state
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, state_is_sharded)
 from .unit_protocol import ShardedModel

@@ -80,6 +80,14 @@ class NamedState:
         return {"state": state, "param_groups": param_groups}, names
 
 
+def model_order(order: Sequence[str]) -> Callable[[str], int]:
+    """A sort key putting parameter names in the unwrapped model's ``order`` (its
+    ``parameters()``', the order an optimizer built over the unwrapped model holds them in),
+    names it lacks last: how every writer lists a param group's parameters."""
+    rank = {name: i for i, name in enumerate(order)}
+    return lambda name: rank.get(name, len(rank))
+
+
 Member = Tuple[str, str, int]  # a parameter's name, its shard's key, the shard's optimizer index
 
 
@@ -89,11 +97,12 @@ def named_state(param_groups: Sequence[Tuple[Dict[str, Any], List[Member]]],
     """The one rule by which a sharded optimizer's state is named, for files and live
     models alike: each saved param group (with the parameters of the shards it holds) lists
     them in the unwrapped model's ``order`` (an optimizer built over the unwrapped model
-    holds them so), and each parameter whose shard has state gets ``state_of`` it."""
-    rank = {name: i for i, name in enumerate(order)}
+    holds them so: ``model_order``), and each parameter whose shard has state gets
+    ``state_of`` it."""
+    key = model_order(order)
     out = NamedState()
     for param_group, members in param_groups:
-        members = sorted(members, key=lambda m: rank.get(m[0], len(rank)))
+        members = sorted(members, key=lambda m: key(m[0]))
         for member in members:
             state = state_of(member)
             if state is not None:

@@ -37,7 +37,7 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List
 
-from .._xla.private_api import parameters_replaced
+from .._xla.private_api import parameters_replaced, wrap_trainer_wrap_model
 
 _MODULE = "transformers.trainer"
 _lock = threading.Lock()
@@ -66,7 +66,7 @@ def _install(module: Any) -> None:
             trainer.get_decay_parameter_names)
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
-            trainer._wrap_model = _keeps_wrapped_model(trainer._wrap_model)
+            wrap_trainer_wrap_model(trainer, _keeps_wrapped_model)
 
 
 _FUSED = "adamw_torch_fused"
@@ -103,13 +103,13 @@ def _on_xla() -> bool:
 
 def _keeps_wrapped_model(wrap_model: Callable) -> Callable:
     @functools.wraps(wrap_model)
-    def _wrap_model(self, model, training: bool = True, dataloader=None):
+    def keeps_wrapped_model(self, model, training: bool = True, dataloader=None):
         wrapped = wrap_model(self, model, training, dataloader)
         if training and wrapped is not model and getattr(self, "is_fsdp_xla_v1_enabled", False):
             self.model = wrapped   # see [Note: Trainer's wrapped model on transformers 5]
         return wrapped
-    _wrap_model.xla_fsdp_keeps_wrapped_model = True
-    return _wrap_model
+    keeps_wrapped_model.xla_fsdp_keeps_wrapped_model = True
+    return keeps_wrapped_model
 
 
 def _decay_by_original_names(get_decay_names: Callable) -> Callable:

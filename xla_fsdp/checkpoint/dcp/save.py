@@ -52,6 +52,7 @@ from ..dcp_format.files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                                  rank_extra_key, slots_by_shard)
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
+from ..unwrapped_state import model_order
 
 
 
@@ -226,11 +227,10 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 elif first:
                     paths[key], objects[key] = path, entry.value
         if first:
-            order = {n: i for i, n in enumerate(
-                ShardMetadata(model.get_shard_metadata()).parameter_order() or [])}
+            key = model_order(ShardMetadata(model.get_shard_metadata()).parameter_order() or [])
             for index, param_group in enumerate(optimizer.param_groups):
                 names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
-                               key=lambda n: order.get(n, len(order)))
+                               key=key)
                 settings = param_group_settings(param_group)
                 for key, path, value in scheme.param_group(index, names, settings):
                     paths[key], objects[key] = path, value

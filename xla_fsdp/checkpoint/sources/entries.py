@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 
 from ..._sharding.chunks import TensorPieces
-from ..dcp_format.layout import GET_STATE_DICT, OPTIMIZER
+from ..dcp_format.layout import GET_STATE_DICT
+from ..metadata import OPTIMIZER
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
