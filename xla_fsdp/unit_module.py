@@ -41,7 +41,8 @@ from ._xla.patched_linear import patch_linear_layers
 from ._xla.private_api import CollectiveBindings, incompatible_keys
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
-from .checkpoint.metadata import original_names_and_shards, shard_metadata
+from .checkpoint.metadata import shard_metadata
+from .checkpoint.live_model import original_names_and_shards
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:

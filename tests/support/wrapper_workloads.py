@@ -83,7 +83,7 @@ def save_cases(rank: int, directory: str) -> Dict[str, Any]:
 
 def _as_before(model: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
     """The metadata with units named by their module path, as written before the fix."""
-    from xla_fsdp.checkpoint.metadata import units_by_saved_path
+    from xla_fsdp.checkpoint.live_model import units_by_saved_path
     rename = {saved: path for (path, _), (saved, _) in zip(
         model.named_units(), units_by_saved_path(model, model.named_units()), strict=True)}
     old = dict(metadata)

@@ -9,8 +9,8 @@ from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
 from .coordination import gathered_bytes, gathered_on_host, runs_by_size
 from .staging import load_staged
-from .metadata import (persistent_buffers, refuse_extra_state, refuse_lost_writes, tied_aliases,
-                       unwrapped_name)
+from .live_model import (persistent_buffers, refuse_extra_state, refuse_lost_writes,
+                         tied_aliases, unwrapped_name)
 from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
 

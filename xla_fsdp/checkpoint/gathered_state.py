@@ -35,8 +35,8 @@ from .._sharding.names import join_name
 from .._unit.buffers import original_dtype
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
-from .metadata import (EXTRA, ShardMetadata, persistent_buffers, tied_aliases, unwrapped_name,
-                       units_by_saved_path)
+from .metadata import EXTRA, ShardMetadata
+from .live_model import persistent_buffers, tied_aliases, unwrapped_name, units_by_saved_path
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, named_state

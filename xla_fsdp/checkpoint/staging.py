@@ -35,7 +35,8 @@ from .coordination import agree, agree_or_undo
 from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlot,
                                 param_slots, rank_extra_key, rank_extras, slots_by_shard)
 from .files import CheckpointError
-from .metadata import EXTRA, OPTIMIZER, persistent_buffers, refuse_extra_state
+from .metadata import EXTRA, OPTIMIZER
+from .live_model import persistent_buffers, refuse_extra_state
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, state_is_sharded)
 from .unit_protocol import ShardedModel

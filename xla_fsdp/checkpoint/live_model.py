@@ -1,0 +1,106 @@
+"""What every checkpoint reads of a live wrapped model beyond its units (``unit_protocol``): the
+unwrapped model's names (``unwrapped_name``, a unit's path as its shards are saved under,
+``units_by_saved_path``), its persistent buffers and tied aliases, and the refusals every save
+of the unwrapped model applies before reading it (writes lost to a freed placeholder, modules'
+extra state)."""
+from __future__ import annotations
+
+from typing import Iterable, List, Tuple
+
+import torch
+import torch.nn as nn
+
+from .._sharding.names import clean_name, join_name
+from .._unit.param_record import ParamRecord
+from .._xla.private_api import is_persistent_buffer
+from .files import CheckpointError
+from .unit_protocol import ShardedModel, ShardedUnit
+
+
+# -- names ------------------------------------------------------------------------------------
+# [Note: names are the state dict's]
+# Every name we write must be the one ``state_dict()`` uses, whatever sits between the root
+# and a unit or inside one. Wrappers change names in two ways: torch's checkpoint wrapper
+# drops its ``_checkpoint_wrapped_module`` from state dict keys with a hook, while
+# ``torch.compile``'s ``_orig_mod`` and PEFT's ``base_model.model`` stay in them. So a unit's
+# path in a per-rank file (the prefix of its shards' keys) is read off the root's
+# ``state_dict(keep_vars=True)`` by the shards' identity, not built from module paths, which
+# also sees wrappers applied after wrapping (activation checkpointing usually is). Names in
+# the unwrapped model are ``unwrapped_name`` of a path and a name inside the unit: the
+# wrapper parts ``state_dict()`` drops (ours, torch_xla's, the checkpoint wrapper's) are
+# dropped at every depth, the others kept.
+def unwrapped_name(path: str, name: str = "") -> str:
+    """The unwrapped model's name of ``name`` (relative to the module at ``path``)."""
+    return clean_name(join_name(path, name))
+
+
+def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
+                        ) -> List[Tuple[str, ShardedUnit]]:
+    """``units`` (path, unit) with each path as the prefix of its shards' keys in
+    ``root.state_dict()`` (see [Note: names are the state dict's])."""
+    key_of = {id(v): k for k, v in root.state_dict(keep_vars=True).items()}
+    out = []
+    for path, unit in units:
+        for g in unit.shard_groups:
+            key = key_of.get(id(g.shard), "")
+            if key == g.shard_name or key.endswith("." + g.shard_name):
+                path = key[:-len(g.shard_name)].rstrip(".")
+                break
+        out.append((path, unit))
+    return out
+
+
+# -- what every save reads, and refuses --------------------------------------------------------
+def tied_aliases(shared: Iterable[Tuple[str, Iterable[Tuple[str, str]]]]
+                 ) -> List[Tuple[str, str]]:
+    """(alias, source) names in the unwrapped model of tied parameters, from each unit's
+    path and its (alias, source) pairs: a live model's units or ``shared_info``."""
+    return [(unwrapped_name(path, a), unwrapped_name(path, s))
+            for path, pairs in shared for a, s in pairs]
+
+
+def refuse_lost_writes(root: ShardedModel) -> None:
+    """Refuses to save shards that lack a write made through a module attribute while its
+    unit was sharded (see [Note: writes to a freed placeholder]): ``model.apply(init)``
+    after wrapping, then a checkpoint before any forward."""
+    for _, unit in root.named_units():
+        for g in unit.shard_groups:
+            ParamRecord.refuse_lost_writes(g.records)
+
+
+def refuse_extra_state(root: nn.Module, what: str) -> None:
+    """[Note: modules' extra state] A module may keep state of its own in ``state_dict()``
+    beside its parameters and buffers (``get_extra_state``/``set_extra_state``, under
+    ``<module>._extra_state``: FP8 scaling metadata, a quantizer's calibration). The per-rank
+    files keep it, and their own-file load at the same world size and wrapping puts it back,
+    through torch's ``state_dict()`` and ``load_state_dict()``. The checkpoints of the
+    unwrapped model (full state dicts, consolidated, DCP) and every load that stages carry
+    parameters and buffers only, so they refuse a model with such state, naming its modules,
+    rather than save or load it without that state."""
+    holders = [unwrapped_name(path) or f"the root {type(m).__name__}"
+               for path, m in root.named_modules()
+               if type(m).get_extra_state is not nn.Module.get_extra_state]
+    if holders:
+        raise CheckpointError(
+            f"{what}: {holders[:5]} keep extra state (get_extra_state), which this "
+            f"checkpoint of the unwrapped model cannot hold "
+            f"(see [Note: modules' extra state]); save_sharded keeps it, and load_sharded puts "
+            f"it back at the same world size and wrapping")
+
+
+def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:
+    """(name in the unwrapped model, buffer) for every buffer ``state_dict()`` holds: the
+    persistent ones, under every name a shared module gives them."""
+    return [(unwrapped_name(path, name), buf)
+            for path, m in root.named_modules(remove_duplicate=False)
+            for name, buf in m.named_buffers(recurse=False, remove_duplicate=False)
+            if is_persistent_buffer(m, name)]
+
+
+def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
+                              ) -> List[Tuple[str, nn.Parameter]]:
+    """(name in the unwrapped model, shard) for every shard group of every unit.
+
+    A flattened group is named ``<unit path>.flat_param_<i>``."""
+    return [(unwrapped_name(path, g.orig_name), g.shard)
+            for path, unit in units for g in unit.shard_groups]
