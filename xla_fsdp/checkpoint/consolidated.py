@@ -20,11 +20,11 @@ from .staging import load_staged
 from .gathered_state import gathered_state
 from .writers.formats import FORMATS, OutputOptions, write_output
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
-from .live_model import refuse_extra_state, refuse_lost_writes
+from .live_model import (refuse_extra_state, refuse_lost_writes, require_root, sharding_group_path,
+                         writes_sharding_group_copy)
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
-from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
-                            writes_sharding_group_copy)
+from .unit_protocol import ShardedModel
 
 
 def save_consolidated(path: str, model: ShardedModel,

@@ -2,10 +2,12 @@
 unwrapped model's names (``unwrapped_name``, a unit's path as its shards are saved under,
 ``units_by_saved_path``), its persistent buffers and tied aliases, and the refusals every save
 of the unwrapped model applies before reading it (writes lost to a freed placeholder, modules'
-extra state)."""
+extra state), the check that a call is given the root, and where the root's sharding group
+keeps a checkpoint."""
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+import os
+from typing import Any, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -104,3 +106,48 @@ def original_names_and_shards(units: Iterable[Tuple[str, ShardedUnit]]
     A flattened group is named ``<unit path>.flat_param_<i>``."""
     return [(unwrapped_name(path, g.orig_name), g.shard)
             for path, unit in units for g in unit.shard_groups]
+
+
+# -- the root, and where its sharding group keeps a checkpoint ---------------------------------
+def require_root(model: Any, what: str) -> ShardedModel:
+    """``model`` if it is an idle root unit; ``what`` (saving, loading) concerns the whole
+    model, and a nested unit would cover only part of it."""
+    if not isinstance(model, ShardedModel):
+        raise TypeError(f"{what} takes the root XlaFullyShardedDataParallel unit, got "
+                        f"{type(model).__name__}")
+    model.check_root_call(what)
+    return model
+
+
+def sharding_group_index(model: ShardedModel) -> Optional[int]:
+    """This rank's sharding group, or None without ``sharding_groups``."""
+    import torch_xla.runtime as xr
+    sharding = model.options.sharding_groups
+    if sharding is None:
+        return None
+    return next(i for i, g in enumerate(sharding) if xr.global_ordinal() in g)
+
+
+_FILE_EXTENSIONS = (".pth", ".pt", ".bin", ".safetensors")
+
+
+def sharding_group_path(path: str, model: ShardedModel, is_prefix: bool = False
+                        ) -> Tuple[str, bool]:
+    """Where this rank's sharding group keeps a checkpoint named ``path``, and whether the
+    groups are independent. Independent ``sharding_groups`` (parts of a model-parallel
+    model) each have one of their own (``out/dcp_group-001``, ``out/ck_group-001.pth``, or
+    for the ``is_prefix`` of per-rank files ``out/ck_group-001``); replicas
+    (``replicate_across_groups``) share the first group's, which it writes."""
+    index = sharding_group_index(model)
+    if index is None or model.options.replicate_across_groups:
+        return path, False
+    stem, ext = os.path.splitext(path)
+    if is_prefix or ext not in _FILE_EXTENSIONS:
+        stem, ext = path, ""
+    return f"{stem}_group-{index:03d}{ext}", True
+
+
+def writes_sharding_group_copy(model: ShardedModel) -> bool:
+    """Whether this rank's sharding group writes its checkpoint: every independent group,
+    and the first of replicas (or the only group)."""
+    return sharding_group_path("", model)[1] or not sharding_group_index(model)

@@ -50,8 +50,8 @@ from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, Rank
                        other_world_files, rank_file_tree, sharded_checkpoint_path,
                        wrapping_fingerprint)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
-from .unit_protocol import (ShardedModel, require_root, sharding_group_path,
-                            writes_sharding_group_copy)
+from .unit_protocol import ShardedModel
+from .live_model import require_root, sharding_group_path, writes_sharding_group_copy
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 

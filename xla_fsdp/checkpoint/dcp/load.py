@@ -14,7 +14,8 @@ import torch
 from ..._xla.trace_only import refuse_reads
 from ..sources.dcp_files import DcpSource
 from ..staging import load_staged
-from ..unit_protocol import ShardedModel, require_root
+from ..unit_protocol import ShardedModel
+from ..live_model import require_root
 from .save import checkpoint_dir_for
 
 

@@ -43,10 +43,10 @@ from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..metadata import ShardMetadata
-from ..live_model import persistent_buffers, refuse_extra_state, refuse_lost_writes
+from ..live_model import (persistent_buffers, refuse_extra_state, refuse_lost_writes, require_root,
+                          sharding_group_index, sharding_group_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
-from ..unit_protocol import (ShardedModel, require_root, sharding_group_index,
-                             sharding_group_path, writes_sharding_group_copy)
+from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, exchange
 from ..dcp_format.files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,

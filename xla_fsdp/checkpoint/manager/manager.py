@@ -46,7 +46,8 @@ from ..dcp_format.metadata_file import METADATA_FILE
 from ..files import CheckpointError
 from ..metadata import RANK_FILES
 from ..sharded import load_sharded, save_sharded
-from ..unit_protocol import ShardedModel, sharding_group_path
+from ..unit_protocol import ShardedModel
+from ..live_model import sharding_group_path
 from . import preemption
 from .directory import CheckpointDirectory
 from .step_vote import StepVote
