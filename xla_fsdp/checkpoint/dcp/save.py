@@ -227,10 +227,11 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 elif first:
                     paths[key], objects[key] = path, entry.value
         if first:
-            key = model_order(ShardMetadata(model.get_shard_metadata()).parameter_order() or [])
+            in_order = model_order(
+                ShardMetadata(model.get_shard_metadata()).parameter_order() or [])
             for index, param_group in enumerate(optimizer.param_groups):
                 names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
-                               key=key)
+                               key=in_order)
                 settings = param_group_settings(param_group)
                 for key, path, value in scheme.param_group(index, names, settings):
                     paths[key], objects[key] = path, value
