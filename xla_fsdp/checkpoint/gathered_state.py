@@ -184,7 +184,7 @@ def _named_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer
     values: Dict[int, Dict[str, Any]] = {i: {} for i in by_index}
     for s in walk_state(by_index, lambda i: params[i].shape,
                         lambda i: f"consolidated save of {keys[i]}"):
-        layout, _, collectives = slots[keys[s.index]]
+        _, _, collectives = slots[keys[s.index]]
         if s.sharded:
             tid = f"{keys[s.index]}#{s.name}"
             tensors[tid] = (s.value, collectives)
