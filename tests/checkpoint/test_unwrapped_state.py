@@ -2,7 +2,7 @@
 optimizer's state (``named_state``), both producers' (per-rank files, a live model). No XLA."""
 import torch
 
-from xla_fsdp.checkpoint.unwrapped_state import UnwrappedState, named_state
+from xla_fsdp.checkpoint.unwrapped_state import UnwrappedState, holding, named_state
 
 
 class _Lazy:
@@ -58,3 +58,9 @@ def test_the_read_order_is_what_the_writers_read():
     assert state.specs() == [("w", torch.float32, (2,)), ("b", torch.float32, (3,)),
                              ("tied", torch.float32, (2,))]
     assert [n for n, _ in state.entries()] == ["w", "b"] and reads == ["w", "b"]
+
+
+def test_a_shard_is_named_by_the_parameters_it_holds():
+    assert holding(["layers.0.mlp.up.weight", "layers.0.mlp.up.bias", "layers.0.ln.weight"]) \
+        == "the shard of layers.0.mlp.up.weight and 2 more"
+    assert holding(["lm_head.weight"]) == "the shard of lm_head.weight"

@@ -39,7 +39,7 @@ from .metadata import EXTRA, ShardMetadata
 from .live_model import persistent_buffers, tied_aliases, unwrapped_name, units_by_saved_path
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
 from .unit_protocol import ShardedModel
-from .unwrapped_state import Member, UnwrappedState, named_state
+from .unwrapped_state import Member, UnwrappedState, holding, named_state
 
 
 class Gathers:
@@ -183,7 +183,7 @@ def _named_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer
     params, by_index = live_state(optimizer)
     values: Dict[int, Dict[str, Any]] = {i: {} for i in by_index}
     for s in walk_state(by_index, lambda i: params[i].shape,
-                        lambda i: f"consolidated save of {keys[i]}"):
+                        lambda i: f"consolidated save, {holding(slots[keys[i]][1])}"):
         _, _, collectives = slots[keys[s.index]]
         if s.sharded:
             tid = f"{keys[s.index]}#{s.name}"

@@ -80,6 +80,13 @@ class NamedState:
         return {"state": state, "param_groups": param_groups}, names
 
 
+def holding(names: Sequence[str]) -> str:
+    """Names a shard in a message by the unwrapped parameters it holds, not by its state
+    dict key (which spells out the wrapper's separators)."""
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return f"the shard of {names[0] if names else '(no parameter)'}{more}"
+
+
 def model_order(order: Sequence[str]) -> Callable[[str], int]:
     """A sort key putting parameter names in the unwrapped model's ``order`` (its
     ``parameters()``', the order an optimizer built over the unwrapped model holds them in),

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..files import CheckpointError, TensorRef
 from ..metadata import MODEL, OPTIMIZER, RankRecord
 from ..optimizer_state import per_rank_state, walk_state
-from ..unwrapped_state import Member, NamedState, named_state as name_state
+from ..unwrapped_state import Member, NamedState, holding, named_state as name_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
@@ -78,7 +78,8 @@ def saved_state(shards: ShardSet, spec: ShardGroupSpec, param: ParamSpec, index:
     like the shard as a ``SpreadTensor`` over every rank's, the rest as rank 0 holds it (a
     ``TensorRef`` for a tensor)."""
     head = shards.files[0].tree
-    where = f"{shards.files[0].path}, optimizer index {index} ({spec.key})"
+    where = (f"{shards.files[0].path}, optimizer index {index} "
+             f"({holding([p.name for p in spec.params])})")
     return {s.name: SpreadTensor(_state_of_every_rank(shards, index, s.name), spec, param)
             if s.sharded else s.value
             for s in walk_state({index: head[OPTIMIZER]["state"].get(index, {})},
