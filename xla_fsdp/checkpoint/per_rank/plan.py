@@ -123,8 +123,10 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
     shard_keys = {g.key for g in specs}
     buffers = {k: clean_name(k) for k, v in model_tree.items()
                if k not in shard_keys and isinstance(v, TensorRef)}
+    # ``buffer_info`` names a buffer as the unwrapped model does (``persistent_buffers``),
+    # not by its key in the file, which keeps the wrapper's ``_fsdp_wrapped_module.``
     restore = metadata.buffer_dtypes()
-    buffer_dtypes = {k: restore[k] for k in buffers if k in restore}
+    buffer_dtypes = {k: restore[name] for k, name in buffers.items() if name in restore}
     order = metadata.parameter_order() or [p.name for g in specs for p in g.params]
     return ModelPlan(specs, buffers, buffer_dtypes, metadata.tied_aliases(), list(order))
 
