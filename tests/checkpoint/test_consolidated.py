@@ -63,7 +63,8 @@ def test_dcp_equals_the_offline_consolidation(saved, tmp_path):
         dcp_to_torch_save(directory, str(tmp_path / f"{name}.pt"))
         got[name] = torch.load(str(tmp_path / f"{name}.pt"), weights_only=False)
     assert_same_tree(got["online"], got["offline"])
-    assert got["online"]["extra"] == {"step": 1}
+    extra = got["online"]["extra"]
+    assert extra["step"] == 1 and torch.equal(extra["seen"], torch.arange(3.0)), extra
 
 
 def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):

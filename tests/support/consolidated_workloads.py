@@ -82,16 +82,18 @@ def save_everything(rank: int, root: str) -> Dict[str, Any]:
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     torch_xla.sync()
-    save_sharded(os.path.join(root, "shared", "ck"), model, opt, extra={"step": 1})
+    # a device tensor in ``extra``: every save keeps it on the host
+    extra = {"step": 1, "seen": torch.arange(3.0).to(torch_xla.device())}
+    save_sharded(os.path.join(root, "shared", "ck"), model, opt, extra=extra)
     out: Dict[str, Any] = {"gathered": {}}
     with _one_tensor_per_sync():
         for fmt in FORMATS:
             with _writer_gathers(rank) as gathered:
                 out[fmt] = save_consolidated(os.path.join(own, f"online_{fmt}"), model, opt,
-                                             format=fmt, extra={"step": 1})
+                                             format=fmt, extra=extra)
             out["gathered"][fmt] = gathered
     with _writer_gathers(rank) as gathered:
-        save_consolidated(os.path.join(own, "online_one_sync"), model, opt, extra={"step": 1})
+        save_consolidated(os.path.join(own, "online_one_sync"), model, opt, extra=extra)
     out["gathered"]["one_sync"] = gathered
     try:
         save_consolidated(os.path.join(own, "bad"), model, opt, format="hf",

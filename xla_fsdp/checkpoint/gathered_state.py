@@ -33,6 +33,7 @@ import torch
 from .._sharding.layout import Layout
 from .._sharding.names import join_name
 from .._unit.buffers import original_dtype
+from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
 from .metadata import EXTRA, ShardMetadata
@@ -170,8 +171,9 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     aliases = tied_aliases((path, unit.shared_params) for path, unit in units)
     named = None if optimizer is None else _named_optimizer_state(
         model, optimizer, gathers, tensors, slots, order)
-    return UnwrappedState(entries, aliases, named, {} if extra is None else {EXTRA: extra}), \
-        gathers
+    # on the host, as every other save keeps it: DCP's writer stores no device tensor
+    kept = {} if extra is None else {EXTRA: copy_of_extra(extra)}
+    return UnwrappedState(entries, aliases, named, kept), gathers
 
 
 def _named_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer,
