@@ -107,6 +107,15 @@ def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, caps
     assert not os.path.exists(out)
 
 
+def test_a_failed_save_keeps_nothing_alive(saved):
+    """The refused save's exception, raised on every rank, holds the optimizer in no
+    reference cycle: dropped, it is freed at once on every rank. Kept alive on the failing
+    rank alone until the garbage collector ran, it made that rank's next step graph differ
+    from the others' (``donation_order`` pinned its tensors)."""
+    _, results = saved
+    assert [results[rank]["kept_after_failure"] for rank in range(WORLD)] == [False] * WORLD
+
+
 def test_each_optimizer_state_is_gathered_once_per_run_of_its_shard(saved):
     """At one tensor per sync, the writer gathers a shard's optimizer state as often as the
     shard itself: once for each run of its parameters in the model's order (the root's

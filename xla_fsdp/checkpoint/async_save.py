@@ -127,7 +127,10 @@ class PendingSave:
         owner = self._owner()
         if owner is not None and _PENDING.get(owner) is self:
             del _PENDING[owner]
-        self._result = job.publish(error)
+        try:
+            self._result = job.publish(error)
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
         return self._result
 
 
@@ -176,7 +179,10 @@ def run_save(owner: Any, job: SaveJob, async_save: bool, what: str) -> Any:
             job.write()
         except Exception as exc:  # every rank must reach the agreement in publish
             error = exc
-        return job.publish(error)
+        try:
+            return job.publish(error)
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
     pending = PendingSave(owner, job, what)
     _PENDING[owner] = pending
     return pending

@@ -54,19 +54,23 @@ def save_consolidated(path: str, model: ShardedModel,
         reads = state.read_order(aliases_again=format == "dcp")
     except Exception as exc:
         error = exc
-    agree("xla_fsdp.save_consolidated.plan", error)
-    gathers.follow(reads, keep=writes)   # raises on every rank alike
     try:
-        if writes:
-            options = OutputOptions(dcp_keys, hf_config, max_shard_size, model.wrapped_module)
-            written, _ = write_output(state, format, path, options, lambda _: None)
-    except Exception as exc:  # every rank raises it, below
-        error = exc
-    try:
-        gathers.finish()  # the runs the writer did not read (on the others, every run)
-    except Exception as exc:
-        error = error or exc
-    agree("xla_fsdp.save_consolidated", error)
+        agree("xla_fsdp.save_consolidated.plan", error)
+        gathers.follow(reads, keep=writes)   # raises on every rank alike
+        try:
+            if writes:
+                options = OutputOptions(dcp_keys, hf_config, max_shard_size,
+                                        model.wrapped_module)
+                written, _ = write_output(state, format, path, options, lambda _: None)
+        except Exception as exc:  # every rank raises it, below
+            error = exc
+        try:
+            gathers.finish()  # the runs the writer did not read (on the others, every run)
+        except Exception as exc:
+            error = error or exc
+        agree("xla_fsdp.save_consolidated", error)
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]
     return written
 
 

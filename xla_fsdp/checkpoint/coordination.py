@@ -65,13 +65,25 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(pickle.dumps(obj)).hexdigest()
 
 
+# [Note: no frame keeps the exception it raises]
+# A rank that failed keeps its exception until every rank has heard of it (``agree``), in a
+# local or an argument. Once raised, the exception's traceback holds every frame it passed
+# through, and each such frame that still names it in a local closes a reference cycle:
+# the frame's model, optimizer and gathered tensors then live until the garbage collector
+# runs, on the failing rank alone. Each function that holds a raised exception in a local
+# therefore clears it (``finally: error = None``) once it is raised or handed on.
+
+
 def agree(tag: str, error: Any) -> None:
     """Raises on every rank if any rank had an ``error`` (an exception or None): its own,
     or one naming the first rank that failed, so that no rank goes on alone."""
     from .files import CheckpointError
     errors = exchange(tag, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
-        raise error
+        try:
+            raise error
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if failed:
         rank, message = failed[0]

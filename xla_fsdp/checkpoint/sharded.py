@@ -103,8 +103,12 @@ class _RankFileSave:
         self.staged: Optional[StagedFile] = None
 
     def write(self) -> None:
-        if self.error is not None:
-            raise self.error
+        error, self.error = self.error, None
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # see [Note: no frame keeps the exception it raises]
         if self.path is None:
             return
         checkpoint, self.checkpoint = self.checkpoint, None  # dropped once written
@@ -116,14 +120,17 @@ class _RankFileSave:
     def publish(self, error: Optional[BaseException]) -> Optional[str]:
         self.checkpoint = None
         staged = self.staged
-        agree_or_undo("xla_fsdp.save_sharded.written", error,
-                      None if staged is None else staged.discard)
-        if staged is not None:
-            try:
-                staged.put_in_place()
-            except Exception as exc:
-                error = exc
-        agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
+        try:
+            agree_or_undo("xla_fsdp.save_sharded.written", error,
+                          None if staged is None else staged.discard)
+            if staged is not None:
+                try:
+                    staged.put_in_place()
+                except Exception as exc:
+                    error = exc
+            agree("xla_fsdp.save_sharded.placed", error)  # so no rank returns before all are
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
         if staged is not None and self.rank == 0:
             # the files an earlier save at another world size left under this prefix: the
             # prefix is this save's now, and a load would not know which save it names
@@ -221,7 +228,10 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
         error = exc
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{path}: {type(exc).__name__}: {exc}")
-    agree("xla_fsdp.load_sharded.own.read", error)
+    try:
+        agree("xla_fsdp.load_sharded.own.read", error)
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]
     commit_on_every_rank(
         "xla_fsdp.load_sharded.own", path,
         None if optimizer is None else functools.partial(load_optimizer_state, optimizer,

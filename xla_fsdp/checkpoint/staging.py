@@ -347,7 +347,10 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     finally:
         if source is not None:
             source.close()
-    agree(f"{tag}.read", error)
+    try:
+        agree(f"{tag}.read", error)
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]
     commit_on_every_rank(tag, staged.where, staged.refusable, staged.copies)
     torch_xla.sync()
     return staged
@@ -366,12 +369,15 @@ def commit_on_every_rank(tag: str, where: str,
         undo = refusable() if refusable is not None else None
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
-    agree_or_undo(f"{tag}.commit", error, undo)
-    undo = None  # the optimizer's old state goes before the shards are written
     try:
-        with torch.no_grad():
-            for copy in copies:
-                copy()
-    except Exception as exc:  # every rank must reach the agreement
-        error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
-    agree(f"{tag}.copied", error)
+        agree_or_undo(f"{tag}.commit", error, undo)
+        undo = None  # the optimizer's old state goes before the shards are written
+        try:
+            with torch.no_grad():
+                for copy in copies:
+                    copy()
+        except Exception as exc:  # every rank must reach the agreement
+            error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+        agree(f"{tag}.copied", error)
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]

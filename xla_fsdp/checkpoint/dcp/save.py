@@ -130,17 +130,20 @@ class _DcpRankSave:
         self.planner = None
         prefix = None if self.plan is None else dcp_plan_prefix(self.plan)
         directory, ours = self.directory, self.sharding_group
-        agree_or_undo("xla_fsdp.dcp.save.written", error,
-                      None if prefix is None else lambda: remove_files(directory, prefix))
-        all_results = exchange("xla_fsdp.dcp.save.results", (ours, self.results))
-        error = None
-        if self.plan is not None and self.rank == 0:
-            try:
-                commit(directory, self.central[1],
-                        [r for g, r in all_results if g == ours and r], self.writer)
-            except Exception as exc:
-                error = exc
-        agree("xla_fsdp.dcp.save.committed", error)
+        try:
+            agree_or_undo("xla_fsdp.dcp.save.written", error,
+                          None if prefix is None else lambda: remove_files(directory, prefix))
+            all_results = exchange("xla_fsdp.dcp.save.results", (ours, self.results))
+            error = None
+            if self.plan is not None and self.rank == 0:
+                try:
+                    commit(directory, self.central[1],
+                           [r for g, r in all_results if g == ours and r], self.writer)
+                except Exception as exc:
+                    error = exc
+            agree("xla_fsdp.dcp.save.committed", error)
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
         return directory if self.plan is not None else None
 
 

@@ -51,7 +51,10 @@ class FirstRankSource:
                 described = (self._inner.where, self._inner.stored)
             except Exception as exc:  # raised on every rank by agree
                 error = exc
-        agree(f"{tag}.open", error)
+        try:
+            agree(f"{tag}.open", error)
+        finally:
+            error = None  # see [Note: no frame keeps the exception it raises]
         self.where, self.stored = exchange(f"{tag}.describe", described)[0]
 
     def read(self, tensors: Dict[str, TensorPieces], objects: Dict[str, Any],
@@ -66,7 +69,10 @@ class FirstRankSource:
                     self._inner.read({}, {k: None for k in object_keys}, values)
                 except Exception as exc:
                     error = exc
-            agree(f"{self._tag}.objects.read", error)
+            try:
+                agree(f"{self._tag}.objects.read", error)
+            finally:
+                error = None  # see [Note: no frame keeps the exception it raises]
             values = exchange(f"{self._tag}.objects", values)[0]
             into.update((k, values[k]) for k in objects)
         tensor_keys = sorted({k for keys, _ in wanted for k in keys})
@@ -84,7 +90,10 @@ class FirstRankSource:
                     self._fill(keys, layout, n, bucket)
                 except Exception as exc:
                     error = exc
-            agree(f"{self._tag}.bucket.{n}", error)
+            try:
+                agree(f"{self._tag}.bucket.{n}", error)
+            finally:
+                error = None  # see [Note: no frame keeps the exception it raises]
             got = broadcast_bytes(bucket.view(torch.int32).to(torch_xla.device()),
                                   self._pin_layout)
             receiver.take(layout, n, got.cpu().view(torch.uint8))
