@@ -92,6 +92,17 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
     assert out["unchanged"] == [True, True]
 
 
+def test_per_rank_files_with_extra_state_are_not_consolidated(trips, tmp_path, capsys):
+    """The per-rank files keep a module's extra state (above); a consolidation of them
+    refuses, naming the module, as ``save_consolidated`` does, rather than drop it."""
+    from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
+    out = str(tmp_path / "out.pth")
+    assert consolidate(["--ckpt_prefix", str(trips["second"] / "damaged_extra"),
+                        "--save_path", out]) == 2
+    assert "['b1.up'] keep extra state (get_extra_state)" in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
 def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(tmp_path):
     from ...support.checkpoint_workloads import commit_fails_on_one_rank
     out = launch(commit_fails_on_one_rank, (2, str(tmp_path)), num_devices=2)

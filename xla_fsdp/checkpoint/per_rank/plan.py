@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
+from ..live_model import extra_state_holders, extra_state_refusal
 from ..metadata import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
@@ -92,6 +93,9 @@ class ModelPlan:
 def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
     specs: List[ShardGroupSpec] = []
     world = metadata.world_size
+    holders = extra_state_holders(model_tree)
+    if holders:
+        raise extra_state_refusal("these per-rank files", holders)
     saved_key = saved_keys(model_tree)
     for entry in metadata.entries():
         key = saved_key(entry.key)
