@@ -18,30 +18,9 @@ from ..support.checks import every
 STEPS = 4
 
 
-def _stale_optimizer(rank):
-    """Another model's optimizer that has stepped shards, kept alive on the first rank only:
-    as a failed save's exception, held in a reference cycle, keeps it until the garbage
-    collector runs. The model trained next must not pin its tensors on that rank alone."""
-    import gc
-    import torch_xla
-    from xla_fsdp import FSDP
-    old = FSDP(nn.Linear(16, 8))
-    opt = torch.optim.AdamW(old.parameters(), lr=1e-2)
-    old(torch.ones(2, 16).to(torch_xla.device())).sum().backward()
-    opt.step()
-    torch_xla.sync()
-    if rank == 0:
-        return opt
-    del old, opt
-    gc.collect()
-    return None
-
-
 def train(rank, foreach):
     import torch_xla
     from xla_fsdp import FSDP
-    # with foreach, the first rank also holds a stale optimizer
-    stale = _stale_optimizer(rank) if foreach else None  # noqa: F841 - kept alive
     torch.manual_seed(0)
     # several tensors share a size (the 32x32 weights, the biases and norms of 32), which
     # is where a pairing by size goes wrong

@@ -20,9 +20,8 @@ from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
 from .host_offload import fetch_gradients
 from .optimizer_guard import declare_sharded_gradients
-from .shard_group import shard_group_of
 from .training_state import TrainingState
-from .unit_params import UnitParams, params_of
+from .unit_params import UnitParams
 
 
 class Participant(Protocol):
@@ -66,12 +65,6 @@ class RootContext:
     def set_participants(self, others: Sequence[Participant]) -> None:
         """The states of every unit below the root, in module order."""
         self.states = [self.root] + [s for s in others if s is not self.root]
-
-    def holds(self, shard: torch.Tensor) -> bool:
-        """Whether ``shard`` is the shard of one of this model's units."""
-        shard_group = shard_group_of(shard)
-        params = params_of(shard_group) if shard_group is not None else None
-        return params is not None and any(s.params is params for s in self.states)
 
     def begin_forward(self, first_time: Callable[[], None], compiled: bool) -> None:
         """A root forward starts (``compiled``: between compiled regions, which a unit that

@@ -151,7 +151,7 @@ class HookedUnitState(UnitState):
         if self is context.root and not recompute:
             context.settle()
             context.begin_forward(self._first_root_forward, compiled)
-            pin_parameter_order(self.params.device, context.holds)
+            pin_parameter_order(self.params.device)
         if self._forward_id != context.forward_id or id(member) in self._members_run:
             self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
             self._members_run.clear()

@@ -107,16 +107,11 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
 
 
 @torch.no_grad()
-def pin_parameter_order(device: torch.device, holds: Callable[[torch.Tensor], bool]) -> None:
-    """Called by the root unit before its forward reads anything, for its device; ``holds``
-    tells the model's own shards. Only the optimizers that step one of them are pinned: an
-    optimizer of a model gone may live on one rank and not another until the garbage
-    collector finds it (a raised exception's frames hold it in a cycle), and its tensors in
-    this barrier would make that rank's step graph differ from the others'."""
+def pin_parameter_order(device: torch.device) -> None:
+    """Called by the root unit before its forward reads anything, for its device."""
     tensors = []
     for opt, cache in list(_optimizers.items()):
-        held, devices, params = cache.current(opt)
-        if any(holds(p) for p in params):
-            tensors += [t for t, d in zip(held, devices) if d == device]
+        held, devices, _ = cache.current(opt)
+        tensors += [t for t, d in zip(held, devices) if d == device]
     # the traced graph numbers a node's inputs last to first
     optimization_barrier(list(reversed(tensors)))
