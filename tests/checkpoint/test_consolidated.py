@@ -108,12 +108,11 @@ def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, caps
 
 
 def test_a_failed_save_keeps_nothing_alive(saved):
-    """The refused save's exception, raised on every rank, holds the optimizer in no
-    reference cycle: dropped, it is freed at once on every rank. Kept alive on the failing
-    rank alone until the garbage collector ran, it made that rank's next step graph differ
-    from the others' (``donation_order`` pinned its tensors)."""
+    """The refused save's exception, raised on every rank, is named by none of the frames it
+    passed through: such a frame keeps its model and optimizer alive in a reference cycle
+    until the garbage collector runs, on the failing rank alone."""
     _, results = saved
-    assert [results[rank]["kept_after_failure"] for rank in range(WORLD)] == [False] * WORLD
+    assert [results[rank]["kept_by"] for rank in range(WORLD)] == [[]] * WORLD
 
 
 def test_each_optimizer_state_is_gathered_once_per_run_of_its_shard(saved):

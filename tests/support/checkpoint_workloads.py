@@ -86,6 +86,19 @@ def assert_same_tree(a, b, where=""):
     assert not problems, "\n".join(problems)
 
 
+def frames_keeping(exc):
+    """The functions ``exc`` passed through, below the one handling it, whose frames still
+    name it in a local: each closes a reference cycle that keeps everything the frame held
+    alive until the garbage collector runs (see [Note: no frame keeps the exception it
+    raises])."""
+    kept, tb = [], exc.__traceback__.tb_next   # the handler names it while it handles it
+    while tb is not None:
+        if any(value is exc for value in tb.tb_frame.f_locals.values()):
+            kept.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    return kept
+
+
 def commit_fails_on_one_rank(rank, world, directory):
     """A checkpoint every rank reads, whose optimizer state torch refuses on the last rank
     only, after the shards would have been replaced: every rank raises and every rank keeps
@@ -116,6 +129,7 @@ def commit_fails_on_one_rank(rank, world, directory):
             out[kind] = "no error"
         except Exception as exc:  # noqa: BLE001 - the message is what is tested
             out[kind] = f"{type(exc).__name__}: {exc}"
+            out[f"{kind}_kept_by"] = frames_keeping(exc)
         out[f"{kind}_unchanged"] = same_snapshot(snapshot(model, opt), before)
     opt.load_state_dict = refuse
     return out

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import os
-import weakref
 from typing import Any, Dict, Iterator, List
 
 import torch
@@ -15,6 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from xla_fsdp.wrap import transformer_auto_wrap_policy
+
+from .checkpoint_workloads import frames_keeping
 
 CONFIG = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
@@ -97,22 +97,12 @@ def save_everything(rank: int, root: str) -> Dict[str, Any]:
     with _writer_gathers(rank) as gathered:
         save_consolidated(os.path.join(own, "online_one_sync"), model, opt, extra=extra)
     out["gathered"]["one_sync"] = gathered
+    try:
+        save_consolidated(os.path.join(own, "bad"), model, opt, format="hf",
+                          hf_config=os.path.join(root, "wrong_config"))
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out["refused"] = f"{type(exc).__name__}: {exc}"
+        out["kept_by"] = frames_keeping(exc)
     out["full"] = model.full_state_dict()
     out["files"] = sorted(os.listdir(own))
-    # a save the writer fails (the config does not describe the weights), then the
-    # optimizer dropped with the garbage collector off: if the failure's exception kept it
-    # alive in a reference cycle, it is still there, on the failing rank only (the model,
-    # whose hooks refer back to it, is always in cycles of its own)
-    ref = weakref.ref(opt)
-    gc.disable()   # for every rank's thread: a collection would hide a cycle
-    try:
-        try:
-            save_consolidated(os.path.join(own, "bad"), model, opt, format="hf",
-                              hf_config=os.path.join(root, "wrong_config"))
-        except Exception as exc:  # noqa: BLE001 - reported to the test
-            out["refused"] = f"{type(exc).__name__}: {exc}"
-        del opt
-        out["kept_after_failure"] = ref() is not None
-    finally:
-        gc.enable()
     return out

@@ -103,3 +103,5 @@ def agree_or_undo(tag: str, error: Any, undo: Optional[Callable[[], None]]) -> N
         finally:
             exchange(f"{tag}.undone", None)
         raise
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]
