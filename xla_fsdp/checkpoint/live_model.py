@@ -18,8 +18,6 @@ from .._xla.private_api import is_persistent_buffer
 from .files import CheckpointError
 from .unit_protocol import ShardedModel, ShardedUnit
 
-EXTRA_STATE = "_extra_state"   # a module's state dict key for its get_extra_state()
-
 
 # -- names ------------------------------------------------------------------------------------
 # [Note: names are the state dict's]
@@ -80,26 +78,18 @@ def refuse_extra_state(root: nn.Module, what: str) -> None:
     through torch's ``state_dict()`` and ``load_state_dict()``. The checkpoints of the
     unwrapped model (full state dicts, consolidated, DCP) and every load that stages carry
     parameters and buffers only, so they refuse a model with such state, naming its modules,
-    rather than save or load it without that state; so does a consolidation of per-rank files
-    that hold it (``extra_state_holders``)."""
+    rather than save or load it without that state. A consolidation of per-rank files carries
+    extra state that is a tensor as it carries a buffer, rank 0's, and refuses any other
+    (``per_rank.plan.plan_model``)."""
     holders = [unwrapped_name(path) or f"the root {type(m).__name__}"
                for path, m in root.named_modules()
                if type(m).get_extra_state is not nn.Module.get_extra_state]
     if holders:
-        raise extra_state_refusal(what, holders)
-
-
-def extra_state_holders(state_dict_keys: Iterable[str]) -> List[str]:
-    """The modules, named as in the unwrapped model, whose extra state a state dict holds."""
-    return [clean_name(k[:-len(EXTRA_STATE)].rstrip(".")) or "the root"
-            for k in state_dict_keys if k == EXTRA_STATE or k.endswith("." + EXTRA_STATE)]
-
-
-def extra_state_refusal(what: str, holders: List[str]) -> CheckpointError:
-    return CheckpointError(
-        f"{what}: {holders[:5]} keep extra state (get_extra_state), which this checkpoint of "
-        f"the unwrapped model cannot hold (see [Note: modules' extra state]); save_sharded "
-        f"keeps it, and load_sharded puts it back at the same world size and wrapping")
+        raise CheckpointError(
+            f"{what}: {holders[:5]} keep extra state (get_extra_state), which this "
+            f"checkpoint of the unwrapped model cannot hold "
+            f"(see [Note: modules' extra state]); save_sharded keeps it, and load_sharded puts "
+            f"it back at the same world size and wrapping")
 
 
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:

@@ -93,13 +93,14 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
 
 
 def test_per_rank_files_with_extra_state_are_not_consolidated(trips, tmp_path, capsys):
-    """The per-rank files keep a module's extra state (above); a consolidation of them
-    refuses, naming the module, as ``save_consolidated`` does, rather than drop it."""
+    """The per-rank files keep a module's extra state (above), here a dict; a consolidation
+    of them refuses, naming the module, rather than drop it."""
     from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
     out = str(tmp_path / "out.pth")
     assert consolidate(["--ckpt_prefix", str(trips["second"] / "damaged_extra"),
                         "--save_path", out]) == 2
-    assert "['b1.up'] keep extra state (get_extra_state)" in capsys.readouterr().err
+    assert "['b1.up'] keep extra state (get_extra_state) that is not a tensor" in \
+        capsys.readouterr().err
     assert not os.path.exists(out)
 
 
@@ -113,3 +114,4 @@ def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(tmp_path):
         assert out[0][kind].startswith("CheckpointError: rank 1 failed, so this rank stopped "
                                        "too: " + failed), out[0][kind]
         assert out[0][f"{kind}_unchanged"] and out[1][f"{kind}_unchanged"], kind
+        assert out[0][f"{kind}_kept_by"] == out[1][f"{kind}_kept_by"] == [], kind

@@ -24,11 +24,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..live_model import extra_state_holders, extra_state_refusal
 from ..metadata import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
 from ..._sharding.names import clean_name, join_name
+
+_EXTRA_STATE = "_extra_state"   # a module's state dict key for its get_extra_state()
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,7 @@ class ModelPlan:
 def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
     specs: List[ShardGroupSpec] = []
     world = metadata.world_size
-    holders = extra_state_holders(model_tree)
-    if holders:
-        raise extra_state_refusal("these per-rank files", holders)
+    _refuse_objects_as_extra_state(model_tree)
     saved_key = saved_keys(model_tree)
     for entry in metadata.entries():
         key = saved_key(entry.key)
@@ -133,6 +132,21 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
     buffer_dtypes = {k: restore[name] for k, name in buffers.items() if name in restore}
     order = metadata.parameter_order() or [p.name for g in specs for p in g.params]
     return ModelPlan(specs, buffers, buffer_dtypes, metadata.tied_aliases(), list(order))
+
+
+def _refuse_objects_as_extra_state(model_tree: Dict[str, Any]) -> None:
+    """A module's extra state that is a tensor is carried as a buffer is, rank 0's; any other
+    object would be dropped by every output but per-rank files, so it is refused, naming the
+    modules (see [Note: modules' extra state])."""
+    holders = [clean_name(k[:-len(_EXTRA_STATE)].rstrip(".")) or "the root module"
+               for k, v in model_tree.items()
+               if (k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE))
+               and not isinstance(v, TensorRef)]
+    if holders:
+        raise CheckpointError(
+            f"{holders[:5]} keep extra state (get_extra_state) that is not a tensor in these "
+            f"per-rank files, which a consolidation cannot carry: only load_sharded, at the "
+            f"world size and wrapping that saved them, puts it back")
 
 
 def saved_keys(model_tree: Dict[str, Any]) -> Any:
