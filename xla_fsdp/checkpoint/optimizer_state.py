@@ -28,8 +28,12 @@ def param_group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
 
 def holds_settings_of(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> bool:
     """Whether a saved param group (or its settings) holds every setting ``optimizer`` has:
-    one saved from another optimizer class does not."""
-    return set(optimizer.defaults) <= set(saved)
+    one saved from another optimizer class does not. A setting is a default its own param
+    groups hold: torch's ``load_state_dict`` adds ``differentiable`` to the defaults of
+    optimizers whose groups never get it (Adafactor, LBFGS, SparseAdam), and a group saved
+    from the same class lacks it too."""
+    held = set(optimizer.defaults).intersection(*(set(g) for g in optimizer.param_groups))
+    return held <= set(saved)
 
 
 # the state torch's optimizers keep as one number per parameter whatever its shape: every

@@ -1,0 +1,22 @@
+"""``optimizer_state``'s rule for a saved param group's settings (no XLA)."""
+import torch
+
+from xla_fsdp.checkpoint.optimizer_state import holds_settings_of
+
+
+def test_a_group_of_the_same_class_holds_its_settings_after_a_load():
+    # torch's load_state_dict gives Adafactor's and LBFGS's defaults a ``differentiable``
+    # their groups never hold: a second load into the same optimizer was refused as one
+    # saved from another class
+    for cls in (torch.optim.Adafactor, torch.optim.LBFGS, torch.optim.AdamW):
+        opt = cls([torch.nn.Parameter(torch.zeros(2))])
+        saved = opt.state_dict()["param_groups"][0]
+        opt.load_state_dict(opt.state_dict())
+        assert holds_settings_of(opt, saved), cls.__name__
+
+
+def test_a_group_of_another_class_does_not():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = torch.optim.SGD(params, lr=0.1).state_dict()["param_groups"][0]
+    assert not holds_settings_of(torch.optim.AdamW(params), sgd)
+    assert holds_settings_of(torch.optim.SGD(params, lr=0.1), sgd)
