@@ -132,4 +132,32 @@ def commit_fails_on_one_rank(rank, world, directory):
             out[f"{kind}_kept_by"] = frames_keeping(exc)
         out[f"{kind}_unchanged"] = same_snapshot(snapshot(model, opt), before)
     opt.load_state_dict = refuse
+    out["mixed"] = _files_of_two_runs(rank, world, directory, paths["sharded"], model, opt)
+    out["mixed_unchanged"] = same_snapshot(snapshot(model, opt), before)
     return out
+
+
+def _files_of_two_runs(rank, world, directory, prefix, model, opt):
+    """Rank 1's file taken from another run's first save (an untrained model of the same
+    wrapping), beside the others of this run's first save: both are save 1 of their model,
+    so only the steps each had taken tell them apart. ``load_sharded`` at the saving world
+    size must refuse the mix, as it does at any other."""
+    import os
+    import shutil
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import load_sharded, save_sharded
+    from xla_fsdp.checkpoint.metadata import sharded_checkpoint_path
+    other = wrapped_net()
+    save_sharded(os.path.join(directory, "other"), other, optimizer_for(other))
+    mixed = os.path.join(directory, "mixed")
+    for r in range(world):
+        source = os.path.join(directory, "other") if r == 1 else prefix
+        if r == rank:
+            shutil.copy(sharded_checkpoint_path(source, r, world),
+                        sharded_checkpoint_path(mixed, r, world))
+    xm.rendezvous("copied")
+    try:
+        load_sharded(mixed, model, opt)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"

@@ -42,6 +42,7 @@ import torch
 from .._sharding.tensor_tree import collect_tensors
 from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
+from .per_rank.shard_set import save_identity
 from .sources.per_rank_files import open_per_rank_files
 from .coordination import agree, agree_or_undo, exchange
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
@@ -180,25 +181,27 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     wait_for_pending(model)  # a save of this model in flight is published first
     path_prefix = sharding_group_path(path_prefix, model, is_prefix=True)[0]
     own = _own_file(path_prefix, model, optimizer)
-    # one way for every rank (the other is collective), and the own files of one save only
-    everyone = exchange("xla_fsdp.load_sharded.own", None if own is None else own[1].save_index)
+    # one way for every rank (the other is collective), and the own files of one save only:
+    # the save counter alone is 1 for the first save of every run
+    everyone = exchange("xla_fsdp.load_sharded.own", None if own is None else own[2])
     if None not in everyone and len(set(everyone)) == 1:
         return _load_own_file(own[0], own[1], model, optimizer)
     return _load_through_source(path_prefix, model, optimizer)
 
 
 def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.Optimizer]
-              ) -> Optional[Tuple[str, RankRecord]]:
-    """This rank's file and its record if the file is this model's own (this world size and
-    rank, this wrapping, this optimizer's shards in order, every record's CRC-32 intact);
-    None otherwise, and the source then says what, if anything, is wrong."""
+              ) -> Optional[Tuple[str, RankRecord, tuple]]:
+    """This rank's file, its record and the save it is of (``save_identity``) if the file is
+    this model's own (this world size and rank, this wrapping, this optimizer's shards in
+    order, every record's CRC-32 intact); None otherwise, and the source then says what, if
+    anything, is wrong."""
     path = sharded_checkpoint_path(prefix, model.rank, model.world_size)
     if not os.path.exists(path) or other_world_files(prefix, model.world_size):
         return None   # the source names what is wrong (another world size's files: a mix)
     try:
         with CheckpointFile(path) as f:
             f.verify()
-            ours = RankRecord.of(f.tree)
+            ours, identity = RankRecord.of(f.tree), save_identity(f)
             has_optimizer = isinstance(f.tree, dict) and OPTIMIZER in f.tree
             saved_groups = f.tree[OPTIMIZER].get("param_groups", []) if has_optimizer else []
     except CheckpointError:
@@ -211,7 +214,7 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
                                   or not all(holds_settings_of(optimizer, g)
                                              for g in saved_groups)):
         return None
-    return path, ours
+    return path, ours, identity
 
 
 def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,

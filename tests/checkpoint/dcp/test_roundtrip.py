@@ -104,9 +104,22 @@ def test_per_rank_files_with_extra_state_are_not_consolidated(trips, tmp_path, c
     assert not os.path.exists(out)
 
 
-def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(tmp_path):
+@pytest.fixture(scope="module")
+def failing_loads(tmp_path_factory):
     from ...support.checkpoint_workloads import commit_fails_on_one_rank
-    out = launch(commit_fails_on_one_rank, (2, str(tmp_path)), num_devices=2)
+    tmp_path = tmp_path_factory.mktemp("failing_loads")
+    return tmp_path, launch(commit_fails_on_one_rank, (2, str(tmp_path)), num_devices=2)
+
+
+def test_per_rank_files_of_two_runs_are_not_loaded_together(failing_loads):
+    _, out = failing_loads
+    for rank in (0, 1):
+        assert "come from different saves" in out[rank]["mixed"], out[rank]["mixed"]
+        assert out[rank]["mixed_unchanged"], rank
+
+
+def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(failing_loads):
+    tmp_path, out = failing_loads
     for kind, where in (("dcp", "dcp"), ("sharded", "ck_rank-00000001-of-00000002.pth"),
                         ("consolidated", "full.pth")):
         failed = f"CheckpointError: {tmp_path / where}: ValueError: refused by this rank's "

@@ -152,11 +152,11 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
                                    f"{world}; the files of ranks {missing} are missing")
     ordered = [by_rank[r] for r in range(world)]
     _check_same(ordered, "wrapping", _wrapping_identity)
-    _check_same(ordered, "save", _save_identity, IncompleteCheckpoint)
+    _check_same(ordered, "save", save_identity, IncompleteCheckpoint)
     return ordered
 
 
-def _save_identity(f: CheckpointFile) -> tuple:
+def save_identity(f: CheckpointFile) -> tuple:
     """Equal for the files of one save: save_sharded's save counter, and the optimizer
     steps the model had taken (``update_count`` in xla_fsdp's shard metadata, also in
     files written with torch_xla's recipe); None where the writer recorded neither."""
