@@ -134,6 +134,15 @@ def commit_fails_on_one_rank(rank, world, directory):
     opt.load_state_dict = refuse
     out["mixed"] = _files_of_two_runs(rank, world, directory, paths["sharded"], model, opt)
     out["mixed_unchanged"] = same_snapshot(snapshot(model, opt), before)
+    # the saved optimizer's one param group, loaded into two: at the saving world size as
+    # at any other (the own file is read as the source reads it), each group taking the
+    # saved settings, as torch's load_state_dict gives them
+    params = list(model.parameters())
+    regrouped = torch.optim.SGD([{"params": params[:1], "lr": 0.5},
+                                 {"params": params[1:], "lr": 0.7}], momentum=MOMENTUM)
+    load_sharded(paths["sharded"], model, regrouped)
+    out["regrouped"] = ([g["lr"] for g in regrouped.param_groups], len(regrouped.state),
+                        len(opt.state), opt.param_groups[0]["lr"])
     return out
 
 

@@ -208,9 +208,12 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
         return None
     if ours is None or ours.fingerprint != wrapping_fingerprint(model.get_shard_metadata()):
         return None
-    # another optimizer class (settings of its own not saved) is refused by the source
+    # another optimizer class (settings of its own not saved) is refused by the source, and
+    # param groups split otherwise are read by the source as at any other world size
     if optimizer is not None and (not has_optimizer or ours.optimizer_param_keys
                                   != optimizer_shard_keys(model, optimizer)
+                                  or [len(g.get("params", ())) for g in saved_groups]
+                                  != [len(g["params"]) for g in optimizer.param_groups]
                                   or not all(holds_settings_of(optimizer, g)
                                              for g in saved_groups)):
         return None

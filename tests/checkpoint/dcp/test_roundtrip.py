@@ -118,6 +118,14 @@ def test_per_rank_files_of_two_runs_are_not_loaded_together(failing_loads):
         assert out[rank]["mixed_unchanged"], rank
 
 
+def test_per_rank_files_load_into_param_groups_split_otherwise(failing_loads):
+    _, out = failing_loads
+    for rank in (0, 1):
+        lrs, with_state, saved_with_state, saved_lr = out[rank]["regrouped"]
+        assert lrs == [saved_lr, saved_lr] and with_state == saved_with_state > 1, \
+            out[rank]["regrouped"]
+
+
 def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(failing_loads):
     tmp_path, out = failing_loads
     for kind, where in (("dcp", "dcp"), ("sharded", "ck_rank-00000001-of-00000002.pth"),
