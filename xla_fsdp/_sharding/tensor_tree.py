@@ -25,6 +25,13 @@ def map_tensors(fn: Visit, obj: Any) -> Any:
     return _walk(fn, obj, rebuild=True)
 
 
+def map_tensors_copying(fn: Visit, obj: Any) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``, every container of its own type,
+    and the caller's containers left as they are: any holding a tensor that changes is
+    copied."""
+    return _walk(fn, obj, rebuild=True, copies=True)
+
+
 def collect_tensors(obj: Any) -> List[torch.Tensor]:
     """Every distinct tensor inside ``obj``, in order of first appearance."""
     found: List[torch.Tensor] = []
@@ -45,7 +52,7 @@ def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
     (see [Note: casting without overflow]). The caller's objects are left as they are: a
     dict-like, dataclass or plain object holding a tensor that changes is copied (a batch
     given to a unit keeps its float32 targets for a loss taken outside)."""
-    return _walk(lambda t: _saturating_cast(t, dtype), obj, rebuild=True, copies=True)
+    return map_tensors_copying(lambda t: _saturating_cast(t, dtype), obj)
 
 
 def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

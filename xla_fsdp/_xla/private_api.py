@@ -20,6 +20,8 @@ from torch.autograd import Variable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree
 
+from .._sharding.tensor_tree import collect_tensors, map_tensors_copying
+
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------
 def dcp_file_prefix(prefix: str) -> Any:
@@ -223,10 +225,18 @@ def storage_type_names() -> Dict[torch.dtype, str]:
 
 # -- torch_xla ------------------------------------------------------------------------------
 def to_cpu(tree: Any) -> Any:
-    """``tree`` with its XLA tensors copied to the CPU in one transfer (what ``xm.save``
-    does)."""
-    import torch_xla.core.xla_model as xm
-    return xm._maybe_convert_to_cpu(tree)
+    """``tree`` with its XLA tensors copied to the CPU in one transfer, as ``xm.save`` does,
+    and its containers of the types they were: torch_xla's own walk rebuilds every tuple as a
+    list and every dict subclass as a dict, so an optimizer's ``betas`` came back from a
+    checkpoint as a list. A tensor held twice is copied once."""
+    import torch_xla
+    on_device = [t for t in collect_tensors(tree) if t.device.type == "xla"]
+    if not on_device:
+        return tree
+    torch_xla._XLAC._xla_sync_multi(on_device, devices=[], wait=True, sync_xla_data=False)
+    copies = dict(zip(map(id, on_device), torch_xla._XLAC._xla_get_cpu_tensors(on_device),
+                      strict=True))
+    return map_tensors_copying(lambda t: copies.get(id(t), t), tree)
 
 
 def scan_flat(body: Callable, init: List[torch.Tensor], xs: List[torch.Tensor],
