@@ -40,6 +40,7 @@ def loaded(tmp_path_factory):
     for rank in range(4):
         os.makedirs(root / f"host-{rank}")
     shutil.copy(root / "ck.pth", root / "host-0" / "ck.pth")
+    shutil.copy(root / "ck.safetensors", root / "lone.safetensors")  # no optimizer file
     shutil.copytree(root / "hf", root / "hf_missing_shard")
     os.remove(root / "hf_missing_shard" / "model-00002-of-00006.safetensors")
     wide = llama()
@@ -129,6 +130,9 @@ def test_bad_input_is_refused_and_changes_nothing(loaded):
                 and "shape" in errors["wrong_config"], errors["wrong_config"]
             assert "ck.pth" in errors["other_optimizer"] and "another optimizer class" in \
                 errors["other_optimizer"], errors["other_optimizer"]
+            assert "lone.safetensors holds no optimizer state: the file that would hold " \
+                "it, " in errors["no_companion"] and \
+                "lone.optimizer.pth, is missing" in errors["no_companion"], errors["no_companion"]
             assert "numbers its parameters" in errors["unnamed_optimizer"], \
                 errors["unnamed_optimizer"]
             assert errors["strict_partial"].startswith(

@@ -169,6 +169,8 @@ def load_everything(rank: int, root: str, train: bool) -> Dict[str, Any]:
         lambda: load_consolidated(os.path.join(root, "hf_wide"), model))
     out["errors"]["other_optimizer"] = _attempt(
         lambda: load_consolidated(os.path.join(root, "ck.pth"), model, sgd))
+    out["errors"]["no_companion"] = _attempt(
+        lambda: load_consolidated(os.path.join(root, "lone.safetensors"), model, opt))
     out["errors"]["unnamed_optimizer"] = _attempt(
         lambda: model.load_full_optim_state_dict(opt, torch.load(
             os.path.join(root, "ck.pth"), weights_only=True)["optimizer"]))

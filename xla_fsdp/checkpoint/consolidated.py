@@ -10,13 +10,13 @@ first rank alone when only its host has the checkpoint (``sources``).
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .._xla.trace_only import refuse_reads
 from .coordination import agree
-from .staging import load_staged
+from .staging import Source, load_staged
 from .gathered_state import gathered_state
 from .writers.formats import FORMATS, OutputOptions, write_output
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
@@ -93,17 +93,21 @@ def load_consolidated(path: str, model: ShardedModel,
     require_root(model, "load_consolidated")
     refuse_reads(path)
     path, independent = sharding_group_path(path, model)
+
+    def opened(crc_share: Optional[Tuple[int, int]] = (0, 1)) -> Source:
+        return open_consolidated(path, crc_share=crc_share,
+                                 optimizer_wanted=optimizer is not None)
+
     if not first_rank_reads:
         # the ranks of a sharding group open one file: each checks its share of the CRCs
         share = (model.rank, model.world_size)
-        return load_staged(lambda: open_consolidated(path, crc_share=share), model, optimizer,
+        return load_staged(lambda: opened(share), model, optimizer,
                            "xla_fsdp.load_consolidated").extra
     if independent:
         raise ValueError("load_consolidated(first_rank_reads=True) cannot load independent "
                          "sharding_groups (each group has a checkpoint of its own); load with "
                          "first_rank_reads=False from storage each group's ranks can read")
     pin = model.options.pin_layout_in_collective_ops
-    return load_staged(lambda: FirstRankSource(lambda: open_consolidated(path),
-                                               xr.global_ordinal(), pin,
+    return load_staged(lambda: FirstRankSource(opened, xr.global_ordinal(), pin,
                                                "xla_fsdp.load_consolidated.first_rank"),
                        model, optimizer, "xla_fsdp.load_consolidated").extra

@@ -21,13 +21,16 @@ from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
 
 def open_consolidated(path: str, safetensors: bool = False,
-                      crc_share: Optional[Tuple[int, int]] = (0, 1)) -> Source:
+                      crc_share: Optional[Tuple[int, int]] = (0, 1),
+                      optimizer_wanted: bool = False) -> Source:
     """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
     when it is none of the formats above, incomplete, or a ``torch.save`` file (``.pth``,
     a safetensors file's optimizer companion) with a record failing its CRC-32.
     ``crc_share`` (i, n): this caller checks every n-th record from the i-th, so that n
     ranks opening the file together read each once; None when the caller checked them.
-    ``safetensors``: a file is one whatever its name ends with (its writer says so)."""
+    ``safetensors``: a file is one whatever its name ends with (its writer says so).
+    ``optimizer_wanted``: a safetensors file whose optimizer companion is missing is refused,
+    naming the companion (a file copied without it)."""
     if os.path.isdir(path):
         if os.path.exists(os.path.join(path, METADATA_FILE)):
             return DcpSource(path)
@@ -41,6 +44,10 @@ def open_consolidated(path: str, safetensors: bool = False,
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file or directory")
     if safetensors or path.endswith(".safetensors"):
+        if optimizer_wanted and not os.path.exists(optimizer_companion(path)):
+            raise CheckpointError(f"{path} holds no optimizer state: the file that would hold "
+                                  f"it, {optimizer_companion(path)}, is missing (load the "
+                                  f"model alone with optimizer=None)")
         return _safetensors(path, optimizer_file=True, crc_share=crc_share)
     return _torch_file(path, crc_share)
 
