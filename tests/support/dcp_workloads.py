@@ -116,6 +116,8 @@ def save_all(rank, directory):
                           format=CONSOLIDATED_FORMATS[i % 2], extra={"config": name})
         out[name] = model.full_state_dict(rank0_only=False)
         torch_xla.sync()
+    os.makedirs(directory + "_extra_state", exist_ok=True)
+    save_extra_state(rank, directory + "_extra_state")
     return out
 
 
@@ -153,6 +155,7 @@ def load_all(rank, directory, again):
         torch_xla.sync()
     out["refusals"] = _refusals(rank, os.path.join(directory, "nested_to_flattened"),
                                 os.path.join(again, "damaged"))
+    out["extra_state"] = load_extra_state(rank, directory + "_extra_state")
     return out
 
 
@@ -167,16 +170,84 @@ class _WithExtraState(torch.nn.Linear):
         self.calls = state["calls"]
 
 
+class _WithTensorExtraState(torch.nn.Linear):
+    """A Linear whose extra state is a uint8 tensor of a length that changes, as
+    TransformerEngine's serialized FP8 metadata is; it keeps what a load gave it."""
+    calls = 0
+    given = None
+
+    def get_extra_state(self):
+        return torch.arange(self.calls, dtype=torch.uint8) * 3
+
+    def set_extra_state(self, state):
+        self.given, self.calls = state, len(state)
+
+
+def _holding_extra_state(rank, how, module_class, calls):
+    model = Net()
+    model.b1.up = module_class(model.b1.up.in_features, model.b1.up.out_features)
+    model = wrap(model, how, rank)
+    holder = next(m for m in model.modules() if isinstance(m, module_class))
+    holder.calls = calls
+    return model, holder
+
+
+def save_extra_state(rank, directory):
+    """Tensor extra state saved every way at SAVE_WORLD: the first rank's (7 elements) is
+    not the others' (5)."""
+    from xla_fsdp.checkpoint import save_consolidated, save_dcp, save_sharded
+    model, _ = _holding_extra_state(rank, "nested", _WithTensorExtraState, 5 if rank else 7)
+    save_dcp(os.path.join(directory, "dcp"), model)
+    save_consolidated(os.path.join(directory, "ck.pth"), model)
+    save_consolidated(os.path.join(directory, "ck.safetensors"), model, format="safetensors")
+    save_sharded(os.path.join(directory, "ck"), model)
+    if rank == 0:  # an unwrapped model's state dict, its extra state an object
+        unwrapped = Net()
+        unwrapped.b1.up = _WithExtraState(unwrapped.b1.up.in_features,
+                                          unwrapped.b1.up.out_features)
+        unwrapped.b1.up.calls = 9
+        torch.save(unwrapped.state_dict(), os.path.join(directory, "object.pt"))
+
+
+def load_extra_state(rank, directory):
+    """Each checkpoint of ``save_extra_state`` loaded at LOAD_WORLD into another wrapping:
+    what ``set_extra_state`` was given; a full state dict's round trip; one lacking it."""
+    from xla_fsdp.checkpoint import (CheckpointError, load_consolidated, load_dcp,
+                                     load_sharded)
+    out = {}
+    for label, load in (("dcp", lambda m: load_dcp(os.path.join(directory, "dcp"), m)),
+                        ("pt", lambda m: load_consolidated(os.path.join(directory, "ck.pth"), m)),
+                        ("safetensors", lambda m: load_consolidated(
+                            os.path.join(directory, "ck.safetensors"), m)),
+                        ("per_rank", lambda m: load_sharded(os.path.join(directory, "ck"), m))):
+        model, holder = _holding_extra_state(rank, "flattened", _WithTensorExtraState, 0)
+        load(model)
+        out[label] = holder.given.tolist()
+    model, holder = _holding_extra_state(rank, "flattened", _WithExtraState, 0)
+    load_consolidated(os.path.join(directory, "object.pt"), model)
+    out["object"] = holder.calls
+    model, holder = _holding_extra_state(rank, "flattened", _WithTensorExtraState, 4 + rank)
+    full = model.full_state_dict(rank0_only=False)
+    out["full_keys"] = [k for k in full if "extra" in k]
+    fresh, again = _holding_extra_state(rank, "flattened", _WithTensorExtraState, 0)
+    fresh.load_full_state_dict(full)
+    out["full_state_dict"] = again.given.tolist()
+    del full["b1.up._extra_state"]
+    try:
+        fresh.load_full_state_dict(full)
+        out["strict"] = "no error"
+    except CheckpointError as exc:
+        out["strict"] = str(exc)
+    out["non_strict"] = fresh.load_full_state_dict(full, strict=False)[0], again.calls
+    return out
+
+
 def _extra_state_refusals(rank, directory, good, out):
     """The checkpoints of the unwrapped model refuse a model whose modules keep extra state;
     the per-rank files keep it."""
     from xla_fsdp.checkpoint import (CheckpointError, load_dcp, load_sharded,
                                      save_consolidated, save_dcp, save_sharded)
-    model = Net()
-    model.b1.up = _WithExtraState(model.b1.up.in_features, model.b1.up.out_features)
-    model = wrap(model, "nested", rank)
-    stateful = next(m for m in model.modules() if isinstance(m, _WithExtraState))
-    stateful.calls = 7
+    model, stateful = _holding_extra_state(rank, "nested", _WithExtraState, 7)
     for label, call in (("full_state_dict", lambda: model.full_state_dict()),
                         ("save_dcp", lambda: save_dcp(directory + "_x", model)),
                         ("save_consolidated", lambda: save_consolidated(directory + "_x.pth",

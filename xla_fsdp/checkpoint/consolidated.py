@@ -20,7 +20,7 @@ from .staging import Source, load_staged
 from .gathered_state import gathered_state
 from .writers.formats import FORMATS, OutputOptions, write_output
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
-from .live_model import (refuse_extra_state, refuse_lost_writes, require_root, sharding_group_path,
+from .live_model import (refuse_lost_writes, require_root, sharding_group_path,
                          writes_sharding_group_copy)
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
@@ -48,7 +48,6 @@ def save_consolidated(path: str, model: ShardedModel,
     written: Optional[List[str]] = None
     error: Optional[BaseException] = None
     try:  # on every rank: the states are alike, so all refuse together or none does
-        refuse_extra_state(model, "save_consolidated")
         refuse_lost_writes(model)
         state, gathers = gathered_state(model, optimizer if with_optimizer else None, extra)
         reads = state.read_order(aliases_again=format == "dcp")

@@ -9,7 +9,7 @@ from .._unit.buffers import original_dtype
 from .._unit.shard_group import ShardGroup
 from .coordination import gathered_bytes, gathered_on_host, runs_by_size
 from .staging import load_staged
-from .live_model import (persistent_buffers, refuse_extra_state, refuse_lost_writes,
+from .live_model import (extra_state_tensors, persistent_buffers, refuse_lost_writes,
                          tied_aliases, unwrapped_name)
 from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .unit_protocol import ShardedModel, ShardedUnit
@@ -28,7 +28,7 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     them to the CPU. Every rank must call it; with ``rank0_only`` only global rank 0 keeps
     the result (the others get ``{}``)."""
     import torch_xla.runtime as xr
-    refuse_extra_state(root, "full_state_dict")
+    extra_states = extra_state_tensors(root, "full_state_dict")
     refuse_lost_writes(root)
     keep = not rank0_only or xr.global_ordinal() == 0
     out: Dict[str, torch.Tensor] = {}
@@ -44,6 +44,7 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
             out[alias] = out[source]
         for name, buf in persistent_buffers(root):
             out[name] = buf.detach().cpu().to(original_dtype(buf))
+        out.update(extra_states)
     return out
 
 

@@ -3,8 +3,8 @@
 
 ``gathered_state`` gives every rank the model's ``UnwrappedState``: each parameter, and each
 optimizer state sharded like it, is cut from its shard group gathered whole
-(``Layout.unshard``, as ``full_state_dict`` cuts it); buffers and state that is not sharded
-(``step``) are this rank's own copy. ``Gathers`` runs the collectives that fill the cuts.
+(``Layout.unshard``, as ``full_state_dict`` cuts it); buffers, modules' extra state and state
+that is not sharded (``step``) are this rank's own copy. ``Gathers`` runs the collectives that fill the cuts.
 
 [Note: every rank knows the writer's read order]
 The writers read tensors in orders of their own, each fixed by our code: the model's entries
@@ -37,7 +37,8 @@ from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
 from .metadata import EXTRA, ShardMetadata
-from .live_model import persistent_buffers, tied_aliases, unwrapped_name, units_by_saved_path
+from .live_model import (extra_state_tensors, persistent_buffers, tied_aliases, unwrapped_name,
+                         units_by_saved_path)
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, holding, named_state
@@ -168,6 +169,8 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     entries: Dict[str, Any] = {n: cuts[n] for n in order}
     entries.update((n, c) for n, c in cuts.items() if n not in entries)
     entries.update((n, _Own(b, original_dtype(b))) for n, b in persistent_buffers(model))
+    entries.update((n, _Own(t, t.dtype))
+                   for n, t in extra_state_tensors(model, "save_consolidated"))
     aliases = tied_aliases((path, unit.shared_params) for path, unit in units)
     named = None if optimizer is None else _named_optimizer_state(
         model, optimizer, gathers, tensors, slots, order)

@@ -1,8 +1,8 @@
 """What every checkpoint reads of a live wrapped model beyond its units (``unit_protocol``): the
 unwrapped model's names (``unwrapped_name``, a unit's path as its shards are saved under,
-``units_by_saved_path``), its persistent buffers and tied aliases, and the refusals every save
-of the unwrapped model applies before reading it (writes lost to a freed placeholder, modules'
-extra state), the check that a call is given the root, and where the root's sharding group
+``units_by_saved_path``), its persistent buffers, modules' extra state and tied aliases, and
+the refusals every save of the unwrapped model applies before reading it (writes lost to a
+freed placeholder, extra state that is not a tensor), the check that a call is given the root, and where the root's sharding group
 keeps a checkpoint."""
 from __future__ import annotations
 
@@ -70,26 +70,46 @@ def refuse_lost_writes(root: ShardedModel) -> None:
             ParamRecord.refuse_lost_writes(g.records)
 
 
-def refuse_extra_state(root: nn.Module, what: str) -> None:
+EXTRA_STATE = "_extra_state"   # torch's state dict key for a module's get_extra_state()
+
+
+def extra_state_holders(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(key in the unwrapped model's state dict, module) of every module that keeps extra
+    state (see [Note: modules' extra state])."""
+    return [(unwrapped_name(path, EXTRA_STATE), m) for path, m in root.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state]
+
+
+def extra_state_tensors(root: nn.Module, what: str) -> List[Tuple[str, torch.Tensor]]:
     """[Note: modules' extra state] A module may keep state of its own in ``state_dict()``
     beside its parameters and buffers (``get_extra_state``/``set_extra_state``, under
-    ``<module>._extra_state``: FP8 scaling metadata, a quantizer's calibration). The per-rank
-    files keep it, and their own-file load at the same world size and wrapping puts it back,
-    through torch's ``state_dict()`` and ``load_state_dict()``. The checkpoints of the
-    unwrapped model (full state dicts, consolidated, DCP) and every load that stages carry
-    parameters and buffers only, so they refuse a model with such state, naming its modules,
-    rather than save or load it without that state. A consolidation of per-rank files carries
-    extra state that is a tensor as it carries a buffer, rank 0's, and refuses any other
-    (``per_rank.plan.plan_model``)."""
-    holders = [unwrapped_name(path) or f"the root {type(m).__name__}"
-               for path, m in root.named_modules()
-               if type(m).get_extra_state is not nn.Module.get_extra_state]
-    if holders:
+    ``<module>._extra_state``): TransformerEngine keeps its FP8 scaling metadata so, as a
+    uint8 tensor. Every checkpoint carries extra state that is a tensor as it carries a
+    buffer: every rank holds it whole, the one saved is the first rank's (torch_xla's
+    consolidation keeps rank 0's too), and a load gives the stored tensor, in its stored
+    shape (a serialized state may change length), to ``set_extra_state`` on every rank, at any
+    world size. A load also puts back extra state stored as an object, where a format holds
+    one (DCP, ``.pth``, a state dict in memory). The per-rank files keep any extra state, and
+    their own-file load puts it back through torch's ``load_state_dict()``. Any other save
+    refuses extra state that is not a tensor, naming the modules, rather than drop it: the
+    safetensors and Hugging Face formats hold tensors only, and the per-rank files'
+    consolidation (``per_rank.plan.plan_model``) can carry no object it cannot check alike on
+    every rank. Returns (key, this rank's tensor, on the host) for ``what`` to save."""
+    found, refused = [], []
+    for key, module in extra_state_holders(root):
+        value = module.get_extra_state()
+        if torch.is_tensor(value):
+            found.append((key, value.detach().cpu()))
+        else:
+            refused.append(key[:-len(EXTRA_STATE)].rstrip(".") or
+                           f"the root {type(module).__name__}")
+    if refused:
         raise CheckpointError(
-            f"{what}: {holders[:5]} keep extra state (get_extra_state), which this "
-            f"checkpoint of the unwrapped model cannot hold "
+            f"{what}: {refused[:5]} keep extra state (get_extra_state) that is not a tensor, "
+            f"which this checkpoint of the unwrapped model cannot hold "
             f"(see [Note: modules' extra state]); save_sharded keeps it, and load_sharded puts "
             f"it back at the same world size and wrapping")
+    return found
 
 
 def persistent_buffers(root: nn.Module) -> List[Tuple[str, torch.Tensor]]:

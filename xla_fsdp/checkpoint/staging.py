@@ -36,7 +36,7 @@ from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlo
                                 param_slots, rank_extra_key, rank_extras, slots_by_shard)
 from .files import CheckpointError
 from .metadata import EXTRA, OPTIMIZER
-from .live_model import persistent_buffers, refuse_extra_state
+from .live_model import extra_state_holders, persistent_buffers
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, state_is_sharded)
 from .unit_protocol import ShardedModel
@@ -96,7 +96,9 @@ class StagedLoad:
         directory holds one, as ``save_pretrained`` writes it); it is read from the first
         one stored, and every one stored must have its shape."""
         buffers = persistent_buffers(model)
-        names = [n for s in slots for n in s.names] + [n for n, _ in buffers]
+        holders = extra_state_holders(model)
+        whole = [n for n, _ in buffers] + [n for n, _ in holders]
+        names = [n for s in slots for n in s.names] + whole
         expected = {self.scheme.model(n)[0]: n for n in names}
         if self.scheme.bare_model:  # the model's namespace: keys under its top-level names
             tops = {n.split(".", 1)[0] for n in names}
@@ -105,7 +107,7 @@ class StagedLoad:
             present = {k for k in self.stored if k.startswith(self.scheme.model("")[0])}
         held = [[n for n in s.names if self.scheme.model(n)[0] in present] for s in slots]
         missing = sorted([s.name for s, h in zip(slots, held) if not h]
-                         + [n for n, _ in buffers if self.scheme.model(n)[0] not in present])
+                         + [n for n in whole if self.scheme.model(n)[0] not in present])
         unexpected = sorted(present - set(expected))
         strip = len(self.scheme.model("")[0])
         self.missing, self.unexpected = missing, [k[strip:] for k in unexpected]
@@ -137,6 +139,18 @@ class StagedLoad:
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
             self.copies.append(functools.partial(_copy, buf, stage))
+        for name, module in holders:  # see [Note: modules' extra state] in live_model
+            key = self.scheme.model(name)[0]
+            if key not in present:  # not strict
+                continue
+            stored = self.stored[key]
+            if isinstance(stored, TensorStorageMetadata):
+                value = functools.partial(torch.Tensor.reshape, self._want_whole(key),
+                                          tuple(stored.size))
+            else:
+                self.objects[key] = None
+                value = functools.partial(self.objects.get, key)
+            self.copies.append(lambda m=module, value=value: m.set_extra_state(value()))
 
     def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
         stored = self.stored[key]
@@ -338,8 +352,6 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     torch_xla.sync()
     staged, error, source = None, None, None
     try:
-        if with_model:
-            refuse_extra_state(model, tag.rsplit(".", 1)[-1])   # the caller's name
         source = open_source()
         staged = StagedLoad(source, model, optimizer, with_model, strict)
     except Exception as exc:  # every rank must reach the agreement below

@@ -83,13 +83,39 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
     assert "saved in param groups of other settings (['lr', 'weight_decay'])" in \
         out["group_layout"], out["group_layout"]
     assert out["empty_group"]["lr"] == 0.25 and "betas" in out["empty_group"], out["empty_group"]
-    for label in ("full_state_dict", "save_dcp", "save_consolidated", "load_dcp"):
+    for label in ("full_state_dict", "save_dcp", "save_consolidated"):
         message = out[f"extra_state_{label}"]
         assert message.startswith(f"{label}: "), message
-        assert "['b1.up'] keep extra state (get_extra_state)" in message, message
+        assert "['b1.up'] keep extra state (get_extra_state) that is not a tensor" in message, \
+            message
+    assert "missing ['b1.up._extra_state'], unexpected []" in out["extra_state_load_dcp"], \
+        out["extra_state_load_dcp"]
     assert out["extra_state_per_rank"] == 7
     assert out["code_ran"] is False
     assert out["unchanged"] == [True, True]
+
+
+def test_tensor_extra_state_goes_through_every_checkpoint(trips, tmp_path):
+    """A module's extra state that is a tensor (TransformerEngine's FP8 metadata) saved at
+    N=4, the first rank's unlike the others', and loaded at N=2 into another wrapping, from
+    every format; a module's extra state that is an object, from a state dict's file (see
+    [Note: modules' extra state])."""
+    from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
+    first_rank = [i * 3 for i in range(7)]
+    for rank, result in trips["loaded"].items():
+        got = result["extra_state"]
+        for label in ("dcp", "pt", "safetensors", "per_rank"):
+            assert got[label] == first_rank, (rank, label, got[label])
+        assert got["object"] == 9, (rank, got["object"])
+        assert got["full_keys"] == ["b1.up._extra_state"], got["full_keys"]
+        assert got["full_state_dict"] == [i * 3 for i in range(4 + rank)], (rank, got)
+        assert "missing ['b1.up._extra_state'], unexpected []" in got["strict"], got["strict"]
+        assert got["non_strict"] == (["b1.up._extra_state"], 4 + rank), got["non_strict"]
+    # the per-rank files consolidated offline carry the first rank's too
+    out = str(tmp_path / "out.pth")
+    assert consolidate(["--ckpt_prefix", str(trips["first"]) + "_extra_state/ck",
+                        "--save_path", out]) == 0
+    assert torch.load(out)["model"]["b1.up._extra_state"].tolist() == first_rank
 
 
 def test_per_rank_files_with_extra_state_are_not_consolidated(trips, tmp_path, capsys):

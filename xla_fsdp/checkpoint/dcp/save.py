@@ -43,7 +43,7 @@ from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..metadata import ShardMetadata
-from ..live_model import (persistent_buffers, refuse_extra_state, refuse_lost_writes, require_root,
+from ..live_model import (extra_state_tensors, persistent_buffers, refuse_lost_writes, require_root,
                           sharding_group_index, sharding_group_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
@@ -78,7 +78,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     import torch_xla
     require_root(model, "save_dcp")
     refuse_writes(checkpoint_dir)   # before DCP's writer touches a data file
-    refuse_extra_state(model, "save_dcp")
+    extra_states = extra_state_tensors(model, "save_dcp")
     refuse_lost_writes(model)
     scheme = key_scheme(keys)
     wait_for_pending(model)
@@ -90,7 +90,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     extra = copy_of_extra(extra)
     # see [Note: each rank's extra] in staging
     per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", digest(extra)))) > 1
-    planner = (_planner(model, optimizer, extra, scheme, rank, host, per_rank)
+    planner = (_planner(model, optimizer, extra, extra_states, scheme, rank, host, per_rank)
                if writes else None)
     writer, local = local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
@@ -182,11 +182,12 @@ class HostCopies:
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
-             scheme: KeyScheme, rank: int, host: HostCopies,
-             per_rank_extra: bool) -> ChunkSavePlanner:
+             extra_states: List[Tuple[str, torch.Tensor]], scheme: KeyScheme, rank: int,
+             host: HostCopies, per_rank_extra: bool) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
-    first rank) the buffers, the replicated optimizer state and every other value, read
-    through ``host``; with ``per_rank_extra`` also this rank's ``extra``."""
+    first rank) the buffers, the modules' ``extra_states``, the replicated optimizer state and
+    every other value, read through ``host``; with ``per_rank_extra`` also this rank's
+    ``extra``."""
     first = rank == 0
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
@@ -217,6 +218,8 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     if first:
         for name, buf in persistent_buffers(model):
             add_whole(scheme.model(name), buf, original_dtype(buf))
+        for name, tensor in extra_states:
+            add_whole(scheme.model(name), tensor, tensor.dtype)
     if optimizer is not None:
         params, state = live_state(optimizer)
         for entry in walk_state(state, lambda i: params[i].shape,

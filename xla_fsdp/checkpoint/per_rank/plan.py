@@ -24,12 +24,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
+from ..live_model import EXTRA_STATE
 from ..metadata import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
 from ..._sharding.names import clean_name, join_name
-
-_EXTRA_STATE = "_extra_state"   # a module's state dict key for its get_extra_state()
 
 
 @dataclass(frozen=True)
@@ -138,9 +137,9 @@ def _refuse_objects_as_extra_state(model_tree: Dict[str, Any]) -> None:
     """A module's extra state that is a tensor is carried as a buffer is, rank 0's; any other
     object would be dropped by every output but per-rank files, so it is refused, naming the
     modules (see [Note: modules' extra state])."""
-    holders = [clean_name(k[:-len(_EXTRA_STATE)].rstrip(".")) or "the root module"
+    holders = [clean_name(k[:-len(EXTRA_STATE)].rstrip(".")) or "the root module"
                for k, v in model_tree.items()
-               if (k == _EXTRA_STATE or k.endswith("." + _EXTRA_STATE))
+               if (k == EXTRA_STATE or k.endswith("." + EXTRA_STATE))
                and not isinstance(v, TensorRef)]
     if holders:
         raise CheckpointError(
