@@ -42,30 +42,76 @@ def train(rank, foreach):
     return losses
 
 
+def train_pair(rank):
+    """A generator and a discriminator, two roots, the discriminator's parameters split
+    between two optimizers: the generator forwards first, the discriminator steps first."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32),
+                        nn.Linear(32, 16))
+    gen[3] = FSDP(gen[3])
+    gen = FSDP(gen)
+    disc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 1))
+    disc[2] = FSDP(disc[2])
+    disc = FSDP(disc)
+    params = list(disc.parameters())
+    opts_d = [torch.optim.AdamW(params[:3], lr=1e-2), torch.optim.AdamW(params[3:], lr=1e-3)]
+    opt_g = torch.optim.AdamW(gen.parameters(), lr=1e-2)
+    device = torch_xla.device()
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        noise, real = (torch.randn(4, 16, generator=g).to(device) for _ in range(2))
+        for opt in opts_d + [opt_g]:
+            opt.zero_grad(set_to_none=True)
+        fake = gen(noise)
+        (disc(real).mean() - disc(fake.detach()).mean()).backward()
+        for opt in opts_d:
+            opt.step()
+        disc(fake).mean().backward()
+        opt_g.step()
+        torch_xla.sync()
+    return True
+
+
 def _last_step_module(dump):
     modules = sorted(glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")),
                      key=lambda p: int(re.search(r"module_(\d+)", p).group(1)))
     return open(modules[-1]).read()
 
 
+def _step_module(dump, fn, args):
+    # aliasing and copies are decided by XLA's HLO passes, before the code generation the
+    # suite's flags make quick (tests/conftest.py)
+    env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
+                        f"--xla_dump_hlo_as_text"}
+    with mock.patch.dict(os.environ, env):
+        out = launch(fn, args, num_devices=2)
+    hlo = _last_step_module(str(dump))
+    aliases = re.findall(r"\{\d+\}: \(\d+, \{\}, may-alias\)", hlo.splitlines()[0])
+    return out, len(aliases), re.findall(r"= \S+ copy\(%p[\d.]+\)", hlo)
+
+
 @pytest.mark.slow
 def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
     for foreach in (False, True):
-        dump = tmp_path / f"foreach_{foreach}"
-        # aliasing and copies are decided by XLA's HLO passes, before the code generation
-        # the suite's flags make quick (tests/conftest.py)
-        env = {"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} "
-                            f"--xla_dump_hlo_as_text"}
-        with mock.patch.dict(os.environ, env):
-            losses = launch(train, (foreach,), num_devices=2)
+        losses, aliases, copied = _step_module(tmp_path / f"foreach_{foreach}", train,
+                                               (foreach,))
         assert every(l[-1] < l[0] for l in losses.values()), losses
-        hlo = _last_step_module(str(dump))
-        aliases = re.findall(r"\{\d+\}: \(\d+, \{\}, may-alias\)", hlo.splitlines()[0])
         # every shard and its two AdamW moments are donated and replaced
         shards = 10  # 4 linear weights + 4 biases + the norm's weight and bias
-        assert len(aliases) == 3 * shards, (foreach, len(aliases))
-        copied = re.findall(r"= \S+ copy\(%p[\d.]+\)", hlo)
+        assert aliases == 3 * shards, (foreach, aliases)
         assert copied == [], (foreach, copied)
+
+
+@pytest.mark.slow
+def test_two_roots_and_three_optimizers_copy_nothing(tmp_path):
+    """[Note: every optimizer's gradients after every donor]: each optimizer's hook reissued
+    only its own gradients, and this step copied 12 buffers."""
+    _, aliases, copied = _step_module(tmp_path, train_pair, ())
+    shards = 14  # the generator's 3 linears and norm, the discriminator's 3 linears
+    assert aliases == 3 * shards + 2, aliases  # and the step's two batches
+    assert copied == [], copied
 
 
 def test_optimizers_are_pinned_in_the_order_they_first_stepped_shards():

@@ -14,6 +14,15 @@ Two no-op operations make both orders the same list, ``donors()``:
   over all donors numbers them in that order before anything else reads them;
 * ``reissue_in_order`` right after the optimizer step: ``mul_(1)`` (folded away by XLA)
   gives every donor, and then every gradient, a newer tensor in that order.
+
+[Note: every optimizer's gradients after every donor]
+The gradients are outputs of the step too, of the same byte sizes as their parameters, so
+they must come after every donor in output order, not only after their own optimizer's.
+An optimizer's hook therefore reissues the gradients of every optimizer that steps shards
+on its device. Reissuing only its own left the first optimizer's gradients between its
+donors and the next optimizer's: with two roots (a GAN's generator and discriminator), or
+one model's parameters split between two optimizers, XLA paired the later optimizer's
+donors with the earlier one's gradients and copied 12 buffers a step in a two-root toy.
 """
 from __future__ import annotations
 
@@ -42,6 +51,9 @@ class _Donors:
         self.tensors: List["weakref.ref[torch.Tensor]"] = []
         self.devices: List[torch.device] = []
         self.params: List["weakref.ref[torch.Tensor]"] = []
+        # the devices of its donors: what another rank's hook or root asks before listing
+        # them (on virtual devices every rank's optimizers are in ``_optimizers``)
+        self.on: frozenset = frozenset()
 
     def current(self, optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
                                                                   List[torch.device],
@@ -62,6 +74,7 @@ class _Donors:
         self.tensors = [weakref.ref(t) for t in tensors]
         self.devices = [t.device for t in tensors]
         self.params = [weakref.ref(p) for p in params]
+        self.on = frozenset(self.devices)
         return tensors, self.devices, params
 
 
@@ -101,7 +114,10 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
     tensors, _, params = cache.current(optimizer)
     if tensors:
         multiply_in_place(tensors, 1)
-    grads = [g for g in (p.grad for p in params) if g is not None]
+    # see [Note: every optimizer's gradients after every donor]
+    grads = [p.grad for opt, other in list(_optimizers.items()) if other.on & cache.on
+             for p in (params if other is cache else other.current(opt)[2])
+             if p.grad is not None and p.device in cache.on]
     if grads:
         multiply_in_place(grads, 1)
 
@@ -111,7 +127,8 @@ def pin_parameter_order(device: torch.device) -> None:
     """Called by the root unit before its forward reads anything, for its device."""
     tensors = []
     for opt, cache in list(_optimizers.items()):
-        held, devices, _ = cache.current(opt)
-        tensors += [t for t, d in zip(held, devices) if d == device]
+        if device in cache.on:
+            held, devices, _ = cache.current(opt)
+            tensors += [t for t, d in zip(held, devices) if d == device]
     # the traced graph numbers a node's inputs last to first
     optimization_barrier(list(reversed(tensors)))
