@@ -10,6 +10,7 @@ import shutil
 import torch
 
 from .checkpoint_workloads import same_state, snapshot
+from .checks import every
 from .models import GLOBAL_BATCH, Net, Stack, TiedLM, batch, loss_fn
 
 SAVE_WORLD, LOAD_WORLD, STEPS = 4, 2, 2
@@ -183,6 +184,15 @@ class _WithTensorExtraState(torch.nn.Linear):
         self.given, self.calls = state, len(state)
 
 
+class _Refusing(_WithTensorExtraState):
+    refuse = False
+
+    def set_extra_state(self, state):
+        if self.refuse:
+            raise ValueError("this rank refuses its extra state")
+        super().set_extra_state(state)
+
+
 def _holding_extra_state(rank, how, module_class, calls):
     model = Net()
     model.b1.up = module_class(model.b1.up.in_features, model.b1.up.out_features)
@@ -212,8 +222,9 @@ def save_extra_state(rank, directory):
 def load_extra_state(rank, directory):
     """Each checkpoint of ``save_extra_state`` loaded at LOAD_WORLD into another wrapping:
     what ``set_extra_state`` was given; a full state dict's round trip; one lacking it."""
+    from xla_fsdp import FSDP
     from xla_fsdp.checkpoint import (CheckpointError, load_consolidated, load_dcp,
-                                     load_sharded)
+                                     load_sharded, save_consolidated, save_sharded)
     out = {}
     for label, load in (("dcp", lambda m: load_dcp(os.path.join(directory, "dcp"), m)),
                         ("pt", lambda m: load_consolidated(os.path.join(directory, "ck.pth"), m)),
@@ -239,6 +250,33 @@ def load_extra_state(rank, directory):
     except CheckpointError as exc:
         out["strict"] = str(exc)
     out["non_strict"] = fresh.load_full_state_dict(full, strict=False)[0], again.calls
+    # set_extra_state refusing on one rank: every rank raises, and nothing changed
+    model, holder = _holding_extra_state(rank, "flattened", _Refusing, 2)
+    holder.refuse = rank == 1
+    before = model.full_state_dict(rank0_only=False)
+    try:
+        load_dcp(os.path.join(directory, "dcp"), model)
+        out["refused"] = "no error"
+    except CheckpointError as exc:
+        out["refused"] = str(exc)
+    out["refused_unchanged"] = (holder.calls, every(
+        torch.equal(v, before[k]) for k, v in model.full_state_dict(rank0_only=False).items()))
+    # a resume at the saving world size and wrapping (the own-file path), another length; the
+    # safetensors file keeps ``extra`` without an optimizer
+    save_sharded(os.path.join(directory, "own"), model)
+    save_consolidated(os.path.join(directory, "own.safetensors"), model, format="safetensors",
+                      extra={"step": 3})
+    fresh, holder = _holding_extra_state(rank, "flattened", _WithTensorExtraState, 0)
+    load_sharded(os.path.join(directory, "own"), fresh)
+    out["own_file"] = holder.calls
+    out["safetensors_extra"] = load_consolidated(os.path.join(directory, "own.safetensors"),
+                                                 fresh)
+    # a module under two names keeps its extra state under both, as state_dict() does
+    shared = Net()
+    shared.b1.up = _WithTensorExtraState(shared.b1.up.in_features, shared.b1.up.out_features)
+    shared.alias = shared.b1.up
+    out["shared_keys"] = sorted(k for k in FSDP(shared).full_state_dict(rank0_only=False)
+                                if "extra" in k)
     return out
 
 

@@ -25,13 +25,6 @@ def map_tensors(fn: Visit, obj: Any) -> Any:
     return _walk(fn, obj, rebuild=True)
 
 
-def map_tensors_copying(fn: Visit, obj: Any) -> Any:
-    """``obj`` with every tensor replaced by ``fn(tensor)``, every container of its own type,
-    and the caller's containers left as they are: any holding a tensor that changes is
-    copied."""
-    return _walk(fn, obj, rebuild=True, copies=True)
-
-
 def collect_tensors(obj: Any) -> List[torch.Tensor]:
     """Every distinct tensor inside ``obj``, in order of first appearance."""
     found: List[torch.Tensor] = []
@@ -52,7 +45,7 @@ def cast_floating(dtype: torch.dtype, obj: Any) -> Any:
     (see [Note: casting without overflow]). The caller's objects are left as they are: a
     dict-like, dataclass or plain object holding a tensor that changes is copied (a batch
     given to a unit keeps its float32 targets for a loss taken outside)."""
-    return map_tensors_copying(lambda t: _saturating_cast(t, dtype), obj)
+    return _walk(lambda t: _saturating_cast(t, dtype), obj, rebuild=True, copies=True)
 
 
 def _saturating_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -141,6 +134,52 @@ def _changed(old: Any, new: Any) -> bool:
     if isinstance(old, dict) and isinstance(new, dict) and old.keys() == new.keys():
         return any(_changed(old[k], new[k]) for k in old)
     return True
+
+
+def copy_tree(fn: Visit, obj: Any) -> Any:
+    """A copy of ``obj`` with every tensor replaced by ``fn(tensor)``, however deep, for a
+    checkpoint's tree (``extra`` may hold anything): containers keep their types (a tuple
+    stays a tuple, a named tuple, ``OrderedDict`` or ``defaultdict`` its class), dict keys
+    are walked too, and a container or object held twice, or holding itself, is copied once.
+    Unlike ``map_tensors``, which looks one level into a module's outputs and updates
+    dict-like ones in place, nothing of the caller's changes. Types, functions and modules
+    are kept as they are."""
+    done: dict = {}
+
+    def walk(value: Any) -> Any:
+        if id(value) in done:
+            return done[id(value)][1]
+        if isinstance(value, torch.Tensor):
+            out = fn(value)
+        elif isinstance(value, tuple):
+            items = [walk(v) for v in value]
+            out = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        elif isinstance(value, list):
+            out = [] if type(value) is list else copy.copy(value)
+            done[id(value)] = (value, out)   # before its items: it may hold itself
+            out[:] = [walk(v) for v in value]
+        elif isinstance(value, (set, frozenset)):
+            out = type(value)(walk(v) for v in value)
+        elif isinstance(value, dict):
+            out = {} if type(value) is dict else copy.copy(value)
+            done[id(value)] = (value, out)
+            if type(value) is dict:
+                out.update((walk(k), walk(v)) for k, v in value.items())
+            else:
+                for k, v in value.items():
+                    out[k] = walk(v)
+        elif _is_plain_object(value) or (dataclasses.is_dataclass(value) and
+                                         hasattr(value, "__dict__")
+                                         and not isinstance(value, type)):
+            out = copy.copy(value)
+            done[id(value)] = (value, out)
+            for k, v in vars(value).items():
+                object.__setattr__(out, k, walk(v))
+        else:
+            out = value
+        done[id(value)] = (value, out)  # the value too: its id is not reused meanwhile
+        return out
+    return walk(obj)
 
 
 def _is_plain_object(obj: Any) -> bool:

@@ -20,7 +20,7 @@ from torch.autograd import Variable
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree
 
-from .._sharding.tensor_tree import collect_tensors, map_tensors_copying
+from .._sharding.tensor_tree import copy_tree
 
 
 # -- torch.distributed.checkpoint -------------------------------------------------------------
@@ -230,13 +230,14 @@ def to_cpu(tree: Any) -> Any:
     list and every dict subclass as a dict, so an optimizer's ``betas`` came back from a
     checkpoint as a list. A tensor held twice is copied once."""
     import torch_xla
-    on_device = [t for t in collect_tensors(tree) if t.device.type == "xla"]
+    on_device: Dict[int, torch.Tensor] = {}
+    copy_tree(lambda t: on_device.setdefault(id(t), t) if t.device.type == "xla" else t, tree)
     if not on_device:
-        return tree
-    torch_xla._XLAC._xla_sync_multi(on_device, devices=[], wait=True, sync_xla_data=False)
-    copies = dict(zip(map(id, on_device), torch_xla._XLAC._xla_get_cpu_tensors(on_device),
-                      strict=True))
-    return map_tensors_copying(lambda t: copies.get(id(t), t), tree)
+        return copy_tree(lambda t: t, tree)
+    tensors = list(on_device.values())
+    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    copies = dict(zip(on_device, torch_xla._XLAC._xla_get_cpu_tensors(tensors), strict=True))
+    return copy_tree(lambda t: copies.get(id(t), t), tree)
 
 
 def scan_flat(body: Callable, init: List[torch.Tensor], xs: List[torch.Tensor],

@@ -76,7 +76,8 @@ EXTRA_STATE = "_extra_state"   # torch's state dict key for a module's get_extra
 def extra_state_holders(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(key in the unwrapped model's state dict, module) of every module that keeps extra
     state (see [Note: modules' extra state])."""
-    return [(unwrapped_name(path, EXTRA_STATE), m) for path, m in root.named_modules()
+    return [(unwrapped_name(path, EXTRA_STATE), m)
+            for path, m in root.named_modules(remove_duplicate=False)
             if type(m).get_extra_state is not nn.Module.get_extra_state]
 
 
@@ -99,7 +100,7 @@ def extra_state_tensors(root: nn.Module, what: str) -> List[Tuple[str, torch.Ten
     for key, module in extra_state_holders(root):
         value = module.get_extra_state()
         if torch.is_tensor(value):
-            found.append((key, value.detach().cpu()))
+            found.append((key, value.detach().to("cpu", copy=True)))
         else:
             refused.append(key[:-len(EXTRA_STATE)].rstrip(".") or
                            f"the root {type(module).__name__}")

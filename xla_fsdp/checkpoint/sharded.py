@@ -52,7 +52,7 @@ from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, Rank
                        wrapping_fingerprint)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .unit_protocol import ShardedModel
-from .live_model import require_root, sharding_group_path, writes_sharding_group_copy
+from .live_model import EXTRA_STATE, require_root, sharding_group_path, writes_sharding_group_copy
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 
@@ -250,11 +250,14 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
 
 def _refuse_other_tensors(path: str, model: ShardedModel, saved: Dict[str, Any]) -> None:
     """What ``model.load_state_dict`` would refuse having copied part of it, refused before
-    anything changes: keys the model lacks or does not find, shapes other than its own."""
+    anything changes: keys the model lacks or does not find, shapes other than its own. A
+    module's extra state is given to its ``set_extra_state`` as saved, whatever its shape
+    (see [Note: modules' extra state])."""
     own = model.state_dict()
     wrong = sorted(set(own) ^ set(saved)) + sorted(
         k for k in set(own) & set(saved)
-        if torch.is_tensor(own[k]) and tuple(own[k].shape) != tuple(saved[k].shape))
+        if torch.is_tensor(own[k]) and k.rsplit(".", 1)[-1] != EXTRA_STATE
+        and tuple(own[k].shape) != tuple(saved[k].shape))
     if wrong:
         raise CheckpointError(f"{path} does not hold this model's tensors: {wrong[:10]} "
                               f"differ in name or shape")

@@ -10,10 +10,11 @@ data files) comes first, and every value is read into a staging buffer on the ho
 when every rank has read all it needs (``coordination.agree``) are the shards, buffers and
 optimizer state replaced, so a bad checkpoint leaves the model and optimizer as they were,
 on every rank. Putting them in place can still be refused on one rank: torch's optimizer
-``load_state_dict`` checks the state against the optimizer (and runs the user's hooks). So
-the optimizer's state goes in first, on every rank, and the ranks agree on it; when any rank
-refused, every rank puts back the optimizer state it replaced (torch's own tensors, held
-only until the agreement) and raises, before any shard or buffer has changed. Copying the
+``load_state_dict`` checks the state against the optimizer (and runs the user's hooks), and
+a module's ``set_extra_state`` is the model's own code. So the optimizer's state and the
+modules' extra state go in first, on every rank, and the ranks agree on them; when any rank
+refused, every rank puts back the optimizer state and extra state it replaced (held only
+until the agreement) and raises, before any shard or buffer has changed. Copying the
 values into the shards and buffers comes after, and no copy of what they held is kept: that
 would keep a second copy of every shard for the whole agreement (in HBM, the old buffers; on
 virtual devices, where a rendezvous syncs, materialized clones). What torch would refuse of
@@ -72,8 +73,9 @@ class StagedLoad:
         self.stored = source.stored
         self.tensors: Dict[str, TensorPieces] = {}
         self.objects: Dict[str, Any] = {}
-        # the optimizer's load (torch may refuse it), returning how to put back its state
-        self.refusable: Optional[Callable[[], Callable[[], None]]] = None
+        # what may refuse (torch's optimizer load, a module's set_extra_state), each
+        # returning how to put back what it replaced
+        self.refusables: List[Callable[[], Callable[[], None]]] = []
         self.copies: List[Callable[[], None]] = []   # into the shards and buffers
         self.strict = strict
         self.missing: List[str] = []
@@ -89,6 +91,22 @@ class StagedLoad:
             self.objects[extra] = None
         self._read()
         self.extra = None if extra is None else self.objects.get(extra)
+
+    def refusable(self) -> Callable[[], None]:
+        """Runs every refusable in turn and returns how to undo them all; when one raises,
+        the ones before it are undone first."""
+        undos: List[Callable[[], None]] = []
+
+        def undo() -> None:
+            for each in reversed(undos):
+                each()
+        try:
+            for refusable in self.refusables:
+                undos.append(refusable())
+        except BaseException:
+            undo()
+            raise
+        return undo
 
     # -- the model -------------------------------------------------------------------------
     def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
@@ -139,6 +157,7 @@ class StagedLoad:
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
             self.copies.append(functools.partial(_copy, buf, stage))
+        given = []
         for name, module in holders:  # see [Note: modules' extra state] in live_model
             key = self.scheme.model(name)[0]
             if key not in present:  # not strict
@@ -150,7 +169,9 @@ class StagedLoad:
             else:
                 self.objects[key] = None
                 value = functools.partial(self.objects.get, key)
-            self.copies.append(lambda m=module, value=value: m.set_extra_state(value()))
+            given.append((module, value))
+        if given:
+            self.refusables.append(functools.partial(_set_extra_states, given))
 
     def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
         stored = self.stored[key]
@@ -219,9 +240,9 @@ class StagedLoad:
         if stray:
             raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
                                   f"optimizer does not hold: {stray[:10]}")
-        self.refusable = lambda: load_optimizer_state(optimizer, {
+        self.refusables.append(lambda: load_optimizer_state(optimizer, {
             "state": {i: {k: v() for k, v in s.items()} for i, s in state.items()},
-            "param_groups": new_groups})
+            "param_groups": new_groups}))
 
     def _saved_settings(self) -> Dict[str, Dict[str, Any]]:
         """{parameter name: the settings of its param group}, from either form DCP
@@ -318,6 +339,25 @@ def _copy(target: torch.Tensor, stage: torch.Tensor) -> None:
     target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
 
 
+def _set_extra_states(given: List[Tuple[Any, Callable[[], Any]]]) -> Callable[[], None]:
+    """Gives each module its stored extra state and returns how to put back the ones it
+    replaced (see [Note: modules' extra state]); ``set_extra_state`` is the model's own code
+    and may raise, and then the ones given before it are put back first."""
+    replaced: List[Tuple[Any, Any]] = []
+
+    def undo() -> None:
+        for module, state in reversed(replaced):
+            module.set_extra_state(state)
+    try:
+        for module, value in given:
+            replaced.append((module, module.get_extra_state()))
+            module.set_extra_state(value())
+    except BaseException:
+        undo()
+        raise
+    return undo
+
+
 def load_optimizer_state(optimizer: torch.optim.Optimizer,
                          state_dict: Dict[str, Any]) -> Callable[[], None]:
     """``optimizer.load_state_dict``, which checks the state before changing anything; returns
@@ -371,8 +411,8 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
 def commit_on_every_rank(tag: str, where: str,
                          refusable: Optional[Callable[[], Callable[[], None]]],
                          copies: List[Callable[[], None]]) -> None:
-    """Every rank runs ``refusable`` (the optimizer's load, which changes nothing if it raises
-    and returns its undo) and the ranks agree: when one refused, every rank undoes it and
+    """Every rank runs ``refusable`` (the optimizer's load and the modules' extra state, which
+    change nothing if they raise and return their undo) and the ranks agree: when one refused, every rank undoes it and
     raises, naming the failing rank and ``where``. Then every rank runs the ``copies`` and
     the ranks agree again (see [Note: nothing changes unless everything was read])."""
     error: Optional[BaseException] = None

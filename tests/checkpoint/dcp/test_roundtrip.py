@@ -111,6 +111,10 @@ def test_tensor_extra_state_goes_through_every_checkpoint(trips, tmp_path):
         assert got["full_state_dict"] == [i * 3 for i in range(4 + rank)], (rank, got)
         assert "missing ['b1.up._extra_state'], unexpected []" in got["strict"], got["strict"]
         assert got["non_strict"] == (["b1.up._extra_state"], 4 + rank), got["non_strict"]
+        assert "this rank refuses its extra state" in got["refused"], got["refused"]
+        assert got["refused_unchanged"] == (2, True), (rank, got["refused_unchanged"])
+        assert got["own_file"] == 2 and got["safetensors_extra"] == {"step": 3}, got
+        assert got["shared_keys"] == ["alias._extra_state", "b1.up._extra_state"], got
     # the per-rank files consolidated offline carry the first rank's too
     out = str(tmp_path / "out.pth")
     assert consolidate(["--ckpt_prefix", str(trips["first"]) + "_extra_state/ck",

@@ -118,7 +118,8 @@ def _torch_file(path: str, crc_share: Optional[Tuple[int, int]]) -> EntrySource:
     if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
         state = tree[MODEL]
     elif isinstance(tree, dict) and tree and all(
-            is_tensor(v) or k.rsplit(".", 1)[-1] == EXTRA_STATE for k, v in tree.items()):
+            isinstance(k, str) and (is_tensor(v) or k.rsplit(".", 1)[-1] == EXTRA_STATE)
+            for k, v in tree.items()):
         state = tree  # torch.save(model.state_dict()), modules' extra state of any kind
     else:
         file.close()

@@ -22,8 +22,9 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
     if fmt == "safetensors":
         specs = state.specs()
         sources = dict(state.aliases)
-        written = [path] + ([optimizer_companion(path)]
-                            if state.optimizer is not None else [])
+        # the optimizer file holds ``extra`` too: written for either
+        companion = state.optimizer is not None or bool(state.extra)
+        written = [path] + ([optimizer_companion(path)] if companion else [])
         # the pair is replaced together: neither file goes in before the other is on disk
         with atomic_paths(written) as staged:
             with staged[path].writing() as tmp:
@@ -37,12 +38,14 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
                 for alias, source in state.aliases:
                     writer.add(alias, held[source])
                 writer.finish()
-            if state.optimizer is not None:
+            if companion:
                 with staged[written[1]].writing() as tmp:
                     writer = TorchFileWriter(tmp)
-                    optimizer, names = state.optimizer.as_indexed_state_dict(writer.add)
-                    writer.finish(dict({OPTIMIZER: optimizer, OPTIMIZER_NAMES: names},
-                                       **state.extra))
+                    kept: Dict[str, Any] = {}
+                    if state.optimizer is not None:
+                        kept[OPTIMIZER], kept[OPTIMIZER_NAMES] = \
+                            state.optimizer.as_indexed_state_dict(writer.add)
+                    writer.finish(dict(kept, **state.extra))
             else:  # an earlier save's optimizer file would be loaded with these weights
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(optimizer_companion(path))
