@@ -1,9 +1,9 @@
 """What every checkpoint reads of a live wrapped model beyond its units (``unit_protocol``): the
 unwrapped model's names (``unwrapped_name``, a unit's path as its shards are saved under,
-``units_by_saved_path``), its persistent buffers, modules' extra state and tied aliases, and
-the refusals every save of the unwrapped model applies before reading it (writes lost to a
-freed placeholder, extra state that is not a tensor), the check that a call is given the root, and where the root's sharding group
-keeps a checkpoint."""
+``units_by_saved_path``), its persistent buffers, modules' extra state and tied aliases, and the
+refusals every save of the unwrapped model applies before reading it (writes lost to a freed
+placeholder, extra state that is not a tensor), the check that a call is given the root, and
+where the root's sharding group keeps a checkpoint."""
 from __future__ import annotations
 
 import os

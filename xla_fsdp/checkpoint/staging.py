@@ -411,10 +411,11 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
 def commit_on_every_rank(tag: str, where: str,
                          refusable: Optional[Callable[[], Callable[[], None]]],
                          copies: List[Callable[[], None]]) -> None:
-    """Every rank runs ``refusable`` (the optimizer's load and the modules' extra state, which
-    change nothing if they raise and return their undo) and the ranks agree: when one refused, every rank undoes it and
-    raises, naming the failing rank and ``where``. Then every rank runs the ``copies`` and
-    the ranks agree again (see [Note: nothing changes unless everything was read])."""
+    """Every rank runs ``refusable`` (the optimizer's load and the modules' extra state,
+    which change nothing if they raise and return their undo) and the ranks agree: when one
+    refused, every rank undoes it and raises, naming the failing rank and ``where``. Then
+    every rank runs the ``copies`` and the ranks agree again (see [Note: nothing changes
+    unless everything was read])."""
     error: Optional[BaseException] = None
     undo = None
     try:
