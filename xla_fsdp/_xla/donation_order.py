@@ -26,6 +26,7 @@ donors with the earlier one's gradients and copied 12 buffers a step in a two-ro
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
@@ -82,6 +83,14 @@ class _Donors:
 # object addresses, which differ between ranks, and so would the ranks' step graphs)
 _optimizers: "weakref.WeakKeyDictionary[torch.optim.Optimizer, _Donors]" = \
     weakref.WeakKeyDictionary()
+# on virtual devices the ranks are threads of one process: one rank's first step adds its
+# optimizer while another's hook or root lists them
+_listing = threading.Lock()
+
+
+def _stepping() -> List[Tuple[torch.optim.Optimizer, _Donors]]:
+    with _listing:
+        return list(_optimizers.items())
 
 
 def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -108,14 +117,15 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
         if not any(is_shard(p)
                    for param_group in optimizer.param_groups for p in param_group["params"]):
             return
-        cache = _optimizers.setdefault(optimizer, _Donors())
+        with _listing:
+            cache = _optimizers.setdefault(optimizer, _Donors())
     # one foreach call each: a mul_ per tensor costs the host ~50 us in torch's Python meta
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
     tensors, _, params = cache.current(optimizer)
     if tensors:
         multiply_in_place(tensors, 1)
     # see [Note: every optimizer's gradients after every donor]
-    grads = [p.grad for opt, other in list(_optimizers.items()) if other.on & cache.on
+    grads = [p.grad for opt, other in _stepping() if other.on & cache.on
              for p in (params if other is cache else other.current(opt)[2])
              if p.grad is not None and p.device in cache.on]
     if grads:
@@ -126,7 +136,7 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
 def pin_parameter_order(device: torch.device) -> None:
     """Called by the root unit before its forward reads anything, for its device."""
     tensors = []
-    for opt, cache in list(_optimizers.items()):
+    for opt, cache in _stepping():
         if device in cache.on:
             held, devices, _ = cache.current(opt)
             tensors += [t for t, d in zip(held, devices) if d == device]
