@@ -132,7 +132,8 @@ def commit_fails_on_one_rank(rank, world, directory):
             out[f"{kind}_kept_by"] = frames_keeping(exc)
         out[f"{kind}_unchanged"] = same_snapshot(snapshot(model, opt), before)
     opt.load_state_dict = refuse
-    out["mixed"] = _files_of_two_runs(rank, world, directory, paths["sharded"], model, opt)
+    out["mixed"], out["mixed_kept_by"] = _files_of_two_runs(rank, world, directory,
+                                                            paths["sharded"], model, opt)
     out["mixed_unchanged"] = same_snapshot(snapshot(model, opt), before)
     # the saved optimizer's one param group, loaded into two: at the saving world size as
     # at any other (the own file is read as the source reads it), each group taking the
@@ -167,6 +168,6 @@ def _files_of_two_runs(rank, world, directory, prefix, model, opt):
     xm.rendezvous("copied")
     try:
         load_sharded(mixed, model, opt)
-        return "no error"
+        return "no error", None
     except Exception as exc:  # noqa: BLE001 - the message is what is tested
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}", frames_keeping(exc)

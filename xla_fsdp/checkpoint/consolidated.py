@@ -15,7 +15,7 @@ from typing import Any, List, Optional, Tuple
 import torch
 
 from .._xla.trace_only import refuse_reads
-from .coordination import agree
+from .coordination import agree, every_rank_agrees
 from .staging import Source, load_staged
 from .gathered_state import gathered_state
 from .writers.formats import FORMATS, OutputOptions, write_output
@@ -46,16 +46,14 @@ def save_consolidated(path: str, model: ShardedModel,
     writes = model.rank == 0 and writes_sharding_group_copy(model)
     with_optimizer = optimizer is not None and format != "hf"
     written: Optional[List[str]] = None
-    error: Optional[BaseException] = None
-    try:  # on every rank: the states are alike, so all refuse together or none does
+    # on every rank: the states are alike, so all refuse together or none does
+    with every_rank_agrees("xla_fsdp.save_consolidated.plan"):
         refuse_lost_writes(model)
         state, gathers = gathered_state(model, optimizer if with_optimizer else None, extra)
         reads = state.read_order(aliases_again=format == "dcp")
-    except Exception as exc:
-        error = exc
+    gathers.follow(reads, keep=writes)   # raises on every rank alike
+    error: Optional[BaseException] = None
     try:
-        agree("xla_fsdp.save_consolidated.plan", error)
-        gathers.follow(reads, keep=writes)   # raises on every rank alike
         try:
             if writes:
                 options = OutputOptions(dcp_keys, hf_config, max_shard_size,

@@ -14,6 +14,7 @@ beyond training's own.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import pickle
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, TypeVar
@@ -70,8 +71,40 @@ def digest(obj: Any) -> str:
 # local or an argument. Once raised, the exception's traceback holds every frame it passed
 # through, and each such frame that still names it in a local closes a reference cycle:
 # the frame's model, optimizer and gathered tensors then live until the garbage collector
-# runs, on the failing rank alone. Each function that holds a raised exception in a local
-# therefore clears it (``finally: error = None``) once it is raised or handed on.
+# runs, on the failing rank alone. A step every rank takes and then agrees on is written
+# ``with every_rank_agrees(tag):``, which holds the exception in its own frame and clears
+# it; a function that is handed an error to agree on (a save's publish step) or that
+# gathers several into one agreement clears its local itself (``finally: error = None``)
+# once the error is raised or handed on.
+
+
+def naming(where: str) -> Callable[[Exception], BaseException]:
+    """A ``failure`` for ``every_rank_agrees``: a ``CheckpointError`` as it is, any other
+    exception as one naming ``where``, the file or directory at fault."""
+    from .files import CheckpointError
+
+    def failure(exc: Exception) -> BaseException:
+        if isinstance(exc, CheckpointError):
+            return exc
+        return CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+    return failure
+
+
+@contextlib.contextmanager
+def every_rank_agrees(tag: str, failure: Callable[[Exception], BaseException] = lambda e: e
+                      ) -> Iterator[None]:
+    """Runs the body, then agrees with the other ranks (``agree``): when the body raised on
+    any rank, every rank raises, this rank's own error (through ``failure``) or one naming
+    the first rank that failed. For a step no rank may go on from alone."""
+    error: Optional[BaseException] = None
+    try:
+        yield
+    except Exception as exc:  # every rank must reach the agreement
+        error = failure(exc)
+    try:
+        agree(tag, error)
+    finally:
+        error = None  # see [Note: no frame keeps the exception it raises]
 
 
 def agree(tag: str, error: Any) -> None:

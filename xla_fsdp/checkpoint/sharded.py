@@ -44,7 +44,7 @@ from .._xla.trace_only import refuse_reads
 from .async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from .per_rank.shard_set import save_identity
 from .sources.per_rank_files import open_per_rank_files
-from .coordination import agree, agree_or_undo, exchange
+from .coordination import agree, agree_or_undo, every_rank_agrees, exchange, naming
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
 from .files import CheckpointError, CheckpointFile, StagedFile
 from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, RankRecord,
@@ -226,18 +226,9 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
     place (see [Note: nothing changes unless everything was read])."""
     import torch_xla
     checkpoint: Any = None
-    error: Optional[BaseException] = None
-    try:
+    with every_rank_agrees("xla_fsdp.load_sharded.own.read", naming(path)):
         checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         _refuse_other_tensors(path, model, checkpoint[MODEL])
-    except CheckpointError as exc:
-        error = exc
-    except Exception as exc:  # every rank must reach the agreement
-        error = CheckpointError(f"{path}: {type(exc).__name__}: {exc}")
-    try:
-        agree("xla_fsdp.load_sharded.own.read", error)
-    finally:
-        error = None  # see [Note: no frame keeps the exception it raises]
     commit_on_every_rank(
         "xla_fsdp.load_sharded.own", path,
         None if optimizer is None else functools.partial(load_optimizer_state, optimizer,

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 
 from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
-from .coordination import agree, agree_or_undo
+from .coordination import agree_or_undo, every_rank_agrees, naming
 from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlot,
                                 param_slots, rank_extra_key, rank_extras, slots_by_shard)
 from .files import CheckpointError
@@ -390,19 +390,13 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     import torch_xla
     wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
-    staged, error, source = None, None, None
-    try:
+    staged = None
+    with every_rank_agrees(f"{tag}.read"):
         source = open_source()
-        staged = StagedLoad(source, model, optimizer, with_model, strict)
-    except Exception as exc:  # every rank must reach the agreement below
-        error = exc
-    finally:
-        if source is not None:
+        try:
+            staged = StagedLoad(source, model, optimizer, with_model, strict)
+        finally:
             source.close()
-    try:
-        agree(f"{tag}.read", error)
-    finally:
-        error = None  # see [Note: no frame keeps the exception it raises]
     commit_on_every_rank(tag, staged.where, staged.refusable, staged.copies)
     torch_xla.sync()
     return staged
@@ -424,13 +418,10 @@ def commit_on_every_rank(tag: str, where: str,
         error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
     try:
         agree_or_undo(f"{tag}.commit", error, undo)
-        undo = None  # the optimizer's old state goes before the shards are written
-        try:
-            with torch.no_grad():
-                for copy in copies:
-                    copy()
-        except Exception as exc:  # every rank must reach the agreement
-            error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
-        agree(f"{tag}.copied", error)
     finally:
-        error = None  # see [Note: no frame keeps the exception it raises]
+        # see [Note: no frame keeps the exception it raises]; and the optimizer's old state
+        # goes before the shards are written
+        error = undo = None
+    with every_rank_agrees(f"{tag}.copied", naming(where)), torch.no_grad():
+        for copy in copies:
+            copy()

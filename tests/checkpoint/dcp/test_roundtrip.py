@@ -146,6 +146,7 @@ def test_per_rank_files_of_two_runs_are_not_loaded_together(failing_loads):
     for rank in (0, 1):
         assert "come from different saves" in out[rank]["mixed"], out[rank]["mixed"]
         assert out[rank]["mixed_unchanged"], rank
+        assert out[rank]["mixed_kept_by"] == [], out[rank]["mixed_kept_by"]  # refused reading
 
 
 def test_per_rank_files_load_into_param_groups_split_otherwise(failing_loads):

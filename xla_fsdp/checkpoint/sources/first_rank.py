@@ -30,7 +30,7 @@ import torch
 from ..._sharding.chunks import TensorPieces, run_chunks
 from ..._sharding.collectives import broadcast_bytes
 from ..._sharding.layout import FlatLayout
-from ..coordination import agree, exchange
+from ..coordination import every_rank_agrees, exchange
 from ..staging import Source, Stored
 
 BUCKET_BYTES = 16 << 20
@@ -44,17 +44,11 @@ class FirstRankSource:
                  tag: str) -> None:
         self._rank, self._pin_layout, self._tag = rank, pin_layout, tag
         self._inner: Optional[Source] = None
-        error, described = None, None
-        if rank == 0:
-            try:
+        described = None
+        with every_rank_agrees(f"{tag}.open"):
+            if rank == 0:
                 self._inner = open_source()
                 described = (self._inner.where, self._inner.stored)
-            except Exception as exc:  # raised on every rank by agree
-                error = exc
-        try:
-            agree(f"{tag}.open", error)
-        finally:
-            error = None  # see [Note: no frame keeps the exception it raises]
         self.where, self.stored = exchange(f"{tag}.describe", described)[0]
 
     def read(self, tensors: Dict[str, TensorPieces], objects: Dict[str, Any],
@@ -62,17 +56,11 @@ class FirstRankSource:
         wanted = exchange(f"{self._tag}.want", (sorted(tensors), sorted(objects)))
         object_keys = sorted({k for _, keys in wanted for k in keys})
         if object_keys:
-            values, error = None, None
-            if self._inner is not None:
-                try:
+            values = None
+            with every_rank_agrees(f"{self._tag}.objects.read"):
+                if self._inner is not None:
                     values = {}
                     self._inner.read({}, {k: None for k in object_keys}, values)
-                except Exception as exc:
-                    error = exc
-            try:
-                agree(f"{self._tag}.objects.read", error)
-            finally:
-                error = None  # see [Note: no frame keeps the exception it raises]
             values = exchange(f"{self._tag}.objects", values)[0]
             into.update((k, values[k]) for k in objects)
         tensor_keys = sorted({k for keys, _ in wanted for k in keys})
@@ -84,16 +72,10 @@ class FirstRankSource:
         layout = _stream_layout(keys, self.stored)
         receiver = _Receiver(keys, tensors, self.stored)
         for n in range(layout.world_size):
-            bucket, error = torch.zeros(layout.shard_shape, dtype=torch.uint8), None
-            if self._inner is not None:
-                try:
+            bucket = torch.zeros(layout.shard_shape, dtype=torch.uint8)
+            with every_rank_agrees(f"{self._tag}.bucket.{n}"):
+                if self._inner is not None:
                     self._fill(keys, layout, n, bucket)
-                except Exception as exc:
-                    error = exc
-            try:
-                agree(f"{self._tag}.bucket.{n}", error)
-            finally:
-                error = None  # see [Note: no frame keeps the exception it raises]
             got = broadcast_bytes(bucket.view(torch.int32).to(torch_xla.device()),
                                   self._pin_layout)
             receiver.take(layout, n, got.cpu().view(torch.uint8))
