@@ -344,7 +344,18 @@ def _float32_on_xla(rank):
             got.append(([t.cpu() for t in (out, *grads)], kept, "opt-barrier" in hlo))
         (want, kept_torch, _), (ours, kept_ours, barrier) = got
         results[mask] = (want, ours, kept_torch, kept_ours, barrier)
-    return results
+    # dropout, with a scale: in the scope it is torch's own, from the same random state
+    import torch_xla.core.xla_model as xm
+    dropped = []
+    for scope in (False, True):
+        q, k, v = (t.detach().to(device).requires_grad_() for t in _inputs(torch.float32))
+        xm.set_rng_state(7)
+        with inside_unit(scope):
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.25, is_causal=True,
+                                                 scale=0.5)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        dropped.append([t.cpu() for t in (out, *grads)])
+    return results, dropped
 
 
 def test_float32_xla_attention_in_the_scope_is_torchs_and_keeps_no_probabilities():
@@ -352,9 +363,13 @@ def test_float32_xla_attention_in_the_scope_is_torchs_and_keeps_no_probabilities
     backward; in the scope the same values and gradients, to float32's rounding, come from
     a computation that keeps query, key, value, the output and the rows' log-sum-exp, and
     computes the probabilities again behind a barrier."""
-    results = launch(_float32_on_xla, num_devices=1)[0]
+    results, dropped = launch(_float32_on_xla, num_devices=1)[0]
     for mask, (want, ours, kept_torch, kept_ours, barrier) in results.items():
         for a, b in pairs(ours, want):
             torch.testing.assert_close(a, b, msg=lambda m: f"{mask}: {m}")
         assert kept_torch and kept_ours == [] and barrier, (mask, kept_torch, kept_ours)
+    # attention dropout (GPT-2's default attn_pdrop) and a scale: torch's own values
+    for a, b in pairs(*dropped):
+        torch.testing.assert_close(a, b)
+    assert (dropped[0][0] == 0).any()
 

@@ -220,7 +220,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal, not both")
     kept = dropout_p > 0.0 or (attn_mask is not None and attn_mask.requires_grad)
     if query.dtype == torch.float32 and kept:
-        return _TORCH["sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale,
+        # torch takes ``scale`` and ``enable_gqa`` by keyword only
+        return _TORCH["sdpa"](query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                               enable_gqa=enable_gqa)
     if enable_gqa and key.size(-3) != query.size(-3):
         repeat = query.size(-3) // key.size(-3)
