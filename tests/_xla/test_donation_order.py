@@ -44,12 +44,15 @@ def train(rank, foreach):
 
 def train_pair(rank):
     """A generator and a discriminator, two roots, the discriminator's parameters split
-    between two optimizers: the generator forwards first, the discriminator steps first."""
+    between two optimizers: the generator forwards first, the discriminator steps first. The
+    generator's first layer is frozen and left out of its optimizer, and the discriminator's
+    first layer has its sizes."""
     import torch_xla
     from xla_fsdp import FSDP
     torch.manual_seed(0)
     gen = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 32),
                         nn.Linear(32, 16))
+    gen[0].requires_grad_(False)
     gen[3] = FSDP(gen[3])
     gen = FSDP(gen)
     disc = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 1))
@@ -57,7 +60,7 @@ def train_pair(rank):
     disc = FSDP(disc)
     params = list(disc.parameters())
     opts_d = [torch.optim.AdamW(params[:3], lr=1e-2), torch.optim.AdamW(params[3:], lr=1e-3)]
-    opt_g = torch.optim.AdamW(gen.parameters(), lr=1e-2)
+    opt_g = torch.optim.AdamW([p for p in gen.parameters() if p.requires_grad], lr=1e-2)
     device = torch_xla.device()
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * rank + step)
@@ -105,12 +108,14 @@ def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_roots_and_three_optimizers_copy_nothing(tmp_path):
+def test_two_roots_three_optimizers_and_frozen_shards_copy_nothing(tmp_path):
     """[Note: every optimizer's gradients after every donor]: each optimizer's hook reissued
-    only its own gradients, and this step copied 12 buffers."""
+    only its own gradients, and this step copied 12 buffers; [Note: shards no optimizer holds
+    are donors too]: the frozen shards were neither pinned nor reissued, 6 more copies."""
     _, aliases, copied = _step_module(tmp_path, train_pair, ())
-    shards = 14  # the generator's 3 linears and norm, the discriminator's 3 linears
-    assert aliases == 3 * shards + 2, aliases  # and the step's two batches
+    # the generator's last 2 linears and norm, the discriminator's 3 linears, with their
+    # AdamW moments; the frozen layer's weight and bias; the step's two batches
+    assert aliases == 3 * 12 + 2 + 2, aliases
     assert copied == [], copied
 
 

@@ -151,7 +151,8 @@ class HookedUnitState(UnitState):
         if self is context.root and not recompute:
             context.settle()
             context.begin_forward(self._first_root_forward, compiled)
-            pin_parameter_order(self.params.device)
+            pin_parameter_order(self.params.device, context,
+                                [t for s in context.states for t in s.params.rewritten_shards()])
         if self._forward_id != context.forward_id or id(member) in self._members_run:
             self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
             self._members_run.clear()

@@ -102,6 +102,15 @@ class UnitParams:
         # (see [Note: FSDP's hooks under torch.compile])
         self.immediate = False
 
+    def rewritten_shards(self) -> List[torch.Tensor]:
+        """The shards this unit's barriers pass through, which the step therefore replaces
+        whether or not an optimizer holds them (see [Note: shards no optimizer holds are
+        donors too] in ``donation_order``): all of them unless both barriers are off."""
+        if not (self.options.optimization_barrier_in_forward
+                or self.options.optimization_barrier_in_backward):
+            return []
+        return [g.shard for g in self.shard_groups]
+
     def add(self, shard_groups: Sequence[ShardGroup]) -> None:
         self.shard_groups.extend(shard_groups)
         for g in shard_groups:

@@ -15,6 +15,16 @@ Two no-op operations make both orders the same list, ``donors()``:
 * ``reissue_in_order`` right after the optimizer step: ``mul_(1)`` (folded away by XLA)
   gives every donor, and then every gradient, a newer tensor in that order.
 
+[Note: shards no optimizer holds are donors too]
+A unit's barriers rewrite its shards, so every shard is donated and replaced by the step,
+those no optimizer holds as well: frozen layers (a fine-tuning that freezes the first
+layers), or parameters left out of the optimizer. Those came out at backward time, before
+every donor, and where one had a donor's byte size the pairing shifted along every later
+tensor of that size: freezing the first 3 of 6 alike layers copied 48 shards and moments a
+step. So the root lists its units' shards; the ones no optimizer on its device holds are
+pinned after the optimizers' donors and reissued after each optimizer's donors, before the
+gradients.
+
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
 they must come after every donor in output order, not only after their own optimizer's.
@@ -28,7 +38,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +65,7 @@ class _Donors:
         # the devices of its donors: what another rank's hook or root asks before listing
         # them (on virtual devices every rank's optimizers are in ``_optimizers``)
         self.on: frozenset = frozenset()
+        self.ids: frozenset = frozenset()   # of its donors, for the shards it does not hold
 
     def current(self, optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
                                                                   List[torch.device],
@@ -76,6 +87,7 @@ class _Donors:
         self.devices = [t.device for t in tensors]
         self.params = [weakref.ref(p) for p in params]
         self.on = frozenset(self.devices)
+        self.ids = frozenset(map(id, tensors))
         return tensors, self.devices, params
 
 
@@ -91,6 +103,28 @@ _listing = threading.Lock()
 def _stepping() -> List[Tuple[torch.optim.Optimizer, _Donors]]:
     with _listing:
         return list(_optimizers.items())
+
+
+# each root's shards that no optimizer holds, with what they were listed from: (the ids of
+# its shards and of the optimizers' donor sets, its device, the shards)
+_unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.Tensor]]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tensor],
+                   holders: List[frozenset]) -> List[torch.Tensor]:
+    """``root``'s ``shards`` on ``device`` that none of the ``holders`` (donor id sets)
+    holds, listed again only when the shards or the optimizers' holdings changed (see
+    [Note: shards no optimizer holds are donors too])."""
+    key = (tuple(map(id, shards)), tuple(map(id, holders)))
+    with _listing:
+        known = _unheld.get(root)
+    if known is None or known[0] != key:
+        known = (key, device, [s for s in shards if s.device == device
+                               and not any(id(s) in ids for ids in holders)])
+        with _listing:
+            _unheld[root] = known
+    return known[2]
 
 
 def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -122,6 +156,9 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
     # one foreach call each: a mul_ per tensor costs the host ~50 us in torch's Python meta
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
     tensors, _, params = cache.current(optimizer)
+    with _listing:  # see [Note: shards no optimizer holds are donors too]
+        tensors = tensors + [s for _, device, shards in _unheld.values() if device in cache.on
+                             for s in shards]
     if tensors:
         multiply_in_place(tensors, 1)
     # see [Note: every optimizer's gradients after every donor]
@@ -133,12 +170,17 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
 
 
 @torch.no_grad()
-def pin_parameter_order(device: torch.device) -> None:
-    """Called by the root unit before its forward reads anything, for its device."""
-    tensors = []
+def pin_parameter_order(device: torch.device, root: Any,
+                        shards: Sequence[torch.Tensor]) -> None:
+    """Called by a root unit before its forward reads anything, for its device, with the
+    shards of its units."""
+    tensors, holders = [], []
     for opt, cache in _stepping():
         if device in cache.on:
             held, devices, _ = cache.current(opt)
             tensors += [t for t, d in zip(held, devices) if d == device]
+            holders.append(cache.ids)
+    if holders:
+        tensors += _unheld_shards(root, device, shards, holders)
     # the traced graph numbers a node's inputs last to first
     optimization_barrier(list(reversed(tensors)))
