@@ -130,3 +130,40 @@ def test_optimizers_are_pinned_in_the_order_they_first_stepped_shards():
         donation_order.reissue_in_order(lambda p: True, opt)
     order = [o for o in donation_order._optimizers if any(o is p for p in optimizers)]
     assert order == list(reversed(optimizers[::2])) + optimizers[1::2]
+
+
+def _earlier_model_freed_midway(rank):
+    """A model with a frozen layer trained, kept, then freed while another trains: graphs
+    compiled by the second model after its second step."""
+    import gc
+    import torch_xla
+    from xla_fsdp import FSDP
+    device = torch_xla.device()
+
+    def trained(freeze, steps, then=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+        model[0].requires_grad_(not freeze)
+        model = FSDP(model)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        graphs = 0
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            model(torch.ones(4, 16, device=device)).pow(2).mean().backward()
+            opt.step()
+            torch_xla.sync()
+            if step == 1:
+                graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+            if step == 2 and then is not None:
+                then()
+        return model, torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs
+
+    kept = [trained(True, 2)[0]]
+    return trained(False, 6, lambda: (kept.clear(), gc.collect()))[1]
+
+
+def test_a_model_no_longer_run_leaves_the_step_alone():
+    """[Note: shards no optimizer holds are donors too]: only the roots that ran since an
+    optimizer's last step have their shards reissued by it; an earlier model's frozen shards
+    were, until the garbage collector freed it, and the step then compiled again."""
+    assert launch(_earlier_model_freed_midway, (), num_devices=2) == {0: 0, 1: 0}

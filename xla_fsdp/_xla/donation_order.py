@@ -23,7 +23,10 @@ every donor, and where one had a donor's byte size the pairing shifted along eve
 tensor of that size: freezing the first 3 of 6 alike layers copied 48 shards and moments a
 step. So the root lists its units' shards; the ones no optimizer on its device holds are
 pinned after the optimizers' donors and reissued after each optimizer's donors, before the
-gradients.
+gradients. An optimizer reissues those of the roots that ran a forward since its last step
+only: a model no longer run (an earlier one, alive until the garbage collector frees it)
+would otherwise put its shards into every step until it is freed, and the step would compile
+again then.
 
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
@@ -66,6 +69,7 @@ class _Donors:
         # them (on virtual devices every rank's optimizers are in ``_optimizers``)
         self.on: frozenset = frozenset()
         self.ids: frozenset = frozenset()   # of its donors, for the shards it does not hold
+        self.reissued_at = _pins  # roots' forwards counted until its last step
 
     def current(self, optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
                                                                   List[torch.device],
@@ -106,9 +110,11 @@ def _stepping() -> List[Tuple[torch.optim.Optimizer, _Donors]]:
 
 
 # each root's shards that no optimizer holds, with what they were listed from: (the ids of
-# its shards and of the optimizers' donor sets, its device, the shards)
-_unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.Tensor]]]" = \
-    weakref.WeakKeyDictionary()
+# its shards and of the optimizers' donor sets, its device, the shards, the count of roots'
+# forwards at its last one)
+_unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.Tensor], int]]" \
+    = weakref.WeakKeyDictionary()
+_pins = 0   # roots' forwards so far, on any device
 
 
 def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tensor],
@@ -116,15 +122,16 @@ def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tenso
     """``root``'s ``shards`` on ``device`` that none of the ``holders`` (donor id sets)
     holds, listed again only when the shards or the optimizers' holdings changed (see
     [Note: shards no optimizer holds are donors too])."""
+    global _pins
     key = (tuple(map(id, shards)), tuple(map(id, holders)))
     with _listing:
         known = _unheld.get(root)
-    if known is None or known[0] != key:
-        known = (key, device, [s for s in shards if s.device == device
-                               and not any(id(s) in ids for ids in holders)])
-        with _listing:
-            _unheld[root] = known
-    return known[2]
+    unheld = known[2] if known is not None and known[0] == key else [
+        s for s in shards if s.device == device and not any(id(s) in ids for ids in holders)]
+    with _listing:
+        _pins += 1
+        _unheld[root] = (key, device, unheld, _pins)
+    return unheld
 
 
 def donors(optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
@@ -157,8 +164,9 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
     tensors, _, params = cache.current(optimizer)
     with _listing:  # see [Note: shards no optimizer holds are donors too]
-        tensors = tensors + [s for _, device, shards in _unheld.values() if device in cache.on
-                             for s in shards]
+        tensors = tensors + [s for _, device, shards, at in _unheld.values()
+                             if at > cache.reissued_at and device in cache.on for s in shards]
+        cache.reissued_at = _pins
     if tensors:
         multiply_in_place(tensors, 1)
     # see [Note: every optimizer's gradients after every donor]
