@@ -73,6 +73,11 @@ def refuse_lost_writes(root: ShardedModel) -> None:
 EXTRA_STATE = "_extra_state"   # torch's state dict key for a module's get_extra_state()
 
 
+def is_extra_state_key(key: str) -> bool:
+    """Whether a state dict ``key`` holds a module's extra state."""
+    return key.rsplit(".", 1)[-1] == EXTRA_STATE
+
+
 def extra_state_holders(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(key in the unwrapped model's state dict, module) of every module that keeps extra
     state (see [Note: modules' extra state])."""

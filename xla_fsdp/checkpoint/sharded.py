@@ -52,7 +52,7 @@ from .metadata import (EXTRA, FORMAT_VERSION, MODEL, OPTIMIZER, RANK_FILES, Rank
                        wrapping_fingerprint)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .unit_protocol import ShardedModel
-from .live_model import EXTRA_STATE, require_root, sharding_group_path, writes_sharding_group_copy
+from .live_model import is_extra_state_key, require_root, sharding_group_path, writes_sharding_group_copy
 
 _SAVE_COUNT: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()  # per root
 
@@ -247,7 +247,7 @@ def _refuse_other_tensors(path: str, model: ShardedModel, saved: Dict[str, Any])
     own = model.state_dict()
     wrong = sorted(set(own) ^ set(saved)) + sorted(
         k for k in set(own) & set(saved)
-        if torch.is_tensor(own[k]) and k.rsplit(".", 1)[-1] != EXTRA_STATE
+        if torch.is_tensor(own[k]) and not is_extra_state_key(k)
         and tuple(own[k].shape) != tuple(saved[k].shape))
     if wrong:
         raise CheckpointError(f"{path} does not hold this model's tensors: {wrong[:10]} "

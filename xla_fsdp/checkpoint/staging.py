@@ -157,7 +157,6 @@ class StagedLoad:
             self._check_shape(key, f"buffer '{name}'", buf.shape)
             stage = self._want_whole(key)
             self.copies.append(functools.partial(_copy, buf, stage))
-        given = []
         for name, module in holders:  # see [Note: modules' extra state] in live_model
             key = self.scheme.model(name)[0]
             if key not in present:  # not strict
@@ -169,9 +168,7 @@ class StagedLoad:
             else:
                 self.objects[key] = None
                 value = functools.partial(self.objects.get, key)
-            given.append((module, value))
-        if given:
-            self.refusables.append(functools.partial(_set_extra_states, given))
+            self.refusables.append(functools.partial(_set_extra_state, module, value))
 
     def _check_shape(self, key: str, what: str, shape: torch.Size) -> None:
         stored = self.stored[key]
@@ -339,23 +336,17 @@ def _copy(target: torch.Tensor, stage: torch.Tensor) -> None:
     target.copy_(stage.view(target.shape).to(target.dtype).to(target.device))
 
 
-def _set_extra_states(given: List[Tuple[Any, Callable[[], Any]]]) -> Callable[[], None]:
-    """Gives each module its stored extra state and returns how to put back the ones it
+def _set_extra_state(module: Any, value: Callable[[], Any]) -> Callable[[], None]:
+    """Gives ``module`` its stored extra state and returns how to put back the one it
     replaced (see [Note: modules' extra state]); ``set_extra_state`` is the model's own code
-    and may raise, and then the ones given before it are put back first."""
-    replaced: List[Tuple[Any, Any]] = []
-
-    def undo() -> None:
-        for module, state in reversed(replaced):
-            module.set_extra_state(state)
+    and may raise, and then the old state is put back before the error goes on."""
+    replaced = module.get_extra_state()
     try:
-        for module, value in given:
-            replaced.append((module, module.get_extra_state()))
-            module.set_extra_state(value())
+        module.set_extra_state(value())
     except BaseException:
-        undo()
+        module.set_extra_state(replaced)
         raise
-    return undo
+    return functools.partial(module.set_extra_state, replaced)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer,

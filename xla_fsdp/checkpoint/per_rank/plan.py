@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from ..files import CheckpointError, TensorRef
-from ..live_model import EXTRA_STATE
+from ..live_model import EXTRA_STATE, is_extra_state_key
 from ..metadata import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
@@ -139,8 +139,7 @@ def _refuse_objects_as_extra_state(model_tree: Dict[str, Any]) -> None:
     modules (see [Note: modules' extra state])."""
     holders = [clean_name(k[:-len(EXTRA_STATE)].rstrip(".")) or "the root module"
                for k, v in model_tree.items()
-               if (k == EXTRA_STATE or k.endswith("." + EXTRA_STATE))
-               and not isinstance(v, TensorRef)]
+               if is_extra_state_key(k) and not isinstance(v, TensorRef)]
     if holders:
         raise CheckpointError(
             f"{holders[:5]} keep extra state (get_extra_state) that is not a tensor in these "

@@ -16,7 +16,7 @@ from ..dcp_format.metadata_file import METADATA_FILE
 from ..staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
 from ..consolidated_format import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimizer_companion
-from ..live_model import EXTRA_STATE
+from ..live_model import is_extra_state_key
 from ..metadata import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
@@ -118,7 +118,7 @@ def _torch_file(path: str, crc_share: Optional[Tuple[int, int]]) -> EntrySource:
     if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
         state = tree[MODEL]
     elif isinstance(tree, dict) and tree and all(
-            isinstance(k, str) and (is_tensor(v) or k.rsplit(".", 1)[-1] == EXTRA_STATE)
+            isinstance(k, str) and (is_tensor(v) or is_extra_state_key(k))
             for k, v in tree.items()):
         state = tree  # torch.save(model.state_dict()), modules' extra state of any kind
     else:
