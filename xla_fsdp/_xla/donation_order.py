@@ -28,6 +28,19 @@ only: a model no longer run (an earlier one, alive until the garbage collector f
 would otherwise put its shards into every step until it is freed, and the step would compile
 again then.
 
+[Note: an optimizer left behind is not pinned]
+An optimizer still alive but no longer stepping (a fine-tuning's first phase, kept in a
+variable when the second phase builds another) had its state pinned into every later step:
+rewritten as an output of each step and, where its sizes met the live donors', copied in and
+out (9 copies a step in a two-phase toy). A root therefore pins an optimizer only while the
+forwards on its device since that optimizer's last step number at most twice the longest
+such gap it has shown, and at least ``_PATIENCE``: gradient accumulation over k micro-batches
+(a gap of k, learnt at the step that ends the first full cycle) and a step GradScaler skips
+keep it pinned; one left behind drops out after that many forwards, the step compiles once
+more, and the copies end. If it steps again it is pinned again from the next root forward.
+The count is kept per device and changes only in that device's own calls, so every rank
+decides alike and traces the same step graph.
+
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
 they must come after every donor in output order, not only after their own optimizer's.
@@ -41,7 +54,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -70,6 +83,26 @@ class _Donors:
         self.on: frozenset = frozenset()
         self.ids: frozenset = frozenset()   # of its donors, for the shards it does not hold
         self.reissued_at = _pins  # roots' forwards counted until its last step
+        # per device: its forwards counted at this optimizer's last step, and the longest
+        # run of forwards between two of its steps (see [Note: an optimizer left behind is
+        # not pinned])
+        self.stepped_at: Dict[torch.device, int] = {}
+        self.longest_gap: Dict[torch.device, int] = {}
+
+    def stepped(self) -> None:
+        """Counts a step on each of its devices."""
+        for device in self.on:
+            now = _forwards.get(device, 0)
+            if device in self.stepped_at:
+                self.longest_gap[device] = max(self.longest_gap.get(device, 0),
+                                               now - self.stepped_at[device])
+            self.stepped_at[device] = now
+
+    def still_stepping(self, device: torch.device) -> bool:
+        """Whether it has stepped recently enough on ``device`` to be pinned there."""
+        now = _forwards.get(device, 0)
+        since = now - self.stepped_at.get(device, now)
+        return since <= max(_PATIENCE, 2 * self.longest_gap.get(device, 0))
 
     def current(self, optimizer: torch.optim.Optimizer) -> Tuple[List[torch.Tensor],
                                                                   List[torch.device],
@@ -115,6 +148,8 @@ def _stepping() -> List[Tuple[torch.optim.Optimizer, _Donors]]:
 _unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.Tensor], int]]" \
     = weakref.WeakKeyDictionary()
 _pins = 0   # roots' forwards so far, on any device
+_forwards: Dict[torch.device, int] = {}   # roots' forwards so far, per device
+_PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
 
 
 def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tensor],
@@ -167,6 +202,7 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
         tensors = tensors + [s for _, device, shards, at in _unheld.values()
                              if at > cache.reissued_at and device in cache.on for s in shards]
         cache.reissued_at = _pins
+        cache.stepped()
     if tensors:
         multiply_in_place(tensors, 1)
     # see [Note: every optimizer's gradients after every donor]
@@ -183,8 +219,11 @@ def pin_parameter_order(device: torch.device, root: Any,
     """Called by a root unit before its forward reads anything, for its device, with the
     shards of its units."""
     tensors, holders = [], []
+    with _listing:
+        _forwards[device] = _forwards.get(device, 0) + 1
     for opt, cache in _stepping():
-        if device in cache.on:
+        # see [Note: an optimizer left behind is not pinned]
+        if device in cache.on and cache.still_stepping(device):
             held, devices, _ = cache.current(opt)
             tensors += [t for t, d in zip(held, devices) if d == device]
             holders.append(cache.ids)
