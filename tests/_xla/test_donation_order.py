@@ -214,16 +214,31 @@ def _left_behind(rank):
         loss(model, step).backward()
         opt.step()
         torch_xla.sync()
-    return still_pinned, accumulated, len(first.state)
+    # an evaluation longer than the patience, then a training step: the evaluation's graph
+    # is new, the step's is the one above
+    graphs = torch_xla._XLAC._xla_get_num_cached_compilation_graph()
+    with torch.no_grad():
+        for step in range(_PATIENCE + 2):
+            loss(model, step)
+            torch_xla.sync()
+    second.zero_grad(set_to_none=True)
+    loss(model, 0).backward()
+    second.step()
+    torch_xla.sync()
+    evaluated = torch_xla._XLAC._xla_get_num_cached_compilation_graph() - graphs
+    return still_pinned, accumulated, len(first.state), evaluated
 
 
 @pytest.mark.slow
 def test_an_optimizer_left_behind_is_no_longer_pinned(tmp_path):
     """[Note: an optimizer left behind is not pinned]: the first phase's optimizer, alive,
     kept its state in every later step, and this step copied 9 buffers; accumulation over
-    more micro-batches than the patience still compiles nothing new once it is learnt."""
+    more micro-batches than the patience, and an evaluation longer than it, still compile
+    nothing new once it is learnt."""
     out, aliases, copied = _step_module(tmp_path, _left_behind, ())
-    assert out == {0: (True, 0, 2), 1: (True, 0, 2)}, out
+    # and an evaluation compiles its own graph only: it is not counted as forwards the
+    # training optimizer went without a step
+    assert out == {0: (True, 0, 2, 1), 1: (True, 0, 2, 1)}, out
     # the 3 linears' weight and bias shards with their AdamW moments
     assert aliases == 3 * 6, aliases
     assert copied == [], copied

@@ -152,7 +152,8 @@ class HookedUnitState(UnitState):
             context.settle()
             context.begin_forward(self._first_root_forward, compiled)
             pin_parameter_order(self.params.device, context,
-                                [t for s in context.states for t in s.params.rewritten_shards()])
+                                [t for s in context.states for t in s.params.rewritten_shards()],
+                                torch.is_grad_enabled())
         if self._forward_id != context.forward_id or id(member) in self._members_run:
             self._forward_id = context.forward_id  # a new pass (or a unit used on its own)
             self._members_run.clear()

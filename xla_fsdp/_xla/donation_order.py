@@ -38,8 +38,10 @@ such gap it has shown, and at least ``_PATIENCE``: gradient accumulation over k 
 (a gap of k, learnt at the step that ends the first full cycle) and a step GradScaler skips
 keep it pinned; one left behind drops out after that many forwards, the step compiles once
 more, and the copies end. If it steps again it is pinned again from the next root forward.
-The count is kept per device and changes only in that device's own calls, so every rank
-decides alike and traces the same step graph.
+Only forwards that take gradients count: an evaluation loop between training steps would
+otherwise leave the training optimizer behind, and the first training step after it would
+compile once more. The count is kept per device and changes only in that device's own
+calls, so every rank decides alike and traces the same step graph.
 
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
@@ -148,7 +150,7 @@ def _stepping() -> List[Tuple[torch.optim.Optimizer, _Donors]]:
 _unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.Tensor], int]]" \
     = weakref.WeakKeyDictionary()
 _pins = 0   # roots' forwards so far, on any device
-_forwards: Dict[torch.device, int] = {}   # roots' forwards so far, per device
+_forwards: Dict[torch.device, int] = {}   # roots' forwards taking gradients, per device
 _PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
 
 
@@ -214,13 +216,14 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
 
 
 @torch.no_grad()
-def pin_parameter_order(device: torch.device, root: Any,
-                        shards: Sequence[torch.Tensor]) -> None:
+def pin_parameter_order(device: torch.device, root: Any, shards: Sequence[torch.Tensor],
+                        training: bool) -> None:
     """Called by a root unit before its forward reads anything, for its device, with the
-    shards of its units."""
+    shards of its units; ``training``: the forward takes gradients."""
     tensors, holders = [], []
-    with _listing:
-        _forwards[device] = _forwards.get(device, 0) + 1
+    if training:  # see [Note: an optimizer left behind is not pinned]
+        with _listing:
+            _forwards[device] = _forwards.get(device, 0) + 1
     for opt, cache in _stepping():
         # see [Note: an optimizer left behind is not pinned]
         if device in cache.on and cache.still_stepping(device):
