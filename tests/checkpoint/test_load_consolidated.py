@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from xla_fsdp import launch
 
 from ..support.load_workloads import (PARTIAL_DROPPED, STEPS, llama, load_everything,
-                                     trained_state)
+                                     trained_state, write_corrupted)
 from ..support.parity import paired
 from ..support.checks import every
 
@@ -41,6 +41,7 @@ def loaded(tmp_path_factory):
         os.makedirs(root / f"host-{rank}")
     shutil.copy(root / "ck.pth", root / "host-0" / "ck.pth")
     shutil.copy(root / "ck.safetensors", root / "lone.safetensors")  # no optimizer file
+    write_corrupted(str(root / "corrupted.safetensors"), state["sd"], "model.norm.weight")
     shutil.copytree(root / "hf", root / "hf_missing_shard")
     os.remove(root / "hf_missing_shard" / "model-00002-of-00006.safetensors")
     wide = llama()
@@ -133,6 +134,10 @@ def test_bad_input_is_refused_and_changes_nothing(loaded):
             assert "lone.safetensors holds no optimizer state: the file that would hold " \
                 "it, " in errors["no_companion"] and \
                 "lone.optimizer.pth, is missing" in errors["no_companion"], errors["no_companion"]
+            # [Note: checksums in a safetensors header]: one rank checks the tensor, every
+            # rank is told
+            assert "corrupted.safetensors: tensor 'model.norm.weight' fails its CRC-32 " \
+                "check" in errors["corrupted"], errors["corrupted"]
             assert "numbers its parameters" in errors["unnamed_optimizer"], \
                 errors["unnamed_optimizer"]
             assert errors["strict_partial"].startswith(

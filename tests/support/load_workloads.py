@@ -27,6 +27,23 @@ def llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**CONFIG))
 
 
+def write_corrupted(path: str, state: Dict[str, torch.Tensor], name: str) -> None:
+    """``state`` as our safetensors writer writes it, one byte of ``name`` flipped after."""
+    import json
+    import struct
+
+    from xla_fsdp.checkpoint.files.writer import SafetensorsWriter
+    writer = SafetensorsWriter(path, [(k, v.dtype, tuple(v.shape)) for k, v in state.items()],
+                               {"format": "pt"})
+    for k, v in state.items():
+        writer.add(k, v)
+    writer.finish()
+    data = bytearray(open(path, "rb").read())
+    (length,) = struct.unpack("<Q", data[:8])
+    data[8 + length + json.loads(data[8:8 + length])[name]["data_offsets"][0] + 5] ^= 0x10
+    open(path, "wb").write(data)
+
+
 def batch(step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 + step)
     return torch.randint(0, CONFIG["vocab_size"], (GLOBAL_BATCH, 8), generator=g)
@@ -171,6 +188,8 @@ def load_everything(rank: int, root: str, train: bool) -> Dict[str, Any]:
         lambda: load_consolidated(os.path.join(root, "ck.pth"), model, sgd))
     out["errors"]["no_companion"] = _attempt(
         lambda: load_consolidated(os.path.join(root, "lone.safetensors"), model, opt))
+    out["errors"]["corrupted"] = _attempt(
+        lambda: load_consolidated(os.path.join(root, "corrupted.safetensors"), model))
     out["errors"]["unnamed_optimizer"] = _attempt(
         lambda: model.load_full_optim_state_dict(opt, torch.load(
             os.path.join(root, "ck.pth"), weights_only=True)["optimizer"]))

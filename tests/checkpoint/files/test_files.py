@@ -11,6 +11,8 @@ import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile, TorchFileWriter, atomic_path
 
+from ...support.checks import every
+
 
 def test_lazy_reader_reads_what_torch_save_wrote(tmp_path):
     base = torch.arange(40.).reshape(5, 8)
@@ -51,6 +53,59 @@ def test_streaming_writer_output_loads_with_torch_load(tmp_path):
         assert got["model"]["bf16"].dtype == torch.bfloat16
         assert torch.equal(got["later"], torch.full((2,), 7.0)) and got["n"] == 3
     with CheckpointFile(path) as f:
+        f.verify()
+
+
+def _flip(path, at):
+    data = bytearray(open(path, "rb").read())
+    data[at] ^= 0x10
+    open(path, "wb").write(data)
+
+
+def test_our_safetensors_files_carry_each_tensor_s_crc(tmp_path):
+    """[Note: checksums in a safetensors header]: a byte flipped inside a tensor is named;
+    safetensors' own reader takes the file as before; a file without the list (written by
+    another tool) has nothing to check."""
+    import json
+    import struct
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from xla_fsdp.checkpoint.files import SafetensorsFile
+    from xla_fsdp.checkpoint.files.writer import CRC_KEY, SafetensorsWriter
+    path = str(tmp_path / "ours.safetensors")
+    tensors = {"a.weight": torch.randn(3, 4), "b": torch.arange(5), "empty": torch.zeros(0),
+               "c": torch.ones(2, dtype=torch.bfloat16)}
+    writer = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
+                               {"format": "pt"})
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.finish()
+    assert every(torch.equal(v, tensors[k]) for k, v in load_file(path).items())
+    with safe_open(path, "pt") as f:
+        assert f.metadata()["format"] == "pt" and len(f.metadata()[CRC_KEY]) == 8 * 4
+    with SafetensorsFile(path) as f:
+        f.verify()
+    (length,) = struct.unpack("<Q", open(path, "rb").read(8))
+    begin = json.loads(open(path, "rb").read(8 + length)[8:])["b"]["data_offsets"][0]
+    _flip(path, 8 + length + begin + 9)
+    with SafetensorsFile(path) as f:
+        with pytest.raises(CheckpointError, match=r"ours.safetensors: tensor 'b' fails its "
+                                                  r"CRC-32 check"):
+            f.verify()
+        f.verify((0, 2))   # the readers sharing it: 'b', the second by name, is another's
+        with pytest.raises(CheckpointError, match="'b' fails"):
+            f.verify((1, 2))
+    # rewritten by safetensors' own writer, in its layout, our list kept: still true
+    other = str(tmp_path / "other.safetensors")
+    with safe_open(path, "pt") as f:
+        save_file(tensors, other, metadata=f.metadata())
+    with SafetensorsFile(other) as f:
+        f.verify()
+    save_file(tensors, other)
+    _flip(other, os.path.getsize(other) - 1)
+    with SafetensorsFile(other) as f:
         f.verify()
 
 

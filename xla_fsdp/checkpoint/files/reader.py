@@ -128,6 +128,19 @@ class PreadFile:
                     f"{self.path}: file ends inside {what} (truncated)")
         self.bytes_read += len(view)
 
+    def _crc32(self, at: int, size: int, what: str) -> int:
+        """The CRC-32 of the file's ``size`` bytes from offset ``at`` (``what`` they are)."""
+        buffer = bytearray(min(_CHUNK, size))
+        crc, done = 0, 0
+        while done < size:
+            want = min(_CHUNK, size - done)
+            n = os.preadv(self._fd, [memoryview(buffer)[:want]], at + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: truncated inside {what}")
+            crc = zlib.crc32(memoryview(buffer)[:n], crc)
+            done += n
+        return crc
+
     def close(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
@@ -209,19 +222,10 @@ class CheckpointFile(PreadFile):
         """Checks the CRC-32 of every record, or with ``share`` (i, n) of every n-th from the
         i-th (n readers of one file check each record once); raises ``CheckpointError``
         naming the first bad one."""
-        buffer = bytearray(_CHUNK)
         for name, info in list(self._records.items())[share[0]::share[1]]:
             if info.compress_type != zipfile.ZIP_STORED:
                 continue  # zipfile checks these when reading; torch.save never compresses
-            crc, done = 0, 0
-            at = self._record_offset(name, info)
-            while done < info.file_size:
-                want = min(_CHUNK, info.file_size - done)
-                n = os.preadv(self._fd, [memoryview(buffer)[:want]], at + done)
-                if n <= 0:
-                    raise CheckpointError(f"{self.path}: truncated inside record {name}")
-                crc = zlib.crc32(memoryview(buffer)[:n], crc)
-                done += n
+            crc = self._crc32(self._record_offset(name, info), info.file_size, f"record {name}")
             if crc != info.CRC:
                 raise CheckpointError(f"{self.path}: record {name} fails its CRC-32 check "
                                       f"(the file is corrupted)")

@@ -15,7 +15,7 @@ import struct
 from typing import Dict, Tuple
 
 from .reader import CheckpointError, PreadFile, TensorRef, contiguous_strides
-from .writer import SAFETENSORS_DTYPES
+from .writer import CRC_KEY, SAFETENSORS_DTYPES
 
 _DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _MAX_HEADER = 100 << 20
@@ -80,3 +80,29 @@ class SafetensorsFile(PreadFile):
 
     def _record_name(self, key: str) -> str:
         return f"tensor {key!r}"
+
+    def verify(self, share: Tuple[int, int] = (0, 1)) -> None:
+        """Checks the CRC-32 of every tensor, or with ``share`` (i, n) of every n-th from the
+        i-th, when the file lists them (see [Note: checksums in a safetensors header] in
+        ``writer``; files written elsewhere have none); raises ``CheckpointError`` naming the
+        first bad one."""
+        listed = self.metadata.get(CRC_KEY)
+        if listed is None:
+            return
+        order = sorted(self._ranges)
+        try:
+            crcs = [int(listed[i:i + 8], 16) for i in range(0, len(listed), 8)]
+        except (TypeError, ValueError):
+            crcs = []
+        if len(crcs) != len(order) or len(listed) != 8 * len(order):
+            raise CheckpointError(f"{self.path}: its {CRC_KEY} metadata does not list one "
+                                  f"CRC-32 for each of its {len(order)} tensors (the header "
+                                  f"is corrupted, or a tool changed the tensors and kept the "
+                                  f"metadata we wrote)")
+        for i in range(share[0], len(order), share[1]):
+            name = order[i]
+            at, size = self._ranges[name]
+            if self._crc32(at, size, f"tensor {name!r}") != crcs[i]:
+                raise CheckpointError(f"{self.path}: tensor {name!r} fails its CRC-32 check "
+                                      f"(the file is corrupted, or a tool changed the tensor "
+                                      f"and kept the metadata we wrote)")

@@ -26,6 +26,7 @@ import json
 import math
 import pickle
 import struct
+import zlib
 from typing import Any, BinaryIO, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -76,6 +77,14 @@ class _Sink:
         if self._file is not None:
             self._file.write(data)
         return memoryview(data).nbytes
+
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Overwrites bytes already written, from ``offset``."""
+        if self._file is not None:
+            end = self._file.tell()
+            self._file.seek(offset)
+            self._file.write(data)
+            self._file.seek(end)
 
     def close(self) -> None:
         """Flushes and closes the file (raising, as the flush may, on a full disk)."""
@@ -158,10 +167,24 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
                        torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
 
+# [Note: checksums in a safetensors header]
+# The safetensors format has no checksum, so a byte flipped inside a tensor loaded as it
+# was. Our writer lists each tensor's CRC-32 in the header's string metadata, under
+# CRC_KEY: eight hex digits per tensor, in the order of the tensors' names (not of their
+# data, so a tool that rewrites the same tensors in another layout and keeps the metadata
+# keeps a true list). The header comes before the data and its length is fixed by then, so
+# it is written with zeros in their place and they are put in once the last tensor is
+# written, before the file is published. Readers that do not know the key (safetensors,
+# transformers) ignore it; ours check every tensor of a file that has it
+# (``SafetensorsFile.verify``), and files written elsewhere load as before, unchecked.
+CRC_KEY = "xla_fsdp.crc32"
+
+
 class SafetensorsWriter:
     def __init__(self, path: str, specs: List[Tuple[str, torch.dtype, Tuple[int, ...]]],
                  metadata: Dict[str, str]) -> None:
-        header: Dict[str, Any] = {"__metadata__": metadata}
+        placeholder = "0" * 8 * len(specs)
+        header: Dict[str, Any] = {"__metadata__": dict(metadata, **{CRC_KEY: placeholder})}
         at = 0
         self._order = []
         for name, dtype, shape in specs:
@@ -174,6 +197,10 @@ class SafetensorsWriter:
             at += size
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)
+        listed = json.dumps({CRC_KEY: placeholder}, separators=(",", ":"))[1:-1].encode()
+        self._crc_at = 8 + blob.index(listed) + len(listed) - len(placeholder) - 1
+        self._crcs = [0] * len(specs)
+        self._slot = {name: i for i, name in enumerate(sorted(name for name, _, _ in specs))}
         self._path = path
         self._size = 8 + len(blob) + at  # the whole file, exactly
         self._sink = _Sink(path)
@@ -191,6 +218,7 @@ class SafetensorsWriter:
                              f"{(name, tensor.dtype, tuple(tensor.shape))}")
         self._next += 1
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self._crcs[self._slot[name]] = zlib.crc32(memoryview(data))
         with self._guard(data.nbytes):
             self._sink.write(memoryview(data))
 
@@ -198,4 +226,6 @@ class SafetensorsWriter:
         if self._next != len(self._order):
             raise ValueError(f"safetensors writer got {self._next} of {len(self._order)} tensors")
         with self._guard(None):
+            # see [Note: checksums in a safetensors header]
+            self._sink.write_at(self._crc_at, "".join(f"{c:08x}" for c in self._crcs).encode())
             self._sink.close()

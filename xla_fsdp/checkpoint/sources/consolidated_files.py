@@ -26,7 +26,9 @@ def open_consolidated(path: str, safetensors: bool = False,
                       optimizer_wanted: bool = False) -> Source:
     """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
     when it is none of the formats above, incomplete, or a ``torch.save`` file (``.pth``,
-    a safetensors file's optimizer companion) with a record failing its CRC-32.
+    a safetensors file's optimizer companion) with a record failing its CRC-32, or a
+    safetensors file of ours with a tensor failing its (see [Note: checksums in a
+    safetensors header] in ``files.writer``).
     ``crc_share`` (i, n): this caller checks every n-th record from the i-th, so that n
     ranks opening the file together read each once; None when the caller checked them.
     ``safetensors``: a file is one whatever its name ends with (its writer says so).
@@ -36,10 +38,10 @@ def open_consolidated(path: str, safetensors: bool = False,
         if os.path.exists(os.path.join(path, METADATA_FILE)):
             return DcpSource(path)
         if os.path.exists(os.path.join(path, HF_INDEX)):
-            return _hf_sharded(path)
+            return _hf_sharded(path, crc_share)
         if os.path.exists(os.path.join(path, HF_WEIGHTS)):
             return _safetensors(os.path.join(path, HF_WEIGHTS), optimizer_file=False,
-                                crc_share=None)
+                                crc_share=crc_share)
         raise CheckpointError(f"{path}: neither a DCP checkpoint ({METADATA_FILE}) nor a "
                               f"Hugging Face directory ({HF_INDEX} or {HF_WEIGHTS})")
     if not os.path.exists(path):
@@ -53,7 +55,7 @@ def open_consolidated(path: str, safetensors: bool = False,
     return _torch_file(path, crc_share)
 
 
-def _hf_sharded(directory: str) -> EntrySource:
+def _hf_sharded(directory: str, crc_share: Optional[Tuple[int, int]]) -> EntrySource:
     index_path = os.path.join(directory, HF_INDEX)
     try:
         with open(index_path) as f:
@@ -70,6 +72,8 @@ def _hf_sharded(directory: str) -> EntrySource:
                                       f"{directory}")
             files[name] = SafetensorsFile(shard)
             closers.append(files[name].close)
+            if crc_share is not None:
+                files[name].verify(crc_share)
         state = {}
         for key, name in weight_map.items():
             if key not in files[name].tensors:
@@ -87,15 +91,18 @@ def _hf_sharded(directory: str) -> EntrySource:
 def _safetensors(path: str, optimizer_file: bool,
                  crc_share: Optional[Tuple[int, int]]) -> EntrySource:
     weights = SafetensorsFile(path)
-    tensors, objects = model_entries(weights.tensors)
     closers = [weights.close]
     companion = optimizer_companion(path)
-    if optimizer_file and os.path.exists(companion):
-        try:
-            file = _checked(companion, crc_share)
-        except BaseException:
-            weights.close()
-            raise
+    try:
+        if crc_share is not None:
+            weights.verify(crc_share)
+        tensors, objects = model_entries(weights.tensors)
+        file = _checked(companion, crc_share) \
+            if optimizer_file and os.path.exists(companion) else None
+    except BaseException:
+        weights.close()
+        raise
+    if file is not None:
         closers.append(file.close)
         _add_optimizer(file.tree, companion, tensors, objects)
     return EntrySource(path, tensors, objects, closers)
