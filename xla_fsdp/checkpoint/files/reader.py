@@ -128,7 +128,7 @@ class PreadFile:
                     f"{self.path}: file ends inside {what} (truncated)")
         self.bytes_read += len(view)
 
-    def _crc32(self, at: int, size: int, what: str) -> int:
+    def crc32(self, at: int, size: int, what: str) -> int:
         """The CRC-32 of the file's ``size`` bytes from offset ``at`` (``what`` they are)."""
         buffer = bytearray(min(_CHUNK, size))
         crc, done = 0, 0
@@ -225,7 +225,7 @@ class CheckpointFile(PreadFile):
         for name, info in list(self._records.items())[share[0]::share[1]]:
             if info.compress_type != zipfile.ZIP_STORED:
                 continue  # zipfile checks these when reading; torch.save never compresses
-            crc = self._crc32(self._record_offset(name, info), info.file_size, f"record {name}")
+            crc = self.crc32(self._record_offset(name, info), info.file_size, f"record {name}")
             if crc != info.CRC:
                 raise CheckpointError(f"{self.path}: record {name} fails its CRC-32 check "
                                       f"(the file is corrupted)")

@@ -102,7 +102,7 @@ class SafetensorsFile(PreadFile):
         for i in range(share[0], len(order), share[1]):
             name = order[i]
             at, size = self._ranges[name]
-            if self._crc32(at, size, f"tensor {name!r}") != crcs[i]:
+            if self.crc32(at, size, f"tensor {name!r}") != crcs[i]:
                 raise CheckpointError(f"{self.path}: tensor {name!r} fails its CRC-32 check "
                                       f"(the file is corrupted, or a tool changed the tensor "
                                       f"and kept the metadata we wrote)")
