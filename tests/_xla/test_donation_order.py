@@ -172,9 +172,10 @@ def test_a_model_no_longer_run_leaves_the_step_alone():
 def _left_behind(rank):
     """Gradient accumulation over more micro-batches than the patience, then a fine-tuning's
     two phases on another model: its last layer alone, then every layer with a new
-    optimizer, the first kept alive. Returns whether the accumulating optimizer is still
-    pinned at the end of its last cycle, the graphs compiled by the accumulation's later
-    cycles (after the second), and the first optimizer's state."""
+    optimizer, the first kept alive, then an evaluation. Returns whether the accumulating
+    optimizer is still pinned at the end of its second cycle, the graphs compiled by the
+    accumulation's later cycles, the first optimizer's state, and the graphs compiled by the
+    evaluation and the training step after it."""
     import torch_xla
     from xla_fsdp import FSDP
     from xla_fsdp._xla.donation_order import _PATIENCE, _optimizers
@@ -195,8 +196,10 @@ def _left_behind(rank):
         for step in range(micro):
             loss(model, step).backward()
             torch_xla.sync()
-        # the forwards since its last step are past the patience, within the learnt gap
-        still_pinned = cycle == 0 or _optimizers[opt].still_stepping(device)
+        # the second cycle: the forwards since its first step are past the patience, within
+        # the gap learnt there
+        if cycle == 1:
+            still_pinned = _optimizers[opt].still_stepping(device)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch_xla.sync()

@@ -35,8 +35,8 @@ rewritten as an output of each step and, where its sizes met the live donors', c
 out (9 copies a step in a two-phase toy). A root therefore pins an optimizer only while the
 forwards on its device since that optimizer's last step number at most twice the longest
 such gap it has shown, and at least ``_PATIENCE``: gradient accumulation over k micro-batches
-(a gap of k, learnt at the step that ends the first full cycle) and a step GradScaler skips
-keep it pinned; one left behind drops out after that many forwards, the step compiles once
+(a gap of k, learnt at its first step, counted from the last step any optimizer took on the
+device) and a step GradScaler skips keep it pinned; one left behind drops out after that many forwards, the step compiles once
 more, and the copies end. If it steps again it is pinned again from the next root forward.
 Only forwards that take gradients count: an evaluation loop between training steps would
 otherwise leave the training optimizer behind, and the first training step after it would
@@ -92,13 +92,14 @@ class _Donors:
         self.longest_gap: Dict[torch.device, int] = {}
 
     def stepped(self) -> None:
-        """Counts a step on each of its devices."""
+        """Counts a step on each of its devices. Its first step's gap is counted from the
+        last step any optimizer took there (from the start if none did): the micro-batches
+        of a first accumulation cycle, or a second phase's first cycle."""
         for device in self.on:
             now = _forwards.get(device, 0)
-            if device in self.stepped_at:
-                self.longest_gap[device] = max(self.longest_gap.get(device, 0),
-                                               now - self.stepped_at[device])
-            self.stepped_at[device] = now
+            since = self.stepped_at.get(device, _last_step.get(device, 0))
+            self.longest_gap[device] = max(self.longest_gap.get(device, 0), now - since)
+            self.stepped_at[device] = _last_step[device] = now
 
     def still_stepping(self, device: torch.device) -> bool:
         """Whether it has stepped recently enough on ``device`` to be pinned there."""
@@ -151,6 +152,7 @@ _unheld: "weakref.WeakKeyDictionary[Any, Tuple[tuple, torch.device, List[torch.T
     = weakref.WeakKeyDictionary()
 _pins = 0   # roots' forwards so far, on any device
 _forwards: Dict[torch.device, int] = {}   # roots' forwards taking gradients, per device
+_last_step: Dict[torch.device, int] = {}  # _forwards at any optimizer's last step there
 _PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
 
 
