@@ -36,8 +36,9 @@ out (9 copies a step in a two-phase toy). A root therefore pins an optimizer onl
 forwards on its device since that optimizer's last step number at most twice the longest
 such gap it has shown, and at least ``_PATIENCE``: gradient accumulation over k micro-batches
 (a gap of k, learnt at its first step, counted from the last step any optimizer took on the
-device) and a step GradScaler skips keep it pinned; one left behind drops out after that many forwards, the step compiles once
-more, and the copies end. If it steps again it is pinned again from the next root forward.
+device) and a step GradScaler skips keep it pinned; one left behind drops out after that
+many forwards, the step compiles once more, and the copies end. If it steps again it is
+pinned again from the next root forward.
 Only forwards that take gradients count: an evaluation loop between training steps would
 otherwise leave the training optimizer behind, and the first training step after it would
 compile once more. The count is kept per device and changes only in that device's own

@@ -27,7 +27,7 @@ def open_consolidated(path: str, safetensors: bool = False,
     """The checkpoint at ``path`` as a source; ``CheckpointError`` naming the file at fault
     when it is none of the formats above, incomplete, or a ``torch.save`` file (``.pth``,
     a safetensors file's optimizer companion) with a record failing its CRC-32, or a
-    safetensors file of ours with a tensor failing its (see [Note: checksums in a
+    safetensors file of ours with a tensor failing its CRC-32 (see [Note: checksums in a
     safetensors header] in ``files.writer``).
     ``crc_share`` (i, n): this caller checks every n-th record from the i-th, so that n
     ranks opening the file together read each once; None when the caller checked them.
