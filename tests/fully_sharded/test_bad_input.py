@@ -168,15 +168,16 @@ def _reduced_gradient_misuses(out):
     import torch_xla.core.xla_model as xm
     from xla_fsdp import FSDP
 
-    def step_after(change, scanned=False):
+    def step_after(change, scanned=False, scaler=None):
         if scanned:   # gradients reduced inside the backward loop and around it
             model = FSDP(Stack())
         else:
             model = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+        loss = model(torch.ones(2, 4).to(torch_xla.device())).sum()
+        (scaler.scale(loss) if scaler else loss).backward()
         change(model, opt)
-        result = _error(opt.step)
+        result = _error(lambda: scaler.step(opt) if scaler else opt.step())
         torch_xla.sync()
         return result
     params = lambda m: list(m.parameters())  # noqa: E731
@@ -193,6 +194,10 @@ def _reduced_gradient_misuses(out):
     out["grads_all_reduced"] = step_after(lambda m, opt: xm.all_reduce(
         xm.REDUCE_SUM, [p.grad for p in params(m)], scale=0.5))
     out["grads_clipped_locally"] = step_after(clip_locally)
+    # under GradScaler, whose step syncs before it reads its flags: audited before that sync
+    out["grads_all_reduced_scaled"] = step_after(lambda m, opt: xm.all_reduce(
+        xm.REDUCE_SUM, [p.grad for p in params(m)], scale=0.5),
+        scaler=torch.amp.GradScaler("xla"))
     out["scanned_clipped_locally"] = step_after(clip_locally, scanned=True)
     out["scanned_clipped_globally"] = step_after(lambda m, opt: m.clip_grad_norm_(1e-3),
                                                  scanned=True)
@@ -333,6 +338,7 @@ def test_misuse_errors():
     assert "got Tiny, which is not wrapped in FSDP" in out["prefetch_plain_module"]
     assert "cannot prefetch itself (Tiny)" in out["prefetch_self"]
     for case, what in (("grads_all_reduced", "all-reduced across ranks that hold different"),
+                       ("grads_all_reduced_scaled", "all-reduced across ranks that hold"),
                        ("grads_clipped_locally", "scaled by a reduction of this rank's slices")):
         assert "SGD.step(): the FSDP gradients of 1.lin.weight" in out[case], out[case]
         assert what in out[case] and "refused before any update" in out[case], out[case]

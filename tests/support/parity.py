@@ -71,6 +71,9 @@ SETTINGS = {
     # every explicit control at once: grouped units, prefetching both ways, per-unit
     # resharding (b1 keeps its parameters after backward, so each step's optimizer update
     # must make it gather again), unshard() before each step
+    # GradScaler (unscaled before clipping) and an optimizer that reads gradients on the host:
+    # both read after one sync of the step (see step_reads in the package)
+    "scaled_guarded_clip": ("net", {}, "sgd_guarded", {"scaler": True, "clip": 0.05}),
     "controls": ("net", {}, "sgd_foreach", {"controls": True}),
     "tied_grouped": ("tied", {}, "sgd", {"controls": True}),
     # the blocks as one ScannedLayers unit: a while loop over stacked shards
@@ -123,7 +126,27 @@ SETTINGS = {
 }
 
 
+class GuardedSGD(torch.optim.Optimizer):
+    """SGD that reads on the host whether each gradient is finite before applying it, as a
+    NaN guard does: a step that reads values ([Note: a host read runs the graph behind it
+    again])."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if not bool(torch.isfinite(p.grad).all()):
+                        raise FloatingPointError("a gradient is not finite")
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 def make_optimizer(name, params):
+    if name == "sgd_guarded":
+        return GuardedSGD(params, lr=0.1)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
     # torch_xla's foreach kernels do not bump the version counter of what they update
@@ -248,6 +271,8 @@ def train(rank, names, sharded):
                 model.head.weight = model.emb.weight  # moving to XLA unties
         opt = make_optimizer(opt_name, [p for p in model.parameters() if p.requires_grad])
         micro = extra.get("micro", 1)
+        # a power of two: scaling and unscaling float32 gradients is exact
+        scaler = torch.amp.GradScaler("xla", init_scale=2.0 ** 8) if extra.get("scaler") else None
         losses, norms = [], []
         for step in range(STEPS):
             x, y = batch(kind, step)
@@ -266,14 +291,20 @@ def train(rank, names, sharded):
                     with torch.autocast("xla", dtype=autocast, enabled=autocast is not None):
                         out = forward_in(model, xs, reference_dtype)
                     loss = loss_fn(kind, out, ys) / micro
-                    loss.backward()
+                    (scaler.scale(loss) if scaler else loss).backward()
                 total = total + loss.detach()
             if "clip" in extra:
+                if scaler:
+                    scaler.unscale_(opt)
                 if sharded:
                     norm = model.clip_grad_norm_(extra["clip"])
                 else:
                     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), extra["clip"])
-            opt.step()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
             if sharded and split > 1:
                 groups = [list(range(i, i + split)) for i in range(0, world, split)]
                 total = xm.all_reduce(xm.REDUCE_SUM, total, scale=1.0 / split, groups=groups)

@@ -1,8 +1,9 @@
 """Everything FSDP changes outside its own objects, installed from here, once per process,
 when the first unit is built (never at import):
 
-* the global optimizer step hooks: the guard (``optimizer_guard``) and the reissue that
-  keeps donated buffers updated in place (``_xla.donation_order``);
+* the global optimizer step hooks: the guard (``optimizer_guard``), the sync before a
+  step's host reads (``step_reads``) and the reissue that keeps donated buffers updated in
+  place (``_xla.donation_order``);
 * ``torch.xla``, the device module ``torch.utils.checkpoint`` needs for XLA tensors
   (``_xla.torch_device_module``);
 * ``ACCELERATE_USE_FSDP=true`` unless set, from the end of each FSDP backward to the next
@@ -14,7 +15,8 @@ when the first unit is built (never at import):
 * torch_xla's compile backend traces dropout through PyTorch's decomposition, not its own
   kernel, which scales wrongly (see [Note: dropout under torch.compile] in ``_xla.private_api``);
 * ``torch.amp.GradScaler`` decides for all ranks at once over FSDP shards (see
-  [Note: loss scaling over shards] in ``loss_scaling``);
+  [Note: loss scaling over shards] in ``loss_scaling``), and reads its flags after one sync
+  (see [Note: a host read runs the graph behind it again] in ``step_reads``);
 * torch's ``clip_grad_norm_`` and torch_xla's ``reduce_gradients`` refuse FSDP shards (see
   [Note: clipping and averaging refused where they are called] in ``optimizer_guard``);
 * ``torch._foreach_zero_`` counts its write on XLA tensors, so that FSDP sees an optimizer's
@@ -32,6 +34,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
@@ -41,13 +45,18 @@ from .._xla.donation_order import reissue_in_order
 from .._xla.hardware import device_type
 from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
                                 dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
-from . import attention, hf_model_guard, peft_names
+from . import attention, hf_model_guard, peft_names, step_reads
 from .loss_scaling import agree_on_infs
 from .shard_group import shard_group_of
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               refuse_local_clipping_and_averaging, withdraw_declaration)
 
 _installed = False
+
+
+def _unscaled(optimizer: torch.optim.Optimizer, found_inf_per_device: dict) -> None:
+    agree_on_infs(optimizer, found_inf_per_device)
+    step_reads.after_unscale(optimizer)
 
 
 def install() -> None:
@@ -60,6 +69,8 @@ def install() -> None:
         return
     _installed = True
     register_optimizer_step_pre_hook(check_step)
+    register_optimizer_step_pre_hook(step_reads.before_step)
+    register_optimizer_step_post_hook(step_reads.after_step)
     register_optimizer_step_post_hook(count_updates)
     register_optimizer_step_post_hook(
         functools.partial(reissue_in_order, lambda p: shard_group_of(p) is not None))
@@ -70,5 +81,5 @@ def install() -> None:
     attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
-    after_grad_scaler_unscale(agree_on_infs)
+    after_grad_scaler_unscale(_unscaled)
     drop_token_on(device_type(), CollectiveBindings())

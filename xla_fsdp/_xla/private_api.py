@@ -43,6 +43,14 @@ def dcp_stored_at(info: Any) -> Tuple[str, int, int]:
 
 
 # -- autograd -------------------------------------------------------------------------------
+def innermost_function_mode() -> Optional[Any]:
+    """The torch-function mode on top of this thread's stack (the first to see a call), or
+    None."""
+    from torch.overrides import _get_current_function_mode_stack
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack else None
+
+
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs ``fn`` when the current backward pass ends (what FSDP finishes a backward with)."""
     Variable._execution_engine.queue_callback(fn)

@@ -1,0 +1,143 @@
+"""Host reads in an optimizer step over FSDP shards find the step's gradients computed:
+forward and backward run once a step, not once per read.
+
+[Note: a host read runs the graph behind it again]
+For a read of a tensor's value on the host (``.item()``, ``bool(t)``, a comparison with a
+float), torch_xla runs the pending graph of that tensor alone; every other live tensor keeps
+its pending graph, and the step's sync runs it again. A read of a value computed from a
+gradient, or from a shard (the backward's barriers rewrite the shards), therefore runs that
+part of forward and backward once more per read. Optimizers and loss scaling read so:
+- torch's Adafactor reads the norm of each parameter and of each update: on a model of 12
+  parameters, 24 programs a step besides the step's own, each a forward and a backward up
+  to the tensor it reads (Hugging Face's Adafactor reads each parameter's RMS: 12);
+- ``GradScaler.step`` reads the inf flags, computed from every gradient, before it steps:
+  forward and backward run twice a step;
+- optimizers that adapt their step size from sums over the gradients read those sums.
+So before the first read of an XLA value in the step of an optimizer over FSDP shards on an
+XLA device, the device is synced once (``torch_xla.sync()``: every live tensor, the
+gradients and shards with it). Forward and backward run once, each read then runs a small
+program over computed values, and the step's own sync runs the update. GradScaler reads its
+flags outside the step, so the sync follows its unscaling of such an optimizer. The sync is
+dispatched, not waited for: the reads wait.
+
+Which steps read is learnt at each optimizer's first step (its first that returns), under a torch-function mode that
+syncs at the first read (``_xla.host_reads.runs_graph``) of an XLA tensor. Later steps of an
+optimizer that read sync in its step's pre-hook, with no mode: a mode would run Python for
+every operation of every step. An optimizer that reads only from its second step on is not
+caught, and one that read only at its first step is synced needlessly (one program more).
+A step called inside the watched one (a subclass's ``super().step()``, a wrapper's inner
+optimizer: torch runs the hooks for each) is part of it; a watched step that raised is
+ended at the next step on its thread, and its optimizer is watched again.
+Every rank steps the same optimizers, so each makes the same sync at the same point.
+The first step's checks (``optimizer_guard.check_step``) read the pending gradients before
+the sync (after GradScaler's unscaling they run there, and again in the step), so it hides
+nothing from their audit. Reads outside the step (a loss or a norm
+read between backward and the step) are the user's: they run what they read again, as they
+do without FSDP.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .._sharding.tensor_tree import collect_tensors
+from .._xla.host_reads import runs_graph
+from .._xla.private_api import innermost_function_mode
+from .optimizer_guard import check_step
+from .shard_group import shard_groups_of
+
+_reading: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # its step reads
+_watched: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()  # first step seen
+_local = threading.local()   # the mode watching this thread's step, while it steps
+
+
+class _SyncAtFirstRead(TorchFunctionMode):
+    """Syncs the device once, before the first read of an XLA tensor's value in the step
+    run by frame ``caller`` (torch's step wrapper, which runs the hooks). The frame is held,
+    not its id: a later step's wrapper can reuse a finished frame's id."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, caller: Any) -> None:
+        super().__init__()
+        self.optimizer = weakref.ref(optimizer)
+        self.caller = caller
+        self.read = False
+        self.watching = True
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if self.watching and not self.read and runs_graph(func, args, kwargs) and any(
+                t.device.type == "xla" for t in collect_tensors((args, kwargs))):
+            self.read = True
+            _sync()
+        return func(*args, **kwargs)
+
+
+def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook, after ``check_step``."""
+    watch = getattr(_local, "mode", None)
+    if watch is not None:
+        if _on_stack(watch.caller):   # a step called inside the watched one (a subclass's
+            return                    # ``super().step()``, a wrapper's inner optimizer)
+        _end_watch()   # left by a step that raised: its optimizer is watched again
+        if watch.optimizer() is not None:
+            _watched.discard(watch.optimizer())
+    if torch.compiler.is_compiling():
+        return
+    if optimizer in _reading:
+        _sync()
+    elif optimizer not in _watched:
+        # its first step: later steps of an optimizer without XLA shards look at nothing
+        # more, see [Note: per-step host cost] in ``unit_params``
+        _watched.add(optimizer)
+        if _steps_xla_shards(optimizer):
+            _local.mode = _SyncAtFirstRead(optimizer, sys._getframe(1))
+            _local.mode.__enter__()
+
+
+def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook: learns whether the step it watched read."""
+    watch = getattr(_local, "mode", None)
+    if watch is not None and watch.caller is sys._getframe(1):
+        _end_watch()
+        if watch.read:
+            _reading.add(optimizer)
+
+
+def after_unscale(optimizer: torch.optim.Optimizer) -> None:
+    """After ``GradScaler`` unscaled ``optimizer``'s gradients, before it reads the flags:
+    the step's checks first, while the gradients are still a pending graph."""
+    if _steps_xla_shards(optimizer) and not torch.compiler.is_compiling():
+        check_step(optimizer, (), {})
+        _sync()
+
+
+def _end_watch() -> None:
+    mode, _local.mode = _local.mode, None
+    mode.watching = False
+    if innermost_function_mode() is mode:
+        mode.__exit__(None, None, None)
+    # else a mode entered after ours is still on: ours stays below it, passing calls on
+
+
+def _on_stack(caller: Any) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame is caller:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _steps_xla_shards(optimizer: torch.optim.Optimizer) -> bool:
+    return any(g.shard.device.type == "xla" for g in shard_groups_of(optimizer))
+
+
+def _sync() -> None:
+    import torch_xla
+    torch_xla.sync()
