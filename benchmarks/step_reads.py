@@ -60,7 +60,7 @@ def _run(rank, cases, impls, layers, width, rounds):
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     from xla_fsdp._unit import step_reads
-    synced = step_reads._sync
+    synced, pinned = step_reads._sync, step_reads.pin_update_order
     built = {(c, i): _build(i, c, layers, width) for c in cases for i in impls}
     x = torch.randn(64, width).to(torch_xla.device())
 
@@ -70,7 +70,9 @@ def _run(rank, cases, impls, layers, width, rounds):
 
     def loop(case, impl):
         model, opt, scaler = built[(case, impl)]
-        step_reads._sync = (lambda: None) if impl == "xla_fsdp_unsynced" else synced
+        off = impl == "xla_fsdp_unsynced"
+        step_reads._sync = (lambda: None) if off else synced
+        step_reads.pin_update_order = (lambda optimizer: None) if off else pinned
         rows = []
         for _ in range(STEPS):
             xm.rendezvous("step")   # the other ranks' programs stay out of this one's count
@@ -90,7 +92,7 @@ def _run(rank, cases, impls, layers, width, rounds):
             wall = time.monotonic() - start
             after_count, after_ns = executed()
             rows.append((wall, after_count - count, (after_ns - ns) / 1e6))
-        step_reads._sync = synced
+        step_reads._sync, step_reads.pin_update_order = synced, pinned
         return rows
 
     out = {key: [] for key in built}

@@ -13,8 +13,8 @@ STEPS = 3
 
 class _GuardedSGD(torch.optim.Optimizer):
     """SGD that reads, on the host, whether each gradient is finite before using it (what a
-    NaN guard does), noting which gradients were still pending graphs at its step's start
-    and after its first read."""
+    NaN guard does), noting whether what the gradients are still to compute holds the
+    forward and backward (a matmul) at its step's start and after its first read."""
 
     def __init__(self, params, raise_at_first_step=False):
         super().__init__(params, dict(lr=0.1))
@@ -23,16 +23,15 @@ class _GuardedSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        from xla_fsdp._xla.private_api import needs_computation
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        at_start = any(needs_computation(grads))
+        at_start = _backward_pending(grads)
         after_read = None
         for group in self.param_groups:
             for p in group["params"]:
                 if not bool(torch.isfinite(p.grad).all()):
                     raise FloatingPointError("a gradient is not finite")
                 if after_read is None:
-                    after_read = any(needs_computation(grads))
+                    after_read = _backward_pending(grads)
                     if self.raise_at_first_step and not self.seen:
                         self.seen.append((at_start, after_read))
                         raise KeyError("a step that raised")
@@ -51,6 +50,11 @@ class _Wrapper(torch.optim.Optimizer):
         self.inner.step()
 
 
+def _backward_pending(grads):
+    from xla_fsdp._xla.private_api import graph_hlo
+    return " dot(" in graph_hlo(grads)
+
+
 def _model(dtype=None):
     from xla_fsdp import FSDP
     kw = {"compute_dtype": dtype} if dtype else {}
@@ -61,7 +65,7 @@ def _model(dtype=None):
 
 def steps(rank):
     import torch_xla
-    from xla_fsdp._xla.private_api import innermost_function_mode, needs_computation
+    from xla_fsdp._xla.private_api import innermost_function_mode
     device = torch_xla.device()
     torch.manual_seed(0)
     reader, plain, scaled, nested, raising = (
@@ -74,11 +78,10 @@ def steps(rank):
     scaler = torch.amp.GradScaler("xla")
     out = {"plain": [], "scaled": []}
     for opt, key in ((adamw, "plain"), (sgd, "scaled")):
-        # the gradients as the step starts (after the global pre-hooks; the post-hooks
-        # reissue every gradient, so they are pending again after any step)
+        # the gradients as the step starts, after the global pre-hooks
         opt.register_step_pre_hook(
             lambda o, *_, key=key: out[key].append(
-                any(needs_computation([p.grad for p in o.param_groups[0]["params"]]))))
+                _backward_pending([p.grad for p in o.param_groups[0]["params"]])))
     for step in range(STEPS):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step)).to(device)
         reader(x).pow(2).mean().backward()

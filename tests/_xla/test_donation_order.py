@@ -18,7 +18,7 @@ from ..support.checks import every
 STEPS = 4
 
 
-def train(rank, foreach):
+def train(rank, foreach, scaled=False):
     import torch_xla
     from xla_fsdp import FSDP
     torch.manual_seed(0)
@@ -29,14 +29,20 @@ def train(rank, foreach):
     model[3], model[5] = FSDP(model[3]), FSDP(model[5])
     root = FSDP(model)
     opt = torch.optim.AdamW(root.parameters(), lr=1e-2, foreach=foreach)
+    scaler = torch.amp.GradScaler("xla") if scaled else None
     device = torch_xla.device()
     losses = []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(100 * rank + step)
         opt.zero_grad(set_to_none=True)
         loss = root(torch.randn(4, 16, generator=g).to(device)).pow(2).mean()
-        loss.backward()
-        opt.step()
+        if scaler:   # its step is two programs; the last one compiled is the update
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
         torch_xla.sync()
         losses.append(loss.item())
     return losses
@@ -105,6 +111,13 @@ def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
         shards = 10  # 4 linear weights + 4 biases + the norm's weight and bias
         assert aliases == 3 * shards, (foreach, aliases)
         assert copied == [], (foreach, copied)
+    # GradScaler cuts the step before its flags are read: the update runs as a program of
+    # its own ([Note: an update that runs as a program of its own]), which reads the
+    # gradients too; only its two scalars (the growth tracker, the scale) are copied
+    losses, aliases, copied = _step_module(tmp_path / "scaled", train, (False, True))
+    assert every(l[-1] < l[0] for l in losses.values()), losses
+    assert aliases == 4 * shards + 2, aliases
+    assert [c.split(" copy")[0] for c in copied] == ["= s32[]", "= f32[]"], copied
 
 
 @pytest.mark.slow

@@ -18,22 +18,25 @@ XLA device, the device is synced once (``torch_xla.sync()``: every live tensor, 
 gradients and shards with it). Forward and backward run once, each read then runs a small
 program over computed values, and the step's own sync runs the update. GradScaler reads its
 flags outside the step, so the sync follows its unscaling of such an optimizer. The sync is
-dispatched, not waited for: the reads wait.
+dispatched, not waited for: the reads wait. The update then runs as a program of its own,
+whose buffers need numbering for donation: see [Note: an update that runs as a program of
+its own] in ``_xla.donation_order``.
 
-Which steps read is learnt at each optimizer's first step (its first that returns), under a torch-function mode that
-syncs at the first read (``_xla.host_reads.runs_graph``) of an XLA tensor. Later steps of an
-optimizer that read sync in its step's pre-hook, with no mode: a mode would run Python for
-every operation of every step. An optimizer that reads only from its second step on is not
-caught, and one that read only at its first step is synced needlessly (one program more).
-A step called inside the watched one (a subclass's ``super().step()``, a wrapper's inner
-optimizer: torch runs the hooks for each) is part of it; a watched step that raised is
-ended at the next step on its thread, and its optimizer is watched again.
-Every rank steps the same optimizers, so each makes the same sync at the same point.
+Which steps read is learnt at each optimizer's first step (its first that returns), under a
+torch-function mode that syncs at the first read (``_xla.host_reads.runs_graph``) of an XLA
+tensor. Later steps of an optimizer that read sync in its step's pre-hook, with no mode: a
+mode would run Python for every operation of every step. An optimizer that reads only from
+its second step on is not caught, and one that read only at its first step is synced
+needlessly (one program more). A step called inside the watched one (a subclass's
+``super().step()``, a wrapper's inner optimizer: torch runs the hooks for each) is part of
+it; a watched step that raised is ended at the next step on its thread, and its optimizer
+is watched again. Every rank steps the same optimizers, so each makes the same sync at the
+same point.
+
 The first step's checks (``optimizer_guard.check_step``) read the pending gradients before
 the sync (after GradScaler's unscaling they run there, and again in the step), so it hides
-nothing from their audit. Reads outside the step (a loss or a norm
-read between backward and the step) are the user's: they run what they read again, as they
-do without FSDP.
+nothing from their audit. Reads outside the step (a loss or a norm read between backward and
+the step) are the user's: they run what they read again, as they do without FSDP.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .._sharding.tensor_tree import collect_tensors
+from .._xla.donation_order import pin_update_order
 from .._xla.host_reads import runs_graph
 from .._xla.private_api import innermost_function_mode
 from .optimizer_guard import check_step
@@ -115,6 +119,7 @@ def after_unscale(optimizer: torch.optim.Optimizer) -> None:
     if _steps_xla_shards(optimizer) and not torch.compiler.is_compiling():
         check_step(optimizer, (), {})
         _sync()
+        pin_update_order(optimizer)
 
 
 def _end_watch() -> None:
