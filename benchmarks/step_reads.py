@@ -60,7 +60,7 @@ def _run(rank, cases, impls, layers, width, rounds):
     import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     from xla_fsdp._unit import step_reads
-    synced, pinned = step_reads._sync, step_reads.pin_update_order
+    synced, pinned = step_reads.run_live_graphs, step_reads.pin_update_order
     built = {(c, i): _build(i, c, layers, width) for c in cases for i in impls}
     x = torch.randn(64, width).to(torch_xla.device())
 
@@ -71,7 +71,7 @@ def _run(rank, cases, impls, layers, width, rounds):
     def loop(case, impl):
         model, opt, scaler = built[(case, impl)]
         off = impl == "xla_fsdp_unsynced"
-        step_reads._sync = (lambda: None) if off else synced
+        step_reads.run_live_graphs = (lambda device: None) if off else synced
         step_reads.pin_update_order = (lambda optimizer: None) if off else pinned
         rows = []
         for _ in range(STEPS):
@@ -92,7 +92,7 @@ def _run(rank, cases, impls, layers, width, rounds):
             wall = time.monotonic() - start
             after_count, after_ns = executed()
             rows.append((wall, after_count - count, (after_ns - ns) / 1e6))
-        step_reads._sync, step_reads.pin_update_order = synced, pinned
+        step_reads.run_live_graphs, step_reads.pin_update_order = synced, pinned
         return rows
 
     out = {key: [] for key in built}

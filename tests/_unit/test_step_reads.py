@@ -19,12 +19,13 @@ class _GuardedSGD(torch.optim.Optimizer):
     def __init__(self, params, raise_at_first_step=False):
         super().__init__(params, dict(lr=0.1))
         self.raise_at_first_step = raise_at_first_step
-        self.seen = []
+        self.seen, self.seed_kept = [], []
 
     @torch.no_grad()
     def step(self, closure=None):
+        import torch_xla.core.xla_model as xm
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        at_start = _backward_pending(grads)
+        at_start, seed = _backward_pending(grads), xm.get_rng_state(grads[0].device)
         after_read = None
         for group in self.param_groups:
             for p in group["params"]:
@@ -32,6 +33,8 @@ class _GuardedSGD(torch.optim.Optimizer):
                     raise FloatingPointError("a gradient is not finite")
                 if after_read is None:
                     after_read = _backward_pending(grads)
+                    # the sync does not end the step: the random seed stays
+                    self.seed_kept.append(xm.get_rng_state(grads[0].device) == seed)
                     if self.raise_at_first_step and not self.seen:
                         self.seen.append((at_start, after_read))
                         raise KeyError("a step that raised")
@@ -48,6 +51,24 @@ class _Wrapper(torch.optim.Optimizer):
 
     def step(self, closure=None):
         self.inner.step()
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that reads a count of its steps it keeps on the device, as torch's ASGD reads its
+    own scalar state: a read that holds no collective, which must not cut the step."""
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+        self.count, self.pending_at_start = None, []
+
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"]]
+        self.pending_at_start.append(_backward_pending(grads))
+        if self.count is None:
+            self.count = torch.zeros((), device=grads[0].device)
+        self.count += 1
+        assert self.count.item() > 0
+        return super().step(closure)
 
 
 def _backward_pending(grads):
@@ -68,11 +89,12 @@ def steps(rank):
     from xla_fsdp._xla.private_api import innermost_function_mode
     device = torch_xla.device()
     torch.manual_seed(0)
-    reader, plain, scaled, nested, raising = (
-        _model(), _model(), _model(torch.float16), _model(), _model())
+    reader, plain, scaled, nested, raising, counting = (
+        _model(), _model(), _model(torch.float16), _model(), _model(), _model())
     guarded = _GuardedSGD(reader.parameters())
     adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3)
     sgd = torch.optim.SGD(scaled.parameters(), lr=1e-3)
+    counter = _CountingSGD(counting.parameters())
     inner = _GuardedSGD(nested.parameters())
     outer = _Wrapper(inner)
     scaler = torch.amp.GradScaler("xla")
@@ -93,10 +115,13 @@ def steps(rank):
         scaler.update()
         nested(x).pow(2).mean().backward()
         outer.step()
+        counting(x).pow(2).mean().backward()
+        counter.step()
         torch_xla.sync()
-        for opt in (guarded, adamw, sgd, inner):
+        for opt in (guarded, adamw, sgd, inner, counter):
             opt.zero_grad()
     out["guarded"], out["nested"] = guarded.seen, inner.seen
+    out["seed_kept"], out["counting"] = guarded.seed_kept, counter.pending_at_start
     # a watched first step that raises leaves its mode on the thread until the next step
     failing = _GuardedSGD(raising.parameters(), raise_at_first_step=True)
     for _ in range(2):
@@ -116,8 +141,11 @@ def test_reads_in_a_step_find_the_gradients_computed():
         # first step: pending until its first read, which the watching mode synced before;
         # later steps: synced by the step's pre-hook before they start
         assert out["guarded"] == [(True, False)] + [(False, False)] * (STEPS - 1), rank
-        # a step that reads nothing stays one program with its forward and backward
+        assert out["seed_kept"] == [True] * STEPS, rank
+        # a step that reads nothing stays one program with its forward and backward, and so
+        # does one whose reads hold no collective (its own count)
         assert out["plain"] == [True] * STEPS, rank
+        assert out["counting"] == [True] * STEPS, rank
         # GradScaler read its inf flags after one sync
         assert out["scaled"] == [False] * STEPS, rank
         # an optimizer stepped by another's step (torch runs the hooks for both): the outer

@@ -198,6 +198,9 @@ def _reduced_gradient_misuses(out):
     out["grads_all_reduced_scaled"] = step_after(lambda m, opt: xm.all_reduce(
         xm.REDUCE_SUM, [p.grad for p in params(m)], scale=0.5),
         scaler=torch.amp.GradScaler("xla"))
+    scaler = torch.amp.GradScaler("xla")   # unscaled explicitly, then clipped, then stepped
+    out["clipped_after_unscale"] = step_after(
+        lambda m, opt: (scaler.unscale_(opt), clip_locally(m, opt)), scaler=scaler)
     out["scanned_clipped_locally"] = step_after(clip_locally, scanned=True)
     out["scanned_clipped_globally"] = step_after(lambda m, opt: m.clip_grad_norm_(1e-3),
                                                  scanned=True)
@@ -343,6 +346,8 @@ def test_misuse_errors():
         assert "SGD.step(): the FSDP gradients of 1.lin.weight" in out[case], out[case]
         assert what in out[case] and "refused before any update" in out[case], out[case]
     assert "clip_grad_norm_ (or a library's clipping)" in out["grads_clipped_locally"]
+    assert "scaled by a reduction of this rank's slices" in out["clipped_after_unscale"], \
+        out["clipped_after_unscale"]
     assert out["grads_clipped_globally"] == "no error"
     assert "scaled by a reduction of this rank's slices" in out["scanned_clipped_locally"]
     assert out["scanned_clipped_globally"] == "no error"

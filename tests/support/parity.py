@@ -68,12 +68,12 @@ SETTINGS = {
     # hybrid sharding: groups of two are replicas that see different data, their gradients
     # averaged across groups
     "hsdp": ("net", {"replicate_across_groups": True}, "sgd", {"groups": 2, "replicas": True}),
-    # every explicit control at once: grouped units, prefetching both ways, per-unit
-    # resharding (b1 keeps its parameters after backward, so each step's optimizer update
-    # must make it gather again), unshard() before each step
     # GradScaler (unscaled before clipping) and an optimizer that reads gradients on the host:
     # both read after one sync of the step (see step_reads in the package)
     "scaled_guarded_clip": ("net", {}, "sgd_guarded", {"scaler": True, "clip": 0.05}),
+    # every explicit control at once: grouped units, prefetching both ways, per-unit
+    # resharding (b1 keeps its parameters after backward, so each step's optimizer update
+    # must make it gather again), unshard() before each step
     "controls": ("net", {}, "sgd_foreach", {"controls": True}),
     "tied_grouped": ("tied", {}, "sgd", {"controls": True}),
     # the blocks as one ScannedLayers unit: a while loop over stacked shards

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
@@ -44,7 +42,8 @@ from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
 from .._xla.hardware import device_type
 from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
-                                dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
+                                before_grad_scaler_reads, dropout_decomposed_when_compiled,
+                                foreach_zero_counts_as_a_write)
 from . import attention, hf_model_guard, peft_names, step_reads
 from .loss_scaling import agree_on_infs
 from .shard_group import shard_group_of
@@ -52,11 +51,6 @@ from .optimizer_guard import (check_accelerate_setting, check_step, count_update
                               refuse_local_clipping_and_averaging, withdraw_declaration)
 
 _installed = False
-
-
-def _unscaled(optimizer: torch.optim.Optimizer, found_inf_per_device: dict) -> None:
-    agree_on_infs(optimizer, found_inf_per_device)
-    step_reads.after_unscale(optimizer)
 
 
 def install() -> None:
@@ -81,5 +75,6 @@ def install() -> None:
     attention.install()
     dropout_decomposed_when_compiled()
     foreach_zero_counts_as_a_write()
-    after_grad_scaler_unscale(_unscaled)
+    after_grad_scaler_unscale(agree_on_infs)
+    before_grad_scaler_reads(step_reads.before_scaler_reads)
     drop_token_on(device_type(), CollectiveBindings())

@@ -53,8 +53,9 @@ device data, in the order the optimizer first reads them, and writes them back i
 buffers a step for GradScaler over AdamW on a three-block toy, 12 for torch's Adafactor).
 ``pin_update_order``, right after that sync, numbers them as the hook reissues them: every
 stepping optimizer's donors on the device, the shards no optimizer holds, the gradients.
-It follows GradScaler's sync, whose reads (the inf flags) touch no donor. It does not follow
-the sync before an optimizer's own reads: those read the donors (Adafactor the norm of each
+It follows GradScaler's sync, whose reads (the inf flags) touch no donor, unless the
+optimizer reads too. It does not follow the sync before an optimizer's own reads: those read
+the donors (Adafactor the norm of each
 parameter and update), and each read's program would then carry the pin's barrier over
 every donor and gradient (the toy's Adafactor step went from 61 to 221 ms a step on virtual
 devices, and on a large model hundreds of reads would each carry thousands of buffers).
@@ -236,7 +237,7 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
 
 @torch.no_grad()
 def pin_update_order(optimizer: torch.optim.Optimizer) -> None:
-    """Called right after a sync inside ``optimizer``'s step, before its update reads
+    """Called right after a sync that cuts ``optimizer``'s step, before its update reads
     anything (see [Note: an update that runs as a program of its own]). An optimizer that
     has not stepped yet has nothing to pair."""
     cache = _optimizers.get(optimizer)

@@ -5,9 +5,18 @@ result's shape depends on values (``nonzero``, indexing by a boolean mask) run t
 too, though they hand nothing to Python: the launcher routes them as well."""
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, List
 
 import torch
+
+from .private_api import pending_ir
+
+# a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
+# shows as one opaque node: counted as a collective
+_COLLECTIVE_IR = re.compile(
+    r"xla::(cross_replica_sum|all_reduce|all_gather|reduce_scatter|all_to_all|"
+    r"collective_permute|send|recv|scan)")
 
 # Tensor methods and functions that hand a value to Python and so force execution.
 _READS = frozenset((
@@ -94,3 +103,10 @@ def _is_device_like(x: Any) -> bool:
         return True
     except (RuntimeError, TypeError):
         return False
+
+
+def has_pending_collective(tensors: List[Any]) -> bool:
+    """Whether the pending graph of the XLA tensors among ``tensors`` holds a collective:
+    what reading them would run on every rank."""
+    xla = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
+    return bool(xla) and bool(_COLLECTIVE_IR.search(pending_ir(xla)))

@@ -43,17 +43,27 @@ def dcp_stored_at(info: Any) -> Tuple[str, int, int]:
 
 
 # -- autograd -------------------------------------------------------------------------------
-def innermost_function_mode() -> Optional[Any]:
-    """The torch-function mode on top of this thread's stack (the first to see a call), or
-    None."""
-    from torch.overrides import _get_current_function_mode_stack
-    stack = _get_current_function_mode_stack()
-    return stack[-1] if stack else None
-
-
 def queue_backward_callback(fn: Callable[[], None]) -> None:
     """Runs ``fn`` when the current backward pass ends (what FSDP finishes a backward with)."""
     Variable._execution_engine.queue_callback(fn)
+
+
+def before_grad_scaler_reads(then: Callable[[Any], None]) -> None:
+    """``then(optimizer)`` runs each time ``torch.amp.GradScaler.step`` is about to read an
+    optimizer's inf flags on the host to decide whether it steps (not for an optimizer that
+    takes the flags itself, ``_step_supports_amp_scaling``). Once per process."""
+    scaler = torch.amp.GradScaler
+    original = scaler._maybe_opt_step
+    if getattr(original, "followed", False):
+        return
+
+    def decide(self: Any, optimizer: Any, optimizer_state: Any, *args: Any,
+               **kwargs: Any) -> Any:
+        then(optimizer)
+        return original(self, optimizer, optimizer_state, *args, **kwargs)
+
+    decide.followed = True  # type: ignore[attr-defined]
+    scaler._maybe_opt_step = decide
 
 
 def after_grad_scaler_unscale(then: Callable[[Any, Dict[torch.device, torch.Tensor]], None]
@@ -106,6 +116,15 @@ def preserve_version_counter(tensors: Sequence[torch.Tensor]
 def version(t: torch.Tensor) -> int:
     """``t``'s version counter: bumped by every in-place write through autograd."""
     return t._version
+
+
+# -- torch-function modes -------------------------------------------------------------------
+def innermost_function_mode() -> Optional[Any]:
+    """The torch-function mode on top of this thread's stack (the first to see a call), or
+    None."""
+    from torch.overrides import _get_current_function_mode_stack
+    stack = _get_current_function_mode_stack()
+    return stack[-1] if stack else None
 
 
 # -- modules ----------------------------------------------------------------------------------
@@ -428,6 +447,23 @@ def pending_tensor_count(device: str) -> int:
     ``torch_xla.sync()`` computes."""
     import torch_xla
     return sum(torch_xla._XLAC._check_device_tensor_need_materialization(device))
+
+
+def run_live_graphs(device: torch.device) -> None:
+    """Runs the pending graph of every live tensor on ``device``, as ``torch_xla.sync()``
+    does, without ending the step: the device's random seed is not advanced and no step
+    closure runs, so what the step draws and logs is what it would be without this. The
+    collective token restarts after it, as after ``torch_xla.sync()`` (see ``run_pending``:
+    every collective of the device has run)."""
+    import torch_xla
+    torch_xla._XLAC._xla_sync_live_tensors(str(device), [], False)
+    torch_xla._XLAC._set_all_reduce_token(str(device), None)
+
+
+def pending_ir(tensors: Sequence[torch.Tensor]) -> str:
+    """torch_xla's text of the pending graph computing ``tensors`` (cheaper than its HLO)."""
+    import torch_xla
+    return torch_xla._XLAC._get_xla_tensors_text(list(tensors))
 
 
 def needs_computation(tensors: Sequence[torch.Tensor]) -> List[bool]:

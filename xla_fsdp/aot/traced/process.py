@@ -218,6 +218,8 @@ def _patch(graphs: StepGraphs, world: int, host_state: Dict[int, int]) -> Forwar
     pallas.enable(min(world, MAX_DEVICES), forward.add)
 
     torch_xla._XLAC._xla_step_marker = lambda *a, **k: graphs.sync()
+    # FSDP's sync before an optimizer step's host reads cuts the step's program in two
+    torch_xla._XLAC._xla_sync_live_tensors = lambda *a, **k: graphs.sync()
     torch_xla._XLAC._xla_get_cpu_tensors = lambda tensors: [_zeros(t) for t in tensors]
     torch_xla._XLAC._xla_sync_multi = lambda *a, **k: None
     torch_xla._XLAC._xla_wait_device_ops = lambda *a, **k: None

@@ -5,6 +5,7 @@ Trainium host. Calls made outside a device thread go straight to torch_xla.
 
 What is routed:
 * ``torch_xla.sync()`` / ``xm.mark_step()`` (the step marker),
+* ``_xla_sync_live_tensors`` (FSDP's sync before an optimizer step's host reads),
 * ``_xla_sync_multi`` (used by ``xm.save`` and friends) when the tensors' pending graph holds
   a collective,
 * implicit syncs in user code: ``.item()``, ``print(t)``, ``bool(t)``, ``.cpu()``,
@@ -21,7 +22,6 @@ What is routed:
 """
 from __future__ import annotations
 
-import re
 import sys
 import threading
 import time
@@ -32,14 +32,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from ..._sharding.tensor_tree import collect_tensors
-from ..._xla.host_reads import masked_write_result, runs_graph
+from ..._xla.host_reads import has_pending_collective, masked_write_result, runs_graph
 from .turn_ring import TurnRing
 
-# a user computation (``xla::scan``, a while loop whose body may gather and reduce-scatter)
-# shows as one opaque node: counted as a collective
-_COLLECTIVE_IR = re.compile(
-    r"xla::(cross_replica_sum|all_reduce|all_gather|reduce_scatter|all_to_all|"
-    r"collective_permute|send|recv|scan)")
 _COLLECTIVE_BINDINGS = (
     "_xla_all_reduce", "_xla_all_reduce_inplace", "_xla_all_gather", "_xla_all_gather_out",
     "_xla_all_gather_coalesced", "_xla_all_gather_coalesced_out", "_xla_reduce_scatter",
@@ -83,6 +78,7 @@ class SyncPoints:
         xlac, xm = self._xlac, self._xm
         for owner, name, patched in ((xlac, "_xla_step_marker", self._step_marker),
                                      (xlac, "_xla_sync_multi", self._sync_multi),
+                                     (xlac, "_xla_sync_live_tensors", self._sync_live),
                                      (xlac, "_xla_wait_device_ops", self._wait_device_ops),
                                      (xm, "xla_rendezvous", self._rendezvous)):
             self._patch(owner, name, patched)
@@ -305,6 +301,14 @@ class SyncPoints:
         if wait:
             self._wait_own_device()
 
+    def _sync_live(self, device: str, devices: List[str], wait: bool = True) -> None:
+        orig = self._orig["_xla_sync_live_tensors"]
+        if self._rank is None or self._local.compiling:
+            return orig(device, devices, wait)
+        self._collective("a sync of the live tensors", lambda: orig(device, devices, False))
+        if wait:
+            self._wait_own_device()
+
     def _sync_multi(self, tensors: List[torch.Tensor], devices: List[str], wait: bool = True,
                     sync_xla_data: bool = True) -> None:
         orig = self._orig["_xla_sync_multi"]
@@ -430,14 +434,6 @@ class MaterializeGuard(TorchFunctionMode):
         result = func(*args, **kwargs)
         self._points.settle_masked_write(func, args, result)
         return result
-
-
-def has_pending_collective(tensors: List[torch.Tensor]) -> bool:
-    import torch_xla
-    xla = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"]
-    if not xla:
-        return False
-    return bool(_COLLECTIVE_IR.search(torch_xla._XLAC._get_xla_tensors_text(xla)))
 
 
 def _xla_tensors(obj: Any) -> List[torch.Tensor]:
