@@ -105,6 +105,8 @@ def test_vocabulary_parallel_tables_compile_for_a_tpu_and_are_never_gathered():
 def test_a_step_of_two_programs_and_what_a_plan_cannot_do(tmp_path):
     report = compile_for_tpu(tpu_plans.syncs_twice, "v6e-4")
     assert report.programs == 2 and "2 programs" in report.notes[0]
+    # GradScaler's step is cut before it reads its flags, in a plan as on the chips
+    assert compile_for_tpu(tpu_plans.scaled, "v6e-4").programs == 2
     for how in ("torch.save", "save_sharded"):
         with pytest.raises(LaunchError, match=r"saved a checkpoint \(.*ckpt.*\) before"):
             compile_for_tpu(tpu_plans.reads_and_saves, "v5e-1",

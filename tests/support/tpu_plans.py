@@ -133,6 +133,22 @@ def syncs_twice(rank: int):
         torch_xla.sync()
 
 
+def scaled(rank: int):
+    """GradScaler over FSDP shards: the step is cut before it reads its flags, so it is two
+    programs (see [Note: a host read runs the graph behind it again])."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("xla")
+    for _ in range(5):
+        scaler.scale(model(torch.ones(4, 64).to(torch_xla.device())).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        torch_xla.sync()
+
+
 def reads_and_saves(rank: int, path: str, how: str = "torch.save"):
     """Reads values on the host (zeros in a plan), then saves a checkpoint (refused)."""
     import torch_xla
