@@ -104,7 +104,9 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         if watch.optimizer() is not None:
             _watched.discard(watch.optimizer())
     if optimizer in _reading:
-        run_live_graphs(_device(optimizer))
+        device = _device(optimizer)
+        if device is not None:   # its shards all left the device since it learnt
+            run_live_graphs(device)
     elif optimizer not in _watched:
         # its first step: later steps of an optimizer without XLA shards look at nothing
         # more, see [Note: per-step host cost] in ``unit_params``
