@@ -72,7 +72,7 @@ def _run(rank, cases, impls, layers, width, rounds):
         model, opt, scaler = built[(case, impl)]
         off = impl == "xla_fsdp_unsynced"
         step_reads.run_live_graphs = (lambda device: None) if off else synced
-        step_reads.pin_update_order = (lambda optimizer: None) if off else pinned
+        step_reads.pin_update_order = (lambda optimizer, device: None) if off else pinned
         rows = []
         for _ in range(STEPS):
             xm.rendezvous("step")   # the other ranks' programs stay out of this one's count

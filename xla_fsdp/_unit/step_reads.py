@@ -139,7 +139,7 @@ def before_scaler_reads(optimizer: torch.optim.Optimizer) -> None:
         check_step(optimizer, (), {})
         run_live_graphs(device)
         if optimizer not in _reading:
-            pin_update_order(optimizer)
+            pin_update_order(optimizer, device)
 
 
 def _end_watch() -> None:

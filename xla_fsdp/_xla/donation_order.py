@@ -221,39 +221,57 @@ def reissue_in_order(is_shard: Callable[[torch.Tensor], bool], optimizer: torch.
     # checks, hundreds of times a step; the foreach op makes the same newer tensors, in order
     tensors, _, params = cache.current(optimizer)
     with _listing:  # see [Note: shards no optimizer holds are donors too]
-        tensors = tensors + [s for _, device, shards, at in _unheld.values()
-                             if at > cache.reissued_at and device in cache.on for s in shards]
+        tensors = tensors + _unheld_since(cache)
         cache.reissued_at = _pins
         cache.stepped()
     if tensors:
         multiply_in_place(tensors, 1)
-    # see [Note: every optimizer's gradients after every donor]
-    grads = [p.grad for opt, other in _stepping() if other.on & cache.on
-             for p in (params if other is cache else other.current(opt)[2])
-             if p.grad is not None and p.device in cache.on]
+    grads = _gradients(cache, params)
     if grads:
         multiply_in_place(grads, 1)
 
 
+def _unheld_since(cache: _Donors) -> List[torch.Tensor]:
+    """Under ``_listing``: the shards no optimizer holds, on ``cache``'s devices, of the
+    roots that ran a forward since its optimizer last stepped."""
+    return [s for _, device, shards, at in _unheld.values()
+            if at > cache.reissued_at and device in cache.on for s in shards]
+
+
+def _gradients(cache: _Donors, params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The gradients of every optimizer stepping shards on ``cache``'s devices (``params``:
+    its own optimizer's), see [Note: every optimizer's gradients after every donor]."""
+    return [p.grad for opt, other in _stepping() if other.on & cache.on
+            for p in (params if other is cache else other.current(opt)[2])
+            if p.grad is not None and p.device in cache.on]
+
+
+def _pinned_donors(device: torch.device) -> Tuple[List[torch.Tensor], List[frozenset]]:
+    """The donors on ``device`` of the optimizers still stepping there, in the order they
+    first stepped, and their donor id sets (see [Note: an optimizer left behind is not
+    pinned])."""
+    tensors, holders = [], []
+    for opt, cache in _stepping():
+        if device in cache.on and cache.still_stepping(device):
+            held, devices, _ = cache.current(opt)
+            tensors += [t for t, d in zip(held, devices) if d == device]
+            holders.append(cache.ids)
+    return tensors, holders
+
+
 @torch.no_grad()
-def pin_update_order(optimizer: torch.optim.Optimizer) -> None:
-    """Called right after a sync that cuts ``optimizer``'s step, before its update reads
-    anything (see [Note: an update that runs as a program of its own]). An optimizer that
-    has not stepped yet has nothing to pair."""
+def pin_update_order(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Called right after a sync that cuts ``optimizer``'s step on ``device``, before its
+    update reads anything (see [Note: an update that runs as a program of its own]): the
+    order ``reissue_in_order`` will give. An optimizer that has not stepped yet has nothing
+    to pair."""
     cache = _optimizers.get(optimizer)
     if cache is None:
         return
-    tensors, grads = [], []
-    for opt, other in _stepping():
-        if not other.on & cache.on:
-            continue
-        held, devices, params = other.current(opt)
-        if all(other.still_stepping(d) for d in other.on & cache.on):
-            tensors += [t for t, d in zip(held, devices) if d in cache.on]
-        grads += [p.grad for p in params if p.grad is not None and p.device in cache.on]
+    tensors, _ = _pinned_donors(device)
     with _listing:
-        tensors += [s for _, device, shards, at in _unheld.values()
-                    if at > cache.reissued_at and device in cache.on for s in shards]
+        tensors += _unheld_since(cache)
+    grads = _gradients(cache, cache.current(optimizer)[2])
     # the traced graph numbers a node's inputs last to first
     optimization_barrier(list(reversed(tensors + grads)))
 
@@ -263,16 +281,10 @@ def pin_parameter_order(device: torch.device, root: Any, shards: Sequence[torch.
                         training: bool) -> None:
     """Called by a root unit before its forward reads anything, for its device, with the
     shards of its units; ``training``: the forward takes gradients."""
-    tensors, holders = [], []
     if training:  # see [Note: an optimizer left behind is not pinned]
         with _listing:
             _forwards[device] = _forwards.get(device, 0) + 1
-    for opt, cache in _stepping():
-        # see [Note: an optimizer left behind is not pinned]
-        if device in cache.on and cache.still_stepping(device):
-            held, devices, _ = cache.current(opt)
-            tensors += [t for t, d in zip(held, devices) if d == device]
-            holders.append(cache.ids)
+    tensors, holders = _pinned_donors(device)
     if holders:
         tensors += _unheld_shards(root, device, shards, holders)
     # the traced graph numbers a node's inputs last to first
