@@ -1,6 +1,6 @@
 """Plans one step with the experiments' variables set and prints the estimate's parts:
 ``python benchmarks/results/tpu_plan/overlap_experiments/run.py SPEC...`` from a tree with
-``experiments.patch`` applied. SPEC: ``1b[,VAR...]`` (Llama 3.2 1B, v5e-8) or
+``experiments.patch`` (or ``collective_matmul.patch``) applied. SPEC: ``1b[,VAR...]`` (Llama 3.2 1B, v5e-8) or
 ``gpt[,VAR...]`` (``scripts.bench.tpu_levers``' GPT, v5e-4); each VAR is set to 1."""
 import os
 import sys
@@ -8,7 +8,7 @@ import sys
 from scripts.bench import tpu_levers, tpu_plan
 from xla_fsdp.aot import compile_for_tpu
 
-VARIABLES = ("BWD_OFF", "PREFETCH", "LAG", "RING_RS", "A2A_RS")
+VARIABLES = ("BWD_OFF", "PREFETCH", "LAG", "RING_RS", "A2A_RS", "CM_RS", "CM_BIDI")
 
 if __name__ == "__main__":
     for spec in sys.argv[1:]:
