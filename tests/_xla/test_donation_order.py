@@ -18,9 +18,9 @@ from ..support.checks import every
 STEPS = 4
 
 
-def train(rank, foreach, scaled=False):
+def train(rank, foreach, scaled=False, adafactor=False):
     import torch_xla
-    from xla_fsdp import FSDP
+    from xla_fsdp import FSDP, allow_per_shard_statistics
     torch.manual_seed(0)
     # several tensors share a size (the 32x32 weights, the biases and norms of 32), which
     # is where a pairing by size goes wrong
@@ -28,7 +28,8 @@ def train(rank, foreach, scaled=False):
                           nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 32), nn.Linear(32, 8))
     model[3], model[5] = FSDP(model[3]), FSDP(model[5])
     root = FSDP(model)
-    opt = torch.optim.AdamW(root.parameters(), lr=1e-2, foreach=foreach)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2, foreach=foreach) if not adafactor \
+        else allow_per_shard_statistics(torch.optim.Adafactor(root.parameters(), lr=1e-2))
     scaler = torch.amp.GradScaler("xla") if scaled else None
     device = torch_xla.device()
     losses = []
@@ -83,10 +84,20 @@ def train_pair(rank):
     return True
 
 
-def _last_step_module(dump):
+def _modules(dump):
+    """The optimized modules compiled, in the order they were compiled."""
     modules = sorted(glob.glob(os.path.join(dump, "*cpu_after_optimizations.txt")),
                      key=lambda p: int(re.search(r"module_(\d+)", p).group(1)))
-    return open(modules[-1]).read()
+    return [open(m).read() for m in modules]
+
+
+def _entry_parameters(hlo):
+    entry = hlo[hlo.index("\nENTRY "):]
+    return len(re.findall(r" parameter\(\d+\)", entry[:entry.index("\n}")]))
+
+
+def _last_step_module(dump):
+    return _modules(dump)[-1]
 
 
 def _step_module(dump, fn, args):
@@ -113,11 +124,23 @@ def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
         assert copied == [], (foreach, copied)
     # GradScaler cuts the step before its flags are read: the update runs as a program of
     # its own ([Note: an update that runs as a program of its own]), which reads the
-    # gradients too; only its two scalars (the growth tracker, the scale) are copied
+    # gradients too; only its growth tracker, 4 bytes, is copied
     losses, aliases, copied = _step_module(tmp_path / "scaled", train, (False, True))
     assert every(l[-1] < l[0] for l in losses.values()), losses
     assert aliases == 4 * shards + 2, aliases
-    assert [c.split(" copy")[0] for c in copied] == ["= s32[]", "= f32[]"], copied
+    assert [c.split(" copy")[0] for c in copied] == ["= s32[]"], copied
+    # torch's Adafactor reads each parameter's and update's norm on the host: cut before
+    # its first read, its update pinned without the reads passing through the pin. Each
+    # (flat) shard has one state tensor; its step count stays on the host
+    losses, aliases, copied = _step_module(tmp_path / "adafactor", train, (False, False, True))
+    assert every(l[-1] < l[0] for l in losses.values()), losses
+    assert aliases == 3 * shards, aliases
+    assert copied == [], copied
+    # the reads' programs (they donate nothing) take the tensors they read, not every
+    # buffer the pin numbers (30 each when the pin sat on the tensors themselves)
+    reads = [_entry_parameters(m) for m in _modules(tmp_path / "adafactor")
+             if "may-alias" not in m.splitlines()[0]]
+    assert reads and max(reads) < shards, reads
 
 
 @pytest.mark.slow

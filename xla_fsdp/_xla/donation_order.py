@@ -50,16 +50,22 @@ A step whose optimizer reads values on the host is cut in two by a sync before t
 first program's parameters; the update's program reads the donors, and the gradients, now
 device data, in the order the optimizer first reads them, and writes them back in the order
 ``reissue_in_order`` gives, so XLA paired them by size across the two orders and copied (14
-buffers a step for GradScaler over AdamW on a three-block toy, 12 for torch's Adafactor).
-``pin_update_order``, right after that sync, numbers them as the hook reissues them: every
-stepping optimizer's donors on the device, the shards no optimizer holds, the gradients.
-It follows GradScaler's sync, whose reads (the inf flags) touch no donor, unless the
-optimizer reads too. It does not follow the sync before an optimizer's own reads: those read
-the donors (Adafactor the norm of each
-parameter and update), and each read's program would then carry the pin's barrier over
-every donor and gradient (the toy's Adafactor step went from 61 to 221 ms a step on virtual
-devices, and on a large model hundreds of reads would each carry thousands of buffers).
-There XLA pairs the update's buffers by size, and copies some (12 of the toy's 24).
+buffers a step for GradScaler over AdamW on a three-block toy, 12 of torch's Adafactor's 24).
+``pin_update_order``, right after the last sync before the update, numbers them as the hook
+reissues them: every stepping optimizer's donors on the device, the shards no optimizer
+holds, the gradients.
+The barrier that numbers them is not put on the tensors themselves, as the root's pin is.
+There every later read of a donor would pass through it, and an optimizer that reads (torch's
+Adafactor reads the norm of each parameter and update) would run every read's program with
+the barrier's thousands of buffers as inputs (the toy's Adafactor step went from 61 to 221 ms
+on virtual devices). It is put on stand-ins, ``t * 1`` of each, which XLA folds back into
+the tensors, and a scalar made from its outputs is kept until the step's sync: made before
+the update writes anything, it is lowered ahead of every tensor the update writes, and its
+barrier numbers the program's parameters first. The reads between never see it. The update
+then copies nothing but GradScaler's two 4-byte scalars (the growth tracker and the scale),
+and none of torch's Adafactor's 24 buffers. A sync after the pin (an optimizer that reads,
+under GradScaler: GradScaler's sync, then the step's) runs the scalar's program early, so
+each of those syncs pins again.
 
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
@@ -79,7 +85,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._sharding.collectives import optimization_barrier
-from .private_api import multiply_in_place
+from .private_api import multiplied, multiply_in_place
 
 
 class _Donors:
@@ -172,6 +178,9 @@ _pins = 0   # roots' forwards so far, on any device
 _forwards: Dict[torch.device, int] = {}   # roots' forwards taking gradients, per device
 _last_step: Dict[torch.device, int] = {}  # _forwards at any optimizer's last step there
 _PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
+# per device, the scalar that carries the update's pin to the step's sync (see [Note: an
+# update that runs as a program of its own])
+_update_pins: Dict[torch.device, Optional[torch.Tensor]] = {}
 
 
 def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tensor],
@@ -273,7 +282,10 @@ def pin_update_order(optimizer: torch.optim.Optimizer, device: torch.device) -> 
         tensors += _unheld_since(cache)
     grads = _gradients(cache, cache.current(optimizer)[2])
     # the traced graph numbers a node's inputs last to first
-    optimization_barrier(list(reversed(tensors + grads)))
+    stand_ins = multiplied(list(reversed(tensors + grads)), 1)
+    optimization_barrier(stand_ins)
+    first = next((t for t in stand_ins if t.numel()), None)
+    _update_pins[device] = None if first is None else first.reshape(-1)[:1].sum()
 
 
 @torch.no_grad()

@@ -382,6 +382,11 @@ def multiply_in_place(tensors: List[torch.Tensor], value: float) -> None:
     torch._foreach_mul_(tensors, value)
 
 
+def multiplied(tensors: List[torch.Tensor], value: float) -> List[torch.Tensor]:
+    """``t * value`` for every tensor, as one foreach call (see ``multiply_in_place``)."""
+    return list(torch._foreach_mul(tensors, value))
+
+
 # -- torch.compile --------------------------------------------------------------------------
 def compiled_inner(module: nn.Module) -> Optional[nn.Module]:
     """The module ``torch.compile`` compiled, if ``module`` is what it returned."""
