@@ -124,11 +124,11 @@ def test_step_updates_shards_and_optimizer_state_in_place(tmp_path):
         assert copied == [], (foreach, copied)
     # GradScaler cuts the step before its flags are read: the update runs as a program of
     # its own ([Note: an update that runs as a program of its own]), which reads the
-    # gradients too; only its growth tracker, 4 bytes, is copied
+    # gradients too; only its two scalars (the growth tracker, the scale) are copied
     losses, aliases, copied = _step_module(tmp_path / "scaled", train, (False, True))
     assert every(l[-1] < l[0] for l in losses.values()), losses
     assert aliases == 4 * shards + 2, aliases
-    assert [c.split(" copy")[0] for c in copied] == ["= s32[]"], copied
+    assert [c.split(" copy")[0] for c in copied] == ["= s32[]", "= f32[]"], copied
     # torch's Adafactor reads each parameter's and update's norm on the host: cut before
     # its first read, its update pinned without the reads passing through the pin. Each
     # (flat) shard has one state tensor; its step count stays on the host

@@ -107,7 +107,7 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
         device = _device(optimizer)
         if device is not None:   # its shards all left the device since it learnt
             run_live_graphs(device)
-            pin_update_order(optimizer, device)
+            pin_update_order(optimizer, device, reads=True)
     elif optimizer not in _watched:
         # its first step: later steps of an optimizer without XLA shards look at nothing
         # more, see [Note: per-step host cost] in ``unit_params``
@@ -132,13 +132,15 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 def before_scaler_reads(optimizer: torch.optim.Optimizer) -> None:
     """Before ``GradScaler.step`` reads ``optimizer``'s inf flags: the step's checks first,
     while the gradients are still a pending graph (after any clipping between ``unscale_``
-    and ``step``), then the sync, then the update's numbering for donation (see [Note: an
-    update that runs as a program of its own] in ``_xla.donation_order``)."""
+    and ``step``), then the sync, then the update's numbering for donation unless the
+    optimizer reads too: its pre-hook then syncs and numbers it (see [Note: an update that
+    runs as a program of its own] in ``_xla.donation_order``)."""
     device = None if torch.compiler.is_compiling() else _device(optimizer)
     if device is not None:
         check_step(optimizer, (), {})
         run_live_graphs(device)
-        pin_update_order(optimizer, device)
+        if optimizer not in _reading:   # else its step's pre-hook syncs and pins again
+            pin_update_order(optimizer, device, reads=False)
 
 
 def _end_watch() -> None:

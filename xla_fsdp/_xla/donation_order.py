@@ -53,19 +53,25 @@ device data, in the order the optimizer first reads them, and writes them back i
 buffers a step for GradScaler over AdamW on a three-block toy, 12 of torch's Adafactor's 24).
 ``pin_update_order``, right after the last sync before the update, numbers them as the hook
 reissues them: every stepping optimizer's donors on the device, the shards no optimizer
-holds, the gradients.
-The barrier that numbers them is not put on the tensors themselves, as the root's pin is.
-There every later read of a donor would pass through it, and an optimizer that reads (torch's
-Adafactor reads the norm of each parameter and update) would run every read's program with
-the barrier's thousands of buffers as inputs (the toy's Adafactor step went from 61 to 221 ms
-on virtual devices). It is put on stand-ins, ``t * 1`` of each, which XLA folds back into
-the tensors, and a scalar made from its outputs is kept until the step's sync: made before
-the update writes anything, it is lowered ahead of every tensor the update writes, and its
-barrier numbers the program's parameters first. The reads between never see it. The update
-then copies nothing but GradScaler's two 4-byte scalars (the growth tracker and the scale),
-and none of torch's Adafactor's 24 buffers. A sync after the pin (an optimizer that reads,
-under GradScaler: GradScaler's sync, then the step's) runs the scalar's program early, so
-each of those syncs pins again.
+holds, the gradients. After GradScaler's sync (an optimizer that does not read) the barrier
+that numbers them sits on the tensors themselves, as the root's pin does: every path of the
+update's graph to a donor passes through it, so it numbers the parameters whatever is lowered
+first. The update then copies only GradScaler's two 4-byte scalars (the growth tracker and
+the scale).
+An optimizer that reads (torch's Adafactor reads the norm of each parameter and update)
+would then run every read's program with the barrier's thousands of buffers as inputs (the
+toy's Adafactor step went from 61 to 221 ms a step on virtual devices). After its sync the
+barrier sits on stand-ins, ``t * 1`` of each, which XLA folds back into the tensors, and the
+reads never see it. What puts it into the update's program is a scalar of no elements taken
+from its first output (a sum over an empty slice: the barrier is lowered, then XLA folds the
+scalar to a constant, so no donor is read beside its update), held until the next pin on the
+device. Made before the update writes anything, the scalar is lowered ahead of every tensor
+the update writes, and its barrier numbers the program's parameters: torch's Adafactor's
+update copies none of the toy's 24 buffers (12 without the pin). That rests on the order
+torch_xla lowers a sync's tensors in, oldest first, which an older tensor given pending work
+after the pin defeats: a forward between the step and its sync (a step taken at the top of
+the next iteration, an evaluation on the batch after the step) rewrites its input in place,
+and the update is then numbered in its read order and copies as before.
 
 [Note: every optimizer's gradients after every donor]
 The gradients are outputs of the step too, of the same byte sizes as their parameters, so
@@ -178,8 +184,8 @@ _pins = 0   # roots' forwards so far, on any device
 _forwards: Dict[torch.device, int] = {}   # roots' forwards taking gradients, per device
 _last_step: Dict[torch.device, int] = {}  # _forwards at any optimizer's last step there
 _PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
-# per device, the scalar that carries the update's pin to the step's sync (see [Note: an
-# update that runs as a program of its own])
+# per device, the scalar that carries a reading optimizer's update pin into the step's sync
+# (see [Note: an update that runs as a program of its own])
 _update_pins: Dict[torch.device, Optional[torch.Tensor]] = {}
 
 
@@ -269,23 +275,27 @@ def _pinned_donors(device: torch.device) -> Tuple[List[torch.Tensor], List[froze
 
 
 @torch.no_grad()
-def pin_update_order(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-    """Called right after a sync that cuts ``optimizer``'s step on ``device``, before its
-    update reads anything (see [Note: an update that runs as a program of its own]): the
-    order ``reissue_in_order`` will give. An optimizer that has not stepped yet has nothing
-    to pair."""
+def pin_update_order(optimizer: torch.optim.Optimizer, device: torch.device,
+                     reads: bool) -> None:
+    """Called right after the last sync that cuts ``optimizer``'s step on ``device``, before
+    its update reads anything (see [Note: an update that runs as a program of its own]): the
+    order ``reissue_in_order`` will give; ``reads``: the optimizer reads values on the host
+    in its step. An optimizer that has not stepped yet has nothing to pair."""
     cache = _optimizers.get(optimizer)
     if cache is None:
         return
     tensors, _ = _pinned_donors(device)
     with _listing:
         tensors += _unheld_since(cache)
-    grads = _gradients(cache, cache.current(optimizer)[2])
     # the traced graph numbers a node's inputs last to first
-    stand_ins = multiplied(list(reversed(tensors + grads)), 1)
+    ordered = list(reversed(tensors + _gradients(cache, cache.current(optimizer)[2])))
+    _update_pins.pop(device, None)
+    if not ordered or not reads:
+        optimization_barrier(ordered)
+        return
+    stand_ins = multiplied(ordered, 1)
     optimization_barrier(stand_ins)
-    first = next((t for t in stand_ins if t.numel()), None)
-    _update_pins[device] = None if first is None else first.reshape(-1)[:1].sum()
+    _update_pins[device] = stand_ins[0].reshape(-1)[:0].sum()
 
 
 @torch.no_grad()
