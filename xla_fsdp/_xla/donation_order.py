@@ -186,7 +186,7 @@ _last_step: Dict[torch.device, int] = {}  # _forwards at any optimizer's last st
 _PATIENCE = 8   # forwards an optimizer may go without a step and stay pinned
 # per device, the scalar that carries a reading optimizer's update pin into the step's sync
 # (see [Note: an update that runs as a program of its own])
-_update_pins: Dict[torch.device, Optional[torch.Tensor]] = {}
+_update_pins: Dict[torch.device, torch.Tensor] = {}
 
 
 def _unheld_shards(root: Any, device: torch.device, shards: Sequence[torch.Tensor],
