@@ -71,6 +71,10 @@ SETTINGS = {
     # GradScaler (unscaled before clipping) and an optimizer that reads gradients on the host:
     # both read after one sync of the step (see step_reads in the package)
     "scaled_guarded_clip": ("net", {}, "sgd_guarded", {"scaler": True, "clip": 0.05}),
+    # the same reading optimizer alone: learnt at its first step, later steps synced before
+    # they start and their update numbered through stand-ins ([Note: an update that runs as a
+    # program of its own])
+    "guarded": ("net", {}, "sgd_guarded", {}),
     # every explicit control at once: grouped units, prefetching both ways, per-unit
     # resharding (b1 keeps its parameters after backward, so each step's optimizer update
     # must make it gather again), unshard() before each step
