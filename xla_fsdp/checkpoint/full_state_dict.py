@@ -1,51 +1,31 @@
 """The unwrapped model's ordinary state dict, gathered from the shards, and back."""
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .._unit.buffers import original_dtype
-from .._unit.shard_group import ShardGroup
-from .coordination import gathered_bytes, gathered_on_host, runs_by_size
-from .staging import load_staged
-from .live_model import (extra_state_tensors, persistent_buffers, refuse_lost_writes,
-                         tied_aliases, unwrapped_name)
+from .gathered_state import gathered_state
+from .live_model import refuse_lost_writes
 from .sources.entries import EntrySource, model_entries, optimizer_entries
-from .unit_protocol import ShardedModel, ShardedUnit
-
-
-def _parameter_slots(root: ShardedModel) -> Iterator[Tuple[ShardedUnit, ShardGroup, List[str]]]:
-    """(unit, shard group, unwrapped names of its parameters) for every shard group."""
-    for path, unit in root.named_units():
-        for g in unit.shard_groups:
-            yield unit, g, [unwrapped_name(path, n) for n in g.names]
+from .staging import load_staged
+from .unit_protocol import ShardedModel
 
 
 @torch.no_grad()
 def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, torch.Tensor]:
-    """Gathers the shard groups a run at a time (``coordination.runs_by_size``) and copies
-    them to the CPU. Every rank must call it; with ``rank0_only`` only global rank 0 keeps
-    the result (the others get ``{}``)."""
+    """The consolidated save's gathers (``gathered_state``, a run of shard groups at a time)
+    read into a dict on the host. Every rank must call it; with ``rank0_only`` only global
+    rank 0 keeps the result (the others get ``{}``)."""
     import torch_xla.runtime as xr
-    extra_states = extra_state_tensors(root, "full_state_dict")
     refuse_lost_writes(root)
+    state, gathers = gathered_state(root, None, what="full_state_dict")
     keep = not rank0_only or xr.global_ordinal() == 0
-    out: Dict[str, torch.Tensor] = {}
-    for run in runs_by_size(_parameter_slots(root),
-                            lambda slot: gathered_bytes(slot[1].shard, slot[0].collectives)):
-        fulls = gathered_on_host([(g.on_device(), unit.collectives) for unit, g, _ in run], keep)
-        for (_, g, names), full in zip(run, fulls):
-            for name, value in zip(names, g.layout.unshard(full)):
-                out[name] = value.clone()
-    if keep:
-        for alias, source in tied_aliases((path, unit.shared_params)
-                                          for path, unit in root.named_units()):
-            out[alias] = out[source]
-        for name, buf in persistent_buffers(root):
-            out[name] = buf.detach().cpu().to(original_dtype(buf))
-        out.update(extra_states)
-    return out
+    gathers.follow(state.read_order(aliases_again=False), keep)
+    try:
+        return state.with_aliases(dict(state.entries())) if keep else {}
+    finally:
+        gathers.finish()  # every rank takes part in every run, the keeper's unread ones too
 
 
 def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tensor],

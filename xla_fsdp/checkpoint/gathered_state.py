@@ -1,9 +1,9 @@
 """A live model's consolidated checkpoint, gathered over the collectives as a writer reads it:
-``save_consolidated`` on pods whose hosts share no filesystem.
+``save_consolidated`` on pods whose hosts share no filesystem, and ``full_state_dict``.
 
 ``gathered_state`` gives every rank the model's ``UnwrappedState``: each parameter, and each
 optimizer state sharded like it, is cut from its shard group gathered whole
-(``Layout.unshard``, as ``full_state_dict`` cuts it); buffers, modules' extra state and state
+(``Layout.unshard``); buffers, modules' extra state and state
 that is not sharded (``step``) are this rank's own copy. ``Gathers`` runs the collectives that fill the cuts.
 
 [Note: every rank knows the writer's read order]
@@ -146,10 +146,12 @@ class _Sharded(NamedTuple):
 
 
 def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer],
-                   extra: Any = None) -> Tuple[UnwrappedState, Gathers]:
+                   extra: Any = None, what: str = "save_consolidated"
+                   ) -> Tuple[UnwrappedState, Gathers]:
     """``model``'s consolidated checkpoint (with ``optimizer``'s state when given) and the
-    ``Gathers`` its cuts read through, on every rank. Every rank calls ``Gathers.follow``
-    with the same reads, and ``Gathers.finish`` at the end."""
+    ``Gathers`` its cuts read through, on every rank; ``what`` names the save in errors.
+    Every rank calls ``Gathers.follow`` with the same reads, and ``Gathers.finish`` at the
+    end."""
     import torch_xla
     torch_xla.sync()
     tensors: Dict[str, Tuple[torch.Tensor, Any]] = {}   # gather id -> device tensor, collectives
@@ -170,7 +172,7 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     entries.update((n, c) for n, c in cuts.items() if n not in entries)
     entries.update((n, _Own(b, original_dtype(b))) for n, b in persistent_buffers(model))
     entries.update((n, _Own(t, t.dtype))
-                   for n, t in extra_state_tensors(model, "save_consolidated"))
+                   for n, t in extra_state_tensors(model, what))
     aliases = tied_aliases((path, unit.shared_params) for path, unit in units)
     named = None if optimizer is None else _named_optimizer_state(
         model, optimizer, gathers, tensors, slots, order)

@@ -131,6 +131,14 @@ class UnwrappedState:
         for name, tensor in self.tensors.items():
             yield name, tensor.read()
 
+    def with_aliases(self, entries: Dict[str, Any]) -> Dict[str, Any]:
+        """``entries`` (by name, aliases aside) with each tied alias given its source's
+        value, the same object: a tied parameter under every name, as ``state_dict()`` has
+        it."""
+        for alias, source in self.aliases:
+            entries[alias] = entries[source]
+        return entries
+
     def specs(self) -> List[Tuple[str, torch.dtype, Tuple[int, ...]]]:
         """(name, dtype, shape) of every entry ``entries`` yields, then of the aliases."""
         specs = [(n, t.dtype, tuple(t.shape)) for n, t in self.tensors.items()]

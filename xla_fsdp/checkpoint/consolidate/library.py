@@ -70,9 +70,6 @@ def consolidate_state_dicts(state_dict_list: List[Dict[str, Any]],
 
 
 def _state_dict(plan: ModelPlan, shards: ShardSet) -> "OrderedDict[str, torch.Tensor]":
-    out: "OrderedDict[str, torch.Tensor]" = OrderedDict(
-        unwrapped_state(shards, plan, False).entries())
-    for alias, source in plan.aliases:
-        out[alias] = out[source]  # tied: one tensor under both names
-    return out
+    state = unwrapped_state(shards, plan, False)
+    return state.with_aliases(OrderedDict(state.entries()))  # tied: one tensor, both names
 

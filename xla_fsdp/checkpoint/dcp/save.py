@@ -58,7 +58,7 @@ from ..unwrapped_state import model_order
 
 def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, bool]:
     """Where this rank's sharding group keeps its checkpoint, and whether it writes there
-    (``unit_protocol.sharding_group_path``)."""
+    (``live_model.sharding_group_path``)."""
     return sharding_group_path(checkpoint_dir, model)[0], writes_sharding_group_copy(model)
 
 

@@ -61,7 +61,7 @@ def _dcp_path(step_path: str, model: ShardedModel) -> str:
     """What ``save_dcp`` and ``load_dcp`` are given for a step: the step's directory itself,
     which is then a DCP checkpoint as FSDP2 and torchtitan load it; with independent
     sharding groups a name inside it, which each group's directory extends
-    (``unit_protocol.sharding_group_path``), so that every group's files are in the step's
+    (``live_model.sharding_group_path``), so that every group's files are in the step's
     directory and go with it."""
     return os.path.join(step_path, GROUPS_DCP) if sharding_group_path(step_path, model)[1] \
         else step_path

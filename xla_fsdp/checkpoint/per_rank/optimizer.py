@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..files import CheckpointError, TensorRef
 from ..metadata import MODEL, OPTIMIZER, RankRecord
-from ..optimizer_state import per_rank_state, walk_state
+from ..optimizer_state import walk_state
 from ..unwrapped_state import Member, NamedState, holding, named_state as name_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
@@ -55,20 +55,23 @@ def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
 
 
 def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
+    """Why index ``i`` cannot be the shard ``keys[i]`` in some file, by the one rule
+    (``walk_state``), or None."""
     for f in shards.files:
         opt, model = f.tree[OPTIMIZER], f.tree[MODEL]
-        for index in (i for g in opt["param_groups"] for i in g["params"]):
-            if index >= len(keys) or keys[index] not in model:
-                return f"{f.path}: optimizer index {index} has no shard to belong to"
-            shard = model[keys[index]]
-            for name, value in opt.get("state", {}).get(index, {}).items():
-                if per_rank_state(name, value, shard.shape):
-                    return (f"{f.path}: optimizer index {index}'s {name!r} has shape "
-                            f"{list(value.shape)}, but shard {keys[index]} has "
-                            f"{list(shard.shape)}: the optimizer was not built over "
-                            f"model.parameters() in order, or its state is per shard "
-                            f"(Adafactor's factored statistics), which only per-rank files "
-                            f"hold")
+        indices = [i for g in opt["param_groups"] for i in g["params"]]
+        lost = [i for i in indices if i >= len(keys) or keys[i] not in model]
+        if lost:
+            return f"{f.path}: optimizer index {lost[0]} has no shard to belong to"
+        state = opt.get("state", {})
+        try:
+            for _ in walk_state({i: state.get(i, {}) for i in indices},
+                                lambda i: model[keys[i]].shape,
+                                lambda i: f"{f.path}: optimizer index {i} (shard {keys[i]})"):
+                pass
+        except CheckpointError as exc:
+            return (f"{exc} Or the optimizer was not built over model.parameters() in order, "
+                    f"which no record in the file says.")
     return None
 
 

@@ -70,10 +70,7 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
             raise CheckpointError(f"{shards.pattern}: its optimizer state cannot be read: "
                                   f"{reason}")
     state = unwrapped_state(shards, plan, with_optimizer)
-    model = dict(state.tensors)
-    for alias, source in state.aliases:  # tied: under every name, as state_dict() has it
-        model[alias] = model[source]
-    tensors, objects = model_entries(model)
+    tensors, objects = model_entries(state.with_aliases(dict(state.tensors)))
     if state.optimizer is not None:
         more_tensors, more_objects = optimizer_entries(state.optimizer.as_state_dict(),
                                                        shards.pattern)

@@ -56,9 +56,8 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
         for name, tensor in state.entries():
             model[name] = writer.add(tensor)
             progress(tensor.numel())
-        for alias, source in state.aliases:
-            model[alias] = model[source]  # one record under both names: stays tied on load
-        tree: Dict[str, Any] = {MODEL: model}
+        # one record under both names: stays tied on load
+        tree: Dict[str, Any] = {MODEL: state.with_aliases(model)}
         if state.optimizer is not None:
             tree[OPTIMIZER], tree[OPTIMIZER_NAMES] = state.optimizer.as_indexed_state_dict(
                 writer.add)
