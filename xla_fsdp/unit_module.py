@@ -41,7 +41,7 @@ from ._xla.patched_linear import patch_linear_layers
 from ._xla.private_api import CollectiveBindings, incompatible_keys
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
-from .checkpoint.metadata import shard_metadata
+from .checkpoint.per_rank_format import shard_metadata
 from .checkpoint.live_model import original_names_and_shards
 
 
@@ -353,7 +353,7 @@ class UnitModule(FallThrough):
         load_full_optim_state_dict(self, optimizer, optim_state_dict, param_names)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
-        """What consolidation needs, in torch_xla's format (see ``checkpoint.metadata``)."""
+        """What consolidation needs, in torch_xla's format (see ``checkpoint.per_rank_format``)."""
         return shard_metadata(self, self.named_units(), self.world_size, self.rank)
 
     def check_root_call(self, what: str) -> None:

@@ -156,7 +156,7 @@ def _files_of_two_runs(rank, world, directory, prefix, model, opt):
     import shutil
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import load_sharded, save_sharded
-    from xla_fsdp.checkpoint.metadata import sharded_checkpoint_path
+    from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path
     other = wrapped_net()
     save_sharded(os.path.join(directory, "other"), other, optimizer_for(other))
     mixed = os.path.join(directory, "mixed")

@@ -41,11 +41,11 @@ _STEPPED.ranks = set()
 def _hold_writes():
     """Each rank file's write (on its save's thread) waits until that rank's optimizer has
     stepped: the ranks take turns, so one rank waiting for another would wait for ever."""
-    from xla_fsdp.checkpoint import sharded
+    from xla_fsdp.checkpoint.writers import per_rank_files
     with _STEPPED:
-        if getattr(sharded._RankFileSave.write, "held", False):
+        if getattr(per_rank_files._RankFileSave.write, "held", False):
             return
-        write = sharded._RankFileSave.write
+        write = per_rank_files._RankFileSave.write
 
         def held(self):
             if self.path is not None:
@@ -55,7 +55,7 @@ def _hold_writes():
                         raise TimeoutError(f"rank {rank}'s optimizer step never came")
             write(self)
         held.held = True
-        sharded._RankFileSave.write = held
+        per_rank_files._RankFileSave.write = held
 
 
 def checkpoints(rank, root):

@@ -6,20 +6,23 @@ code with no shared filesystem and loaded back in any of their formats
 saves (``async_save=True``, ``async_save``), and ``CheckpointManager`` (periodic, retained
 checkpoints that stop cleanly on a preemption: ``manager``).
 
-Laid out by the path data takes. A load: a source (``sources``) -> the one staging loader
-(``staging``), which checks everything and reads it all before the ranks agree
-(``coordination``) -> the live model. A save: the live model -> a writer (``sharded`` for
-per-rank files, ``dcp`` for DCP, ``writers`` for the consolidated formats, which read an
-``unwrapped_state``: the live model's gathered (``gathered_state``), or per-rank files'
-(``per_rank``)). Under them: the per-rank format's record (``metadata``), what they need
-of a wrapped model (``unit_protocol``), and the files' bytes (``files``). The offline
-``consolidate_sharded_ckpts`` tool (``consolidate``) imports these; nothing here imports it."""
+Laid out by the path data takes. The API, one module per format: ``sharded``, ``dcp``,
+``consolidated``, ``full_state_dict``. A load: a source (``sources``) -> the one staging
+loader (``staging``), which checks everything and reads it all before the ranks agree
+(``coordination``) -> the live model. A save: the live model -> a writer (``writers``): each
+rank's own per-rank file or DCP chunks, or one consolidated output streamed from an
+``unwrapped_state``, gathered from the live model (``gathered_state``) or read from per-rank
+files (``per_rank``). Under them: the formats (``per_rank_format``, ``consolidated_format``,
+``dcp_format``), the optimizer state's one rule and walk (``optimizer_state``), what they
+need of a wrapped model (``unit_protocol``, ``live_model``), and the files' bytes
+(``files``). The offline ``consolidate_sharded_ckpts`` tool (``consolidate``) imports these;
+nothing here imports it."""
 from .async_save import PendingSave
 from .consolidated import load_consolidated, save_consolidated
 from .dcp import load_dcp, save_dcp
 from .files import CheckpointError
 from .manager import PREEMPTED_EXIT_CODE, CheckpointManager, watch_for_preemption
-from .metadata import sharded_checkpoint_path
+from .per_rank_format import sharded_checkpoint_path
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_sharded", "load_sharded", "save_dcp", "load_dcp", "save_consolidated",

@@ -12,7 +12,8 @@ with its writing on a background thread (``async_save=True``).
 3. *Publish* (on the training thread, every rank, a collective): the ranks agree whether
    every rank's write succeeded; then either every file is put in place, or every rank
    removes what it wrote and raises: see the Notes on a save being all ranks' or none
-   (``sharded``) and on a DCP directory being complete or not a checkpoint (``dcp.save``).
+   (``writers.per_rank_files``) and on a DCP directory being complete or not a checkpoint
+   (``writers.dcp_shards``).
 
 [Note: a write beside training]
 The write competes with training for the host's CPUs: pickling, the CRC-32 of every record

@@ -36,7 +36,7 @@ from .._unit.buffers import original_dtype
 from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
-from .metadata import EXTRA, ShardMetadata
+from .per_rank_format import EXTRA, ShardMetadata
 from .live_model import (extra_state_tensors, persistent_buffers, tied_aliases, unwrapped_name,
                          units_by_saved_path)
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state

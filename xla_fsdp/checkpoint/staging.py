@@ -36,7 +36,7 @@ from .coordination import agree_or_undo, every_rank_agrees, naming
 from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlot,
                                 param_slots, rank_extra_key, rank_extras, slots_by_shard)
 from .files import CheckpointError
-from .metadata import EXTRA, OPTIMIZER
+from .per_rank_format import EXTRA, OPTIMIZER
 from .live_model import extra_state_holders, persistent_buffers
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, state_is_sharded)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
-from xla_fsdp.checkpoint.metadata import MODEL, OPTIMIZER
+from xla_fsdp.checkpoint.per_rank_format import MODEL, OPTIMIZER
 from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, walk_state
 from xla_fsdp.checkpoint.per_rank.optimizer import named_state, optimizer_param_keys
 from xla_fsdp.checkpoint.per_rank.plan import plan_model

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 from ..dcp_format.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_paths
-from ..metadata import MODEL, RANK_FILES, sharded_checkpoint_path
+from ..per_rank_format import MODEL, RANK_FILES, sharded_checkpoint_path
 from ..writers.formats import FORMATS, OutputOptions, output_paths, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from ..per_rank.optimizer import why_not_consolidated

@@ -15,7 +15,7 @@ import torch
 
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
-from ..metadata import MODEL, SHARD_METADATA, ShardMetadata
+from ..per_rank_format import MODEL, SHARD_METADATA, ShardMetadata
 from ..writers.formats import OutputOptions, write_output
 from ..per_rank.optimizer import why_not_consolidated
 from ..per_rank.plan import ModelPlan, plan_model

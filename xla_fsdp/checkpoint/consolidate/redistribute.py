@@ -23,7 +23,7 @@ from ..dcp_format.layout import GET_STATE_DICT, extra_key
 from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
-from ..metadata import (EXTRA, MODEL, OPTIMIZER, RankRecord, rank_file_tree,
+from ..per_rank_format import (EXTRA, MODEL, OPTIMIZER, RankRecord, rank_file_tree,
                         wrapping_fingerprint)
 from ..optimizer_state import walk_state
 from ..per_rank.optimizer import optimizer_param_keys

@@ -1,6 +1,6 @@
 """How a save's DCP files are written, by the online ``save_dcp`` and the offline writers
 alike: named by the save, cut into files of bounded size, and committed by ``.metadata``
-(see [Note: a DCP directory is complete or not a checkpoint] in ``dcp.save``).
+(see [Note: a DCP directory is complete or not a checkpoint] in ``writers.dcp_shards``).
 
 [Note: DCP's writer keeps a file's tensors until it closes]
 ``FileSystemWriter.write_data`` (torch 2.9) keeps every tensor it writes to a file in a dict

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from ..._sharding.chunks import Chunk, run_chunks
-from ..metadata import EXTRA, MODEL, OPTIMIZER
+from ..per_rank_format import EXTRA, MODEL, OPTIMIZER
 from ..live_model import unwrapped_name
 from ..._unit.shard_group import ShardGroup
 from ..unit_protocol import ShardedModel

@@ -44,7 +44,7 @@ from ..dcp import load_dcp, save_dcp
 from ..coordination import exchange
 from ..dcp_format.metadata_file import METADATA_FILE
 from ..files import CheckpointError
-from ..metadata import RANK_FILES
+from ..per_rank_format import RANK_FILES
 from ..sharded import load_sharded, save_sharded
 from ..unit_protocol import ShardedModel
 from ..live_model import sharding_group_path

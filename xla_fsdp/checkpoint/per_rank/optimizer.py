@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..files import CheckpointError, TensorRef
-from ..metadata import MODEL, OPTIMIZER, RankRecord
+from ..per_rank_format import MODEL, OPTIMIZER, RankRecord
 from ..optimizer_state import walk_state
 from ..unwrapped_state import Member, NamedState, holding, named_state as name_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys

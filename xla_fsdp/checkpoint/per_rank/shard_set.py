@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile
-from ..metadata import MODEL, RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
+from ..per_rank_format import MODEL, RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
 
 
 

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..._sharding.chunks import TensorPieces
 from ..dcp_format.layout import GET_STATE_DICT
-from ..metadata import OPTIMIZER
+from ..per_rank_format import OPTIMIZER
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized

@@ -21,7 +21,7 @@ from typing import Tuple
 
 from ..dcp_format.layout import rank_extra_key
 from ..files import CheckpointError
-from ..metadata import EXTRA, MODEL
+from ..per_rank_format import EXTRA, MODEL
 from .entries import EntrySource, model_entries, optimizer_entries
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model

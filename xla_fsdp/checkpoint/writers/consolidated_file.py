@@ -11,7 +11,7 @@ import torch
 
 from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
 from ..files import SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths
-from ..metadata import MODEL, OPTIMIZER
+from ..per_rank_format import MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..consolidated_format import optimizer_companion
 from ..dcp_format.layout import GET_STATE_DICT, KeyScheme, key_scheme
-from ..metadata import EXTRA, OPTIMIZER
+from ..per_rank_format import EXTRA, OPTIMIZER
 from ..files import CheckpointError, CheckpointFile
 from ..sources.consolidated_files import open_consolidated
 from .dcp_directory import write_dcp

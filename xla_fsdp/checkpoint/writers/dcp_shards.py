@@ -42,7 +42,7 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..metadata import ShardMetadata
+from ..per_rank_format import ShardMetadata
 from ..live_model import (extra_state_tensors, persistent_buffers, refuse_lost_writes, require_root,
                           sharding_group_index, sharding_group_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
