@@ -210,7 +210,7 @@ class XlaFullyShardedDataParallel(UnitModule):
 
     @reshard_after_forward.setter
     def reshard_after_forward(self, value: bool) -> None:
-        self.unit_state.set_reshard_after_forward(value)
+        self.unit_state.params.set_reshard_after_forward(value)
 
     @property
     def reshard_after_backward(self) -> bool:
@@ -226,7 +226,7 @@ class XlaFullyShardedDataParallel(UnitModule):
         full parameters from forward to backward. Overrides ``disable_reshard_on_root``."""
         self.assert_state(TrainingState.IDLE)
         for unit in self._scheduled(recurse):
-            unit.unit_state.set_reshard_after_forward(reshard_after_forward)
+            unit.unit_state.params.set_reshard_after_forward(reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool,
                                    recurse: bool = True) -> None:

@@ -163,7 +163,7 @@ def test_a_forward_without_grad_frees_every_unit_root_included():
 
 def test_without_reshard_after_forward_the_inner_unit_gathers_once_per_step():
     units = Units()
-    units.inner.set_reshard_after_forward(False)
+    units.inner.params.set_reshard_after_forward(False)
     units.net.probe = units.probe_backward
     step(units)
     assert [(p, inner, g) for p, _, _, _, inner, g, _ in units.log] == [

@@ -90,6 +90,8 @@ class UnitParams:
         self._arrived: Dict[ShardGroup, Set[int]] = {}
         self._reduced: Set[ShardGroup] = set()
         # the reduction's settings, changed only through the unit's setters
+        self._explicit_reshard_after_forward: Optional[bool] = None   # set by the user
+        self._at_root = True
         self.reshard_after_forward = options.reshard_after_forward
         self.reshard_after_backward = True
         self.sync_gradients = True                 # False under no_sync
@@ -237,8 +239,21 @@ class UnitParams:
         ParamRecord.take_back([r for g in self.gathered for r in g.records])
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
-    def set_reshard_after_forward(self, value: bool) -> None:
-        self.reshard_after_forward = value
+    def set_reshard_after_forward(self, value: Optional[bool] = None,
+                                  at_root: Optional[bool] = None) -> None:
+        """Decides whether full parameters are freed after forward: as the user set it
+        (``value``), else not at the root under ``disable_reshard_on_root`` (its parameters
+        are needed first in backward), else as the options say. ``at_root`` when the unit's
+        place in the model changes."""
+        if value is not None:
+            self._explicit_reshard_after_forward = bool(value)
+        if at_root is not None:
+            self._at_root = at_root
+        if self._explicit_reshard_after_forward is not None:
+            self.reshard_after_forward = self._explicit_reshard_after_forward
+        else:
+            self.reshard_after_forward = self.options.reshard_after_forward and not (
+                self._at_root and self.options.disable_reshard_on_root)
 
     def set_reshard_after_backward(self, value: bool) -> None:
         self.reshard_after_backward = value

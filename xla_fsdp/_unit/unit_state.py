@@ -51,11 +51,10 @@ class UnitState:
         self.context = RootContext(self, options.sync_on_finalization,
                                    options.optimization_barrier_in_backward)
         self.training_state = TrainingState.IDLE
-        self.explicit_reshard_after_forward: Optional[bool] = None
         self.detached = detached           # a grouping unit no unit was built around yet
         self.compile_refusal = compile_refusal  # why the unit cannot run compiled, if it cannot
         params.join(self.context.backward_barrier)
-        self._update_reshard_after_forward()
+        params.set_reshard_after_forward(at_root=True)
         _STATES[unit] = self
 
     def add_shard_groups(self, shard_groups: Sequence[ShardGroup]) -> None:
@@ -74,13 +73,8 @@ class UnitState:
         shard group or one made trainable again: here it does not need to, since its own
         code hands them over (a scanned stack's loop reduces each layer's)."""
 
-    # -- settings (the public API's setters) -------------------------------------------------
-    # The reduction's own settings (``set_divide``, ``set_sync_gradients``,
-    # ``set_reshard_after_backward``) are set on ``params``, which decides with them.
-    def set_reshard_after_forward(self, value: bool) -> None:
-        self.explicit_reshard_after_forward = bool(value)
-        self._update_reshard_after_forward()
-
+    # The public API's settings (``set_reshard_after_forward``, ``set_divide``,
+    # ``set_sync_gradients``, ...) are set on ``params``, which decides with them.
     def mark_attached(self) -> None:
         self.detached = False
 
@@ -95,20 +89,11 @@ class UnitState:
         for s in states:
             if s is not self and s.parent is None:
                 s.parent = self
-                s._update_reshard_after_forward()
+                s.params.set_reshard_after_forward(at_root=False)
         self.context.set_participants([s for s in states if s is not self])
         for s in states:
             s.context = self.context
             s.params.join(self.context.backward_barrier)
-
-    def _update_reshard_after_forward(self) -> None:
-        if self.explicit_reshard_after_forward is not None:
-            value = self.explicit_reshard_after_forward
-        elif self.is_root and self.options.disable_reshard_on_root:
-            value = False  # the root's parameters are needed first in backward
-        else:
-            value = self.options.reshard_after_forward
-        self.params.set_reshard_after_forward(value)
 
     def assert_state(self, states: Sequence[TrainingState]) -> None:
         if TrainingState.IDLE in states:
