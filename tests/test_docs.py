@@ -12,6 +12,7 @@ import pytest
 from xla_fsdp import launch
 
 from .support.checkpoint_workloads import optimizer_for, train, wrapped_net
+from .support.checks import nonempty
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -70,8 +71,8 @@ def test_the_marked_command_blocks_run_and_write_what_they_say(tmp_path):
     blocks = _runnable_blocks()
     assert blocks, "no command block is marked runnable"
     launch(save_the_docs_checkpoint, (str(tmp_path / "ckpt" / "step100"),), num_devices=4)
-    for page, block in blocks:
-        for line in filter(str.strip, block.splitlines()):
+    for page, block in nonempty(blocks, "command blocks marked runnable"):
+        for line in nonempty(filter(str.strip, block.splitlines()), f"commands in {page}"):
             command, _, comment = line.partition("#")
             done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True,
                                   text=True, timeout=600)

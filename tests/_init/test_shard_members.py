@@ -35,7 +35,8 @@ def test_a_stack_is_sharded_position_by_position_as_one_stacked_group_each(flatt
                                    for n in ("0.weight", "0.bias", "1.weight")]
     assert sharded.shared_params == [(f"{i}.1.extra", f"{i}.0.weight") for i in range(3)]
     assert len(sharded.shard_groups) == (1 if flatten else 3)
-    for k, (g0, g1) in enumerate(zip(ranks[0].shard_groups, ranks[1].shard_groups, strict=True)):
+    for k, (g0, g1) in enumerate(pairs(ranks[0].shard_groups, ranks[1].shard_groups,
+                                       what="shard groups")):
         assert isinstance(g0.layout, StackedLayout) and g0.layout.layers == 3
         # named as one layer's parameter, sized as the stack of them
         name = "flat_param_0" if flatten else ("0.weight", "0.bias", "1.weight")[k]

@@ -18,7 +18,7 @@ import torch.nn as nn
 from xla_fsdp import launch
 from xla_fsdp._unit.options import hardware_defaults
 
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -110,7 +110,7 @@ def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before
     """And a step that also calls ``xm.all_reduce`` (pinned, torch_xla's default) compiles
     and trains the same, with FSDP's collectives pinned, unpinned or in a TPU's layout."""
     first = traced["pinned"]
-    for name, (forward, backward, loss, total, after) in traced.items():
+    for name, (forward, backward, loss, total, after) in nonempty(traced.items(), "settings"):
         pin_layout = SETTINGS[name].get("pin_layout_in_collective_ops", True)
         assert total == pytest.approx(2 * loss, rel=1e-6), (name, loss, total)
         assert after == after and after != loss, (name, loss, after)
@@ -119,7 +119,7 @@ def test_all_gathers_wait_on_no_collective_and_reduce_scatters_on_the_one_before
         graph = _dependencies(forward)
         gathers = [n for n, (op, *_) in graph.items() if op == "all-gather"]
         assert len(gathers) >= 3, (name, gathers)
-        for g in gathers:
+        for g in nonempty(gathers, "all-gathers"):
             assert not _token_upstream(graph, g), (name, g)
         # rank-1 pieces and a unit's coalesced gather: never pinned (see [Note: a rank-1
         # gather needs no pinned layout]); the reductions keep the option's pin
@@ -149,12 +149,12 @@ def test_on_a_tpu_no_collective_carries_the_token_and_the_step_trains_the_same(t
         graph = _dependencies(hlo)
         collectives = [n for n, (op, *_) in graph.items() if op in COLLECTIVES]
         assert collectives, hlo
-        for c in collectives:
+        for c in nonempty(collectives, "collectives"):
             assert not _token_upstream(graph, c), c
     graph = _dependencies(backward)
     scatters = [n for n, (op, *_) in graph.items() if op == "reduce-scatter"]
     assert len(scatters) >= 3, scatters
-    for s in scatters:
+    for s in nonempty(scatters, "reduce-scatters"):
         assert every(graph[o][0] != "add" for o in graph[s][2] if o in graph), (s, graph[s][2])
 
 

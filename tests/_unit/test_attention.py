@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from xla_fsdp import launch
 from xla_fsdp._unit.attention import attention, enter, install, leave
 
-from ..support.checks import every, pairs
+from ..support.checks import every, nonempty, pairs
 
 B, H, L, S = 2, 4, 6, 7
 
@@ -302,7 +302,7 @@ def test_every_matmul_of_a_bf16_step_is_bf16_checkpointed_or_compiled():
     results = launch(_bf16_step_dots, num_devices=2)
     assert results[0] == results[1], results
     eager_losses = results[0].pop("eager")["losses"]
-    for where, dots in results[0].items():
+    for where, dots in nonempty(results[0].items(), "placements but eager"):
         losses = dots.pop("losses", eager_losses)
         assert set(dots) == {"bf16"}, (where, dots)
         # eager: qkv, out, up and down of 2 blocks and the head, 3 dots each (forward and
@@ -311,7 +311,7 @@ def test_every_matmul_of_a_bf16_step_is_bf16_checkpointed_or_compiled():
         least = 12 if where.startswith("compile") else 3 * 9 + 3 * 4
         assert dots["bf16"] >= least, (where, dots)
         # the compiled steps train as the eager one does, within the bf16 parity bound
-        for step, (got, want) in enumerate(zip(losses, eager_losses, strict=True)):
+        for step, (got, want) in enumerate(pairs(losses, eager_losses, what="losses")):
             assert abs(got - want) <= 3e-2 * abs(want), (where, step, got, want)
 
 
@@ -364,7 +364,8 @@ def test_float32_xla_attention_in_the_scope_is_torchs_and_keeps_no_probabilities
     a computation that keeps query, key, value, the output and the rows' log-sum-exp, and
     computes the probabilities again behind a barrier."""
     results, dropped = launch(_float32_on_xla, num_devices=1)[0]
-    for mask, (want, ours, kept_torch, kept_ours, barrier) in results.items():
+    for mask, (want, ours, kept_torch, kept_ours, barrier) in nonempty(results.items(),
+                                                                        "masks"):
         for a, b in pairs(ours, want):
             torch.testing.assert_close(a, b, msg=lambda m: f"{mask}: {m}")
         assert kept_torch and kept_ours == [] and barrier, (mask, kept_torch, kept_ours)

@@ -11,7 +11,7 @@ from tests.support.fake_collectives import FakeWorld, data_update, tracked_updat
 from xla_fsdp._unit.host_offload import fetch_gradients
 
 from .test_unit_params import data, expected_grad, model, reference_grads, run_pass, wire
-from ..support.checks import pairs
+from ..support.checks import nonempty, pairs
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def _fetch(world, rank):
 def test_the_shard_is_on_the_host_and_its_device_copy_follows_its_generation(layout):
     world = FakeWorld(model(), compute_dtype=torch.bfloat16, offload_optimizer=True, **layout)
     originals = {p.untyped_storage().data_ptr() for p, _, _ in world.found[0]}
-    for g in world.shard_groups[0]:
+    for g in nonempty(world.shard_groups[0], "shard groups"):
         assert g.shard.device.type == "cpu" and g.shard.dtype == torch.float32
         assert g.shard.untyped_storage().data_ptr() not in originals  # never a view
         copy = g.local()
@@ -57,7 +57,7 @@ def test_reduced_gradients_reach_the_host_grad_at_the_end_of_backward(rank, dtyp
     for step in range(2):
         run_pass(plain, rank, data(step, dtype))
         run_pass(offloaded, rank, data(step, dtype))
-        for g in offloaded.shard_groups[rank]:
+        for g in nonempty(offloaded.shard_groups[rank], "shard groups"):
             # as reduced: a bf16 gradient leaves the device in half the bytes
             assert g.device_gradient().dtype == dtype
         _fetch(offloaded, rank)

@@ -7,7 +7,7 @@ import torch.nn as nn
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout
 from xla_fsdp._unit.shard_group import shard_group_of
-from ..support.checks import every, pairs
+from ..support.checks import every, nonempty, pairs
 
 LAYOUTS = {"flat": ({}, FlatLayout), "flatten": ({"flatten_parameters": True}, InterleavedLayout),
            "dim0": ({"shard_param_on_dim_0": True}, Dim0Layout)}
@@ -32,7 +32,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
     names = [[n for n, _ in world.reference.named_parameters()]] if layout == "flatten" else \
         [[n] for n, _ in world.reference.named_parameters()]
     assert [g.names for g in ranks[0]] == [g.names for g in ranks[1]] == names
-    for index, (g0, g1) in enumerate(zip(*ranks, strict=True)):
+    for index, (g0, g1) in enumerate(pairs(*ranks, what="shard groups")):
         assert isinstance(g0.layout, layout_type)
         # the ranks' shards are the parameters, cut; each shard holds only its own piece
         full = g0.layout.unshard(torch.cat([g0.shard.detach(), g1.shard.detach()]))
@@ -50,7 +50,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
         assert "." not in g0.shard_name and g0.shard_name.startswith("_fsdp_shard")
         assert shard_group_of(g0.shard) is g0 and shard_group_of(g1.shard) is g1
         assert g0.updates == 0 and g0.sentinel is None
-    for rank, module in enumerate(world.modules):
+    for rank, module in enumerate(nonempty(world.modules, "ranks' modules")):
         # no parameter is registered any more: placeholders stand where they were
         assert list(module.parameters()) == []
         records = [r for g in ranks[rank] for r in g.records]

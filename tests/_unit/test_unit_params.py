@@ -13,7 +13,7 @@ from torch.testing import assert_close
 
 from tests.support.fake_collectives import FakeWorld, data_update, tracked_update
 from xla_fsdp._unit.unit_params import FullParams
-from ..support.checks import every, pairs
+from ..support.checks import every, nonempty, pairs
 
 LAYOUTS = {"flat": {}, "flatten": {"flatten_parameters": True},
            "dim0": {"shard_param_on_dim_0": True}}
@@ -245,7 +245,7 @@ def test_each_shard_gets_its_slice_of_the_summed_gradients_divided(layout, rank)
     assert len(fake.reductions) == len(params.shard_groups)
     assert fake.scales == [1 / 8] * len(params.shard_groups)
     grads = reference_grads(world, [x])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert g.shard.grad.dtype == torch.float32
         assert_close(g.shard.grad, expected_grad(world, g, grads, rank, divisor=8.0))
         assert every(r.placeholder.grad is None for r in g.records)
@@ -279,7 +279,7 @@ def test_low_precision_gradients_are_pre_divided_or_reduced_in_float32(fp32_redu
     # were divided by the pre factor before it, for headroom
     assert fake.scales == [1 / 8 if fp32_reduce_scatter else 1 / 4] * len(fake.scales)
     grads = reference_grads(world, [x], dtype=torch.bfloat16)
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert g.shard.grad.dtype == torch.float32
         assert_close(g.shard.grad, expected_grad(world, g, grads, 1, divisor=8.0),
                      rtol=2e-2, atol=1e-3)
@@ -356,7 +356,7 @@ def test_no_sync_gradients_stay_on_placeholders_until_a_synced_reduction_adds_th
     assert params.state is FullParams.SHARDED and dummies(params)  # each freed once complete
     params.finalize_backward()
     first = reference_grads(world, [x1])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         for name, r in pairs(g.names, g.records):
             assert_close(r.placeholder.grad, first[name])
         # the accumulation is marked: a zero shard gradient the next reduction adds to
@@ -366,7 +366,7 @@ def test_no_sync_gradients_stay_on_placeholders_until_a_synced_reduction_adds_th
     params.set_sync_gradients(True)
     run_pass(world, 1, x2)
     both = reference_grads(world, [x1, x2])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert g.sentinel is None and every(r.placeholder.grad is None for r in g.records)
         assert_close(g.shard.grad, expected_grad(world, g, both, 1))
 
@@ -401,7 +401,7 @@ def test_an_accumulation_is_reduced_when_the_synced_backward_skips_it(took_part)
     if took_part:
         loss(ref(x2, False)).backward()
     grads = {n: p.grad for n, p in ref.named_parameters()}
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert g.sentinel is None and every(r.placeholder.grad is None for r in g.records)
         assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
 

@@ -69,7 +69,7 @@ def test_misuse_is_answered_in_one_line_before_anything_is_traced(tmp_path, monk
         code = main(list(args))
         err = capsys.readouterr().err
         return code, [line for line in err.splitlines() if line.strip()]
-    cases = [
+    for args, expected in [
         (["--topology", "v5e-8", "--json", "/proc/no/such/dir/p.json", SCRIPT],
          "does not exist"),
         (["--topology", "v5e-8", "--json", str(tmp_path), SCRIPT], "is a directory"),
@@ -77,8 +77,7 @@ def test_misuse_is_answered_in_one_line_before_anything_is_traced(tmp_path, monk
         (["--topology", "v9-8", SCRIPT], "unknown TPU topology 'v9-8'"),
         (["--topology", "v5e-8", SCRIPT, "--no-launch"], "ended without calling launch()"),
         (["estimate", "--topology", "v5e-8", "missing.hlo"], "missing.hlo: no such file"),
-    ]
-    for args, expected in cases:
+    ]:
         code, lines = said(args)
         assert code == 2 and len(lines) == 1 and expected in lines[0], (args, lines)
     import torch_xla

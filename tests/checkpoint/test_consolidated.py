@@ -16,7 +16,7 @@ from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
 
 from ..support.checkpoint_workloads import assert_same_tree
 from ..support.consolidated_workloads import CONFIG, FORMATS, WORLD, llama, save_everything
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def _offline(root, fmt, tmp_path):
 
 def test_only_the_first_rank_writes(saved):
     root, results = saved
-    for rank in range(1, WORLD):
+    for rank in nonempty(range(1, WORLD), "ranks but the first"):
         assert every(results[rank][f] is None for f in FORMATS), results[rank]
         assert results[rank]["files"] == [], results[rank]["files"]
     assert results[0]["files"] == sorted(
@@ -96,7 +96,7 @@ def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):
 
 def test_a_config_that_does_not_fit_the_weights_is_refused(saved, tmp_path, capsys):
     root, results = saved
-    for rank in range(WORLD):
+    for rank in nonempty(range(WORLD), "ranks"):
         assert "does not describe these weights" in results[rank]["refused"]
         assert "model.embed_tokens.weight: weights [100, 32], config [100, 48]" in \
             results[rank]["refused"]
@@ -127,7 +127,7 @@ def test_each_optimizer_state_is_gathered_once_per_run_of_its_shard(saved):
         tids = [tid for run in runs for tid in run]
         shards = {t for t in tids if "#" in t}
         assert shards, f"{fmt}: no optimizer state was gathered"
-        for state in shards:
+        for state in nonempty(shards, "gathered optimizer states"):
             shard = state.split("#")[0]
             assert tids.count(state) == tids.count(shard) >= 1, (fmt, state, tids)
 

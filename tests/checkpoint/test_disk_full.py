@@ -22,7 +22,7 @@ from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
 from ..support.checkpoint_workloads import frames_keeping, optimizer_for, train, wrapped_net
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 WORLD, FULL_RANK = 4, 2
 PAGE = 4096
@@ -222,7 +222,7 @@ def _names_the_full_disk(message, path):
 def test_saves_on_a_full_disk(launched):
     own_disks, shared, out = launched["own_disks"], launched["shared"], launched["out"]
 
-    for rank, result in out.items():
+    for rank, result in nonempty(out.items(), "ranks"):
         # per-rank files, the same prefix: FULL_RANK's disk is full, every rank raises
         path = os.path.join(own_disks[rank], f"net_rank-{rank:08d}-of-{WORLD:08d}.pth")
         if rank == FULL_RANK:
@@ -265,7 +265,7 @@ def test_saves_on_a_full_disk(launched):
                               ("dcp_error", None)):
         own = {r: res[key] for r, res in out.items() if not res[key].startswith("rank ")}
         assert own, f"{key}: no rank reported the full disk itself"
-        for rank, message in own.items():
+        for rank, message in nonempty(own.items(), "ranks that named the full disk"):
             if file_pattern:
                 path = os.path.join(shared, file_pattern.format(rank=rank))
             else:
@@ -273,7 +273,7 @@ def test_saves_on_a_full_disk(launched):
                 assert os.path.dirname(path) == os.path.join(shared, "dcp")
                 assert path.endswith(".distcp") and f"__{rank}_" in path, path
             assert _names_the_full_disk(message, path), message
-        for rank, result in out.items():
+        for rank, result in nonempty(out.items(), "ranks"):
             assert result[key] is not None, (key, rank)
 
 

@@ -18,7 +18,7 @@ from xla_fsdp import launch
 from ..support.load_workloads import (PARTIAL_DROPPED, STEPS, llama, load_everything,
                                      trained_state, write_corrupted)
 from ..support.parity import paired
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 pytestmark = pytest.mark.slow  # the module's launch loads every format at N = 2 and 4
 
@@ -62,11 +62,11 @@ def test_the_hf_directory_is_sharded(loaded):
 
 def test_every_format_loads_exactly_at_any_world_size(loaded):
     root, state, results = loaded
-    for world, by_rank in results.items():
-        for rank, out in by_rank.items():
-            for name, full in out["full"].items():
+    for world, by_rank in nonempty(results.items(), "world sizes"):
+        for rank, out in nonempty(by_rank.items(), "ranks"):
+            for name, full in nonempty(out["full"].items(), "ways of loading"):
                 assert set(full) == set(state["sd"]), (world, name)
-                for key, value in state["sd"].items():
+                for key, value in nonempty(state["sd"].items(), "state entries"):
                     assert torch.equal(full[key], value), (world, rank, name, key)
             assert out["extra_pt"] == {"step": 1} and out["extra_hf"] is None
 
@@ -74,12 +74,12 @@ def test_every_format_loads_exactly_at_any_world_size(loaded):
 def test_the_optimizer_state_loads_exactly(loaded):
     """What was loaded, written back by save_consolidated, is the state that was saved."""
     root, state, results = loaded
-    for world in results:
-        back = torch.load(root / "rank-0" / "back.pth", weights_only=True)
+    for world in nonempty(results, "world sizes"):
+        back = torch.load(root / f"rank-0-of-{world}" / "back.pth", weights_only=True)
         assert back["optimizer_param_names"] == state["names"]
         assert back["optimizer"]["param_groups"] == state["osd"]["param_groups"]
-        for index, values in state["osd"]["state"].items():
-            for key, value in values.items():
+        for index, values in nonempty(state["osd"]["state"].items(), "optimizer states"):
+            for key, value in nonempty(values.items(), f"parameter {index}'s state"):
                 assert torch.equal(back["optimizer"]["state"][index][key], value), (index, key)
 
 
@@ -89,7 +89,7 @@ def test_each_rank_reads_its_share(loaded):
     root, state, results = loaded
     model_bytes = sum(p.numel() * p.element_size() for p in state["model"].parameters())
     steps = 4 * len(state["names"])
-    for world, by_rank in results.items():
+    for world, by_rank in nonempty(results.items(), "world sizes"):
         for name in ("pt", "safetensors", "hf"):
             got = [by_rank[r]["bytes"][name] for r in range(world)]
             # with the optimizer: AdamW's two moments, sharded like the parameters
@@ -101,7 +101,7 @@ def test_each_rank_reads_its_share(loaded):
 
 def test_only_the_first_rank_opens_the_file(loaded):
     root, _, results = loaded
-    for world, by_rank in results.items():
+    for world, by_rank in nonempty(results.items(), "world sizes"):
         assert by_rank[0]["host_files"] == ["ck.pth"]
         assert every(by_rank[r]["host_files"] == [] for r in range(1, world))
 
@@ -109,21 +109,21 @@ def test_only_the_first_rank_opens_the_file(loaded):
 def test_training_continues_as_unsharded(loaded):
     root, _, results = loaded
     reference = results[2][0]["reference"]
-    for rank, out in results[4].items():
+    for rank, out in nonempty(results[4].items(), "ranks"):
         for way in ("losses_pt", "losses_first_rank", "losses_in_memory"):
             for step, (a, b) in paired(out[way], reference["losses"]):
                 assert abs(a - b) <= LOSS_BOUND * abs(b), (rank, way, step, a, b)
             assert len(out[way]) == STEPS
     full = results[4][0]["trained_full"]
-    for key, value in reference["params"].items():
+    for key, value in nonempty(reference["params"].items(), "parameters"):
         diff = (full[key] - value).abs()
         assert diff.max() <= ADAM_PARAM_BOUND, (key, diff.max())
 
 
 def test_bad_input_is_refused_and_changes_nothing(loaded):
     root, _, results = loaded
-    for world, by_rank in results.items():
-        for rank, out in by_rank.items():
+    for world, by_rank in nonempty(results.items(), "world sizes"):
+        for rank, out in nonempty(by_rank.items(), "ranks"):
             errors = out["errors"]
             assert "model-00002-of-00006.safetensors, which is missing" in \
                 errors["missing_shard"], errors["missing_shard"]

@@ -20,7 +20,7 @@ from ..support import any_world_workloads as layouts
 from ..support.checkpoint_workloads import optimizer_for, train, wrapped_net
 from ..support.models import Net
 from ..support.parity import paired
-from ..support.checks import every, pairs
+from ..support.checks import every, nonempty, pairs
 
 pytestmark = pytest.mark.slow  # training, saving and resuming at N = 4 and 2 (8 too)
 
@@ -164,7 +164,7 @@ def test_consolidated_matches_unsharded_training(saved, reference):
     ckpt = torch.load(saved["consolidated"], weights_only=True)
     plain = Net()
     plain.load_state_dict(ckpt["model"], strict=True)
-    for name, value in ref["params"].items():
+    for name, value in nonempty(ref["params"].items(), "parameters"):
         assert (ckpt["model"][name] - value).abs().max() <= 1e-5, name
     # the optimizer state loads into an optimizer over the plain model and matches
     opt = optimizer_for(plain)
@@ -214,7 +214,7 @@ WORLDS = [2, pytest.param(8, marks=pytest.mark.slow)]
 def test_reshard_and_resume(resumes, saved, world):
     out = resumes(world)
     expected = saved["at_four"][0]["continued"]
-    for rank, result in out.items():
+    for rank, result in nonempty(out.items(), "ranks"):
         assert result["extra"] == {"step": 5} and result["direct_extra"] == {"step": 5}
         stale = result["stale"]
         assert "mixes checkpoints of different world sizes" in stale["refused"], stale
@@ -248,7 +248,7 @@ def test_a_checkpoint_loads_into_another_wrapping(saved, reference):
     assert not problems, "\n".join(problems)
     # saved again from the other layout, the same state consolidates to the same output
     root = saved["layouts_dir"]
-    for name in layouts.ACROSS:
+    for name in nonempty(layouts.ACROSS, "layouts loaded across"):
         for fmt in ("pt", "safetensors", "dcp"):
             outputs = []
             for prefix in (name, name + "_across"):
@@ -258,12 +258,12 @@ def test_a_checkpoint_loads_into_another_wrapping(saved, reference):
                 outputs.append(_output(fmt, out))
             assert outputs[0] == outputs[1], (name, fmt)
     at_four = saved["at_four"]
-    for rank, result in at_four.items():
+    for rank, result in nonempty(at_four.items(), "ranks"):
         got = result["layouts"]["flattened_into_dim0"]
         assert got["extra"] == {"layout": "flattened"}
         want = at_four[0]["layouts"]["flattened"]
         assert got["state"].keys() == want.keys()
-        for key, value in want.items():
+        for key, value in nonempty(want.items(), "state entries"):
             assert got["state"][key].dtype == value.dtype, key
             assert torch.equal(got["state"][key], value), (rank, key)
 
@@ -302,7 +302,7 @@ def _output(fmt, path):
 
 
 def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
-    for rank, result in resumes(2).items():
+    for rank, result in nonempty(resumes(2).items(), "ranks"):
         out = result["layouts"]["refusals"]
         for label, message in out.items():
             print(f"rank {rank} {label}: {message}")
@@ -334,6 +334,6 @@ def test_consolidates_torch_xla_checkpoints(saved, resumes):
     assert every(torch.equal(ours[k], v) for k, v in theirs.items())
     Net().load_state_dict(ours, strict=True)
     # load_sharded reads them too, at another world size and into our wrapping
-    for rank, result in resumes(2).items():
+    for rank, result in nonempty(resumes(2).items(), "ranks"):
         assert sorted(result["upstream"]) == sorted(theirs)
         assert every(torch.equal(result["upstream"][k], v) for k, v in theirs.items()), rank

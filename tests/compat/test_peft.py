@@ -27,7 +27,7 @@ from xla_fsdp import launch
 
 pytest.importorskip("peft")
 from ..support import peft_workloads as work  # noqa: E402 (imports peft)
-from ..support.checks import every  # noqa: E402
+from ..support.checks import every, nonempty  # noqa: E402
 from ..support.parity import paired  # noqa: E402
 
 BOUND = 1e-5
@@ -107,15 +107,15 @@ def test_trainer_frozen_base_is_neither_reduced_nor_optimized(trainer_runs):
     apart, and only trainable ones are reduced and stepped."""
     run = trainer_runs["fsdp"]
     assert len(run["at_steps"]) == work.TRAINER_STEPS
-    for step, groups in enumerate(run["at_steps"]):
-        for g in groups:
+    for step, groups in enumerate(nonempty(run["at_steps"], "steps")):
+        for g in nonempty(groups, f"step {step}'s shard groups"):
             lora = every((".lora_" in n for n in g["names"]), "names")
             # a shard group holds LoRA parameters only or base parameters only
             assert lora or not any(".lora_" in n for n in g["names"]), g
             assert g["trains"] == lora and g["grad"] == lora, (step, g)
     trained = [g for g in run["after"] if g["trains"]]
     assert len(trained) == 8
-    for g in run["after"]:
+    for g in nonempty(run["after"], "shard groups"):
         assert g["in_optimizer"] == g["state"] == g["trains"], g
 
 
@@ -125,14 +125,14 @@ def test_wrapped_lora_saves_the_unsharded_adapter(tmp_path):
     results = launch(work.train_variants, (str(tmp_path), list(work.VARIANTS)),
                      num_devices=work.WORLD)[0]
     counts = {}
-    for name in work.VARIANTS:
+    for name in nonempty(work.VARIANTS, "variants"):
         result = results[name]
         assert "error" not in result, result.get("error")
         for step, (a, b) in paired(result["losses"], result["plain_losses"]):
             assert abs(a - b) <= BOUND * abs(b), (name, step, a, b)
         counts[name], _ = _same_adapter(str(tmp_path / name / "fsdp"),
                                         str(tmp_path / name / "plain"))
-        for g in result["shards"]:
+        for g in nonempty(result["shards"], f"{name}'s shard groups"):
             assert g["state"] == g["trains"], (name, g)
         assert "pass state_dict=full_state_dict(model)" in result["no_state_dict"], result
         assert "save_pretrained() was given no state_dict, and FSDP units stand in" in \

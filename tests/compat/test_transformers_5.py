@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from ..support import client_venvs
+from ..support.checks import nonempty, pairs
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = ["tests/compat/test_hf_trainer.py", "tests/compat/test_peft.py"]
@@ -29,7 +30,7 @@ def test_trainer_and_peft_tests_pass_on_transformers_5(tmp_path):
     try:
         assert client_venvs.version("transformers-5", "transformers").startswith("5.")
         passed = 0
-        for name, run in zip(FILES, runs, strict=True):
+        for name, run in pairs(FILES, runs, what="files"):
             out, err = run.communicate(timeout=1500)
             summary = out.strip().splitlines()[-1] if out.strip() else ""
             assert run.returncode == 0, name + "\n" + out[-6000:] + err[-3000:]
@@ -59,7 +60,7 @@ def test_trainer_is_fixed_when_imported_after_the_patch_on_5_only():
     runs = {major: subprocess.Popen([str(interpreter), "-c", code], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, cwd=REPO)
             for major, interpreter in interpreters.items()}
-    for major, run in runs.items():
+    for major, run in nonempty(runs.items(), "interpreters"):
         out, err = run.communicate(timeout=600)
         assert run.returncode == 0, (major, err[-2000:])
         assert out.strip().splitlines()[-1] == str(major == 5), (major, out)

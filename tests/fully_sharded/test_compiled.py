@@ -20,7 +20,7 @@ from xla_fsdp import launch
 from ..support.compiled_workloads import (SETTINGS, WARM_UP, refusals, run_settings,
                                           traced_programs)
 from ..support.bounds import loss_problems, parameter_problems, precision
-from ..support.checks import every
+from ..support.checks import every, nonempty
 from ..support.models import DIM, HIDDEN
 
 NET = [n for n, (_, _, extra) in SETTINGS.items() if not extra.get("llama")]
@@ -81,7 +81,7 @@ def _problems(results, name):
 @pytest.mark.parametrize("name", [n for n in NET if SETTINGS[n][0] != "eager"])
 def test_compiled_trains_as_eager(world, name):
     runs = net_runs(world)
-    for rank, results in runs.items():
+    for rank, results in nonempty(runs.items(), "ranks"):
         problems = _problems(results, name)
         assert not problems, f"N={world} rank {rank} {name}:\n" + "\n".join(problems)
     problems = _unsharded_problems(runs, world, name)
@@ -91,13 +91,12 @@ def test_compiled_trains_as_eager(world, name):
 @pytest.mark.slow
 def test_compiled_llama_trains_as_eager():
     runs = launch(run_settings, (2, LLAMA), num_devices=2)
-    for name in LLAMA:
-        if SETTINGS[name][0] != "eager":
-            for rank, results in runs.items():
-                problems = _problems(results, name)
-                assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
-            problems = _unsharded_problems(runs, 2, name)
-            assert not problems, f"{name} against unsharded:\n" + "\n".join(problems)
+    for name in nonempty((n for n in LLAMA if SETTINGS[n][0] != "eager"), "compiled settings"):
+        for rank, results in nonempty(runs.items(), "ranks"):
+            problems = _problems(results, name)
+            assert not problems, f"rank {rank} {name}:\n" + "\n".join(problems)
+        problems = _unsharded_problems(runs, 2, name)
+        assert not problems, f"{name} against unsharded:\n" + "\n".join(problems)
 
 
 # [Note: collectives traced into the compiled graph]: a model whose units all gather in the
@@ -112,11 +111,12 @@ TRACED_EXECUTIONS = 4
 @pytest.mark.parametrize("world", [2, 4])
 def test_traced_placements_run_four_programs_per_step(world):
     results = net_runs(world)[0]
-    for name, (placement, kwargs, extra) in SETTINGS.items():
-        if placement in TRACED and not kwargs.get("offload_optimizer") \
-                and not extra.get("no_sync") and not extra.get("llama"):
-            got = results[name]["executions"]
-            assert got <= TRACED_EXECUTIONS, f"N={world} {name}: {got} executions per rank and step"
+    traced = [name for name, (placement, kwargs, extra) in SETTINGS.items()
+              if placement in TRACED and not kwargs.get("offload_optimizer")
+              and not extra.get("no_sync") and not extra.get("llama")]
+    for name in nonempty(traced, "settings on the traced path"):
+        got = results[name]["executions"]
+        assert got <= TRACED_EXECUTIONS, f"N={world} {name}: {got} executions per rank and step"
     assert results["eager"]["executions"] == 1
 
 

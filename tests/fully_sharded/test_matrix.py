@@ -6,7 +6,7 @@ import itertools
 import pytest
 
 from ..support import matrix
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 
 def test_the_covering_meets_every_pair_of_values():
@@ -25,9 +25,9 @@ def test_the_covering_meets_every_pair_of_values():
 
 
 def test_every_refusal_names_values_on_the_axes():
-    for pattern, words in matrix.REFUSALS:
+    for pattern, words in nonempty(matrix.REFUSALS, "refusals"):
         assert words
-        for axis, value in pattern.items():
+        for axis, value in nonempty(pattern.items(), "axes of a refusal's pattern"):
             assert value in matrix.AXES[axis], (axis, value)
     adafactor = matrix.Cell("moved_first", "sharding_groups", "Adafactor", False, "dcp", "same")
     assert matrix.expected_refusal(adafactor)

@@ -14,6 +14,7 @@ import torch
 
 from xla_fsdp import LaunchError, launch
 
+from ..support.checks import pairs
 from ..support.models import batch, build_model, loss_fn
 
 RPROP_STEPS = 3
@@ -125,7 +126,7 @@ def test_everyday_calls_work(tmp_path):
     model = build_model("net")
     opt = torch.optim.Rprop(model.parameters(), lr=0.01)
     assert len(r0["rprop"]) == len(r1["rprop"]) == RPROP_STEPS
-    for step, sharded in enumerate(zip(r0["rprop"], r1["rprop"], strict=True)):
+    for step, sharded in enumerate(pairs(r0["rprop"], r1["rprop"], what="Rprop losses")):
         x, y = batch("net", step)
         opt.zero_grad()
         loss = loss_fn("net", model(x), y)

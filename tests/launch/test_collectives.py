@@ -16,7 +16,7 @@ import torch
 
 from xla_fsdp import launch
 
-from ..support.checks import pairs
+from ..support.checks import nonempty, pairs
 
 STEPS = 8
 SIZES = (1, 7, 128, 1000, 4096, 1 << 20)  # 1M elements in the largest
@@ -64,7 +64,7 @@ def run_collectives(rank: int) -> dict:
     my_group = next(g for g in groups if rank in g)
     max_error = 0.0
     checked = 0
-    for step in range(STEPS):
+    for step in nonempty(range(STEPS), "steps"):
         outs, refs = [], []
         for numel in SIZES:
             x, total = _everyone(step, numel, world)
@@ -120,7 +120,7 @@ def test_collectives_exact(world):
     results = launch(run_collectives, num_devices=world)
     assert sorted(results) == list(range(world))
     per_step = len(SIZES) * 7 + 3
-    for rank, r in results.items():
+    for rank, r in nonempty(results.items(), "ranks"):
         assert r["world"] == world
         assert r["checked"] == STEPS * per_step
         assert r["max_error"] == 0.0, f"rank {rank}: max error {r['max_error']}"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from xla_fsdp import launch
+from ..support.checks import nonempty
 
 STEPS = 20
 GLOBAL_BATCH = 32
@@ -77,10 +78,10 @@ def reference():
                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_matches_single_device(reference, world):
     results = launch(train_data_parallel, num_devices=world)
-    for rank in range(1, world):  # replicas stay bitwise identical
+    for rank in nonempty(range(1, world), "ranks but the first"):  # replicas stay bitwise identical
         for name in ("sgd", "adamw"):
             assert results[rank]["losses"][name] == results[0]["losses"][name]
-            for key, value in results[rank]["params"][name].items():
+            for key, value in nonempty(results[rank]["params"][name].items(), "parameters"):
                 assert torch.equal(value, results[0]["params"][name][key]), (rank, name, key)
     got = results[0]
     worst = {}
@@ -90,7 +91,7 @@ def test_matches_single_device(reference, world):
         rel = ((our_losses - ref_losses).abs() / ref_losses.abs()).max().item()
         print(f"N={world} {name}: loss rel err {rel:.3g}")
         assert rel <= 1e-6, f"{name}: loss relative error {rel:.3g} at N={world}"
-        for key, ref in reference["params"][name].items():
+        for key, ref in nonempty(reference["params"][name].items(), "parameters"):
             diff = (got["params"][name][key] - ref).abs().max().item()
             scale = ref.abs().max().item()
             worst[name] = max(worst.get(name, 0.0), diff / max(scale, 1.0))

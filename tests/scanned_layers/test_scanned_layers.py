@@ -19,7 +19,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_checkpoint_files
 from ..support.hlo import some_dot_reads_a_gather, traced_hlo
 from ..support.models import (MEM_DIM, MEM_HIDDEN, MEM_LAYERS, Block, MemStack,
                               ScaledByDepth, indexed)
-from ..support.checks import every, pairs
+from ..support.checks import every, nonempty, pairs
 
 MEM_TOKENS, MEM_WORLD = 8, 4  # 8 tokens per rank
 
@@ -133,7 +133,7 @@ def test_scanned_checkpoints_name_every_layer_and_load_into_unscanned_models(tmp
     merged, _ = consolidate_checkpoint_files(str(tmp_path / "scanned"), "_rank-*-of-*.pth",
                                              save_model=False, wait_seconds=0)
     assert set(merged) == set(got["full"])
-    for key, value in got["full"].items():
+    for key, value in nonempty(got["full"].items(), "state entries"):
         assert torch.equal(merged[key], value), key
     # resharded to 3 ranks and merged again: the same tensors
     assert consolidate_main(["--ckpt_prefix", str(tmp_path / "scanned"), "--reshard", "3"]) == 0
@@ -142,7 +142,7 @@ def test_scanned_checkpoints_name_every_layer_and_load_into_unscanned_models(tmp
     prefix = resharded[0].rsplit("_rank-", 1)[0]
     again, _ = consolidate_checkpoint_files(prefix, "_rank-*-of-*.pth", save_model=False,
                                             wait_seconds=0)
-    for key, value in got["full"].items():
+    for key, value in nonempty(got["full"].items(), "state entries"):
         assert torch.equal(again[key], value), key
 
 
@@ -260,7 +260,7 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
     gradient, nor does one never used (it got zeros, which weight decay and AdamW's step
     count act on); BatchNorm under bf16 compute is refused when the stack is built; so is an object
     among the arguments at the call."""
-    for out in launch(_changed_after_wrapping, (), num_devices=2).values():
+    for out in nonempty(launch(_changed_after_wrapping, (), num_devices=2).values(), "ranks"):
         assert out["first"] < 1e-6 and out["alpha"] < 1e-6, out
         assert "layer 1 differs from layer 0 at '.alpha'" in out["one_layer"], out["one_layer"]
         grads = out["grads"]
@@ -364,7 +364,7 @@ def test_dropout_trains_with_the_masks_its_forward_drew(two_ranks):
     init = results[0]["init"]
     reference = DropStack()
     reference.load_state_dict(init)
-    for r in results.values():
+    for r in nonempty(results.values(), "ranks"):
         masks = r["masks"]
         assert masks.shape == (DROP_LAYERS, 8, DROP_DIM)
         assert every(not torch.equal(masks[0], masks[i]) for i in range(1, DROP_LAYERS))
@@ -374,7 +374,7 @@ def test_dropout_trains_with_the_masks_its_forward_drew(two_ranks):
             h = h + torch.tanh(layer.lin(h)) * mask / (1 - DROP_P)
         assert (h.detach() - r["out"]).abs().max() < 1e-5
         ((h * r["w"]).sum() / len(results)).backward()  # FSDP averages over the ranks
-    for name, value in init.items():
+    for name, value in nonempty(init.items(), "parameters"):
         step = init[name] - results[0]["after"][name]
         assert (step - reference.get_parameter(name).grad).abs().max() < 1e-5, name
     assert "recomputed inside backward" in results[0]["refusal"], results[0]["refusal"]

@@ -29,6 +29,8 @@ from xla_fsdp._unit.options import FsdpOptions
 from xla_fsdp._unit.shard_group import ShardGroup
 from xla_fsdp._unit.unit_params import UnitParams
 
+from .checks import nonempty
+
 CPU = torch.device("cpu")
 
 
@@ -89,7 +91,7 @@ class FakeCollectives(Collectives):
         every = self.peer_pieces()
         mine = every[self.rank]
         assert len(mine) == len(shards), (len(mine), len(shards))
-        for own, given in zip(mine, shards, strict=True):
+        for own, given in zip(nonempty(mine, "shards of this rank"), shards, strict=True):
             assert given.dtype == own.dtype and torch.equal(given, own), \
                 "the all-gather's inputs are not this rank's current shards"
         self.gathers.append(len(shards))
@@ -102,7 +104,7 @@ class FakeCollectives(Collectives):
         self.reductions.append([(t.shape, t.dtype) for t in tensors])
         self.scales.append(scale)
         out = []
-        for t in tensors:
+        for t in nonempty(tensors, "reduce-scatter inputs"):
             assert t.shape[0] % n == 0, "a reduce-scatter input must cut into equal blocks"
             total = t + sum(t * self.peer_scale for r in range(n) if r != self.rank)
             block = t.shape[0] // n

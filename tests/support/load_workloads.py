@@ -155,7 +155,8 @@ def load_everything(rank: int, root: str, train: bool) -> Dict[str, Any]:
         out["full"][name] = model.full_state_dict(rank0_only=False)
         out[f"extra_{name}"] = extra
         if name == "pt":
-            own = os.path.join(root, f"rank-{rank}")
+            # the launches at N = 2 and 4 share root: each world size's save is checked
+            own = os.path.join(root, f"rank-{rank}-of-{world}")
             os.makedirs(own, exist_ok=True)
             save_consolidated(os.path.join(own, "back.pth"), model, opt)
             if train:

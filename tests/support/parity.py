@@ -11,6 +11,7 @@ import functools
 import torch
 
 from .bounds import PARAM, loss_problems, parameter_problems, precision
+from .checks import pairs
 from .models import (GLOBAL_BATCH, STEPS, TIED_KINDS, Block, batch, build_model,
                      checkpoint_forward, forward_in, loss_fn)
 
@@ -338,9 +339,10 @@ def train(rank, names, sharded):
 
 def paired(got, want, what="losses"):
     """(step, got, want) for every step, once both sides are known to have run the same
-    number of steps: ``zip`` alone would compare the shorter run's steps and pass."""
+    number of steps, and some: ``zip`` alone would compare the shorter run's steps and pass,
+    and a loop over no steps would check nothing."""
     assert len(got) == len(want), f"{len(got)} {what} against the reference's {len(want)}"
-    return enumerate(zip(got, want, strict=True))
+    return enumerate(pairs(got, want, what=what))
 
 
 def compare(name, got, ref):

@@ -10,7 +10,7 @@ from xla_fsdp.checkpoint.consolidate.library import consolidate_state_dicts
 
 from ...support.synthetic_checkpoints import (LAYERS, STACK_PATH, stacked_full_model, stacked_names,
                         write_stacked)
-from ...support.checks import every
+from ...support.checks import every, nonempty
 
 KINDS = ["flat", "interleaved", "dim0", "flat_multi"]
 
@@ -24,11 +24,11 @@ def _consolidate(capsys, prefix, out, *extra):
 def _check_consolidated(result, full):
     names = stacked_names()
     assert list(result["model"]) == names
-    for name in names:
+    for name in nonempty(names, "parameter names"):
         assert torch.equal(result["model"][name], full[name]), name
     assert result["optimizer_param_names"] == names
     state = result["optimizer"]["state"]
-    for i, name in enumerate(names):
+    for i, name in enumerate(nonempty(names, "parameter names")):
         assert torch.equal(state[i]["exp_avg"], full[name] * 0.5), name
         assert torch.equal(state[i]["exp_avg_sq"], full[name] * full[name]), name
         assert state[i]["step"] == 3.0
@@ -62,10 +62,11 @@ def test_reshard_equals_a_save_at_the_new_world_size(tmp_path, capsys, kind):
         want = torch.load(direct + name, weights_only=True)
         assert got["shard_metadata"] == want["shard_metadata"]
         assert got["model"].keys() == want["model"].keys()
-        for key, tensor in want["model"].items():
+        for key, tensor in nonempty(want["model"].items(), f"rank {rank}'s shards"):
             assert torch.equal(got["model"][key], tensor), (rank, key)
-        for index, state in want["optimizer"]["state"].items():
-            for name_, value in state.items():
+        for index, state in nonempty(want["optimizer"]["state"].items(),
+                                     f"rank {rank}'s optimizer states"):
+            for name_, value in nonempty(state.items(), f"rank {rank}'s state {index}"):
                 assert torch.equal(got["optimizer"]["state"][index][name_], value)
 
 

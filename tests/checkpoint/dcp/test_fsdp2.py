@@ -22,6 +22,7 @@ import torch
 from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate import main as consolidate_main
 
+from ...support.checks import nonempty, pairs
 from ...support.models import GLOBAL_BATCH, Net, batch, loss_fn
 
 K, J, WORLD, FSDP2_WORLD = 3, 3, 4, 2
@@ -99,7 +100,7 @@ def runs(tmp_path_factory):
     out = launch(_ours, (theirs, {k: dirs[f"ours_{k}"] for k in SCHEMES}, prefix),
                  num_devices=WORLD)[0]
     out["fsdp2_own"] = fsdp2_losses[K:]
-    for keys in SCHEMES:
+    for keys in nonempty(SCHEMES, "key schemes"):
         assert consolidate_main(["--ckpt_prefix", prefix, "--format", "dcp", "--dcp_keys", keys,
                                  "--save_path", dirs[f"offline_{keys}"]]) == 0
     mine = [(k, dirs[f"{side}_{k}"]) for side in ("ours", "offline") for k in SCHEMES]
@@ -114,7 +115,7 @@ def _close(got, want):
     assert len(got) == len(want) == J
     worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
     print(f"losses {got} against {want}: largest relative difference {worst:.2e}")
-    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+    for step, (a, b) in enumerate(pairs(got, want, what="losses")):
         assert abs(a - b) <= 1e-5 * abs(b), (step, got, want)
 
 
@@ -137,7 +138,7 @@ def test_we_continue_from_an_fsdp2_checkpoint(runs, keys):
 def test_dcp_to_torch_save_gives_the_unwrapped_state_dict(runs, tmp_path, side):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     names = [n for n, _ in Net().named_parameters()]
-    for keys in SCHEMES:
+    for keys in nonempty(SCHEMES, "key schemes"):
         dcp_to_torch_save(runs["dirs"][f"{side}_{keys}"], str(tmp_path / f"{keys}.pt"))
         state = torch.load(tmp_path / f"{keys}.pt", weights_only=False)
         assert state.pop("extra") == {"step": K}

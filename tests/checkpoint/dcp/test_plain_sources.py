@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from xla_fsdp import launch
 
+from ...support.checks import nonempty
 from ...support.models import GLOBAL_BATCH, Net, batch, loss_fn
 from ...support.parity import paired
 
@@ -116,10 +117,10 @@ def _keys(directory):
 
 @pytest.mark.parametrize("label", LABELS)
 def test_plain_checkpoints_load_and_training_continues_alike(loaded, label):
-    for rank, out in loaded["ours"].items():
+    for rank, out in nonempty(loaded["ours"].items(), "ranks"):
         full = out[label]["full"]
         assert sorted(full) == sorted(loaded["state"])
-        for key, value in loaded["state"].items():
+        for key, value in nonempty(loaded["state"].items(), "state entries"):
             assert torch.equal(full[key], value), (rank, label, key)
         if label not in MODEL_ONLY:  # a seed checkpoint has no optimizer to train on with
             for _, (a, b) in paired(out[label]["losses"], loaded["losses"]):
@@ -128,12 +129,12 @@ def test_plain_checkpoints_load_and_training_continues_alike(loaded, label):
 
 
 def test_optimizer_state_laid_out_two_ways_in_one_shard_is_refused_naming_it(loaded):
-    for rank, out in loaded["ours"].items():
+    for rank, out in nonempty(loaded["ours"].items(), "ranks"):
         assert "optimizer.state.b1.down.bias.exp_avg is laid out otherwise" in \
             out["mixed_state"], out["mixed_state"]
 
 
 def test_a_bare_checkpoint_of_another_model_is_refused_naming_the_key(loaded):
-    for rank, out in loaded["ours"].items():
+    for rank, out in nonempty(loaded["ours"].items(), "ranks"):
         assert "torchtitan's keys" in out["deeper"] and "b2.extra.weight" in out["deeper"], \
             out["deeper"]

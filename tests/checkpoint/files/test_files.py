@@ -11,7 +11,7 @@ import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile, TorchFileWriter, atomic_path
 
-from ...support.checks import every
+from ...support.checks import every, nonempty
 
 
 def test_lazy_reader_reads_what_torch_save_wrote(tmp_path):
@@ -22,7 +22,7 @@ def test_lazy_reader_reads_what_torch_save_wrote(tmp_path):
     torch.save(tree, tmp_path / "f.pth")
     with CheckpointFile(str(tmp_path / "f.pth")) as f:
         f.verify()
-        for k, v in tree["m"].items():
+        for k, v in nonempty(tree["m"].items(), "tensors"):
             got = f.tree["m"][k].read()
             assert got.dtype == v.dtype and torch.equal(got, v), k
         out = torch.empty(5)

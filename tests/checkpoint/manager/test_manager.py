@@ -8,6 +8,7 @@ import pytest
 from xla_fsdp import launch
 from xla_fsdp.checkpoint import CheckpointManager
 
+from ...support.checks import nonempty
 from ...support.manager_workloads import async_and_manager
 
 WORLD = 2
@@ -21,7 +22,7 @@ def launched(tmp_path_factory):
 
 def test_an_asynchronous_save_holds_the_state_of_its_call(launched):
     out, directory = launched
-    for rank in range(WORLD):
+    for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
         assert got["pending_type"]
         assert got["first_published_by_second"]  # one save in flight: the next waits
@@ -32,7 +33,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_call(launched):
 
 def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
     out, _ = launched
-    for rank in range(WORLD):
+    for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
         assert got["kept"] == ["latest", "step000008", "step000010"]
         assert got["latest"] == 10
@@ -50,7 +51,7 @@ def test_a_manager_keeps_the_last_two_and_resumes_exactly(launched):
 ])
 def test_independent_sharding_groups_save_into_the_step_and_restore(launched, format, files):
     out, _ = launched
-    for rank in range(WORLD):
+    for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
         assert got[f"groups_{format}_kept"] == ["latest", "step000002", "step000003"]
         assert got[f"groups_{format}_step3"] == files
