@@ -5,8 +5,9 @@ suite, ``zip`` stops at its shorter input, so a check over its pairs (in an asse
 that asserts, or a list checked later) misses what one side lacks: it must be ``pairs`` or
 ``zip(..., strict=True)``, but for a sequence and its own tail (``zip(a, a[1:])``).
 
-A ``for`` loop whose body asserts (in the body or in a block within it, not in a function
-defined there) asserts nothing over an empty collection: its iterable must be one that cannot
+A ``for`` loop whose body checks (an ``assert``, a call named ``assert...`` such as
+``assert_close``, or ``pytest.raises``; in the body or in a block within it, not in a
+function defined there) checks nothing over an empty collection: its iterable must be one that cannot
 be empty. That is ``nonempty(...)``, ``pairs(...)`` or ``paired(...)`` (``parity.py``), either
 of the first two in ``enumerate``, a literal with an element, a ``range`` of literal bounds
 that holds a number, or ``zip(..., strict=True)`` whose first input is one of these. A name
@@ -32,13 +33,25 @@ def _pairs_with_own_tail(node: ast.Call) -> bool:
         and ast.dump(node.args[1].value) == ast.dump(node.args[0])
 
 
+def _is_check(node: ast.AST) -> bool:
+    """An ``assert``, or a call that checks: ``assert_close`` and the like (any function or
+    method named ``assert...``), ``pytest.raises``."""
+    if isinstance(node, ast.Assert):
+        return True
+    if not isinstance(node, ast.Call):
+        return False
+    name = node.func.id if isinstance(node.func, ast.Name) else \
+        node.func.attr if isinstance(node.func, ast.Attribute) else ""
+    return name.startswith("assert") or name == "raises"
+
+
 def _asserts(body) -> bool:
-    """Whether the statements assert when they run: not in a function they define, which
-    asserts when it is called, if ever."""
+    """Whether the statements check when they run (``_is_check``): not in a function they
+    define, which checks when it is called, if ever."""
     todo = list(body)
     while todo:
         node = todo.pop()
-        if isinstance(node, ast.Assert):
+        if _is_check(node):
             return True
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             todo.extend(ast.iter_child_nodes(node))
@@ -118,6 +131,15 @@ for i, x in enumerate(xs):  # lax
     assert x
 for x in [*xs]:  # lax
     assert x
+for x in xs:  # lax
+    torch.testing.assert_close(x, y)
+for x in xs:  # lax
+    assert_same_tree(x, y)
+for x in xs:  # lax
+    with pytest.raises(ValueError):
+        f(x)
+for x in xs:
+    print(x)
 for x in {**d}:  # lax
     assert x
 for x in ():  # lax

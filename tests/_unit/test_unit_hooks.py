@@ -16,7 +16,7 @@ from xla_fsdp._unit.training_state import TrainingState, TrainingStateError
 from xla_fsdp._unit.unit_params import FullParams, UnitParams
 from xla_fsdp._unit.unit_hooks import HookedUnitState
 from xla_fsdp._unit.unit_state import _STATES
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 IDLE, FORWARD = TrainingState.IDLE, TrainingState.FORWARD
 PRE, POST = TrainingState.BACKWARD_PRE, TrainingState.BACKWARD_POST
@@ -98,9 +98,9 @@ class Units:
         ref = Net()
         ref.load_state_dict(self.reference.state_dict())
         ref(x).pow(2).sum().backward()
-        for world in self.worlds:
+        for world in nonempty(self.worlds, "worlds"):
             factor = world.collectives[self.rank].sum_factor
-            for g in world.shard_groups[self.rank]:
+            for g in nonempty(world.shard_groups[self.rank], "shard groups"):
                 want = world.expected_shard(
                     g, [ref.get_parameter(n).grad * factor for n in g.names], self.rank)
                 assert_close(g.shard.grad, want, rtol=1e-6, atol=1e-6)

@@ -260,7 +260,7 @@ def test_a_reduced_gradient_adds_to_the_shard_gradient():
     run_pass(world, 1, x1)
     run_pass(world, 1, x2)  # no zero_grad in between: gradients accumulate
     grads = reference_grads(world, [x1, x2])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
 
 
@@ -298,7 +298,7 @@ def test_reduce_scatters_are_bucketed_by_size():
                 params.post_backward(g, i)
         params.finalize_backward()
         assert [len(call) for call in fake.reductions] == calls
-        for g in params.shard_groups:
+        for g in nonempty(params.shard_groups, "shard groups"):
             assert_close(g.shard.grad, expected_grad(world, g, grads, 1))
 
 
@@ -319,7 +319,7 @@ def test_an_immediate_pass_holds_its_reductions_until_the_units_last_then_issues
     params.finalize_backward()
     assert len(fake.reductions) == 1  # nothing left to reduce
     grads = reference_grads(world, [x])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert_close(g.shard.grad, expected_grad(world, g, grads, 0))
 
 
@@ -430,7 +430,7 @@ def test_an_accumulation_whose_shard_gradient_was_dropped_is_dropped(zero_grad):
     params.set_sync_gradients(True)
     run_pass(world, 1, x2)
     second = reference_grads(world, [x2])
-    for g in params.shard_groups:
+    for g in nonempty(params.shard_groups, "shard groups"):
         assert_close(g.shard.grad, expected_grad(world, g, second, 1))
 
 
@@ -534,5 +534,5 @@ def test_abandon_drops_the_queue_the_full_parameters_and_the_gather_in_flight():
     b.unshard([], barrier=False)
     assert len(other.collectives[1].gathers) == 2 and holds_full_values(other, 1)
     grads = reference_grads(world, [x])
-    for g in a.shard_groups:
+    for g in nonempty(a.shard_groups, "shard groups"):
         assert_close(g.shard.grad, expected_grad(world, g, grads, 1))

@@ -90,7 +90,7 @@ def test_hf_directory_loads_with_from_pretrained(saved, tmp_path):
     assert index["weight_map"] == want["weight_map"]
     assert index["metadata"] == want["metadata"]
     assert sorted(os.listdir(out)) == sorted(os.listdir(config_dir))
-    for f in set(index["weight_map"].values()):
+    for f in nonempty(set(index["weight_map"].values()), "weight files"):
         assert_same_tree(load_file(os.path.join(out, f)), load_file(os.path.join(config_dir, f)), f)
 
 

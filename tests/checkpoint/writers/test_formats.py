@@ -9,6 +9,7 @@ from xla_fsdp.checkpoint.writers.formats import output_paths, verify_written
 from xla_fsdp.checkpoint.dcp_format.layout import key_scheme
 from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile
 
+from ...support.checks import nonempty
 from ...support.synthetic_checkpoints import full_model, write_set
 
 CASES = [("pt", "get_state_dict", ""), ("safetensors", "get_state_dict", ""),
@@ -37,7 +38,7 @@ def test_what_was_written_verifies_and_anything_else_is_refused(tmp_path, fmt, k
     wrong = [dict(expected, **{"lin.extra": (torch.float32, (1,))}),
              {k: v for k, v in expected.items() if k != first},
              dict(expected, **{first: (torch.float64, expected[first][1])})]
-    for bad in wrong:
+    for bad in nonempty(wrong, "wrong inputs"):
         with pytest.raises(CheckpointError, match="does not hold what was written"):
             verify_written(fmt, written, bad, with_optimizer, scheme)
     if not with_optimizer:
