@@ -7,7 +7,7 @@ where the root's sharding group keeps a checkpoint."""
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,11 @@ def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]
                         ) -> List[Tuple[str, ShardedUnit]]:
     """``units`` (path, unit) with each path as the prefix of its shards' keys in
     ``root.state_dict()`` (see [Note: names are the state dict's])."""
-    key_of = {id(v): k for k, v in root.state_dict(keep_vars=True).items()}
+    key_of: Dict[int, str] = {}
+    for k, v in root.state_dict(keep_vars=True).items():
+        # its first key: a unit also kept under another name (a grouped unit held as an
+        # attribute of the model) has its shards in the state dict twice
+        key_of.setdefault(id(v), k)
     out = []
     for path, unit in units:
         for g in unit.shard_groups:
