@@ -157,6 +157,8 @@ def _called_name(call: ast.Call) -> str:
 
 
 MODULES = _load_package()
+# every rule below loops over the package's modules: none found would pass them all
+assert len(MODULES) > 100, f"the package's modules were not found: {sorted(MODULES)}"
 
 
 def _where(module: Module, line: int) -> str:

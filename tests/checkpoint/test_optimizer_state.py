@@ -1,7 +1,10 @@
-"""``optimizer_state``'s rule for a saved param group's settings (no XLA)."""
+"""``optimizer_state``'s rules for a saved param group's settings and for the state of a
+shard stored per parameter (no XLA)."""
+import pytest
 import torch
 
-from xla_fsdp.checkpoint.optimizer_state import holds_settings_of
+from xla_fsdp.checkpoint.files import CheckpointError
+from xla_fsdp.checkpoint.optimizer_state import holds_settings_of, shard_state_is_sharded
 
 
 def test_a_group_of_the_same_class_holds_its_settings_after_a_load():
@@ -20,3 +23,14 @@ def test_a_group_of_another_class_does_not():
     sgd = torch.optim.SGD(params, lr=0.1).state_dict()["param_groups"][0]
     assert not holds_settings_of(torch.optim.AdamW(params), sgd)
     assert holds_settings_of(torch.optim.SGD(params, lr=0.1), sgd)
+
+
+def test_a_shards_parameters_are_sharded_alike_or_refused():
+    w, b = (4, 3), (4,)
+    moments = [("w.exp_avg", torch.zeros(w), w), ("b.exp_avg", torch.zeros(b), b)]
+    steps = [("w.step", torch.tensor(1.0), w), ("b.step", torch.tensor(1.0), b)]
+    assert shard_state_is_sharded("ck", "exp_avg", moments)
+    assert not shard_state_is_sharded("ck", "step", steps)
+    with pytest.raises(CheckpointError, match=r"^ck: optimizer state b.step is laid out "
+                                              r"otherwise than w.exp_avg"):
+        shard_state_is_sharded("ck", "exp_avg", [moments[0], steps[1]])

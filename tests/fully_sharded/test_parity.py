@@ -11,6 +11,7 @@ import torch
 from xla_fsdp import launch
 
 from ..support.bounds import parameter_problems
+from ..support.checks import nonempty
 from ..support.models import Net, forward_in
 from ..support.parity import SETTINGS, compare, train
 
@@ -30,7 +31,7 @@ def reference():
                                    pytest.param(4, marks=pytest.mark.slow),
                                    pytest.param(8, marks=pytest.mark.slow)])
 def test_parity_with_unsharded(reference, world):
-    names = _names(world)
+    names = nonempty(_names(world), f"parity settings at N={world}")
     by_hardware = {}   # a launch builds its units for one hardware (see parity.SETTINGS)
     for name in names:
         by_hardware.setdefault(SETTINGS[name][3].get("hardware"), []).append(name)

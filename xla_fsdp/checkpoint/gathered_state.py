@@ -36,9 +36,9 @@ from .._unit.buffers import original_dtype
 from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
-from .per_rank_format import EXTRA, ShardMetadata
-from .live_model import (extra_state_tensors, persistent_buffers, tied_aliases, unwrapped_name,
-                         units_by_saved_path)
+from .live_model import (extra_state_tensors, parameter_order, persistent_buffers, tied_aliases,
+                         units_by_saved_path, unwrapped_name)
+from .per_rank_format import EXTRA
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, holding, named_state
@@ -159,7 +159,8 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     slots: Dict[str, _Slot] = {}                        # shard key (as saved) -> its group
     cuts: Dict[str, _Cut] = {}
     units = list(model.named_units())
-    for (path, unit), (saved, _) in zip(units, units_by_saved_path(model, units), strict=True):
+    saved_units = units_by_saved_path(model, units)
+    for (path, unit), (saved, _) in zip(units, saved_units, strict=True):
         for g in unit.shard_groups:
             key = join_name(saved, g.shard_name)  # also the gather id: the state dict's key
             tensors[key] = (g.shard, unit.collectives)
@@ -167,7 +168,7 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
                           unit.collectives)
             for i, name in enumerate(slots[key][1]):
                 cuts[name] = _Cut(gathers, key, g.layout, i, g.shard.dtype)
-    order = ShardMetadata(model.get_shard_metadata()).parameter_order() or list(cuts)
+    order = parameter_order(model, saved_units) or list(cuts)
     entries: Dict[str, Any] = {n: cuts[n] for n in order}
     entries.update((n, c) for n, c in cuts.items() if n not in entries)
     entries.update((n, _Own(b, original_dtype(b))) for n, b in persistent_buffers(model))

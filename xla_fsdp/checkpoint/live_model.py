@@ -183,3 +183,20 @@ def writes_sharding_group_copy(model: ShardedModel) -> bool:
     """Whether this rank's sharding group writes its checkpoint: every independent group,
     and the first of replicas (or the only group)."""
     return sharding_group_path("", model)[1] or not sharding_group_index(model)
+
+
+def parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> List[str]:
+    """The unwrapped model's parameter names, ``units`` as ``units_by_saved_path`` gives them,
+    in the order ``parameters()`` of the unwrapped model yields them: modules in
+    pre-order, each module's own parameters in registration order (as each unit found
+    them, before grouping)."""
+    module_rank: Dict[str, int] = {}
+    for path, _ in root.named_modules():
+        module_rank.setdefault(unwrapped_name(path), len(module_rank))
+    keyed = []
+    for path, unit in units:
+        for position, name in enumerate(unit.param_order):
+            full = unwrapped_name(path, name)
+            owner = full.rsplit(".", 1)[0] if "." in full else ""
+            keyed.append(((module_rank[owner], position), full))
+    return [name for _, name in sorted(keyed)]

@@ -3,8 +3,9 @@
 (``walk_state``), for a live optimizer and a saved one alike, with what ties an optimizer's
 indices to the model's shards. The per-rank and DCP saves, the live model's gathered state
 (``gathered_state``), the per-rank files' named walk (``per_rank.optimizer.named_state``) and
-redistribution walk with ``walk_state``; the staging loader, which reads DCP-layout keys rather than a state
-dict, applies ``state_is_sharded`` to each key it reads."""
+redistribution walk with ``walk_state``; the staging loader, which reads DCP-layout keys
+rather than a state dict, applies the rule to each shard's keys (``shard_state_is_sharded``).
+``sources.entries`` only renames a state dict's entries to those keys, judging nothing."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -88,6 +89,23 @@ def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) ->
             f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
             f"ranks; per-rank files (save_sharded) keep every rank's.")
     return sharded_like(name, value, shape)
+
+
+def shard_state_is_sharded(where: str, name: str,
+                           stored: Sequence[Tuple[str, Any, Sequence[int]]]) -> bool:
+    """``state_is_sharded`` for optimizer state ``name`` of a shard that holds several
+    parameters, stored per parameter (as a checkpoint of the unwrapped model stores it):
+    ``stored`` holds (key, value, the parameter's shape) of each. They are one tensor's
+    state, so each is sharded like its parameter or none is; else ``CheckpointError``."""
+    sharded = [state_is_sharded(f"{where}: {key}", name, value, shape)
+               for key, value, shape in stored]
+    if any(sharded) and not all(sharded):
+        odd = stored[sharded.index(not sharded[0])][0]
+        raise CheckpointError(
+            f"{where}: optimizer state {odd} is laid out otherwise than {stored[0][0]}, though "
+            f"both parameters share one shard: each must be shaped as its parameter, or "
+            f"neither")
+    return sharded[0]
 
 
 @dataclass(frozen=True)

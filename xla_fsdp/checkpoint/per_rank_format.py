@@ -43,7 +43,8 @@ import torch.nn as nn
 from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
 from .._sharding.names import join_name
 from .._unit.buffers import original_dtype
-from .live_model import persistent_buffers, tied_aliases, units_by_saved_path, unwrapped_name
+from .live_model import (parameter_order, persistent_buffers, tied_aliases, units_by_saved_path,
+                         unwrapped_name)
 from .unit_protocol import ShardedUnit
 
 # the keys of a per-rank file
@@ -106,7 +107,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
     return {"shard_info": shard_info, "flatten_info": flatten_info,
             "interleave_info": interleave_info, "buffer_info": buffer_info,
             "shared_info": shared_info, "layout_info": layout_info, "stack_info": stack_info,
-            "param_order": _plain_parameter_order(root, units),
+            "param_order": parameter_order(root, units),
             "update_count": sum(g.updates for _, unit in units for g in unit.shard_groups),
             "world_size": world_size, "rank": rank}
 
@@ -120,22 +121,6 @@ def _layout_entry(layout: Layout) -> Dict[str, Any]:
         return {"kind": "dim0", "multiple": 1}
     kind = "interleaved" if isinstance(layout, InterleavedLayout) else "flat"
     return {"kind": kind, "multiple": layout.multiple}
-
-
-def _plain_parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> List[str]:
-    """Names in the order ``parameters()`` of the unwrapped model yields them: modules in
-    pre-order, each module's own parameters in registration order (as each unit found
-    them, before grouping)."""
-    module_rank: Dict[str, int] = {}
-    for path, _ in root.named_modules():
-        module_rank.setdefault(unwrapped_name(path), len(module_rank))
-    keyed = []
-    for path, unit in units:
-        for position, name in enumerate(unit.param_order):
-            full = unwrapped_name(path, name)
-            owner = full.rsplit(".", 1)[0] if "." in full else ""
-            keyed.append(((module_rank[owner], position), full))
-    return [name for _, name in sorted(keyed)]
 
 
 def wrapping_fingerprint(metadata: Dict[str, Any]) -> str:

@@ -39,7 +39,7 @@ from .files import CheckpointError
 from .per_rank_format import EXTRA, OPTIMIZER
 from .live_model import extra_state_holders, persistent_buffers
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
-                              refuse_foreign_params, state_is_sharded)
+                              refuse_foreign_params, shard_state_is_sharded)
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]
@@ -285,15 +285,8 @@ class StagedLoad:
                 self.objects[keys[0]] = None
                 out[name] = lambda key=keys[0]: self.objects[key]
                 continue
-            sharded = [state_is_sharded(f"{self.where}: {k}", name, self.stored[k], s.shape)
-                       for k, s in zip(keys, slots)]
-            if any(sharded) and not all(sharded):  # one shard's parameters disagree
-                odd = keys[sharded.index(not sharded[0])]
-                raise CheckpointError(
-                    f"{self.where}: optimizer state {odd} is laid out otherwise than "
-                    f"{keys[0]}, though both parameters share one shard: each must be shaped "
-                    f"as its parameter, or neither")
-            if all(sharded):
+            if shard_state_is_sharded(self.where, name, [
+                    (k, self.stored[k], s.shape) for k, s in zip(keys, slots, strict=True)]):
                 stage = torch.zeros(shard.numel(), dtype=stored.properties.dtype)
                 for key, slot in zip(keys, slots):
                     self._want(key, slot.shape, stored.properties.dtype, list(slot.pieces),

@@ -38,11 +38,10 @@ def write_dcp(state: UnwrappedState, directory: str, scheme: KeyScheme,
             return tensor
         wholes[key] = OnDemand(torch.Size(size), dtype, read_counted if counted else read)
 
-    model = state.tensors
-    for name, tensor in model.items():
-        add(scheme.model(name), tensor.shape, tensor.dtype, tensor.read, counted=True)
-    for alias, source in state.aliases:  # tied: stored under both names, as state_dict has it
-        add(scheme.model(alias), model[source].shape, model[source].dtype, model[source].read)
+    # tied: stored under both names, as state_dict has it, its elements counted once
+    for name, tensor in state.with_aliases(dict(state.tensors)).items():
+        add(scheme.model(name), tensor.shape, tensor.dtype, tensor.read,
+            counted=name in state.tensors)
     if state.optimizer is not None:
         _optimizer(state.optimizer, scheme, add, objects, paths)
     if EXTRA in state.extra:
