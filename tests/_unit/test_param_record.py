@@ -43,14 +43,14 @@ def test_install_puts_full_values_in_and_free_puts_dummies_back():
     ParamRecord.install(records, values)
     for r, p, v in pairs(records, placeholders, values):
         assert r.placeholder is p and torch.equal(p, v) and p.data_ptr() == v.data_ptr()
-        assert r.gathered and p._has_full_param
+        assert r.holds_full and p._has_full_param
     assert [p._version for p in placeholders] == versions
 
     dummy = torch.zeros(1)
     assert ParamRecord.free(records, [dummy] * len(records))
     for r, p in pairs(records, placeholders):
         assert r.placeholder is p and p.data_ptr() == dummy.data_ptr()
-        assert not r.gathered and not p._has_full_param
+        assert not r.holds_full and not p._has_full_param
     assert [p._version for p in placeholders] == versions
     assert not ParamRecord.free(records, [torch.ones(1)] * len(records))  # nothing held
     assert every(p.data_ptr() == dummy.data_ptr() for p in placeholders)
@@ -116,7 +116,7 @@ def test_lend_sets_the_full_values_in_every_holder_and_take_back_the_placeholder
     ParamRecord.lend(records, values)
     for r, v in pairs(records, values):
         assert every(getattr(m, a) is v for m, a in r.owners)
-        assert not r.gathered
+        assert not r.holds_full
     x = torch.randn(4, 3)
     assert_close(module(x), world.reference(x))
     ParamRecord.take_back(records)

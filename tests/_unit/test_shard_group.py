@@ -58,7 +58,7 @@ def test_build_shard_group_cuts_the_parameters_and_leaves_placeholders(layout):
             owner, attr = module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             assert getattr(owner, attr) is r.placeholder and r.owners == [(owner, attr)]
             assert r.placeholder.shape == (0,) and r.placeholder.requires_grad
-            assert not r.gathered
+            assert not r.holds_full
 
 
 def test_a_frozen_parameter_gives_a_frozen_shard_and_placeholder():

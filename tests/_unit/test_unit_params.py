@@ -80,7 +80,7 @@ def expected_grad(world, shard_group, grads, rank, divisor=1.0):
 
 
 def dummies(params):
-    return every(r.placeholder.shape == (0,) and not r.gathered
+    return every(r.placeholder.shape == (0,) and not r.holds_full
                  and not r.placeholder._has_full_param
                  for g in params.shard_groups for r in g.records)
 
@@ -89,7 +89,7 @@ def holds_full_values(world, rank, offset=0.0):
     for g in world.shard_groups[rank]:
         for r, ref in pairs(g.records, world.reference_params(g)):
             want = (ref.detach() + offset).to(g.compute_dtype)
-            if not (r.gathered and r.placeholder._has_full_param
+            if not (r.holds_full and r.placeholder._has_full_param
                     and torch.equal(r.placeholder, want)):
                 return False
     return True
@@ -143,8 +143,8 @@ def test_resharding_some_shard_groups_keeps_the_others_gathered():
     params.unshard([], barrier=False)
     params.reshard([first], [], barrier=False)
     assert params.state is FullParams.UNSHARDED
-    assert not first.records[0].gathered and first.records[0].placeholder.shape == (0,)
-    assert every(r.gathered for g in rest for r in g.records)
+    assert not first.records[0].holds_full and first.records[0].placeholder.shape == (0,)
+    assert every(r.holds_full for g in rest for r in g.records)
     params.reshard(rest, [], barrier=False)
     assert params.state is FullParams.SHARDED and dummies(params)
 

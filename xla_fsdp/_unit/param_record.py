@@ -9,7 +9,7 @@ No FSDP state lives on tensors except what code written for torch_xla's FSDP rea
 ``_is_sharded``, ``_orig_size`` and ``_orig_name`` on a shard, and ``_has_full_param`` on a
 placeholder (a unit's ``full_params``), whether it holds the full value now; our own code
 tells a shard by ``shard_group.shard_group_of``, never by them. ``_has_full_param`` is a
-copy of ``ParamRecord.gathered``, the state FSDP itself reads, written by the two methods
+copy of ``ParamRecord.holds_full``, the state FSDP itself reads, written by the two methods
 that change it and nowhere else. The records are found from their tensors through
 identity-keyed weak maps, so a tensor that dies takes its entry with it.
 
@@ -72,7 +72,7 @@ class ParamRecord:
         self.names = names            # relative to the unit; the first is the canonical one
         self.owners = owners
         self.unit_name = unit_name    # for error messages
-        self.gathered = False         # the placeholder holds the full value
+        self.holds_full = False       # the placeholder holds the full value
         self.requires_grad = placeholder.requires_grad  # as last agreed with the shard
         self.grad_hook: Optional[RemovableHandle] = None
         self.freed_at = version(placeholder)   # see [Note: writes to a freed placeholder]
@@ -92,7 +92,7 @@ class ParamRecord:
         with preserve_version_counter(placeholders):
             for record, placeholder, value in zip(records, placeholders, values):
                 placeholder.data = value
-                record.gathered = placeholder._has_full_param = True
+                record.holds_full = placeholder._has_full_param = True
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -113,13 +113,13 @@ class ParamRecord:
     def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> bool:
         """Puts each record's dummy back into its placeholder, where it holds a full value;
         returns whether any did."""
-        held = [(r, d) for r, d in zip(records, dummies) if r.gathered]
+        held = [(r, d) for r, d in zip(records, dummies) if r.holds_full]
         if not held:
             return False
         with preserve_version_counter([r.placeholder for r, _ in held]):
             for record, dummy in held:
                 record.placeholder.data = dummy
-                record.gathered = record.placeholder._has_full_param = False
+                record.holds_full = record.placeholder._has_full_param = False
                 record.freed_at = version(record.placeholder)
         return True
 

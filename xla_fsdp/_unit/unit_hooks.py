@@ -279,7 +279,7 @@ class HookedUnitState(UnitState):
     def _post_accumulate(self, shard_group: ShardGroup, index: int) -> None:
         self.context.queue_final_callback()
         record = shard_group.records[index]
-        if not record.gathered:
+        if not record.holds_full:
             raise RuntimeError(
                 f"FSDP unit around {self.name}: the gradient of '{record.name}' was computed "
                 f"while its full parameters were freed, so it is wrong. The unit's backward "

@@ -190,7 +190,7 @@ class UnitParams:
         if len(shard_groups) == len(self.gathered):
             self._gathered = None
         if self._gathered is None:
-            held = any(r.gathered for g in self.gathered for r in g.records)
+            held = any(r.holds_full for g in self.gathered for r in g.records)
             self.state = FullParams.UNSHARDED if held else FullParams.SHARDED
         if barrier and (freed or deps):
             optimization_barrier([g.local() for g in shard_groups] + list(deps))

@@ -9,7 +9,9 @@ checkpoints that stop cleanly on a preemption: ``manager``).
 Laid out by the path data takes. The API, one module per format: ``sharded``, ``dcp``,
 ``consolidated``, ``full_state_dict``. A load: a source (``sources``) -> the one staging
 loader (``staging``), which checks everything and reads it all before the ranks agree
-(``coordination``) -> the live model. A save: the live model -> a writer (``writers``): each
+(``coordination``) -> the live model; one shortcut: a resume at the same world size and
+wrapping, where each rank loads its own per-rank file whole (``sharded``) and commits as
+the staging loader does. A save: the live model -> a writer (``writers``): each
 rank's own per-rank file or DCP chunks, or one consolidated output streamed from an
 ``unwrapped_state``, gathered from the live model (``gathered_state``) or read from per-rank
 files (``per_rank``). Under them: the formats (``per_rank_format``, ``consolidated_format``,

@@ -11,16 +11,16 @@ The writers read tensors in orders of their own, each fixed by our code: the mod
 in parameter order, the optimizer's state a state name at a time across a shard's parameters
 (``NamedState.in_read_order``), DCP's in its plan's order (DCP's writer, with one thread and
 no copy-ahead, asks for a file's tensors in the order it is given them:
-``dcp_format.files.local_plan``). ``UnwrappedState.read_order`` lists those reads. The state
+``writers.dcp_files.local_plan``). ``UnwrappedState.read_order`` lists those reads. The state
 is built from shapes only, so every rank builds the same one and lists the same reads, and
 from them the device tensors to gather (a shard, or one state of a shard, within its sharding
 group). Every rank then gathers those in that order, in runs of ``coordination.runs_by_size``
 with one sync each; the writing rank keeps the run it reads from on its host. No rank waits
 for another's request: a read of a tensor that is not in a run ahead of the writer raises
 instead of gathering out of turn, and a writer that stops early gathers the rest without
-keeping it, so that every rank finishes its runs before the save's agreement. With
-``sharding_groups`` every group gathers the same list (the groups' models are alike); the
-ranks check that they agree before the first gather.
+keeping it, so that every rank finishes its runs before the save's agreement. The ranks of
+each sharding group check that they list the same gathers before the first one (with
+independent ``sharding_groups``, parts of a model-parallel model, each group its own).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ from .._unit.buffers import original_dtype
 from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
-from .live_model import (extra_state_tensors, parameter_order, persistent_buffers, tied_aliases,
-                         units_by_saved_path, unwrapped_name)
+from .live_model import (extra_state_tensors, parameter_order, persistent_buffers,
+                         sharding_group_index, tied_aliases, units_by_saved_path, unwrapped_name)
 from .per_rank_format import EXTRA
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
 from .unit_protocol import ShardedModel
@@ -48,8 +48,10 @@ class Gathers:
     """The device tensors a save gathers, in the writer's read order (see [Note: every rank
     knows the writer's read order]), as one rank takes part in them."""
 
-    def __init__(self, tensors: Dict[str, Tuple[torch.Tensor, Any]]) -> None:
+    def __init__(self, tensors: Dict[str, Tuple[torch.Tensor, Any]],
+                 group: Optional[int]) -> None:
         self._tensors = tensors          # id -> (device tensor, its unit's collectives)
+        self._group = group              # this rank's sharding group, None without groups
         self._runs: List[List[str]] = []
         self._next = 0
         self._keep = False
@@ -57,7 +59,8 @@ class Gathers:
 
     def follow(self, reads: Sequence[Any], keep: bool) -> None:
         """Sets the order from the writer's ``reads``; ``keep`` on the writing rank. Every
-        rank calls it, and raises if another lists other tensors."""
+        rank calls it, and every rank raises if a rank lists other tensors than the rest of
+        its sharding group."""
         order: List[str] = []
         for read in reads:
             # a cut is gathered; anything else is this rank's own
@@ -67,9 +70,12 @@ class Gathers:
         # names and sizes: the sizes cut the runs, so every rank must see the same ones
         digest = hashlib.sha256(repr([(t, self._full_bytes(t)) for t in order]).encode()
                                 ).hexdigest()
-        if len(set(exchange("xla_fsdp.gathered.order", digest))) > 1:
-            raise CheckpointError("the ranks would gather different tensors for the consolidated "
-                                  "save; the sharding groups' models must be alike")
+        listed: Dict[Optional[int], set] = {}
+        for group, listing in exchange("xla_fsdp.gathered.order", (self._group, digest)):
+            listed.setdefault(group, set()).add(listing)
+        if any(len(listings) > 1 for listings in listed.values()):
+            raise CheckpointError("the ranks of a sharding group would gather different tensors "
+                                  "for the consolidated save; they must wrap the same model")
         self._runs = [list(dict.fromkeys(run)) for run in runs_by_size(order, self._full_bytes)]
         self._keep = keep
 
@@ -155,7 +161,7 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     import torch_xla
     torch_xla.sync()
     tensors: Dict[str, Tuple[torch.Tensor, Any]] = {}   # gather id -> device tensor, collectives
-    gathers = Gathers(tensors)
+    gathers = Gathers(tensors, sharding_group_index(model))
     slots: Dict[str, _Slot] = {}                        # shard key (as saved) -> its group
     cuts: Dict[str, _Cut] = {}
     units = list(model.named_units())

@@ -1,7 +1,9 @@
 """What a save writes, from the live model or from an ``UnwrappedState``.
 
 From the live model's shards, each rank its own: per-rank files (``per_rank_files``:
-``save_sharded``) and a DCP checkpoint's chunks (``dcp_shards``: ``save_dcp``).
+``save_sharded``) and a DCP checkpoint's chunks (``dcp_shards``: ``save_dcp``). Both DCP
+writers, this one and ``dcp_directory``, name, cut and commit their files alike
+(``dcp_files``).
 
 The consolidated formats, each streamed from an ``UnwrappedState`` (read from per-rank
 files, ``per_rank.unwrapped``, or gathered from a live model, ``gathered_state``): one

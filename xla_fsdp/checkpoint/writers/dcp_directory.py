@@ -13,7 +13,7 @@ import torch
 
 from ..dcp_format.layout import KeyScheme, Path, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
-from ..dcp_format.files import write_alone
+from .dcp_files import write_alone
 from ..per_rank_format import EXTRA
 from ..optimizer_state import param_group_settings
 from ..unwrapped_state import NamedState, Readable, UnwrappedState

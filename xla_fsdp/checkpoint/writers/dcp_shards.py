@@ -48,7 +48,7 @@ from ..live_model import (extra_state_tensors, persistent_buffers, refuse_lost_w
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, exchange
-from ..dcp_format.files import commit, local_plan, remove_files, write_in_files
+from .dcp_files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
                                  rank_extra_key, slots_by_shard)
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand

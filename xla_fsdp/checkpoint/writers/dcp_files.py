@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, dcp_stored_at
+from ..dcp_format.metadata_file import METADATA_FILE
+from ..dcp_format.planners import ChunkSavePlanner
 from ..files import StagedFile, is_out_of_space, no_space_error
-from .metadata_file import METADATA_FILE
-from .planners import ChunkSavePlanner
 
 SUFFIX = ".distcp"
 FILE_BYTES = 64 << 20
