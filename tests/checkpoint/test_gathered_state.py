@@ -13,10 +13,10 @@ from xla_fsdp.checkpoint.gathered_state import Gathers, _Cut
 TWO = SimpleNamespace(world_size=2)
 
 
-def _gathers(group, monkeypatch, others):
-    """A rank of ``group`` whose save lists one 4-element shard, the other ranks listing
+def _gathers(sharding_group, monkeypatch, others):
+    """A rank of ``sharding_group`` whose save lists one 4-element shard, the other ranks listing
     ``others``: (group, digest of what they list), or None for the same as this rank."""
-    gathers = Gathers({"w": (torch.zeros(2), TWO)}, group)
+    gathers = Gathers({"w": (torch.zeros(2), TWO)}, sharding_group)
     cut = _Cut(gathers, "w", FlatLayout([torch.Size([4])], 2, 1), 0, torch.float32)
 
     def exchange(tag, mine):

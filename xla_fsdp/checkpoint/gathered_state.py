@@ -49,9 +49,9 @@ class Gathers:
     knows the writer's read order]), as one rank takes part in them."""
 
     def __init__(self, tensors: Dict[str, Tuple[torch.Tensor, Any]],
-                 group: Optional[int]) -> None:
+                 sharding_group: Optional[int]) -> None:
         self._tensors = tensors          # id -> (device tensor, its unit's collectives)
-        self._group = group              # this rank's sharding group, None without groups
+        self._sharding_group = sharding_group  # this rank's, None without sharding_groups
         self._runs: List[List[str]] = []
         self._next = 0
         self._keep = False
@@ -71,8 +71,9 @@ class Gathers:
         digest = hashlib.sha256(repr([(t, self._full_bytes(t)) for t in order]).encode()
                                 ).hexdigest()
         listed: Dict[Optional[int], set] = {}
-        for group, listing in exchange("xla_fsdp.gathered.order", (self._group, digest)):
-            listed.setdefault(group, set()).add(listing)
+        for sharding_group, listing in exchange("xla_fsdp.gathered.order",
+                                                (self._sharding_group, digest)):
+            listed.setdefault(sharding_group, set()).add(listing)
         if any(len(listings) > 1 for listings in listed.values()):
             raise CheckpointError("the ranks of a sharding group would gather different tensors "
                                   "for the consolidated save; they must wrap the same model")
