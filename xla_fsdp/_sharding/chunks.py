@@ -34,7 +34,7 @@ class TensorPieces:
     """A tensor of the checkpoint as one rank holds (saving) or wants (loading) it: chunks,
     each a run of a flat host buffer from where it starts there. The buffer is asked for
     only when DCP reaches a chunk, so a save can copy its sources to the host one at a time
-    (``HostCopies`` in ``checkpoint/dcp/save.py``)."""
+    (``HostCopies`` in ``checkpoint/writers/dcp_shards.py``)."""
     size: torch.Size
     dtype: torch.dtype
     chunks: List[Tuple[Chunk, int]]
