@@ -26,7 +26,7 @@ from ._init.module_group import attach_module_groups
 from ._init.shard_members import ShardedParameters
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
-from ._sharding.names import clean_name
+from ._sharding.names import GROUP_PREFIX, clean_name
 from ._unit import process_effects
 from ._unit.conversions import check_conversion, shards_kept_out
 from ._unit.host_offload import split_by_place
@@ -242,10 +242,17 @@ class UnitModule(FallThrough):
         return (unit for _, unit in self.named_units())
 
     def named_units(self) -> Iterator[Tuple[str, "UnitModule"]]:
-        """(path in the wrapped model, unit) for this unit and every unit nested in it."""
-        for path, m in self.named_modules():
-            if isinstance(m, UnitModule):
-                yield path, m
+        """(path in the wrapped model, unit) for this unit and every unit nested in it, each
+        once, in the order ``named_modules`` first finds them. A unit reachable under more
+        than one path (also kept as an attribute of the model) is at the first, but a
+        grouping unit is where the unit that attached it holds it (``_fsdp_group_<i>``): its
+        parameters are named from there."""
+        found: Dict[int, Tuple[str, "UnitModule"]] = {}
+        for path, m in self.named_modules(remove_duplicate=False):
+            if isinstance(m, UnitModule) and (id(m) not in found or
+                                              path.rpartition(".")[2].startswith(GROUP_PREFIX)):
+                found[id(m)] = (path, m)   # a key keeps its first place when replaced
+        yield from found.values()
 
     def set_gradient_divide_factors(self, pre: float, post: float, recursive: bool) -> None:
         """Gradients are divided by ``pre`` before the reduce-scatter and by ``post`` after it

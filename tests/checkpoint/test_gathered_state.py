@@ -1,14 +1,16 @@
 """What every rank of a consolidated save gathers (``gathered_state.Gathers``), decided
-before the first gather (no XLA: the ranks' listings are given)."""
+before the first gather, and how often (no XLA: the ranks' listings and the gathered tensors
+are given)."""
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from xla_fsdp._sharding.layout import FlatLayout
-from xla_fsdp.checkpoint import gathered_state
+from xla_fsdp.checkpoint import coordination, gathered_state
 from xla_fsdp.checkpoint.files import CheckpointError
-from xla_fsdp.checkpoint.gathered_state import Gathers, _Cut
+from xla_fsdp.checkpoint.gathered_state import Gathers, _Cut, read_every_entry
+from xla_fsdp.checkpoint.unwrapped_state import UnwrappedState
 
 TWO = SimpleNamespace(world_size=2)
 
@@ -44,3 +46,25 @@ def test_a_rank_that_lists_other_gathers_than_its_group_fails_every_rank(monkeyp
     with pytest.raises(CheckpointError, match="ranks of a sharding group would gather "
                                               "different tensors"):
         gathers.follow(reads, keep=False)
+
+
+def test_entries_cut_from_one_tensor_are_read_from_one_gather(monkeypatch):
+    # a scanned stack's order: layer 0's a and b, then layer 1's; a and b are each one
+    # stacked shard, so the model's order alternates between the two gathers
+    gathered = []
+
+    def gathered_on_host(run, keep):
+        gathered.append(len(run))
+        return [torch.arange(4.0) + 10 * len(gathered) for _ in run] if keep else []
+    monkeypatch.setattr(gathered_state, "gathered_on_host", gathered_on_host)
+    monkeypatch.setattr(gathered_state, "exchange", lambda tag, mine: [mine, mine])
+    monkeypatch.setattr(coordination, "GATHERED_PER_SYNC_BYTES", 1)  # a run per tensor
+    gathers = Gathers({"a": (torch.zeros(2), TWO), "b": (torch.zeros(2), TWO)}, None)
+    layout = FlatLayout([torch.Size([2]), torch.Size([2])], 2, 1)
+    cuts = {f"layers.{i}.{x}": _Cut(gathers, x, layout, i, torch.float32)
+            for i in range(2) for x in "ab"}
+    state = UnwrappedState(cuts, [], None, {})
+    got = read_every_entry(state, gathers, keep=True)
+    assert gathered == [1, 1]   # one gather of a, one of b: not one per entry
+    assert list(got) == list(cuts)   # in the model's order
+    assert [v.tolist() for v in got.values()] == [[10, 11], [20, 21], [12, 13], [22, 23]]

@@ -2,7 +2,8 @@
 units (torch's checkpoint wrapper, ``torch.compile``'s ``_orig_mod``, PEFT's
 ``base_model.model``): torch_xla's recipe files and ours consolidate, the result loads
 ``strict=True`` into the unwrapped model, and files written before the fix still consolidate
-(workloads in ``support/wrapper_workloads.py``)."""
+(workloads in ``support/wrapper_workloads.py``). A grouped unit also kept as an attribute of
+the model is named from where the root attached it, with its optimizer state."""
 import pytest
 import torch
 
@@ -10,7 +11,8 @@ from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate.cli import main as consolidate
 
 from ..support.checks import nonempty
-from ..support.wrapper_workloads import CASES, WORLD, plain, save_cases
+from ..support.wrapper_workloads import (CASES, GROUPED_KEPT, WORLD, Chain, grouped_kept, plain,
+                                         save_cases)
 
 
 @pytest.fixture(scope="module")
@@ -41,3 +43,25 @@ def test_consolidates_and_loads_strictly(saved, case, files, tmp_path):
     assert sorted(full) == sorted(model.state_dict())
     for k, v in nonempty(full.items(), "state entries"):
         assert torch.equal(state[k], v), k
+
+
+@pytest.fixture(scope="module")
+def kept(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grouped")
+    return directory, launch(grouped_kept, (str(directory),), num_devices=WORLD)[0]
+
+
+@pytest.mark.parametrize("where", GROUPED_KEPT)
+def test_a_grouped_unit_kept_under_a_second_name_saves_as_the_unwrapped_model(kept, where,
+                                                                              tmp_path):
+    directory, results = kept
+    want = sorted(Chain().state_dict())
+    assert results[where]["full"] == want
+    # the per-rank files consolidate with the optimizer, named as the unwrapped model is
+    out = str(tmp_path / "full.pth")
+    assert consolidate(["--ckpt_prefix", str(directory / f"grouped-{where}"),
+                        "--save_path", out]) == 0
+    for path in nonempty([out] + (results[where]["consolidated"] or []), "consolidated files"):
+        saved = torch.load(path, weights_only=True)
+        Chain().load_state_dict(saved["model"], strict=True)
+        assert sorted(saved["optimizer_param_names"]) == want, path

@@ -90,3 +90,50 @@ def _as_before(model: Any, metadata: Dict[str, Any]) -> Dict[str, Any]:
     for field in ("shard_info", "layout_info", "shared_info"):
         old[field] = {rename.get(k, k): v for k, v in metadata[field].items()}
     return old
+
+
+GROUPED_KEPT = ("before", "after")   # where a grouped unit is also kept as an attribute
+
+
+class Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        dims = [16, 24, 40, 56, 8]
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def grouped_kept(rank: int, directory: str) -> Dict[str, Any]:
+    """A grouped unit (the first and last layers) also kept as an attribute of the model,
+    set before the root is built or after it: the unit is then in the state dict under two
+    names, and every save must name its parameters and optimizer state from where the root
+    attached it. Saves per-rank files and a consolidated file with the optimizer; returns
+    each case's full state dict keys and the consolidated file's path."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    from xla_fsdp.checkpoint import save_consolidated, save_sharded
+    out = {}
+    for where in GROUPED_KEPT:
+        torch.manual_seed(0)
+        model = Chain()
+        ends = FSDP([model.layers[0], model.layers[3]])
+        if where == "before":
+            model.ends = ends
+        model.layers[1], model.layers[2] = FSDP(model.layers[1]), FSDP(model.layers[2])
+        root = FSDP(model)
+        if where == "after":
+            root.ends = ends
+        opt = torch.optim.SGD(root.parameters(), lr=0.1, momentum=0.9)
+        root(torch.randn(4, 16).to(torch_xla.device())).sum().backward()
+        opt.step()
+        torch_xla.sync()
+        prefix = os.path.join(directory, f"grouped-{where}")
+        save_sharded(prefix, root, opt)
+        written = save_consolidated(f"{prefix}-consolidated.pth", root, opt)
+        out[where] = {"full": sorted(root.full_state_dict(rank0_only=False)),
+                      "consolidated": written}
+    return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 WRAPPER_PARTS = ("_fsdp_wrapped_module", "_fpw_module", "_checkpoint_wrapped_module")
 GROUP_PREFIX = "_fsdp_group_"  # where a unit grouping several modules is attached
+SHARD_PREFIX = "_fsdp_shard"   # how every shard's name (its state dict key's last part) begins
 
 
 def clean_name(name: str) -> str:

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout, StackedLayout
+from .._sharding.names import SHARD_PREFIX
 from .._xla.private_api import post_accumulate_grad_hooks, version
 from .._xla.trace_only import to_device
 from .host_offload import DeviceCopy, host_master
@@ -230,7 +231,7 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
             object.__setattr__(m, attr, full)    # ...but a plain attribute: the placeholder
         records.append(ParamRecord(full, list(names), list(owners), unit_name))
     shard_group = ShardGroup(layout, shard, records,
-                             ("_fsdp_shard." + orig_name).replace(".", _SEPARATOR), orig_name,
+                             f"{SHARD_PREFIX}.{orig_name}".replace(".", _SEPARATOR), orig_name,
                              orig_size, compute_dtype,
                              offload=DeviceCopy(device, compute_dtype) if offload else None)
     _BY_SHARD[shard] = shard_group

@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from .gathered_state import gathered_state
+from .gathered_state import gathered_state, read_every_entry
 from .live_model import refuse_lost_writes
 from .sources.entries import EntrySource, model_entries, optimizer_entries
 from .staging import load_staged
@@ -21,11 +21,7 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     refuse_lost_writes(root)
     state, gathers = gathered_state(root, None, what="full_state_dict")
     keep = not rank0_only or xr.global_ordinal() == 0
-    gathers.follow(state.read_order(aliases_again=False), keep)
-    try:
-        return state.with_aliases(dict(state.entries())) if keep else {}
-    finally:
-        gathers.finish()  # every rank takes part in every run, the keeper's unread ones too
+    return state.with_aliases(read_every_entry(state, gathers, keep))
 
 
 def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tensor],

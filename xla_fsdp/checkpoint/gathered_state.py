@@ -152,6 +152,27 @@ class _Sharded(NamedTuple):
     dtype: torch.dtype
 
 
+def read_every_entry(state: UnwrappedState, gathers: Gathers, keep: bool
+                     ) -> Dict[str, torch.Tensor]:
+    """Every model entry of ``state`` read on the rank that ``keep``s them (the others take
+    part and get nothing), each device tensor gathered once: the entries cut from one are
+    read together, in the order their tensors first appear, though the model's order
+    interleaves them (a scanned stack's layers, a unit's trainable and frozen shard groups
+    alternate module by module), and the result is in the model's order. Every rank calls
+    it."""
+    first: Dict[Any, int] = {}
+    for name, tensor in state.tensors.items():
+        first.setdefault(tensor.tid if isinstance(tensor, _Cut) else name, len(first))
+    grouped = sorted(state.tensors.items(), key=lambda item: first[
+        item[1].tid if isinstance(item[1], _Cut) else item[0]])
+    gathers.follow([tensor for _, tensor in grouped], keep)
+    try:
+        read = {name: tensor.read() for name, tensor in grouped} if keep else {}
+        return {name: read[name] for name in state.tensors} if keep else {}
+    finally:
+        gathers.finish()  # every rank takes part in every run, the keeper's unread ones too
+
+
 def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer],
                    extra: Any = None, what: str = "save_consolidated"
                    ) -> Tuple[UnwrappedState, Gathers]:

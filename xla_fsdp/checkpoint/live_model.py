@@ -39,21 +39,31 @@ def unwrapped_name(path: str, name: str = "") -> str:
 def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
                         ) -> List[Tuple[str, ShardedUnit]]:
     """``units`` (path, unit) with each path as the prefix of its shards' keys in
-    ``root.state_dict()`` (see [Note: names are the state dict's])."""
-    key_of: Dict[int, str] = {}
+    ``root.state_dict()`` (see [Note: names are the state dict's]). A unit kept under two
+    paths has its shards in the state dict twice: the key under its own path (where
+    ``named_units`` puts it) is the one, else the first."""
+    keys_of: Dict[int, List[str]] = {}
     for k, v in root.state_dict(keep_vars=True).items():
-        # its first key: a unit also kept under another name (a grouped unit held as an
-        # attribute of the model) has its shards in the state dict twice
-        key_of.setdefault(id(v), k)
+        keys_of.setdefault(id(v), []).append(k)
     out = []
     for path, unit in units:
         for g in unit.shard_groups:
-            key = key_of.get(id(g.shard), "")
+            keys = keys_of.get(id(g.shard), [])
+            key = join_name(path, g.shard_name)
+            key = key if key in keys else (keys[0] if keys else "")
             if key == g.shard_name or key.endswith("." + g.shard_name):
                 path = key[:-len(g.shard_name)].rstrip(".")
                 break
         out.append((path, unit))
     return out
+
+
+def shard_keys(root: ShardedModel) -> Dict[int, str]:
+    """Each shard's state dict key (by the shard's id), as ``units_by_saved_path`` finds it:
+    the names of a model's shards in every checkpoint of ours."""
+    return {id(g.shard): join_name(saved, g.shard_name)
+            for saved, unit in units_by_saved_path(root, root.named_units())
+            for g in unit.shard_groups}
 
 
 # -- what every save reads, and refuses --------------------------------------------------------

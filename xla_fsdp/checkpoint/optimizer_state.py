@@ -16,6 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .files import CheckpointError, TensorRef
+from .live_model import shard_keys
 from .unit_protocol import ShardedModel
 
 # a saved optimizer param group's keys that are not its settings
@@ -142,7 +143,7 @@ def live_state(optimizer: torch.optim.Optimizer
 def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
     """The model state dict key of the shard each optimizer index holds, in index order
     (``RankRecord.optimizer_param_keys``)."""
-    names = {id(p): n for n, p in model.state_dict(keep_vars=True).items()}  # the files' keys
+    names = shard_keys(model)  # the files' keys
     refuse_foreign_params(optimizer, names)
     return [names[id(p)] for param_group in optimizer.param_groups
             for p in param_group["params"]]

@@ -41,10 +41,10 @@ def test_torch_xla_recipe_files_are_read_in_parameter_order_unless_a_state_says_
     state[0], state[1] = state[1], state[0]
     torch.save(tree, paths[1])
     keys, reason = _keys(prefix)
-    assert reason.startswith(f"{paths[1]}: optimizer index 0 (shard {shard_key('lin.weight')}):"
-                             f" optimizer state 'momentum_buffer' has shape [3], neither its "
-                             f"tensor's [8]"), reason
-    assert "not built over model.parameters() in order" in reason
+    assert reason.startswith("the optimizer was not built over model.parameters() in order"), \
+        reason
+    assert (f"{paths[1]}: optimizer index 0 (shard {shard_key('lin.weight')}): optimizer state "
+            f"'momentum_buffer' has shape [3], neither its tensor's [8]") in reason, reason
 
 
 def test_one_rule_for_state_sharded_like_its_tensor():

@@ -70,8 +70,8 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
                                 lambda i: f"{f.path}: optimizer index {i} (shard {keys[i]})"):
                 pass
         except CheckpointError as exc:
-            return (f"{exc} Or the optimizer was not built over model.parameters() in order, "
-                    f"which no record in the file says.")
+            return (f"the optimizer was not built over model.parameters() in order (the file "
+                    f"records no optimizer index's shard), or its state is per shard: {exc}")
     return None
 
 

@@ -28,7 +28,7 @@ from ..live_model import EXTRA_STATE, is_extra_state_key
 from ..per_rank_format import LAYER_KINDS, MODEL, ShardEntry, ShardMetadata
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
-from ..._sharding.names import clean_name, join_name
+from ..._sharding.names import SHARD_PREFIX, clean_name, join_name
 
 
 @dataclass(frozen=True)
@@ -123,8 +123,10 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
         specs.append(_checked(ShardGroupSpec(key, tuple(params), entry.kind, multiple, world),
                               shard))
     shard_keys = {g.key for g in specs}
+    # a shard under a second key (its unit also kept as an attribute) is not a buffer
     buffers = {k: clean_name(k) for k, v in model_tree.items()
-               if k not in shard_keys and isinstance(v, TensorRef)}
+               if k not in shard_keys and isinstance(v, TensorRef)
+               and not k.rpartition(".")[2].startswith(SHARD_PREFIX)}
     # ``buffer_info`` names a buffer as the unwrapped model does (``persistent_buffers``),
     # not by its key in the file, which keeps the wrapper's ``_fsdp_wrapped_module.``
     restore = metadata.buffer_dtypes()
