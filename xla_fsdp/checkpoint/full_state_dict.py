@@ -21,7 +21,8 @@ def full_state_dict(root: ShardedModel, rank0_only: bool = True) -> Dict[str, to
     refuse_lost_writes(root)
     state, gathers = gathered_state(root, None, what="full_state_dict")
     keep = not rank0_only or xr.global_ordinal() == 0
-    return state.with_aliases(read_every_entry(state, gathers, keep))
+    entries = read_every_entry(state, gathers, keep)   # every rank takes part
+    return state.with_aliases(entries) if keep else {}
 
 
 def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tensor],
