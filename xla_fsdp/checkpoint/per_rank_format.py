@@ -43,8 +43,7 @@ import torch.nn as nn
 from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
 from .._sharding.names import join_name
 from .._unit.buffers import original_dtype
-from .live_model import (parameter_order, persistent_buffers, tied_aliases, units_by_saved_path,
-                         unwrapped_name)
+from .live_model import parameter_order, persistent_buffers, tied_aliases, units_by_saved_path
 from .unit_protocol import ShardedUnit
 
 # the keys of a per-rank file

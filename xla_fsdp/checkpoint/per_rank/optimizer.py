@@ -64,11 +64,10 @@ def _shape_mismatch(shards: ShardSet, keys: List[str]) -> Optional[str]:
         if lost:
             return f"{f.path}: optimizer index {lost[0]} has no shard to belong to"
         state = opt.get("state", {})
-        try:
-            for _ in walk_state({i: state.get(i, {}) for i in indices},
-                                lambda i: model[keys[i]].shape,
-                                lambda i: f"{f.path}: optimizer index {i} (shard {keys[i]})"):
-                pass
+        try:   # the walk raises at the first value the rule refuses
+            list(walk_state({i: state.get(i, {}) for i in indices},
+                            lambda i: model[keys[i]].shape,
+                            lambda i: f"{f.path}: optimizer index {i} (shard {keys[i]})"))
         except CheckpointError as exc:
             return (f"the optimizer was not built over model.parameters() in order (the file "
                     f"records no optimizer index's shard), or its state is per shard: {exc}")
