@@ -67,29 +67,24 @@ def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
     return None
 
 
-def per_rank_state(name: str, value: Any, shape: Sequence[int]) -> bool:
-    """Whether optimizer state ``name`` = ``value`` is neither laid out like its tensor of
-    ``shape`` (``sharded_like``) nor a scalar: state computed over a shard's own rows and
-    columns (Adafactor's factored statistics, allowed by ``allow_per_shard_statistics``)
-    differs between ranks, so a checkpoint that merges ranks can neither cut it as the tensor
-    nor keep one rank's copy for all."""
-    return bool(_shape_of(value)) and not sharded_like(name, value, shape)
-
-
 def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) -> bool:
     """THE rule every reader and writer of optimizer state applies to one value: True if it
     is cut, saved and read as its tensor of ``shape`` is (``sharded_like``), False if it is
-    the same on every rank (a step count, any non-tensor); ``CheckpointError`` if it is
-    ``per_rank_state``, which only per-rank files can hold. ``where`` names the parameter
-    and the file."""
-    if per_rank_state(name, value, shape):
-        value_shape = _shape_of(value)
+    the same on every rank (a step count, any non-tensor). A tensor that is neither laid out
+    like its tensor nor a scalar is state computed over a shard's own rows and columns
+    (Adafactor's factored statistics, allowed by ``allow_per_shard_statistics``): it differs
+    between ranks, so a checkpoint that merges ranks can neither cut it as the tensor nor
+    keep one rank's copy for all, and only per-rank files hold it: ``CheckpointError``.
+    ``where`` names the parameter and the file."""
+    sharded = sharded_like(name, value, shape)
+    value_shape = _shape_of(value)
+    if value_shape and not sharded:
         raise CheckpointError(
             f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "
             f"tensor's {list(shape)} nor a scalar: each rank holds its own (statistics over "
             f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
             f"ranks; per-rank files (save_sharded) keep every rank's.")
-    return sharded_like(name, value, shape)
+    return sharded
 
 
 def shard_state_is_sharded(where: str, name: str,
