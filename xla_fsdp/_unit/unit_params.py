@@ -1,13 +1,14 @@
 """A unit's parameters: its shard groups, where their full values are, and the reduction of
 their gradients.
 
-The full parameters are in one of three states:
+The full parameters are in one of three states, read from what is held rather than stored
+beside it (``UnitParams.state``):
 
 * ``SHARDED``: every placeholder holds an empty dummy (see
   [Note: a freed placeholder is empty]);
 * ``GATHERING``: the all-gather is in the traced graph (issued by a prefetch), its result
   held here, not yet behind the barrier that marks where it is used;
-* ``UNSHARDED``: the placeholders hold slices of the gathered tensors.
+* ``UNSHARDED``: placeholders hold slices of the gathered tensors (``ParamRecord.holds_full``).
 
 Gradients of complete shard groups are queued and reduce-scattered in buckets
 (``reduce_scatter_bucket_size_mb``) into the shards' ``.grad``, or with offload beside their
@@ -78,7 +79,7 @@ class UnitParams:
         self.collectives = collectives
         self.options = options
         self.device = device
-        self.state = FullParams.SHARDED
+        self._gathered_records: List[ParamRecord] = []
         self._gathered: Optional[List[torch.Tensor]] = None
         self._gathered_generation: Tuple[tuple, ...] = ()
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
@@ -122,6 +123,17 @@ class UnitParams:
                 compute_on_shard(g, self.collectives, lambda: self.divide[0] * self.divide[1])
             else:
                 self.gathered.append(g)
+                self._gathered_records += g.records
+
+    @property
+    def state(self) -> FullParams:
+        """A gather in flight, else whether any placeholder holds its full value: the records
+        are the one account of what is held."""
+        if self._gathered is not None:
+            return FullParams.GATHERING
+        if any(r.holds_full for r in self._gathered_records):
+            return FullParams.UNSHARDED
+        return FullParams.SHARDED
 
     # -- gathering and freeing ---------------------------------------------------------------
     @torch.no_grad()
@@ -142,7 +154,7 @@ class UnitParams:
             optimization_barrier([g.local() for u in issue for g in u.gathered] + list(deps))
         for unit in issue:
             unit._issue_gather()
-        installing = self.state is not FullParams.UNSHARDED
+        installing = self._gathered is not None
         if installing:
             self._install(list(deps) if self not in issue else [], barrier)
         return bool(issue) or installing
@@ -165,18 +177,15 @@ class UnitParams:
             self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.gathered],
             self.options.coalesce_all_gather_ops, chained=in_backward())
         self._gathered_generation = self._generation()
-        self.state = FullParams.GATHERING
 
     def _install(self, deps: List[torch.Tensor], barrier: bool) -> None:
         gathered, self._gathered = self._gathered, None
-        if gathered is not None:
-            if barrier:
-                optimization_barrier(gathered + deps)
-            if self.immediate:
-                run_pending(gathered)
-            ParamRecord.install([r for g in self.gathered for r in g.records],
-                                unshard_all([g.layout for g in self.gathered], gathered))
-        self.state = FullParams.UNSHARDED
+        if barrier:
+            optimization_barrier(gathered + deps)
+        if self.immediate:
+            run_pending(gathered)
+        ParamRecord.install(self._gathered_records,
+                            unshard_all([g.layout for g in self.gathered], gathered))
 
     @torch.no_grad()
     def reshard(self, shard_groups: Sequence[ShardGroup], deps: Sequence[torch.Tensor],
@@ -189,17 +198,12 @@ class UnitParams:
         freed = ParamRecord.free(records, dummies)
         if len(shard_groups) == len(self.gathered):
             self._gathered = None
-        if self._gathered is None:
-            held = any(r.holds_full for g in self.gathered for r in g.records)
-            self.state = FullParams.UNSHARDED if held else FullParams.SHARDED
         if barrier and (freed or deps):
             optimization_barrier([g.local() for g in shard_groups] + list(deps))
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
-        if self.state is FullParams.GATHERING:
-            self._gathered = None
-            self.state = FullParams.SHARDED
+        self._gathered = None
 
     def abandon(self) -> None:
         """After a pass that raised: frees the full parameters and drops the gather in flight
@@ -231,12 +235,12 @@ class UnitParams:
         modules for this forward; returns ``x`` tied to the unit's reductions."""
         x, values = full_values(self.gathered, self.collectives.world_size, self.options,
                                 self.divide, not self.reshard_after_forward, x)
-        ParamRecord.lend([r for g in self.gathered for r in g.records], values)
+        ParamRecord.lend(self._gathered_records, values)
         return x
 
     def take_back(self) -> None:
         """After a traced forward: the placeholders back where the full values were lent."""
-        ParamRecord.take_back([r for g in self.gathered for r in g.records])
+        ParamRecord.take_back(self._gathered_records)
 
     # -- the unit's reduction settings (its public setters) -------------------------------------
     def set_reshard_after_forward(self, value: Optional[bool] = None,
