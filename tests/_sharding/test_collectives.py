@@ -18,7 +18,7 @@ import torch.nn as nn
 from xla_fsdp import launch
 from xla_fsdp._unit.options import hardware_defaults
 
-from ..support.checks import every, nonempty
+from ..support.checks import every, nonempty, pairs
 
 COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -175,3 +175,30 @@ def test_a_collective_lowered_before_the_first_unit_keeps_the_token_and_says_so(
     first, after, messages = launch(_built_after_a_collective, num_devices=1)[0]
     assert first and after
     assert [m for m in messages if "DISABLE_NUMERIC_CC_TOKEN=1" in m], messages
+
+
+def test_a_bucket_mixing_dtypes_scales_each_input_as_it_was_prepared():
+    """A float32 shard group (a module kept in float32 under bf16 compute) and a bf16 one in
+    one bucket: each is averaged over the ranks as when it is reduced alone, whichever comes
+    first. bf16 sums are pre-divided, float32 ones are not, so one scale for the bucket would
+    leave one of them off by the pre-divide factor."""
+    from xla_fsdp._sharding.collectives import padded_gradient, scatter_gradients
+    from xla_fsdp._sharding.layout import FlatLayout
+    from ..support.fake_collectives import FakeCollectives
+
+    world, divide = 4, (2.0, 2.0)
+    layout = FlatLayout((torch.Size([8]),), world, 1)
+    grad = torch.arange(8.0)
+
+    def reduce(*dtypes):
+        collectives = FakeCollectives(world, 0, lambda: [], peer_scale=1.0)
+        inputs = [padded_gradient(layout, [grad.to(d)], d, torch.device("cpu"), False, divide)
+                  for d in dtypes]
+        return scatter_gradients(collectives, divide, inputs, None)
+
+    average = grad[:2]  # every rank reduces the same gradient: the average is its own block
+    for dtypes in [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)]:
+        together = reduce(*dtypes)
+        for dtype, reduced in pairs(dtypes, together, what="reduced gradients"):
+            assert torch.equal(reduced, reduce(dtype)[0]), dtype
+            assert torch.equal(reduced, average), (dtype, reduced)

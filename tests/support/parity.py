@@ -65,6 +65,10 @@ SETTINGS = {
     # under bf16 compute BatchNorm runs in float32 and its statistics stay float32
     "batchnorm_bf16": ("bn", {"compute_dtype": torch.bfloat16, "fp32_reduce_scatter": True},
                        "sgd", {"groups": 1}),
+    # ... and reduced in bf16 beside the bf16 layers in one bucket, each with its own scale
+    "batchnorm_bf16_bucketed": ("bn", {"compute_dtype": torch.bfloat16,
+                                       "reduce_scatter_bucket_size_mb": 1},
+                                "sgd", {"groups": 1, "worlds": (1, 2, 4)}),
     "sharding_groups": ("net", {}, "sgd", {"groups": 2}),
     # hybrid sharding: groups of two are replicas that see different data, their gradients
     # averaged across groups

@@ -292,11 +292,22 @@ def scatter_gradients(collectives: Collectives, divide: Tuple[float, float],
     ranks (and over the replicas, with ``replica_groups``: hybrid sharding). ``float32``
     casts them for a float32 shard on the device; an offloaded shard's gradient leaves the
     device as it was reduced, in half the bytes when that is bf16, and is cast on the host
-    to the same values."""
-    _, divisor = reduction_divisors(inputs[0].dtype, divide)
-    if replica_groups:  # then averaged over the sharding groups too
-        divisor *= len(replica_groups[0])
-    outputs = collectives.reduce_scatter(inputs, scale=1.0 / divisor)
+    to the same values.
+
+    Inputs of each dtype are reduced together: a float32 input (a module kept in float32
+    under bf16 compute) was not pre-divided as a bf16 one was, so its scale after differs
+    (``reduction_divisors``), and one coalesced reduce-scatter has one scale."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(inputs):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    outputs: List[torch.Tensor] = [inputs[0]] * len(inputs)
+    for dtype, indices in by_dtype.items():
+        _, divisor = reduction_divisors(dtype, divide)
+        if replica_groups:  # then averaged over the sharding groups too
+            divisor *= len(replica_groups[0])
+        reduced = collectives.reduce_scatter([inputs[i] for i in indices], scale=1.0 / divisor)
+        for i, t in zip(indices, reduced, strict=True):
+            outputs[i] = t
     if replica_groups:
         outputs = [collectives.all_reduce_sum(t, replica_groups) for t in outputs]
     return [t if t.dtype == torch.float32 or not float32 else t.float() for t in outputs]
