@@ -24,9 +24,10 @@ once, while that structure is unchanged:
 
 * layouts cache their derived sizes (``_sharding.layout``);
 * a unit's placeholders swap under one version-counter guard (``ParamRecord.install``);
-* gathers go straight to torch_xla's bindings (``_xla.private_api.pinned_all_gathers``):
-  ``xm.all_gather`` with an output buffer compares it with ``None`` twice, and each
-  comparison raises and catches a TypeError inside torch;
+* ``Collectives`` issues pinned gathers through torch_xla's bindings (its
+  ``pinned_all_gathers``, from ``_xla.private_api``), not ``xm.all_gather``, which with an
+  output buffer compares it with ``None`` twice, each comparison raising and catching a
+  TypeError inside torch;
 * the optimizer's donors are listed again only when it holds other tensors
   (``_xla.donation_order``);
 * on the virtual devices every torch call (a ``.grad`` or ``.requires_grad`` read

@@ -7,7 +7,8 @@ saves (``async_save=True``, ``async_save``), and ``CheckpointManager`` (periodic
 checkpoints that stop cleanly on a preemption: ``manager``).
 
 Laid out by the path data takes. The API, one module per format: ``sharded``, ``dcp``,
-``consolidated``, ``full_state_dict``. A load: a source (``sources``) -> the one staging
+``consolidated``, ``full_state_dict`` (the two per-rank saves are defined with their
+writers, ``writers.per_rank_files`` and ``writers.dcp_shards``, and exported there). A load: a source (``sources``) -> the one staging
 loader (``staging``), which checks everything and reads it all before the ranks agree
 (``coordination``) -> the live model; one shortcut: a resume at the same world size and
 wrapping, where each rank loads its own per-rank file whole (``sharded``) and commits as

@@ -22,11 +22,12 @@ from typing import List, Optional, Sequence
 from ..dcp_format.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_paths
 from ..per_rank_format import MODEL, RANK_FILES, sharded_checkpoint_path
-from ..writers.formats import FORMATS, OutputOptions, output_paths, write_output
+from ..writers.formats import FORMATS, OutputOptions, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
-from ..per_rank.optimizer import why_not_consolidated
+from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
+from .library import output_paths
 from .redistribute import redistribute
 from ..per_rank.shard_set import ShardSet, find_shard_set, prefix_in_directory
 
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
           + ("" if args.no_verify else ", every record's CRC-32 checked"))
     try:
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-        reason = None if args.no_optimizer else why_not_consolidated(shards, plan)
+        reason = None if args.no_optimizer else optimizer_param_keys(shards, plan)[1]
         with_optimizer = not args.no_optimizer and reason is None
         if reason and "no optimizer" not in reason:
             print(f"optimizer state not included: {reason}")

@@ -13,11 +13,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from ..consolidated_format import optimizer_companion
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
 from ..per_rank_format import MODEL, SHARD_METADATA, ShardMetadata
 from ..writers.formats import OutputOptions, write_output
-from ..per_rank.optimizer import why_not_consolidated
+from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, check_shard_set, wait_for_shard_set
@@ -35,14 +36,14 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
     The saved file is ``{'model': ..., 'optimizer': ..., 'optimizer_param_names': ...}``
     (the optimizer when its parameter mapping is known), written atomically and verified.
     A file matching the pattern that is the output itself is not read as an input."""
-    out = (save_path or ckpt_prefix + "_consolidated.pth") if save_model else None
+    out = output_paths("pt", save_path, ckpt_prefix)[0] if save_model else None
     shards = wait_for_shard_set(ckpt_prefix, ckpt_suffix, [out] if out else [], wait_seconds,
                                 skip_outputs=True)
     try:
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         if out is None:
             return _state_dict(plan, shards), None
-        with_optimizer = why_not_consolidated(shards, plan) is None
+        with_optimizer = optimizer_param_keys(shards, plan)[1] is None
         write_output(unwrapped_state(shards, plan, with_optimizer), "pt", out, OutputOptions(),
                      lambda _: None)
     finally:
@@ -73,3 +74,14 @@ def _state_dict(plan: ModelPlan, shards: ShardSet) -> "OrderedDict[str, torch.Te
     state = unwrapped_state(shards, plan, False)
     return state.with_aliases(OrderedDict(state.entries()))  # tied: one tensor, both names
 
+
+def output_paths(fmt: str, save_path: str, prefix: str) -> List[str]:
+    """What a consolidation of the files at ``prefix`` in ``fmt`` writes (the first is the
+    model's), unless ``save_path`` names it."""
+    if fmt in ("dcp", "hf"):
+        return [save_path or f"{prefix}_{fmt}"]
+    path = save_path or prefix + "_consolidated" + (".safetensors" if fmt == "safetensors"
+                                                    else ".pth")
+    if fmt == "safetensors":
+        return [path, optimizer_companion(path)]
+    return [path]

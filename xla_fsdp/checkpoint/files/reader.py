@@ -116,7 +116,6 @@ class PreadFile:
     ``_data_offset(key)``) and what errors call it (``_record_name(key)``)."""
     path: str
     _fd: int
-    bytes_read: int  # by pread_into: what a caller's reads cost
 
     def pread_into(self, key: str, byte_offset: int, out: Any) -> None:
         """Reads ``len(out)`` bytes of record ``key`` from ``byte_offset`` into ``out``."""
@@ -126,7 +125,6 @@ class PreadFile:
             raise CheckpointError(f"{self.path}: read past the end of {what}")
         pread_fully(self._fd, view, self._data_offset(key) + byte_offset,
                     f"{self.path}: file ends inside {what} (truncated)")
-        self.bytes_read += len(view)
 
     def crc32(self, at: int, size: int, what: str) -> int:
         """The CRC-32 of the file's ``size`` bytes from offset ``at`` (``what`` they are)."""
@@ -174,7 +172,6 @@ class CheckpointFile(PreadFile):
         self._records: Dict[str, zipfile.ZipInfo] = {n[len(self._prefix):]: self._zip.getinfo(n)
                                                      for n in names}
         self._offsets: Dict[str, int] = {}
-        self.bytes_read = 0
         self._fd = os.open(path, os.O_RDONLY)
         try:
             self.tree = _LazyUnpickler(self, self._zip.read(pkl[0])).load()

@@ -26,7 +26,6 @@ class SafetensorsFile(PreadFile):
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.bytes_read = 0
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

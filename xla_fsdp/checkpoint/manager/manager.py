@@ -109,7 +109,8 @@ class CheckpointManager:
             self.sync_point_unavailable = preemption.activate_runtime_sync_point()
         # a process that only traces (xla_fsdp.aot) leaves the directory alone: what looks
         # left over may be a save of the run it plans, in flight
-        self.removed_leftovers = [] if trace_only.active() else self.directory.remove_leftovers()
+        if not trace_only.active():
+            self.directory.remove_leftovers()
         exchange("xla_fsdp.manager.started", None)  # no rank saves while another cleans
 
     # -- what is saved -----------------------------------------------------------------------

@@ -18,11 +18,6 @@ from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet
 
 
-def why_not_consolidated(shards: ShardSet, plan: ModelPlan) -> Optional[str]:
-    """None if the optimizer can be consolidated, else the reason."""
-    return optimizer_param_keys(shards, plan)[1]
-
-
 def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
                          ) -> Tuple[Optional[List[str]], Optional[str]]:
     """Which shard (model state dict key) each optimizer index holds, or why that is unknown.

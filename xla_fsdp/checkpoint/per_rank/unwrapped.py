@@ -13,7 +13,7 @@ from .shard_set import ShardSet
 
 def unwrapped_state(shards: ShardSet, plan: ModelPlan, with_optimizer: bool) -> UnwrappedState:
     """``shards`` (opened, checked and planned as ``plan``), the optimizer's state with them
-    when ``with_optimizer`` (its parameter mapping known: ``why_not_consolidated``)."""
+    when ``with_optimizer`` (its parameter mapping known: ``optimizer_param_keys``)."""
     head = shards.files[0].tree
     return UnwrappedState(unwrapped_tensors(plan, shards.files), list(plan.aliases),
                           named_state(shards, plan) if with_optimizer else None,

@@ -42,9 +42,9 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..per_rank_format import ShardMetadata
-from ..live_model import (extra_state_tensors, persistent_buffers, refuse_lost_writes, require_root,
-                          sharding_group_index, sharding_group_path, writes_sharding_group_copy)
+from ..live_model import (extra_state_tensors, parameter_order, persistent_buffers,
+                          refuse_lost_writes, require_root, sharding_group_index,
+                          sharding_group_path, units_by_saved_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, exchange
@@ -234,7 +234,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                     paths[key], objects[key] = path, entry.value
         if first:
             in_order = model_order(
-                ShardMetadata(model.get_shard_metadata()).parameter_order() or [])
+                parameter_order(model, units_by_saved_path(model, list(model.named_units()))))
             for index, param_group in enumerate(optimizer.param_groups):
                 names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
                                key=in_order)

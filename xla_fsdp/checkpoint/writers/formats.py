@@ -18,7 +18,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..consolidated_format import optimizer_companion
 from ..dcp_format.layout import GET_STATE_DICT, KeyScheme, key_scheme
 from ..per_rank_format import EXTRA, OPTIMIZER
 from ..files import CheckpointError, CheckpointFile
@@ -39,16 +38,6 @@ class OutputOptions:
     max_shard_size: Any = DEFAULT_MAX_SHARD_SIZE
     model: Optional[torch.nn.Module] = None   # the unwrapped model, for its own HF config
 
-
-def output_paths(fmt: str, save_path: str, prefix: str) -> List[str]:
-    """What a consolidation in ``fmt`` writes (the first is the model's)."""
-    if fmt in ("dcp", "hf"):
-        return [save_path or f"{prefix}_{fmt}"]
-    path = save_path or prefix + "_consolidated" + (".safetensors" if fmt == "safetensors"
-                                                    else ".pth")
-    if fmt == "safetensors":
-        return [path, optimizer_companion(path)]
-    return [path]
 
 
 def write_output(state: UnwrappedState, fmt: str, path: str, options: OutputOptions,
