@@ -64,8 +64,9 @@ class XlaFullyShardedDataParallel(UnitModule):
       the root's parameters);
     * ``replicate_across_groups=True`` makes ``sharding_groups`` data-parallel replicas
       (hybrid sharding): gradients averaged across groups, the norm over one group, one
-      group writes checkpoints. Without it each group is a model of its own, as torch_xla
-      means it, and each writes its own checkpoint files;
+      group writes checkpoints. Without it each group holds a different part of one model
+      (a model-parallel slice), as torch_xla means it: each writes its own checkpoint
+      files, and ``clip_grad_norm_`` sums over every rank;
     * BatchNorm computes in float32 under a low-precision ``compute_dtype``, and buffers
       keep their dtype unless ``buffer_dtype`` is given (torch_xla casts them to the
       compute dtype);

@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 from xla_fsdp import launch
-from ..support.checks import every
+from ..support.checks import every, nonempty
 
 
 class Tiny(nn.Module):
@@ -70,6 +70,12 @@ def misuses(rank):
     out["groups_no_rank"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0, 1]]))
     out["groups_cover"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
                                               sharding_world_size=1))
+    # a unit sharded over other ranks than its root: the norm, loss scaling and checkpoints
+    # reduce over the root's ranks
+    hybrid = dict(sharding_groups=[[0], [1]], sharding_rank=0, sharding_world_size=1,
+                  replicate_across_groups=True)
+    out["groups_mixed"] = [_error(lambda: FSDP(nn.Sequential(FSDP(Tiny(), **hybrid), Tiny()))),
+                           _error(lambda: FSDP(nn.Sequential(FSDP(Tiny()), Tiny()), **hybrid))]
     shared = nn.Sequential(Tiny(), Tiny())
     shared[1].lin.weight = shared[0].lin.weight
     shared[0] = FSDP(shared[0])
@@ -314,6 +320,10 @@ def test_misuse_errors():
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
     assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
     assert "every rank 0..1" in out["groups_cover"]
+    for message in nonempty(out["groups_mixed"], "mixed shardings"):
+        assert message.startswith("ValueError: FSDP unit around Sequential has sharding_groups="), \
+            message
+        assert "the unit around Tiny inside it" in message and "the same ranks" in message, message
     assert "'1.lin.weight' of Sequential is shared with 'lin.weight' of the unit around " \
         "Tiny, which sharded it first" in out["tied_across_units"], out["tied_across_units"]
     assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]

@@ -5,10 +5,11 @@
 contain an inf or a NaN. On FSDP shards each rank looks at its own slice only: with fp16
 compute one rank skipped a step that another took, their scales parted, and their next
 collectives no longer matched (XLA gave up on them). Once the scaler has unscaled an
-optimizer over shards, each of its inf flags becomes the maximum over the ranks that hold
-parts of the same gradients (every rank, or with ``replicate_across_groups`` each sharding
-group: where ``clip_grad_norm_`` takes its norm), before its step or its update reads them,
-as PyTorch FSDP's ``ShardedGradScaler`` does. A host gradient's flag (``offload_optimizer``)
+optimizer over shards, each of its inf flags becomes the maximum over every rank, before
+its step or its update reads them, as PyTorch FSDP's ``ShardedGradScaler`` does. Every rank,
+whatever the units' ``sharding_groups``: replicas (``replicate_across_groups``) hold the same
+reduced gradients, so their flags agree anyway, and an optimizer may hold the shards of
+models sharded over different ranks. A host gradient's flag (``offload_optimizer``)
 goes through the device. Installed with FSDP's process-wide effects.
 """
 from __future__ import annotations
@@ -28,8 +29,6 @@ def agree_on_infs(optimizer: torch.optim.Optimizer,
     if not shard_groups:
         return
     params = params_of(shard_groups[0])
-    options = params.options
-    rank_groups = options.sharding_groups if options.replicate_across_groups else None
     for flag in found_inf_per_device.values():
-        agreed = params.collectives.all_reduce_max(flag.to(params.device), rank_groups)
+        agreed = params.collectives.all_reduce_max(flag.to(params.device), None)
         flag.copy_(agreed.to(flag.device))

@@ -85,7 +85,9 @@ class UnitState:
 
     def adopt(self, states: Sequence["UnitState"]) -> None:
         """Becomes the parent of the states no unit was built around yet, and gives every
-        state below it this root's context."""
+        state below it this root's context. Refuses a state sharded over other ranks than
+        this one (see ``refuse_mixed_sharding``)."""
+        refuse_mixed_sharding(self, states)
         for s in states:
             if s is not self and s.parent is None:
                 s.parent = self
@@ -150,3 +152,23 @@ class UnitState:
         """Returns to ``IDLE`` after a pass that raised (see [Note: a pass that raised])."""
         self.params.abandon()
         self.training_state = TrainingState.IDLE
+
+
+def refuse_mixed_sharding(root: UnitState, states: Sequence[UnitState]) -> None:
+    """Raises ``ValueError`` if a state below ``root`` has other ``sharding_groups`` or
+    ``replicate_across_groups`` than ``root``. What spans the model (``clip_grad_norm_``'s
+    norm, loss scaling's inf flags, which ranks write a checkpoint) reduces over the ranks
+    its root's options name; a unit sharded otherwise would be counted twice or not at all
+    there, silently."""
+    def sharding(s: UnitState) -> tuple:
+        return s.options.sharding_groups, s.options.replicate_across_groups
+    for s in states:
+        if sharding(s) != sharding(root):
+            raise ValueError(
+                f"FSDP unit around {root.name} has sharding_groups={root.options.sharding_groups}"
+                f", replicate_across_groups={root.options.replicate_across_groups}, but the "
+                f"unit around {s.name} inside it has sharding_groups="
+                f"{s.options.sharding_groups}, replicate_across_groups="
+                f"{s.options.replicate_across_groups}. Every unit of one model must be sharded "
+                f"over the same ranks: the gradient norm, loss scaling and checkpoints treat the "
+                f"model as one. Give every unit the same two options (auto_wrap_policy does)")
