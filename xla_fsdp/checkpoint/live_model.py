@@ -2,18 +2,22 @@
 unwrapped model's names (``unwrapped_name``, a unit's path as its shards are saved under,
 ``units_by_saved_path``), its persistent buffers, modules' extra state and tied aliases, and the
 refusals every save of the unwrapped model applies before reading it (writes lost to a freed
-placeholder, extra state that is not a tensor), the check that a call is given the root, and
-where the root's sharding group keeps a checkpoint."""
+placeholder, extra state that is not a tensor), the check that a call is given the root,
+where the root's sharding group keeps a checkpoint, and where each parameter lives in this
+rank's shards (``param_slots``)."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
+from .._sharding.chunks import Chunk, run_chunks
 from .._sharding.names import clean_name, join_name
 from .._unit.param_record import ParamRecord
+from .._unit.shard_group import ShardGroup
 from .._xla.private_api import is_persistent_buffer
 from .files import CheckpointError
 from .unit_protocol import ShardedModel, ShardedUnit
@@ -210,3 +214,39 @@ def parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> Li
             owner = full.rsplit(".", 1)[0] if "." in full else ""
             keyed.append(((module_rank[owner], position), full))
     return [name for _, name in sorted(keyed)]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter of the unwrapped model, as a rank holds it."""
+    names: Tuple[str, ...]        # every name it has; the first is get_state_dict's
+    shape: torch.Size
+    shard_group: ShardGroup
+    pieces: Tuple[Tuple[Chunk, int], ...]  # this rank's chunks, each with where it starts
+                                           # in the shard group's shard, flattened
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+
+def param_slots(root: ShardedModel) -> List[ParamSlot]:
+    """Every parameter of the model, with this rank's chunks of it."""
+    out = []
+    for path, unit in root.named_units():
+        for g in unit.shard_groups:
+            owned = {o.param: o for o in g.layout.owned(unit.rank)}
+            for i, (record, shape) in enumerate(zip(g.records, g.layout.shapes)):
+                o = owned.get(i)
+                pieces = tuple(run_chunks(shape, o.start, o.end, o.shard_offset)) if o else ()
+                out.append(ParamSlot(tuple(unwrapped_name(path, n) for n in record.names),
+                                     torch.Size(shape), g, pieces))
+    return out
+
+
+def slots_by_shard(slots: List[ParamSlot]) -> Dict[int, List[ParamSlot]]:
+    """{id of a shard: the slots of its parameters}, for the optimizer's state."""
+    out: Dict[int, List[ParamSlot]] = {}
+    for slot in slots:
+        out.setdefault(id(slot.shard_group.shard), []).append(slot)
+    return out

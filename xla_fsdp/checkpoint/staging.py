@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree_or_undo, every_rank_agrees, naming
-from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, ParamSlot,
-                                param_slots, rank_extra_key, rank_extras, slots_by_shard)
+from .dcp_format.layout import GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key, rank_extras
 from .files import CheckpointError
 from .per_rank_format import EXTRA, OPTIMIZER
-from .live_model import extra_state_holders, persistent_buffers
+from .live_model import (ParamSlot, extra_state_holders, param_slots, persistent_buffers,
+                         slots_by_shard)
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, shard_state_is_sharded)
 from .unit_protocol import ShardedModel

@@ -3,7 +3,7 @@
 No arithmetic of its own: the old rank files are read as the loader's source
 (``sources.per_rank_files``), and each new rank's shard of a group is filled with the chunks the
 group's layout at the new world size says that rank holds (``Layout.owned``, as
-``dcp_format.layout.ParamSlot`` gives a live model's), read from the source as ``load_sharded``
+``live_model.ParamSlot`` gives a live model's), read from the source as ``load_sharded``
 reads them into a live model at that world size. The new files are in ``save_sharded``'s
 format (the shard metadata and our record as a save at the new world size writes them), so
 ``load_sharded`` there takes them as its own. Memory stays near one new shard: each is

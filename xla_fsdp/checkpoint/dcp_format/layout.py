@@ -1,5 +1,6 @@
 """The DCP layout: the unwrapped model and its optimizer as ``torch.distributed.checkpoint``
-stores them, under the keys of one of two schemes, and where each tensor lives in our shards.
+stores them, under the keys of one of two schemes. Where each parameter lives in this rank's
+shards is the live model's (``live_model.param_slots``).
 
 The ``get_state_dict`` scheme is what ``dcp.save({"model": M, "optimizer": O, ...})`` writes
 for ``M, O = get_state_dict(model, optimizer)`` (PyTorch FSDP2's recipe); the ``torchtitan``
@@ -30,13 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-import torch
 
-from ..._sharding.chunks import Chunk, run_chunks
 from ..per_rank_format import EXTRA, MODEL, OPTIMIZER
-from ..live_model import unwrapped_name
-from ..._unit.shard_group import ShardGroup
-from ..unit_protocol import ShardedModel
 
 Path = Tuple[object, ...]
 
@@ -93,39 +89,3 @@ def key_scheme(name: str) -> KeyScheme:
     if name not in KEY_SCHEMES:
         raise ValueError(f"unknown DCP key scheme {name!r}; choose from {sorted(KEY_SCHEMES)}")
     return KEY_SCHEMES[name]
-
-
-@dataclass(frozen=True)
-class ParamSlot:
-    """One parameter of the unwrapped model, as a rank holds it."""
-    names: Tuple[str, ...]        # every name it has; the first is get_state_dict's
-    shape: torch.Size
-    shard_group: ShardGroup
-    pieces: Tuple[Tuple[Chunk, int], ...]  # this rank's chunks, each with where it starts
-                                           # in the shard group's shard, flattened
-
-    @property
-    def name(self) -> str:
-        return self.names[0]
-
-
-def param_slots(root: ShardedModel) -> List[ParamSlot]:
-    """Every parameter of the model, with this rank's chunks of it."""
-    out = []
-    for path, unit in root.named_units():
-        for g in unit.shard_groups:
-            owned = {o.param: o for o in g.layout.owned(unit.rank)}
-            for i, (record, shape) in enumerate(zip(g.records, g.layout.shapes)):
-                o = owned.get(i)
-                pieces = tuple(run_chunks(shape, o.start, o.end, o.shard_offset)) if o else ()
-                out.append(ParamSlot(tuple(unwrapped_name(path, n) for n in record.names),
-                                     torch.Size(shape), g, pieces))
-    return out
-
-
-def slots_by_shard(slots: List[ParamSlot]) -> Dict[int, List[ParamSlot]]:
-    """{id of a shard: the slots of its parameters}, for the optimizer's state."""
-    out: Dict[int, List[ParamSlot]] = {}
-    for slot in slots:
-        out.setdefault(id(slot.shard_group.shard), []).append(slot)
-    return out

@@ -7,7 +7,7 @@ saved in, become entries under the keys of the DCP layout's ``get_state_dict`` s
 
 [Note: a rank reads the runs its shards hold]
 A shard holds runs of a parameter's row-major elements (``Layout.owned``), which the loader
-asks for as chunks (``dcp_format.layout.ParamSlot``). A tensor stored contiguously, as a
+asks for as chunks (``live_model.ParamSlot``). A tensor stored contiguously, as a
 ``.safetensors`` or ``torch.save`` file stores it, gives any run with one read at its
 offset; so a rank reads the bytes of its own shards, and of the whole tensors it needs
 (buffers, a step count), and nothing else, whatever the world size.

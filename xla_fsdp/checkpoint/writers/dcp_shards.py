@@ -42,15 +42,15 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..live_model import (extra_state_tensors, parameter_order, persistent_buffers,
-                          refuse_lost_writes, require_root, sharding_group_index,
-                          sharding_group_path, units_by_saved_path, writes_sharding_group_copy)
+from ..live_model import (ParamSlot, extra_state_tensors, param_slots, parameter_order,
+                          persistent_buffers, refuse_lost_writes, require_root,
+                          sharding_group_index, sharding_group_path, slots_by_shard,
+                          units_by_saved_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, exchange
 from .dcp_files import commit, local_plan, remove_files, write_in_files
-from ..dcp_format.layout import (KeyScheme, ParamSlot, Path, extra_key, key_scheme, param_slots,
-                                 rank_extra_key, slots_by_shard)
+from ..dcp_format.layout import KeyScheme, Path, extra_key, key_scheme, rank_extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..unwrapped_state import model_order
 
