@@ -350,6 +350,15 @@ def _private_api_uses(module: Module) -> List[str]:
                     node.attr not in TORCH_XLA_ATTRIBUTES and not _is_stdlib_root(chain, module):
                 found.append(f"{_where(module, node.lineno)}: .{node.attr}, a private "
                              f"attribute none of our modules defines (upstream's)")
+        elif isinstance(node, ast.Call) and _called_name(node) in ("getattr", "hasattr") \
+                and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) \
+                and isinstance(node.args[1].value, str) and _is_private(node.args[1].value) \
+                and node.args[1].value not in (OUR_PRIVATE | TORCH_XLA_ATTRIBUTES
+                                               | NAMEDTUPLE_API):
+            # the same read spelled as a string, which the attribute rule above cannot see
+            found.append(f"{_where(module, node.lineno)}: {_called_name(node)}(..., "
+                         f"{node.args[1].value!r}), a private attribute none of our modules "
+                         f"defines (upstream's)")
     return found
 
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 from ._init.compiled_module import split_compiled
 from ._unit.shard_group import shard_group_of
 from ._unit.unit_state import is_unit
+from ._xla.private_api import wrap_overrides
 
 
 def always_wrap_policy(*args: Any, **kwargs: Any) -> bool:
@@ -97,6 +98,6 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
     remaining = _unwrapped_numel(inner, ignored_ids)
     if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):
         # fairscale's and torch_xla's convention: a module's own options over the policy's
-        overrides = getattr(inner, "_wrap_overrides", None) or {}
-        return wrapper_cls(module, **{**kwargs, **overrides}), wrapped_total + remaining
+        return wrapper_cls(module, **{**kwargs, **wrap_overrides(inner)}), \
+            wrapped_total + remaining
     return module, wrapped_total

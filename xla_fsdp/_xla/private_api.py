@@ -4,7 +4,9 @@
 Nothing here is promised by any of those projects, so each use sits behind a named function
 that says what it is for, and an upgrade has one file to check. Checked against torch 2.9.0,
 torch_xla 2.9.0 and transformers 4.57 and 5. (The virtual-device launcher, ``launch.virtual``,
-patches torch_xla's internals of its own and is not routed through here.)
+patches torch_xla's internals of its own and is not routed through here. The names a file
+format stores, torch.save's rebuild functions and DCP's metadata classes, are the format's,
+not uses: the restricted unpicklers that admit them by name keep them with their readers.)
 
 torch_xla is imported inside the functions, so that importing this module stays cheap.
 """
@@ -160,6 +162,12 @@ def parameters_replaced(replacements: Dict[nn.Module, Dict[str, torch.Tensor]]
             m.__dict__["_parameters"] = params
 
 
+def op_schema(target: Any) -> Optional[Any]:
+    """The schema of an aten op overload (what it writes, what its outputs alias), or None
+    for any other callable in a traced graph."""
+    return getattr(target, "_schema", None)
+
+
 def is_batch_norm(m: nn.Module) -> bool:
     """BatchNorm of any dimension, lazy and synchronised ones included."""
     return isinstance(m, _BatchNorm)
@@ -251,6 +259,12 @@ def storage_type_names() -> Dict[torch.dtype, str]:
 
 
 # -- torch_xla ------------------------------------------------------------------------------
+def wrap_overrides(module: nn.Module) -> Dict[str, Any]:
+    """The wrapper options a module asks auto-wrap for over the policy's (the attribute
+    fairscale's and torch_xla's ``wrap`` set and read)."""
+    return getattr(module, "_wrap_overrides", None) or {}
+
+
 def to_cpu(tree: Any) -> Any:
     """``tree`` with its XLA tensors copied to the CPU in one transfer, as ``xm.save`` does,
     and its containers of the types they were: torch_xla's own walk rebuilds every tuple as a
@@ -426,6 +440,12 @@ def run_multiprocess(fn: Callable[[], Any]) -> Dict[int, Any]:
 
 
 # -- transformers -----------------------------------------------------------------------------
+def tied_weights_patterns(module: nn.Module) -> List[str]:
+    """The patterns of the parameters a transformers model class ties in ``module`` (its own,
+    not its children's)."""
+    return list(getattr(module, "_tied_weights_keys", None) or [])
+
+
 def wrap_trainer_wrap_model(trainer: type, wrap: Callable[[Callable], Callable]) -> None:
     """Replaces ``Trainer._wrap_model``, where Trainer wraps its model for XLA FSDP, with
     ``wrap`` of it (see [Note: Trainer's wrapped model on transformers 5])."""

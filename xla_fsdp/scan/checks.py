@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .._init.mixed_precision import float32_modules
 from .._unit.unit_state import is_unit
-from .._xla.private_api import has_module_hooks, is_batch_norm
+from .._xla.private_api import has_module_hooks, is_batch_norm, op_schema
 
 
 def forward_graph(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
@@ -45,7 +45,7 @@ def refuse_input_mutation(graph: fx.GraphModule, names: Sequence[str]) -> None:
     in order."""
     placeholders = {n: i for i, n in enumerate(graph.graph.nodes) if n.op == "placeholder"}
     for node in graph.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         if node.op != "call_function" or schema is None or not schema.is_mutable:
             continue
         for k, arg in enumerate(schema.arguments):
@@ -70,7 +70,7 @@ def tensor_attributes(layer: nn.Module, placeholders: set) -> List[str]:
 def _view_base(node: Any) -> Any:
     """The tensor a chain of views starts from."""
     while isinstance(node, fx.Node) and node.op == "call_function":
-        schema = getattr(node.target, "_schema", None)
+        schema = op_schema(node.target)
         returns = schema.returns if schema is not None else []
         if not (returns and returns[0].alias_info is not None and node.args):
             break

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
+from ..._xla.private_api import tied_weights_patterns
 from ..files import CheckpointError, SafetensorsWriter, atomic_paths
 from ..files.writer import SAFETENSORS_DTYPES
 from ..consolidated_format import HF_INDEX, HF_WEIGHTS
@@ -140,7 +141,7 @@ def tied_patterns_of(model: torch.nn.Module) -> List[str]:
     """Every ``_tied_weights_keys`` pattern in ``model``, qualified by its module's path."""
     out = []
     for path, module in model.named_modules():
-        keys = getattr(module, "_tied_weights_keys", None) or []
+        keys = tied_weights_patterns(module)
         out += [f"{re.escape(path)}\\.{k}" if path else k for k in keys]
     return out
 
