@@ -4,6 +4,12 @@ record owns the parameter's two transitions, to its full value and back, on both
 eagerly by swapping the placeholder's data (``install``, ``free``), and in a graph that
 ``torch.compile`` traces by setting the full value where the placeholder stands (``lend``,
 ``take_back``; see [Note: collectives traced into the compiled graph] in ``traced_unshard``).
+The transitions are static methods over a unit's records, not one call per record: a unit's
+placeholders swap under one version-counter guard (see [Note: per-step host cost] in
+``unit_params``). A lent value is not held: it stands in the modules only while Dynamo traces
+the forward, and the placeholder, still empty, is what the eager code sees, so ``lend``
+leaves ``holds_full`` False. The gradients' side (what arrived, the reduction) belongs to
+the unit's ``UnitParams``, which reduces a shard group's records together.
 
 No FSDP state lives on tensors except what code written for torch_xla's FSDP reads there:
 ``_is_sharded``, ``_orig_size`` and ``_orig_name`` on a shard, and ``_has_full_param`` on a
