@@ -101,6 +101,10 @@ def misuses(rank):
     out["torch_clip_after_sync"] = _error(
         lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     out["reduce_gradients"] = _error(lambda: xm.reduce_gradients(opt))
+    # torch's two-call clipping: the norm of this rank's slices, then the clip
+    local_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    out["torch_clip_two_calls"] = _error(
+        lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, local_norm))
     plain = torch.ones(3, requires_grad=True)
     plain.grad = torch.full((3,), 4.0)
     out["torch_clip_plain"] = float(torch.nn.utils.clip_grad_norm_([plain], 1.0))
@@ -332,6 +336,9 @@ def test_misuse_errors():
     assert "would clip each rank's slice by the norm of that slice alone" in \
         out["torch_clip_after_sync"], out["torch_clip_after_sync"]
     assert "Call optimizer.step() instead" in out["reduce_gradients"], out["reduce_gradients"]
+    assert out["torch_clip_two_calls"].startswith(
+        "RuntimeError: torch.nn.utils.clip_grads_with_norm_ over FSDP shards"), \
+        out["torch_clip_two_calls"]
     assert abs(out["torch_clip_plain"] - 48 ** 0.5) < 1e-5, out["torch_clip_plain"]
     assert "root FSDP unit" in out["clip_nested"]
     assert every("parameter 'lin.weight' was changed in place through its module attribute"

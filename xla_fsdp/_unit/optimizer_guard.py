@@ -31,7 +31,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Set
+from typing import Any, Callable, Dict, List, Set
 
 import torch
 
@@ -243,30 +243,35 @@ def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
 # pending step only: clipping that starts at a later step, or a ``torch_xla.sync()`` between
 # the clipping and the step (which executes what the audit would read), went through, and
 # each rank clipped its slice by its own norm (0.45 relative off the unsharded model after
-# three steps). The two calls ported data-parallel code makes are refused where they are
-# called instead, whenever they are given multi-rank shards: torch's ``clip_grad_norm_``
-# (``model.clip_grad_norm_`` takes the norm over every rank) and ``xm.reduce_gradients``
-# (FSDP's gradients are reduced already). Code that bound the function before the first unit
-# was built is still met by the audit.
+# three steps). The calls ported data-parallel code makes are refused where they are
+# called instead, whenever they are given multi-rank shards: torch's ``clip_grad_norm_`` and
+# its two halves, ``get_total_norm`` then ``clip_grads_with_norm_`` (public since torch 2.6;
+# the second is given the parameters, so it is the one refused), as ``model.clip_grad_norm_``
+# takes the norm over every rank; and ``xm.reduce_gradients`` (FSDP's gradients are reduced
+# already). Code that bound the functions before the first unit was built is still met by
+# the audit.
 def refuse_local_clipping_and_averaging() -> None:
-    """Wraps torch's ``clip_grad_norm_`` and torch_xla's ``reduce_gradients`` once per
-    process (see [Note: clipping and averaging refused where they are called])."""
+    """Wraps torch's ``clip_grad_norm_`` and ``clip_grads_with_norm_`` and torch_xla's
+    ``reduce_gradients`` once per process (see [Note: clipping and averaging refused where
+    they are called])."""
     import torch.nn.utils as utils
     import torch_xla.core.xla_model as xm
-    clip = utils.clip_grad_norm_
-    if getattr(clip, "refuses_shards", False):
+    if getattr(utils.clip_grad_norm_, "refuses_shards", False):
         return
 
-    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        shards = _multi_rank_shards(params)
-        if shards:
-            raise RuntimeError(
-                f"torch.nn.utils.clip_grad_norm_ over FSDP shards ({', '.join(shards[:3])}"
-                f"{', ...' if len(shards) > 3 else ''}) would clip each rank's slice by the "
-                f"norm of that slice alone; call the root FSDP model's clip_grad_norm_(max_norm,"
-                f" norm_type), which takes the norm over every rank")
-        return clip(params, *args, **kwargs)
+    def refusing(clip: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def refuses_shards(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            shards = _multi_rank_shards(params)
+            if shards:
+                raise RuntimeError(
+                    f"torch.nn.utils.{name} over FSDP shards ({', '.join(shards[:3])}"
+                    f"{', ...' if len(shards) > 3 else ''}) would clip each rank's slice by the "
+                    f"norm of that slice alone; call the root FSDP model's "
+                    f"clip_grad_norm_(max_norm, norm_type), which takes the norm over every rank")
+            return clip(params, *args, **kwargs)
+        refuses_shards.refuses_shards = True  # type: ignore[attr-defined]
+        return refuses_shards
 
     reduce = xm.reduce_gradients
 
@@ -279,8 +284,11 @@ def refuse_local_clipping_and_averaging() -> None:
                 "each rank holds a different shard. Call optimizer.step() instead.")
         return reduce(optimizer, *args, **kwargs)
 
-    clip_grad_norm_.refuses_shards = True  # type: ignore[attr-defined]
-    utils.clip_grad_norm_ = utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
+    for name in ("clip_grad_norm_", "clip_grads_with_norm_"):
+        if hasattr(utils, name):   # clip_grads_with_norm_: torch 2.6 and later
+            wrapped = refusing(getattr(utils, name), name)
+            setattr(utils, name, wrapped)
+            setattr(utils.clip_grad, name, wrapped)
     xm.reduce_gradients = reduce_gradients
 
 
