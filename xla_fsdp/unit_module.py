@@ -225,6 +225,16 @@ class UnitModule(FallThrough):
         with shards_kept_out(self, [g.shard_name for g in self._state.params.shard_groups]):
             return super()._apply(fn, recurse)
 
+    def apply(self, fn: Callable[[nn.Module], None]) -> "UnitModule":
+        """``fn`` on every module, as on the unwrapped model (an initialisation, e.g.
+        transformers' ``_init_weights``): while it runs over a unit's modules they hold the
+        unit's full parameters, in their own dtype, and what ``fn`` writes to them (in place
+        or through ``.data``) goes into the shards after, as PyTorch FSDP's ``apply`` does.
+        One unit's full parameters at a time, with its enclosing units'."""
+        self.assert_state(TrainingState.IDLE)
+        with self._state.params.full_values_written_back():
+            return super().apply(fn)
+
     def extra_repr(self) -> str:
         params = self._state.params
         padded = [n for g in params.shard_groups if isinstance(g.layout, Dim0Layout)

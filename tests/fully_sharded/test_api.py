@@ -375,6 +375,30 @@ def _loss_before_backward(out, device):
     out["loss_value"] = abs(float(loss.cpu()) - float(plain(x)))
 
 
+def _apply_init(out):
+    """``model.apply(fn)`` after wrapping changes the shards as ``fn`` changes the unwrapped
+    model, written in place or through ``.data`` (transformers' ``_init_weights``), with
+    float32 masters exact under bf16 compute, flat and dim-0 shards alike."""
+    from xla_fsdp import FSDP
+
+    def init(m):
+        if isinstance(m, nn.Linear):
+            m.weight.data.mul_(0.5)
+            nn.init.constant_(m.bias, 0.05)
+    torch.manual_seed(0)
+    plain = Net()
+    model = Net()
+    model.load_state_dict(plain.state_dict())
+    model.b1 = FSDP(model.b1, compute_dtype=torch.bfloat16, flatten_parameters=True)
+    model = FSDP(model, compute_dtype=torch.bfloat16, shard_param_on_dim_0=True)
+    model.apply(init)
+    plain.apply(init)
+    full = model.full_state_dict(rank0_only=False)
+    out["apply_init"] = sorted(k for k, v in plain.state_dict().items()
+                               if not torch.equal(full[k].cpu(), v))
+    out["apply_init_changed"] = float(full["head.bias"][0])
+
+
 def checks(rank):
     import torch_xla
     device = torch_xla.device()
@@ -387,6 +411,7 @@ def checks(rank):
     _torch_xla_arguments(out, device)
     _attribute_fall_through(out)
     _loss_before_backward(out, device)
+    _apply_init(out)
     torch_xla.sync()
     return out
 
@@ -406,6 +431,8 @@ def test_wrapper_api():
                                      "_fsdp_wrapped_module.b2": (torch.bfloat16, True)}, \
         out["wrap_overrides"]
     assert out["nested_names"] == out["plain_names"]
+    assert out["apply_init"] == [] and out["apply_init_changed"] == torch.tensor(0.05).item(), \
+        (out["apply_init"], out["apply_init_changed"])
     assert out["nested_shards_match"]
     # fill() numbers the parameters it is given 1, 2, ...: the inner unit's own, then the
     # root's without the inner unit's (which were sharded already and must stay untouched)

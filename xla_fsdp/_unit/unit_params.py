@@ -39,15 +39,16 @@ unwrapped model's and torch_xla's FSDP's.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .._sharding.collectives import (Collectives, gather_pieces, optimization_barrier,
                                      padded_gradient, scatter_gradients)
 from .._sharding.layout import compute_cached, unshard_all
-from .._xla.private_api import in_backward, run_pending
+from .._xla.private_api import in_backward, run_pending, to_cpu
 from .options import FsdpOptions
 from .param_record import ParamRecord
 from .registry import WeakRegistry
@@ -201,6 +202,30 @@ class UnitParams:
             self._gathered = None
         if barrier and (freed or deps):
             optimization_barrier([g.local() for g in shard_groups] + list(deps))
+
+    @contextlib.contextmanager
+    def full_values_written_back(self) -> Iterator[None]:
+        """The full parameters in the shards' own dtype (exact, whatever the compute dtype) in
+        the placeholders; what is written to them meanwhile, in place or through ``.data``,
+        is this rank's slice of the shards after a normal exit, cut on the host: a slice at
+        this rank's offset in the device's graph would differ between ranks. Freed either
+        way."""
+        groups = self.gathered
+        gathered = gather_pieces(self.collectives,
+                                 [(g.layout, g.on_device(), g.shard.dtype) for g in groups],
+                                 self.options.coalesce_all_gather_ops)
+        ParamRecord.install(self._gathered_records,
+                            unshard_all([g.layout for g in groups], gathered))
+        try:
+            yield
+            full = to_cpu([[r.placeholder.detach() for r in g.records] for g in groups])
+            with torch.no_grad():
+                for g, values in zip(groups, full, strict=True):
+                    value = g.layout.shard(values, self.collectives.rank)
+                    g.shard.copy_(value.view(g.shard.shape).to(g.shard.device, g.shard.dtype))
+                    g.mark_updated()
+        finally:
+            self.reshard(groups, [], barrier=False)
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
