@@ -355,9 +355,19 @@ class UnitModule(FallThrough):
         Face Trainer loads its best checkpoint from, which loads as ``load_full_state_dict``
         loads it (every rank calls it). Given to torch's loader, no key of an unwrapped
         model's state dict matches a unit's, so ``strict=False`` would load nothing. A state
-        dict saved by torch_xla's FSDP is refused."""
+        dict saved by torch_xla's FSDP is refused, and so is an unwrapped state dict given to
+        a nested unit (or to a module inside a unit: see ``ParamRecord``), which would load
+        nothing."""
         _refuse_torch_xla_names(self, state_dict)
-        if self._state.is_root and state_dict and _unwrapped_names(self, state_dict):
+        if state_dict and _unwrapped_names(self, state_dict):
+            if not self._state.is_root:
+                raise ValueError(
+                    f"FSDP unit around {self._state.name}: load_state_dict() got an unwrapped "
+                    f"module's state dict (e.g. {next(iter(state_dict))!r}), but this unit is "
+                    f"nested in another, and only the root loads one (its ranks agree on the "
+                    f"whole model). Load it through the root, under the names the root's "
+                    f"full_state_dict() gives these parameters, with strict=False for a part "
+                    f"of the model. Nothing was loaded.")
             return incompatible_keys(*self.load_full_state_dict(dict(state_dict), strict))
         return super().load_state_dict(state_dict, strict, assign)
 

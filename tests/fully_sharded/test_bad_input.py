@@ -67,6 +67,15 @@ def misuses(rank):
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     out["int_param"] = _error(lambda: FSDP(int_param))
     out["dtype"] = _error(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
+    # unwrapped weights loaded below the root: torch's loader would skip the placeholders
+    nested = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+    weights = Tiny().state_dict()
+    before = [t.clone() for t in nested.parameters()]
+    out["load_below_root"] = [
+        _error(lambda: nested.module[0].load_state_dict(weights, strict=False)),
+        _error(lambda: nested.module[1].load_state_dict(weights, strict=False)),
+        _error(lambda: nested.module[1].lin.load_state_dict(Tiny().lin.state_dict())),
+        every(torch.equal(a, b) for a, b in zip(before, nested.parameters(), strict=True))]
     out["groups_no_rank"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0, 1]]))
     out["groups_cover"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
                                               sharding_world_size=1))
@@ -322,6 +331,14 @@ def test_misuse_errors():
     assert "already wrapped" in out["scan_twice"]
     assert "TypeError" in out["int_param"] and "'lin.steps'" in out["int_param"]
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
+    nested_unit, inside, leaf, unchanged = out["load_below_root"]
+    assert nested_unit.startswith("ValueError: FSDP unit around Tiny: load_state_dict() got an "
+                                  "unwrapped module's state dict") and \
+        "only the root loads one" in nested_unit, nested_unit
+    for message, key in (inside, "lin.weight"), (leaf, "weight"):
+        assert message.startswith(f"ValueError: load_state_dict() got '{key}', a parameter that "
+                                  f"the FSDP unit around Sequential shards"), message
+    assert unchanged
     assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
     assert "every rank 0..1" in out["groups_cover"]
     for message in nonempty(out["groups_mixed"], "mixed shardings"):

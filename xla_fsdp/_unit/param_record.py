@@ -51,7 +51,7 @@ parameter outside its unit belongs inside that unit, or calls the unit's ``unsha
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -192,3 +192,19 @@ def taken_by(t: torch.Tensor) -> Optional[str]:
     """Which unit took original parameter ``t``, and under what name, for a message."""
     taken = _TAKEN.get(t)
     return None if taken is None else f"'{taken[0]}' of the unit around {taken[1]}"
+
+
+def refuse_loads_into(module: nn.Module, attr: str, unit_name: str) -> None:
+    """Makes ``module.load_state_dict`` (or a parent's, below the unit) refuse a value for the
+    placeholder at ``attr``: torch's loader sees no parameter there, so it would skip it, and
+    under ``strict=False`` load nothing without a word. A load through the unit never names
+    a placeholder (its state dict holds the shards)."""
+    def hook(_module: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+             *_args: Any) -> None:
+        if prefix + attr in state_dict:
+            raise ValueError(
+                f"load_state_dict() got {prefix + attr!r}, a parameter that the FSDP unit "
+                f"around {unit_name} shards: the module holds an empty placeholder there, so "
+                f"nothing would be loaded. Load through the root FSDP model, under the names "
+                f"its full_state_dict() gives (strict=False for a part of the model).")
+    module.register_load_state_dict_pre_hook(hook)
