@@ -67,6 +67,13 @@ def misuses(rank):
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     out["int_param"] = _error(lambda: FSDP(int_param))
     out["dtype"] = _error(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
+    # a parameter assigned to a wrapped module after the first forward: never sharded
+    grown = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+    grown(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    grown.module[1].lin.bias = nn.Parameter(torch.zeros(4, device=torch_xla.device()))
+    out["added_after_first_forward"] = _error(
+        lambda: grown(torch.ones(2, 4).to(torch_xla.device())))
+    torch_xla.sync()
     # unwrapped weights loaded below the root: torch's loader would skip the placeholders
     nested = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
     weights = Tiny().state_dict()
@@ -331,6 +338,10 @@ def test_misuse_errors():
     assert "already wrapped" in out["scan_twice"]
     assert "TypeError" in out["int_param"] and "'lin.steps'" in out["int_param"]
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
+    assert out["added_after_first_forward"].startswith(
+        "ValueError: FSDP unit around Sequential: parameters were added to the model after it "
+        "was wrapped") and "1.lin.bias" in out["added_after_first_forward"], \
+        out["added_after_first_forward"]
     nested_unit, inside, leaf, unchanged = out["load_below_root"]
     assert nested_unit.startswith("ValueError: FSDP unit around Tiny: load_state_dict() got an "
                                   "unwrapped module's state dict") and \

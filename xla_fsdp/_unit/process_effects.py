@@ -23,6 +23,8 @@ when the first unit is built (never at import):
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
 * on a TPU, torch_xla's collective token switched off (see [Note: no collective token on a
   TPU] in ``_sharding.collectives``);
+* every parameter registered on any module counted, so that a model's first-forward checks
+  run again after one (``root_context.count_parameter_registration``);
 * Hugging Face's ``save_pretrained`` without a state dict and ``resize_token_embeddings``
   refused on a model inside units (see [Note: save_pretrained inside units] in
   ``hf_model_guard``), once transformers has been imported;
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import functools
 
+from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
@@ -46,6 +49,7 @@ from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
                                 foreach_zero_counts_as_a_write)
 from . import attention, hf_model_guard, peft_names, step_reads
 from .loss_scaling import agree_on_infs
+from .root_context import count_parameter_registration
 from .shard_group import shard_group_of
 from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
                               refuse_local_clipping_and_averaging, withdraw_declaration)
@@ -62,6 +66,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
+    register_module_parameter_registration_hook(count_parameter_registration)
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_pre_hook(step_reads.before_step)
     register_optimizer_step_post_hook(step_reads.after_step)

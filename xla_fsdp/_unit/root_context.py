@@ -44,6 +44,16 @@ class Participant(Protocol):
     def abandon_pass(self) -> None: ...
 
 
+# parameters registered on any module of the process, counted by a hook that
+# ``process_effects`` installs: a model's first-forward checks run again after any
+_registrations = [0]
+
+
+def count_parameter_registration(*_args: object) -> None:
+    """torch's module-parameter registration hook (returns None: the parameter stays)."""
+    _registrations[0] += 1
+
+
 class RootContext:
     def __init__(self, root: Participant, sync_on_finalization: bool, barrier: bool) -> None:
         self.states: List[Participant] = [root]  # the root's first, then in module order
@@ -53,7 +63,7 @@ class RootContext:
         self._callback_queued = False
         self._sync = sync_on_finalization
         self._barrier = barrier
-        self._initialized = False
+        self._checked_at: Optional[int] = None   # the registration count then
         # while Dynamo traces a forward: whether its units take the traced path (set by the
         # unit's forward, read by the hooks)
         self.tracing = False
@@ -86,11 +96,13 @@ class RootContext:
         self.tracing = self.traced()
 
     def check_first_forward(self, first_time: Callable[[], None]) -> bool:
-        """Runs the checks of the model's first forward, once; Dynamo runs it while it traces
+        """Runs the checks of the model's first forward, and again at the first forward after
+        a parameter was registered anywhere (one assigned to a wrapped module after wrapping
+        would be neither sharded nor reduced); Dynamo runs it while it traces
         (``assume_constant_result`` in ``unit_hooks``), so the traced graph holds none of it."""
-        if not self._initialized:
+        if self._checked_at != _registrations[0]:
             first_time()
-            self._initialized = True
+            self._checked_at = _registrations[0]
         return True
 
     def end_forward(self, grad_enabled: bool, outputs: Sequence[torch.Tensor]) -> None:
