@@ -183,6 +183,11 @@ def _conversions(out):
     # a nested unit is named by its path, its parameter as the unwrapped model names it
     nested = FSDP(nn.Sequential(FSDP(Tiny()), FSDP(Tiny())))
     out["nested_half"] = _error(nested.half)
+    # a module inside a unit, converted alone: its placeholders stand for the shards
+    inside = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+    out["inside_conversions"] = [_error(lambda: inside.module[1].to(torch.bfloat16)),
+                                 _error(inside.module[0].module.lin.half),
+                                 _error(inside.module[1].float)]
 
 
 def _reduced_gradient_misuses(out):
@@ -410,6 +415,12 @@ def test_misuse_errors():
             assert "Nothing in this unit was converted" in message, message
         assert out[f"conversions_keep_shards_offload_{offload}"]
         assert out[f"shard_devices_offload_{offload}"] == (["cpu"] if offload else ["xla:0"])
+    to_bf16, half, to_float = out["inside_conversions"]
+    for message, unit, name in [(to_bf16, "Sequential", "1.lin.weight"),
+                                (half, "Tiny", "lin.weight")]:
+        assert message.startswith(f"ValueError: FSDP unit '{unit}': converting the wrapped model "
+                                  f"would take '{name}' from torch.float32"), message
+    assert to_float == "no error", to_float
     assert out["nested_half"].startswith("ValueError: FSDP unit 'Tiny' at '0': converting the "
                                          "wrapped model would take '0.lin.weight'"), \
         out["nested_half"]

@@ -26,6 +26,12 @@ for every unit inside it, before anything is converted:
 
 Buffers and everything else convert as torch converts them. A refusal from a unit inside a
 module that is not a unit comes after torch converted that module's children before it.
+
+A module inside a unit (``model.module.to(torch.bfloat16)``) holds placeholders, not
+parameters, so torch's conversion of it alone would convert its buffers and nothing else: the
+model would go on computing with the shards as they were. Its shards are judged by the same
+rule, from the placeholders it holds (``check_member_conversion``, which every module's
+conversion runs first: ``process_effects``).
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ import torch
 import torch.nn as nn
 
 from .._sharding.names import join_name
-from .shard_group import ShardGroup
+from .shard_group import ShardGroup, shard_group_holding
 
 
 def check_conversion(unit_name: str, path: str, shard_groups: Sequence[ShardGroup],
@@ -83,3 +89,18 @@ def shards_kept_out(module: nn.Module, shard_names: List[str]) -> Iterator[None]
             value = shards[name] if name in shards else current.get(name)
             if value is not None:
                 module.register_parameter(name, value)
+
+
+def check_member_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]
+                            ) -> None:
+    """``check_conversion`` for the shards whose placeholders ``module`` holds (a module
+    inside a unit), before torch converts it (see [Note: converting a wrapped model])."""
+    held: dict = {}
+    for value in vars(module).values():
+        if isinstance(value, torch.Tensor):
+            shard_group = shard_group_holding(value)
+            if shard_group is not None:
+                held[id(shard_group)] = shard_group
+    if held:
+        groups = list(held.values())
+        check_conversion(groups[0].records[0].unit_name, "", groups, fn)

@@ -23,6 +23,8 @@ when the first unit is built (never at import):
   ``zero_grad(set_to_none=False)`` (see [Note: zeroing gradients with foreach kernels]);
 * on a TPU, torch_xla's collective token switched off (see [Note: no collective token on a
   TPU] in ``_sharding.collectives``);
+* every module's conversion checked first for the shards it holds placeholders of (see
+  [Note: converting a wrapped model] in ``conversions``);
 * every parameter registered on any module counted, so that a model's first-forward checks
   run again after one (``root_context.count_parameter_registration``);
 * Hugging Face's ``save_pretrained`` without a state dict and ``resize_token_embeddings``
@@ -45,9 +47,10 @@ from .._xla import torch_device_module
 from .._xla.donation_order import reissue_in_order
 from .._xla.hardware import device_type
 from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
-                                before_grad_scaler_reads, dropout_decomposed_when_compiled,
-                                foreach_zero_counts_as_a_write)
+                                before_grad_scaler_reads, check_before_conversion,
+                                dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
 from . import attention, hf_model_guard, peft_names, step_reads
+from .conversions import check_member_conversion
 from .loss_scaling import agree_on_infs
 from .root_context import count_parameter_registration
 from .shard_group import shard_group_of
@@ -67,6 +70,7 @@ def install() -> None:
         return
     _installed = True
     register_module_parameter_registration_hook(count_parameter_registration)
+    check_before_conversion(check_member_conversion)
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_pre_hook(step_reads.before_step)
     register_optimizer_step_post_hook(step_reads.after_step)

@@ -39,6 +39,7 @@ from .registry import WeakRegistry
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
 _BY_SHARD: "WeakRegistry[ShardGroup]" = WeakRegistry()
+_BY_PLACEHOLDER: "WeakRegistry[ShardGroup]" = WeakRegistry()
 
 
 @dataclass(eq=False)
@@ -168,6 +169,11 @@ def shard_group_of(shard: torch.Tensor) -> Optional[ShardGroup]:
     return _BY_SHARD.get(shard)
 
 
+def shard_group_holding(placeholder: torch.Tensor) -> Optional[ShardGroup]:
+    """The shard group whose full value ``placeholder`` stands for, or None."""
+    return _BY_PLACEHOLDER.get(placeholder)
+
+
 def shard_groups_of(optimizer: torch.optim.Optimizer) -> List[ShardGroup]:
     """The shard groups whose shards ``optimizer`` steps, in its order."""
     found = (shard_group_of(p) for pg in optimizer.param_groups for p in pg["params"])
@@ -236,4 +242,6 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
                              orig_size, compute_dtype,
                              offload=DeviceCopy(device, compute_dtype) if offload else None)
     _BY_SHARD[shard] = shard_group
+    for r in records:
+        _BY_PLACEHOLDER[r.placeholder] = shard_group
     return shard_group

@@ -168,6 +168,20 @@ def op_schema(target: Any) -> Optional[Any]:
     return getattr(target, "_schema", None)
 
 
+def check_before_conversion(check: Callable[[nn.Module, Callable], None]) -> None:
+    """Makes every module's conversion (``Module._apply``: ``to``, ``half``, ``cpu``...) call
+    ``check(module, fn)`` before converting that module, once per process."""
+    original = nn.Module._apply
+    if getattr(original, "checked", False):
+        return
+
+    def _apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+        check(self, fn)
+        return original(self, fn, recurse)
+    _apply.checked = True  # type: ignore[attr-defined]
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+
+
 def is_batch_norm(m: nn.Module) -> bool:
     """BatchNorm of any dimension, lazy and synchronised ones included."""
     return isinstance(m, _BatchNorm)
