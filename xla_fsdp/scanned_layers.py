@@ -36,9 +36,10 @@ from ._unit.unit_params import UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.private_api import in_backward, tree_flatten, tree_unflatten
 from .fully_sharded import options_from_keywords
-from .scan.checks import (check_identical, describe_layer, forward_graph,
-                          refuse_float32_modules, refuse_input_mutation, refuse_opaque_arguments,
-                          refuse_varying_computation, tensor_attributes, varying_attributes)
+from .scan.checks import (check_identical, describe_layer, forward_graph, hook_counts,
+                          refuse_float32_modules, refuse_input_mutation, refuse_later_hooks,
+                          refuse_opaque_arguments, refuse_varying_computation,
+                          tensor_attributes, varying_attributes)
 from .scan.loop import ScanFunction, ScanLoop, run_forward_only
 from .scan.trace import LayerGraphs, trace_layer
 from .unit_module import UnitModule
@@ -101,6 +102,7 @@ class ScannedLayers(UnitModule):
         # layer 0's descriptions the stack has run with, as sharding left it; the index of
         # the current one keys the traces (see ``_settings_seen``)
         self.__dict__["_descriptions"] = [describe_layer(layers[0], ignored, hooks=True)]
+        self.__dict__["_hook_counts"] = hook_counts(list(layers))
         self.__dict__["_last_settings"] = 0
 
     # -- the stack as Hugging Face's loops see it ------------------------------------------
@@ -152,6 +154,7 @@ class ScannedLayers(UnitModule):
             raise TypeError(f"ScannedLayers carries its first argument from layer to layer; "
                             f"it must be a tensor, got {type(hidden).__name__}")
         self.unit_state.sync_trainable()  # frozen through a layer's attribute since wrapping
+        refuse_later_hooks(self._hook_counts)
         settings = self._settings_seen()
         if self.compute_dtype != torch.float32:
             hidden, args, kwargs = cast_floating(self.compute_dtype, (hidden, args, kwargs))
@@ -277,6 +280,14 @@ class ScannedLayers(UnitModule):
         self.__dict__["_tracing"] = True
         try:
             yield
+            for (m, a, _), lent, name in zip(saved_buffers, buffers, buffer_names, strict=True):
+                if m.get_buffer(a) is not lent:
+                    # what refuse_input_mutation refuses of an in-place write, assigned anew
+                    raise ValueError(
+                        f"a scanned layer assigns its buffer '{name}' in forward: the loop runs "
+                        f"each layer on a slice of the stacked buffers and returns none of "
+                        f"them, so the new value would be lost. Keep the buffer unchanged in "
+                        f"forward, or do not scan this stack")
         finally:
             self.__dict__["_tracing"] = False
             ParamRecord.take_back(records)

@@ -195,6 +195,17 @@ class _Cache:
     """An object argument, as Hugging Face's KV cache is."""
 
 
+class Counting(Scaled):
+    """Counts its calls in a buffer it assigns anew (EMA and counter code does this)."""
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x, cache=None):
+        self.calls = self.calls + 1
+        return super().forward(x) * (1 + 0.1 * self.calls)
+
+
 def _changed_after_wrapping(rank):
     """What the user changes on the layers after wrapping, as the unscanned model runs it."""
     import copy
@@ -244,6 +255,21 @@ def _changed_after_wrapping(rank):
         out["object"] = "no error"
     except TypeError as e:
         out["object"] = str(e)
+    # a hook on the last layer only, after wrapping: the scan would never call it
+    handle = stack[2].register_forward_hook(lambda _m, _a, o: o * 0.5)
+    try:
+        model(x.to(device))
+        out["late_hook"] = "no error"
+    except ValueError as e:
+        out["late_hook"] = str(e)
+    handle.remove()
+    counting = MemStack(layers=2, dim=8, hidden=12)
+    counting.layers = ScannedLayers(nn.ModuleList([Counting() for _ in range(2)]))
+    try:
+        FSDP(counting)(x.to(device))
+        out["buffer_assigned"] = "no error"
+    except ValueError as e:
+        out["buffer_assigned"] = str(e)
     norm = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8, track_running_stats=False))
     try:
         ScannedLayers([norm, copy.deepcopy(norm)], compute_dtype=torch.bfloat16)
@@ -259,7 +285,8 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
     the first layer alone it is refused; a parameter frozen through its layer's attribute gets no
     gradient, nor does one never used (it got zeros, which weight decay and AdamW's step
     count act on); BatchNorm under bf16 compute is refused when the stack is built; so is an object
-    among the arguments at the call."""
+    among the arguments at the call, a hook registered on one layer after wrapping, and a
+    buffer the layer assigns anew in forward (the scan would call or keep neither)."""
     for out in nonempty(launch(_changed_after_wrapping, (), num_devices=2).values(), "ranks"):
         assert out["first"] < 1e-6 and out["alpha"] < 1e-6, out
         assert "layer 1 differs from layer 0 at '.alpha'" in out["one_layer"], out["one_layer"]
@@ -272,6 +299,11 @@ def test_what_changes_after_wrapping_runs_as_unscanned_or_is_refused():
         assert "BatchNorm1d" in out["bf16_norm"] and "float32" in out["bf16_norm"], \
             out["bf16_norm"]
         assert "cache=_Cache object" in out["object"], out["object"]
+        assert out["late_hook"].startswith("layer 2 of a ScannedLayers stack has a module hook "
+                                           "registered after the stack was built"), \
+            out["late_hook"]
+        assert "assigns its buffer 'calls' in forward" in out["buffer_assigned"], \
+            out["buffer_assigned"]
 
 
 DROP_DIM, DROP_LAYERS, DROP_P = 12, 3, 0.3

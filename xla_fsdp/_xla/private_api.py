@@ -136,9 +136,10 @@ def children(m: nn.Module) -> Dict[str, nn.Module]:
     return {name: child for name, child in m._modules.items() if child is not None}
 
 
-def has_module_hooks(m: nn.Module) -> bool:
-    """Whether ``m`` has forward, forward-pre or backward hooks of its own."""
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks)
+def module_hook_count(m: nn.Module) -> int:
+    """How many forward, forward-pre, backward and backward-pre hooks ``m`` has of its own."""
+    return (len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            + len(m._backward_pre_hooks))
 
 
 def is_persistent_buffer(m: nn.Module, name: str) -> bool:

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .._init.mixed_precision import float32_modules
 from .._unit.unit_state import is_unit
-from .._xla.private_api import has_module_hooks, is_batch_norm, op_schema
+from .._xla.private_api import is_batch_norm, module_hook_count, op_schema
 
 
 def forward_graph(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor]
@@ -117,6 +117,25 @@ def refuse_varying_computation(fn: Callable[..., torch.Tensor], inputs: List[tor
                 f"(e.g. GPT-2's scale_attn_by_inverse_layer_idx=False) or do not scan them")
 
 
+def hook_counts(layers: Sequence[nn.Module]) -> List[Tuple[str, nn.Module, int]]:
+    """Every module of every layer, named for a message, with the hooks it has now."""
+    return [(f"layer {k}" + (f" ({path})" if path else ""), m, module_hook_count(m))
+            for k, layer in enumerate(layers) for path, m in layer.named_modules()]
+
+
+def refuse_later_hooks(counted: Sequence[Tuple[str, nn.Module, int]]) -> None:
+    """Refuses a module hook registered on a layer since ``hook_counts`` counted them (when
+    the stack was built): the scan runs its one trace of the layer and would never call it.
+    Checked at every call, over every layer: a hook on one layer but the first changes
+    nothing the traces are keyed on."""
+    for where, m, count in counted:
+        if module_hook_count(m) != count:
+            raise ValueError(
+                f"{where} of a ScannedLayers stack has a module hook registered after the "
+                f"stack was built ({type(m).__name__}): the scan runs one trace of the layer "
+                f"and would never call it. Hook the stack itself, or do not scan this stack")
+
+
 def describe_layer(layer: nn.Module, ignored: Tuple[str, ...], hooks: bool = False
                    ) -> Dict[str, Any]:
     """What the scan's one trace assumes of every layer: each module's type, parameters'
@@ -132,7 +151,7 @@ def describe_layer(layer: nn.Module, ignored: Tuple[str, ...], hooks: bool = Fal
         if is_batch_norm(m) and m.track_running_stats:
             raise ValueError(f"{where} ({type(m).__name__}) updates running statistics "
                              f"in forward, which a scan cannot carry out per layer")
-        if not hooks and has_module_hooks(m):
+        if not hooks and module_hook_count(m):
             raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
                              f"scan would not call")
         out[f"{path}:type"] = type(m)
