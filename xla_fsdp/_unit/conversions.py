@@ -102,5 +102,5 @@ def check_member_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torc
             if shard_group is not None:
                 held[id(shard_group)] = shard_group
     if held:
-        groups = list(held.values())
-        check_conversion(groups[0].records[0].unit_name, "", groups, fn)
+        shard_groups = list(held.values())
+        check_conversion(shard_groups[0].records[0].unit_name, "", shard_groups, fn)

@@ -210,22 +210,22 @@ class UnitParams:
         is this rank's slice of the shards after a normal exit, cut on the host: a slice at
         this rank's offset in the device's graph would differ between ranks. Freed either
         way."""
-        groups = self.gathered
+        shard_groups = self.gathered
         gathered = gather_pieces(self.collectives,
-                                 [(g.layout, g.on_device(), g.shard.dtype) for g in groups],
+                                 [(g.layout, g.on_device(), g.shard.dtype) for g in shard_groups],
                                  self.options.coalesce_all_gather_ops)
         ParamRecord.install(self._gathered_records,
-                            unshard_all([g.layout for g in groups], gathered))
+                            unshard_all([g.layout for g in shard_groups], gathered))
         try:
             yield
-            full = to_cpu([[r.placeholder.detach() for r in g.records] for g in groups])
+            full = to_cpu([[r.placeholder.detach() for r in g.records] for g in shard_groups])
             with torch.no_grad():
-                for g, values in zip(groups, full, strict=True):
+                for g, values in zip(shard_groups, full, strict=True):
                     value = g.layout.shard(values, self.collectives.rank)
                     g.shard.copy_(value.view(g.shard.shape).to(g.shard.device, g.shard.dtype))
                     g.mark_updated()
         finally:
-            self.reshard(groups, [], barrier=False)
+            self.reshard(shard_groups, [], barrier=False)
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
