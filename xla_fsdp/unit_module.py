@@ -230,7 +230,8 @@ class UnitModule(FallThrough):
         transformers' ``_init_weights``): while it runs over a unit's modules they hold the
         unit's full parameters, in their own dtype, and what ``fn`` writes to them (in place
         or through ``.data``) goes into the shards after, as PyTorch FSDP's ``apply`` does.
-        One unit's full parameters at a time, with its enclosing units'."""
+        One unit's full parameters at a time, with its enclosing units'. It gathers, so every
+        rank calls it, as every rank runs the forward."""
         self.assert_state(TrainingState.IDLE)
         with self._state.params.full_values_written_back():
             return super().apply(fn)
