@@ -132,6 +132,15 @@ def commit_fails_on_one_rank(rank, world, directory):
             out[f"{kind}_kept_by"] = frames_keeping(exc)
         out[f"{kind}_unchanged"] = same_snapshot(snapshot(model, opt), before)
     opt.load_state_dict = refuse
+    # an extra the last rank cannot pickle: every rank's save raises, none is left waiting
+    extra = (lambda: None) if rank == world - 1 else {"step": 4}
+    for kind, save in (("dcp", save_dcp), ("sharded", save_sharded),
+                       ("consolidated", save_consolidated)):
+        try:
+            save(paths[kind] + "_unpicklable", model, opt, extra=extra)
+            out[f"{kind}_unpicklable"] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            out[f"{kind}_unpicklable"] = f"{type(exc).__name__}: {exc}"
     out["mixed"], out["mixed_kept_by"] = _files_of_two_runs(rank, world, directory,
                                                             paths["sharded"], model, opt)
     out["mixed_unchanged"] = same_snapshot(snapshot(model, opt), before)
@@ -148,17 +157,20 @@ def commit_fails_on_one_rank(rank, world, directory):
 
 
 def _files_of_two_runs(rank, world, directory, prefix, model, opt):
-    """Rank 1's file taken from another run's first save (an untrained model of the same
-    wrapping), beside the others of this run's first save: both are save 1 of their model,
-    so only the steps each had taken tell them apart. ``load_sharded`` at the saving world
-    size must refuse the mix, as it does at any other."""
+    """Rank 1's file taken from another run's first save (a model of the same wrapping
+    trained as many steps on other data), beside the others of this run's first save: both
+    are save 1 of their model after the same steps, so only the id each save drew tells
+    them apart. ``load_sharded`` at the saving world size must refuse the mix, as it does at
+    any other."""
     import os
     import shutil
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import load_sharded, save_sharded
     from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path
     other = wrapped_net()
-    save_sharded(os.path.join(directory, "other"), other, optimizer_for(other))
+    other_opt = optimizer_for(other)
+    train(other, other_opt, range(10, 12), rank, world)
+    save_sharded(os.path.join(directory, "other"), other, other_opt)
     mixed = os.path.join(directory, "mixed")
     for r in range(world):
         source = os.path.join(directory, "other") if r == 1 else prefix

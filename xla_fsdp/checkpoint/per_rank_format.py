@@ -146,6 +146,9 @@ class RankRecord:
     fingerprint: str                          # wrapping_fingerprint of the shard metadata
     save_index: int                           # the model's saves so far; equal across a save
     optimizer_param_keys: Optional[List[str]]  # model state dict key of each optimizer index
+    # drawn by rank 0 for each save, the same in all its files: two runs' saves with the same
+    # counters (one resumed from the other and saving to the same prefix) differ here
+    save_id: Optional[str] = None
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
@@ -158,7 +161,7 @@ class RankRecord:
             return None
         return RankRecord(raw.get("format", FORMAT_VERSION), raw["world_size"], raw["rank"],
                           raw["fingerprint"], raw.get("save_index"),
-                          raw.get("optimizer_param_keys"))
+                          raw.get("optimizer_param_keys"), raw.get("save_id"))
 
 
 def rank_file_tree(model: Dict[str, Any], metadata: Dict[str, Any], record: RankRecord,

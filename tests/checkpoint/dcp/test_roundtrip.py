@@ -158,6 +158,18 @@ def test_per_rank_files_load_into_param_groups_split_otherwise(failing_loads):
             out[rank]["regrouped"]
 
 
+def test_an_extra_one_rank_cannot_pickle_fails_every_ranks_save(failing_loads):
+    """The per-rank saves keep each rank's extra: every rank raises, none waits for the
+    others. A consolidated save keeps the first rank's, so the last rank's is never read."""
+    _, out = failing_loads
+    for kind in ("dcp", "sharded"):
+        for rank in (0, 1):
+            assert out[rank][f"{kind}_unpicklable"] != "no error", (kind, rank)
+    assert "the save's extra" in out[1]["dcp_unpicklable"], out[1]["dcp_unpicklable"]
+    assert out[0]["consolidated_unpicklable"] == out[1]["consolidated_unpicklable"] == \
+        "no error"
+
+
 def test_a_commit_that_fails_on_one_rank_changes_nothing_anywhere(failing_loads):
     tmp_path, out = failing_loads
     for kind, where in (("dcp", "dcp"), ("sharded", "ck_rank-00000001-of-00000002.pth"),

@@ -157,11 +157,12 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
 
 
 def save_identity(f: CheckpointFile) -> tuple:
-    """Equal for the files of one save: save_sharded's save counter, and the optimizer
-    steps the model had taken (``update_count`` in xla_fsdp's shard metadata, also in
-    files written with torch_xla's recipe); None where the writer recorded neither."""
+    """Equal for the files of one save: save_sharded's save counter and the id rank 0 drew
+    for the save, and the optimizer steps the model had taken (``update_count`` in
+    xla_fsdp's shard metadata, also in files written with torch_xla's recipe); None where
+    the writer recorded none of them."""
     record = RankRecord.of(f.tree)
-    return (record.save_index if record else None,
+    return (record.save_index if record else None, record.save_id if record else None,
             ShardMetadata(f.tree[SHARD_METADATA]).update_count)
 
 

@@ -48,7 +48,7 @@ from ..live_model import (ParamSlot, extra_state_tensors, param_slots, parameter
                           units_by_saved_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
-from ..coordination import agree, agree_or_undo, digest, exchange
+from ..coordination import agree, agree_or_undo, digest, every_rank_agrees, exchange, naming
 from .dcp_files import commit, local_plan, remove_files, write_in_files
 from ..dcp_format.layout import KeyScheme, Path, extra_key, key_scheme, rank_extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
@@ -87,9 +87,15 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     sharding_group = sharding_group_index(model)
     rank = model.rank
     host = HostCopies(all_at_once=async_save)
-    extra = copy_of_extra(extra)
+    copied, extra_digest = None, ""
+    # a value one rank cannot copy or pickle fails every rank, before any file is touched
+    with every_rank_agrees("xla_fsdp.dcp.save.extra_copy",
+                           naming(f"{checkpoint_dir}: the save's extra")):
+        copied = copy_of_extra(extra)
+        extra_digest = digest(copied)
+    extra = copied
     # see [Note: each rank's extra] in staging
-    per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", digest(extra)))) > 1
+    per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", extra_digest))) > 1
     planner = (_planner(model, optimizer, extra, extra_states, scheme, rank, host, per_rank)
                if writes else None)
     writer, local = local_plan(directory, planner, rank) if writes else (None, None)
