@@ -295,11 +295,15 @@ def _refusals(rank, root):
     # this world size's own files (each rank reads its own) into another optimizer class
     own = os.path.join(root, f"own_at_{world}")
     save_sharded(own, model, opt)
-    try:
-        load_sharded(own, model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        out["other_class"] = "no error"
-    except CheckpointError as exc:
-        out["other_class"] = str(exc)
+    for label, other in (("other_class", torch.optim.SGD(model.parameters(), lr=0.1,
+                                                          momentum=0.9)),
+                         # every setting of Adamax is AdamW's: AdamW's own are told apart
+                         ("other_class_subset", torch.optim.Adamax(model.parameters()))):
+        try:
+            load_sharded(own, model, other)
+            out[label] = "no error"
+        except CheckpointError as exc:
+            out[label] = str(exc)
     out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt), strict=True)]
     torch_xla.sync()
     return out

@@ -8,9 +8,12 @@ rather than a state dict, applies the rule to each shard's keys (``shard_state_i
 ``sources.entries`` only renames a state dict's entries to those keys, judging nothing."""
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
 from dataclasses import dataclass
-from typing import (Any, Callable, Container, Dict, Iterator, List, Mapping, Optional,
-                    Sequence, Tuple)
+from typing import (Any, Callable, Container, Dict, FrozenSet, Iterator, List, Mapping, Optional,
+                    Sequence, Set, Tuple)
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -29,13 +32,33 @@ def param_group_settings(param_group: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def holds_settings_of(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]) -> bool:
-    """Whether a saved param group (or its settings) holds every setting ``optimizer`` has:
-    one saved from another optimizer class does not. A setting is a default its own param
-    groups hold: torch's ``load_state_dict`` adds ``differentiable`` to the defaults of
-    optimizers whose groups never get it (Adafactor, LBFGS, SparseAdam), and a group saved
-    from the same class lacks it too."""
+    """Whether a saved param group (or its settings) was saved from ``optimizer``'s class, as
+    far as its settings tell: it holds every setting ``optimizer`` has, and no setting of
+    torch's optimizers that ``optimizer`` lacks (Adam's state has ``amsgrad``, which Adamax,
+    whose settings are all Adam's, has not). Keys of the caller's and of LR schedulers
+    (``initial_lr``) are no optimizer's. A setting is a default its own param groups hold:
+    torch's ``load_state_dict`` adds ``differentiable`` to the defaults of optimizers whose
+    groups never get it (Adafactor, LBFGS, SparseAdam), and a group saved from the same
+    class lacks it too."""
     held = set(optimizer.defaults).intersection(*(set(g) for g in optimizer.param_groups))
-    return held <= set(saved)
+    foreign = (set(saved) & _torch_settings()) - set(optimizer.defaults)
+    return held <= set(saved) and not foreign
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_settings() -> FrozenSet[str]:
+    """Every setting of the optimizers ``torch.optim`` has, read from instances over one
+    probe tensor."""
+    probe = [torch.zeros(2, 2, requires_grad=True)]
+    out: Set[str] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for cls in vars(torch.optim).values():
+            if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer) \
+                    and cls is not torch.optim.Optimizer:
+                with contextlib.suppress(Exception):   # one that needs more to be built
+                    out |= set(cls(probe, lr=1e-3).defaults)
+    return frozenset(out)
 
 
 # the state torch's optimizers keep as one number per parameter whatever its shape: every
