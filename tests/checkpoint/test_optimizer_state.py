@@ -34,3 +34,17 @@ def test_a_shards_parameters_are_sharded_alike_or_refused():
     with pytest.raises(CheckpointError, match=r"^ck: optimizer state b.step is laid out "
                                               r"otherwise than w.exp_avg"):
         shard_state_is_sharded("ck", "exp_avg", [moments[0], steps[1]])
+
+
+def test_a_saved_param_group_tells_another_optimizer_class_apart():
+    """AdamW's groups hold every setting Adamax has, and ``amsgrad``, which Adamax lacks: saved
+    from another class. A setting this optimizer's own groups hold is its own, though not one
+    of its defaults (Hugging Face's Trainer gives every group a ``weight_decay``)."""
+    import torch
+    from xla_fsdp.checkpoint.optimizer_state import holds_settings_of
+    p = [torch.zeros(2, 2, requires_grad=True)]
+    adamw = torch.optim.AdamW(p).state_dict()["param_groups"][0]
+    assert holds_settings_of(torch.optim.AdamW(p), adamw)
+    assert not holds_settings_of(torch.optim.Adamax(p), adamw)
+    rprop = torch.optim.Rprop([{"params": p, "weight_decay": 0.0}])
+    assert holds_settings_of(rprop, rprop.state_dict()["param_groups"][0])

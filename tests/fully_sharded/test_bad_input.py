@@ -90,6 +90,10 @@ def misuses(rank):
     # reduce over the root's ranks
     hybrid = dict(sharding_groups=[[0], [1]], sharding_rank=0, sharding_world_size=1,
                   replicate_across_groups=True)
+    # the same sharding written two ways (the default, and every rank named) is no mix
+    out["groups_same"] = _error(lambda: FSDP(nn.Sequential(
+        FSDP(Tiny(), sharding_groups=[[0, 1]], sharding_rank=rank, sharding_world_size=2),
+        Tiny())))
     out["groups_mixed"] = [_error(lambda: FSDP(nn.Sequential(FSDP(Tiny(), **hybrid), Tiny()))),
                            _error(lambda: FSDP(nn.Sequential(FSDP(Tiny()), Tiny()), **hybrid))]
     shared = nn.Sequential(Tiny(), Tiny())
@@ -357,6 +361,7 @@ def test_misuse_errors():
     assert unchanged
     assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
     assert "every rank 0..1" in out["groups_cover"]
+    assert out["groups_same"] == "no error", out["groups_same"]
     for message in nonempty(out["groups_mixed"], "mixed shardings"):
         assert message.startswith("ValueError: FSDP unit around Sequential has sharding_groups="), \
             message

@@ -161,7 +161,9 @@ def refuse_mixed_sharding(root: UnitState, states: Sequence[UnitState]) -> None:
     its root's options name; a unit sharded otherwise would be counted twice or not at all
     there, silently."""
     def sharding(s: UnitState) -> tuple:
-        return s.options.sharding_groups, s.options.replicate_across_groups
+        # the default (None) is one group of every rank, however it is written
+        rank_groups = s.options.sharding_groups or [range(s.options.world_size)]
+        return tuple(tuple(g) for g in rank_groups), s.options.replicate_across_groups
     for s in states:
         if sharding(s) != sharding(root):
             raise ValueError(
