@@ -84,6 +84,65 @@ def async_and_manager(rank, world, directory):
         out[f"groups_{format}_restored"] = (CheckpointManager(root, on_preemption=False)
                                             .restore(model, opt))
         out[f"groups_{format}_state"] = same_snapshot(snapshot(model, opt), at3)
+    out.update(other_runs(rank, world, os.path.join(directory, "runs")))
+    return out
+
+
+def other_runs(rank, world, root):
+    """[Note: one run per directory]: a run that did not restore, or restored an earlier
+    step, is refused where it would save beside another run's checkpoints; nothing changes
+    on disk. A manager's own step is not written again; a given step restores."""
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import CheckpointError
+    out = {}
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    first = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
+    for step in range(3):
+        train(model, opt, range(step, step + 1), rank, world)
+        first.maybe_save(step + 1, model, opt, extra={"run": 1, "step": step + 1})
+    first.close()
+    xm.rendezvous("the first run saved")
+
+    def listing():
+        return {name: sorted(os.listdir(os.path.join(root, name)))
+                for name in sorted(os.listdir(root)) if name.startswith("step")}
+
+    def stamps():
+        return {name: os.stat(os.path.join(root, name, "COMPLETE")).st_mtime_ns
+                for name in sorted(os.listdir(root)) if name.startswith("step")}
+
+    before, saved = listing(), stamps()
+    for case, restore_step, save_step in (("fresh", None, 1), ("fresh_later", None, 3),
+                                          ("rolled_back", 2, 3), ("rolled_back_later", 1, 9)):
+        manager = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
+        model = wrapped_net()
+        opt = optimizer_for(model)
+        if restore_step is not None:
+            out[f"{case}_restored"] = manager.restore(model, opt, step=restore_step)
+        train(model, opt, range(40, 41), rank, world)
+        try:
+            manager.maybe_save(save_step, model, opt, extra={"run": case})
+            out[case] = "saved"
+        except CheckpointError as exc:
+            out[case] = str(exc)
+        manager.close()
+        xm.rendezvous(f"{case} done")
+    out["unchanged"] = listing() == before and stamps() == saved
+
+    manager = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
+    model = wrapped_net()
+    opt = optimizer_for(model)
+    out["latest_restored"] = manager.restore(model, opt)
+    out["own_step_again"] = manager.maybe_save(3, model, opt, extra={"run": "again"})
+    out["own_unchanged"] = stamps() == saved
+    try:
+        manager.restore(model, opt, step=7)
+        out["missing_step"] = "restored"
+    except CheckpointError as exc:
+        out["missing_step"] = str(exc)
+    out["continued"] = manager.maybe_save(4, model, opt, extra={"run": 1, "step": 4})
+    manager.close()
     return out
 
 

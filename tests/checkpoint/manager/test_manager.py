@@ -59,6 +59,34 @@ def test_independent_sharding_groups_save_into_the_step_and_restore(launched, fo
         assert got[f"groups_{format}_state"]
 
 
+@pytest.mark.parametrize("case, restored, steps", [
+    ("fresh", None, "[1, 2, 3]"), ("fresh_later", None, "[3]"),
+    ("rolled_back", {"run": 1, "step": 2}, "[3]"),
+    ("rolled_back_later", {"run": 1, "step": 1}, "[2, 3]"),
+])
+def test_a_save_beside_another_runs_checkpoints_is_refused(launched, case, restored, steps):
+    """[Note: one run per directory]: refused on every rank, nothing on disk changed."""
+    out, _ = launched
+    for rank in nonempty(range(WORLD), "ranks"):
+        got = out[rank]
+        assert got.get(f"{case}_restored") == restored
+        assert f"holds complete checkpoints of another run at steps {steps}" in got[case]
+        assert ("it restored none" if restored is None
+                else f"it restored step {restored['step']}") in got[case]
+        assert got["unchanged"]
+
+
+def test_a_manager_does_not_save_its_own_step_again_and_restores_a_given_step(launched):
+    out, _ = launched
+    for rank in nonempty(range(WORLD), "ranks"):
+        got = out[rank]
+        assert got["latest_restored"] == {"run": 1, "step": 3}
+        assert got["own_step_again"] is False and got["own_unchanged"]
+        assert "step000007 is not a complete checkpoint; complete steps: [1, 2, 3]" \
+            in got["missing_step"]
+        assert got["continued"] is True
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"every": 0}, "every must be a positive integer"),
     ({"keep_last": 0}, "keep_last must be a positive integer"),

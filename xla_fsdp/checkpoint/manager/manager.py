@@ -28,13 +28,22 @@ step, waits for it, and sets ``stop_requested``; (3) saves if ``step`` is a mult
 ``every``. A save is ``save_sharded`` or ``save_dcp`` into the step's directory
 (``directory``), asynchronous unless ``async_save=False``; it is marked complete, and older
 checkpoints beyond ``keep_last`` removed, only once it is published.
+
+[Note: one run per directory]
+A manager saves only into its own run's history. The steps it published or restored are
+its own; a complete checkpoint at a step it did not write, at or after the step it saves
+(or, after ``restore(step=k)``, any after ``k``), is another run's: a run started without
+``restore`` in a used directory, or one rolled back to an earlier step. Saving beside it
+would leave ``latest()`` at the other run's step, or keep one save of a step and drop the
+other, so the save is refused, on every rank, before anything is written; the user
+removes those steps or saves elsewhere. Saving a step of its own again writes nothing.
 """
 from __future__ import annotations
 
 import glob
 import os
 import warnings
-from typing import Any, Optional
+from typing import Any, List, Optional, Set
 
 import torch
 
@@ -99,6 +108,8 @@ class CheckpointManager:
         self._vote = StepVote()
         self._pending: Optional[PendingSave] = None
         self._pending_step: Optional[int] = None
+        self._own: Set[int] = set()   # see [Note: one run per directory]
+        self._restored: Optional[int] = None
         # why torch_xla's preemption sync point is not used (None: it is)
         self.sync_point_unavailable: Optional[str] = "on_preemption=False"
         self._closed = False
@@ -120,12 +131,15 @@ class CheckpointManager:
         return None if trace_only.active() else self.directory.latest()
 
     def save(self, step: int, model: ShardedModel,
-             optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> None:
-        """Saves now, as ``step`` (every rank). The previous save is published first, and
-        its error, if any, raised. A step whose checkpoint is complete is not saved again."""
+             optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None) -> bool:
+        """Saves now, as ``step`` (every rank); returns whether it wrote. The previous save
+        is published first, and its error, if any, raised. A step this manager saved or
+        restored is not saved again; one another run saved is refused (see [Note: one run
+        per directory])."""
         self._finish_pending()
-        if self.directory.is_complete(step):
-            return
+        if step in self._own and self.directory.is_complete(step):
+            return False
+        self._refuse_other_runs(step)
         path = self.directory.prepare(step)
         exchange(f"xla_fsdp.manager.prepare.{step}", None)  # every rank's before any writes
         if self.format == "dcp":
@@ -138,12 +152,13 @@ class CheckpointManager:
             self._pending, self._pending_step = result, step
         else:
             self._published(step)
+        return True
 
     def maybe_save(self, step: int, model: ShardedModel,
                    optimizer: Optional[torch.optim.Optimizer] = None,
                    extra: Any = None) -> bool:
         """The step boundary (every rank, at the same boundaries): see the module's
-        docstring. Returns whether it saved; sets ``stop_requested`` when a preemption was
+        docstring. Returns whether it wrote a checkpoint; sets ``stop_requested`` when a preemption was
         agreed on (after saving)."""
         pending = self._pending
         written = pending is not None and pending.written()
@@ -153,13 +168,11 @@ class CheckpointManager:
         if result is not None:
             (notices, ok, failed, ranks), about = result
             if notices > 0:
-                self._save_and_stop(step, model, optimizer, extra)
-                return True
+                return self._save_and_stop(step, model, optimizer, extra)
             if about is not None and about is self._pending and ok + failed == ranks:
                 self._finish_pending()
         if self.every is not None and step % self.every == 0:
-            self.save(step, model, optimizer, extra)
-            return True
+            return self.save(step, model, optimizer, extra)
         return False
 
     def wait(self) -> None:
@@ -168,23 +181,34 @@ class CheckpointManager:
         self._vote.forget()
 
     def restore(self, model: ShardedModel,
-                optimizer: Optional[torch.optim.Optimizer] = None) -> Any:
-        """Loads the newest complete checkpoint into ``model`` (and ``optimizer``), whatever
-        world size and format wrote it; returns the ``extra`` saved with it."""
+                optimizer: Optional[torch.optim.Optimizer] = None,
+                step: Optional[int] = None) -> Any:
+        """Loads the newest complete checkpoint, or that of ``step``, into ``model`` (and
+        ``optimizer``), whatever world size and format wrote it; returns the ``extra``
+        saved with it. The run then continues from it: a later save refuses checkpoints
+        newer than it (see [Note: one run per directory])."""
         self.wait()
         trace_only.refuse_reads(str(self.directory.root))
-        step = self.latest()
         if step is None:
-            raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
+            step = self.latest()
+            if step is None:
+                raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
+        elif not self.directory.is_complete(step):
+            raise CheckpointError(f"{self.directory.path(step)} is not a complete checkpoint; "
+                                  f"complete steps: {self.directory.complete_steps()}")
         path = self.directory.path(step)
         dcp = _dcp_path(path, model)
         if os.path.exists(os.path.join(sharding_group_path(dcp, model)[0], METADATA_FILE)):
-            return load_dcp(dcp, model, optimizer)
-        prefix = os.path.join(path, SHARDED_PREFIX)
-        if not glob.glob(glob.escape(prefix) + "*" + RANK_FILES):
-            raise CheckpointError(f"{path} is marked complete but holds neither a DCP "
-                                  f"checkpoint nor per-rank files")
-        return load_sharded(prefix, model, optimizer)
+            extra = load_dcp(dcp, model, optimizer)
+        else:
+            prefix = os.path.join(path, SHARDED_PREFIX)
+            if not glob.glob(glob.escape(prefix) + "*" + RANK_FILES):
+                raise CheckpointError(f"{path} is marked complete but holds neither a DCP "
+                                      f"checkpoint nor per-rank files")
+            extra = load_sharded(prefix, model, optimizer)
+        self._own.add(step)
+        self._restored = step
+        return extra
 
     def close(self) -> None:
         """Publishes what is in flight and stops watching for preemption."""
@@ -213,7 +237,7 @@ class CheckpointManager:
 
     # -- internals ---------------------------------------------------------------------------
     def _save_and_stop(self, step: int, model: ShardedModel,
-                       optimizer: Optional[torch.optim.Optimizer], extra: Any) -> None:
+                       optimizer: Optional[torch.optim.Optimizer], extra: Any) -> bool:
         """A preemption: this step saved and published, then ``stop_requested``. A save
         still pending that failed is reported as a warning, not raised: the checkpoint of
         this step supersedes it, and raising would stop the loop before it saved."""
@@ -222,9 +246,28 @@ class CheckpointManager:
         except Exception as exc:  # the same on every rank: its publication agreed on it
             warnings.warn(f"CheckpointManager: the save before the preemption failed, so step "
                           f"{step} is saved instead: {exc}")
-        self.save(step, model, optimizer, extra)
+        written = self.save(step, model, optimizer, extra)
         self._finish_pending()
         self.stop_requested = True
+        return written
+
+    def _refuse_other_runs(self, step: int) -> None:
+        """See [Note: one run per directory]. Every rank decides on every rank's view, so
+        ranks whose filesystems differ still all raise or all go on."""
+        mine: List[int] = [] if trace_only.active() else [
+            s for s in self.directory.complete_steps() if s not in self._own
+            and (s >= step or (self._restored is not None and s > self._restored))]
+        others = sorted(set().union(*exchange(f"xla_fsdp.manager.others.{step}", mine)))
+        if others:
+            since = ("it restored none" if self._restored is None
+                     else f"it restored step {self._restored}")
+            raise CheckpointError(
+                f"CheckpointManager: {self.directory.root} holds complete checkpoints of "
+                f"another run at steps {others}, which this manager did not write ({since}); "
+                f"saving step {step} beside them would mix two runs, and restore() would load "
+                f"step {others[-1]}. Restore the latest first, remove those steps "
+                f"(manager.directory.remove(step) on every rank), or save to another "
+                f"directory")
 
     def _preempted(self, step: int) -> bool:
         if not self.on_preemption:
@@ -243,5 +286,6 @@ class CheckpointManager:
 
     def _published(self, step: int) -> None:
         self.directory.mark_complete(step)
+        self._own.add(step)
         if self.keep_last is not None:
             self.directory.keep_last(self.keep_last)
