@@ -123,6 +123,11 @@ def _divide_factors(out, device):
         (scanned["below_one"] - WORLD / 4 * scanned["default"]).abs().max())
 
 
+class _ScaledEmbedding(nn.Embedding):
+    def forward(self, tokens):
+        return super().forward(tokens) * 3.0
+
+
 class _PaddedLM(nn.Module):
     def __init__(self, tied):
         super().__init__()
@@ -173,6 +178,15 @@ def _vocab_tables(out, device):
             [g.names[0] for g in checked], max(grads),
             float(plain.emb.weight.grad.abs().max()),
             sorted(got) == sorted(plain.state_dict()))
+    # a subclass's own forward is kept: its weight stays an ordinary parameter
+    torch.manual_seed(0)
+    plain = _PaddedLM(True)
+    plain.emb = _ScaledEmbedding(11, 6, padding_idx=2)
+    plain.head.weight = plain.emb.weight
+    model = FSDP(copy.deepcopy(plain), vocab_parallel=True)
+    out["vocab_subclass"] = (
+        [g.names for g in model.shard_groups if g.vocab_table],
+        float((model(tokens.to(device)) - plain.to(device)(tokens.to(device))).abs().max()))
     for label, build in (("offload", lambda: FSDP(_PaddedLM(True), vocab_parallel=True,
                                                   offload_optimizer=True)),
                          ("max_norm", lambda: FSDP(nn.Embedding(5, 3, max_norm=1.0),
@@ -398,6 +412,25 @@ def _apply_init(out):
                                if not torch.equal(full[k].cpu(), v))
     out["apply_init_changed"] = float(full["head.bias"][0])
 
+    # vocabulary tables, never gathered for a forward, are gathered for apply (a padding
+    # row written by its index, as transformers' _init_weights does)
+    def init_tables(m):
+        if isinstance(m, nn.Embedding):
+            m.weight.data.mul_(0.5)
+            m.weight.data[m.padding_idx].fill_(0.25)
+        elif isinstance(m, nn.Linear):
+            m.weight.data.add_(1.0)
+    for tied in (True, False):
+        torch.manual_seed(0)
+        plain = _PaddedLM(tied)
+        model = FSDP(_PaddedLM(tied), vocab_parallel=True)
+        model.load_full_state_dict(plain.state_dict())
+        model.apply(init_tables)
+        plain.apply(init_tables)
+        full = model.full_state_dict(rank0_only=False)
+        out[f"apply_vocab_{tied}"] = sorted(k for k, v in plain.state_dict().items()
+                                            if not torch.equal(full[k].cpu(), v))
+
 
 def checks(rank):
     import torch_xla
@@ -458,6 +491,10 @@ def test_wrapper_api():
                            ["emb.weight", "head.weight", "head.bias"]), checked
         assert logits <= 1e-5 and grad <= 1e-5 * scale and scale > 1e-3 and names, \
             out[f"vocab_{tied}"]
+    tables, logits = out["vocab_subclass"]
+    assert tables == [] and logits <= 1e-5, out["vocab_subclass"]
+    assert out["apply_vocab_True"] == [] and out["apply_vocab_False"] == [], \
+        (out["apply_vocab_True"], out["apply_vocab_False"])
     assert "offload_optimizer" in out["vocab_refused_offload"]
     assert "embedding 'weight' uses max_norm" in out["vocab_refused_max_norm"], \
         out["vocab_refused_max_norm"]

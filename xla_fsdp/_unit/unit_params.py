@@ -209,12 +209,12 @@ class UnitParams:
         the placeholders; what is written to them meanwhile, in place or through ``.data``,
         is this rank's slice of the shards after a normal exit, cut on the host: a slice at
         this rank's offset in the device's graph would differ between ranks. Freed either
-        way."""
-        shard_groups = self.gathered
+        way. Vocabulary tables, never gathered for a forward, are gathered here too."""
+        shard_groups = self.shard_groups
         gathered = gather_pieces(self.collectives,
                                  [(g.layout, g.on_device(), g.shard.dtype) for g in shard_groups],
                                  self.options.coalesce_all_gather_ops)
-        ParamRecord.install(self._gathered_records,
+        ParamRecord.install([r for g in shard_groups for r in g.records],
                             unshard_all([g.layout for g in shard_groups], gathered))
         try:
             yield

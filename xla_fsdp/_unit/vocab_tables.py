@@ -3,14 +3,16 @@ forwards their modules run on the shards (see [Note: vocabulary-parallel tables]
 
 A table is an ``nn.Embedding``'s weight, or an ``nn.Linear``'s weight shaped like one of the
 unit's embedding tables (an untied LM head; its bias, if any, stays an ordinary parameter,
-added to the logits); a weight held by anything else as well (a module that reads it as a
-plain tensor) stays an ordinary parameter. Code that reads a table's attribute directly
+added to the logits), held only by modules whose forward is torch's own; a weight held by
+anything else as well (a module that reads it as a plain tensor, a subclass with a forward
+of its own) stays an ordinary parameter. Code that reads a table's attribute directly
 finds an empty placeholder (see [Note: a freed placeholder is empty]):
 ``F.linear(h, embed.weight)`` fails there, but a reduction over it is 0.
 """
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Callable, List, Set
 
 import torch
@@ -18,17 +20,21 @@ import torch.nn as nn
 
 from .._sharding.collectives import Collectives
 from .._sharding.vocab_parallel import lookup, project, table_rows
+from .._xla.patched_linear import computes_as_torch
 from .._xla.trace_only import to_device
 from .param_record import Member
 from .shard_group import ShardGroup
 
 
 def _owner_kind(module: nn.Module, attr: str) -> str:
+    """A table's module computes as torch's own class does: the vocabulary-parallel forward
+    replaces its ``forward``, so a subclass's own (a scaled or offset lookup, extra
+    arguments) would be lost. Such a module's weight stays an ordinary parameter."""
     if attr != "weight":
         return ""
-    if isinstance(module, nn.Embedding):
+    if computes_as_torch(module, nn.Embedding):
         return "embedding"
-    if isinstance(module, nn.Linear):
+    if computes_as_torch(module, nn.Linear):
         return "projection"
     return ""
 
@@ -40,6 +46,14 @@ def table_ids(found: List[Member]) -> Set[int]:
     tables = set()
     for p, owners, names in found:
         kinds = {_owner_kind(m, a) for m, a in owners}
+        own = [type(m).__name__ for m, a in owners if a == "weight" and not _owner_kind(m, a)
+               and (isinstance(m, nn.Embedding)
+                    or isinstance(m, nn.Linear) and tuple(p.shape) in shapes)]
+        if own:
+            warnings.warn(f"vocab_parallel: '{names[0]}' is held by {own[0]}, whose forward "
+                          f"is not torch's own, so it stays an ordinary parameter, gathered "
+                          f"for the forward: a vocabulary-parallel lookup would replace that "
+                          f"forward")
         if "" in kinds or tuple(p.shape) not in shapes or not p.numel():
             continue
         for m, _ in owners:

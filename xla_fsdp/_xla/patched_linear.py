@@ -64,6 +64,15 @@ def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return LinearReadingWeight.apply(x, module.weight, module.bias, dtype)
 
 
+def computes_as_torch(module: torch.nn.Module, cls: type) -> bool:
+    """Whether ``module`` is a ``cls`` whose forward is ``cls``'s own: no subclass forward,
+    none set on the instance but the weight-reading one above."""
+    if not isinstance(module, cls) or type(module).forward is not cls.forward:
+        return False
+    own = vars(module).get("forward")
+    return own is None or getattr(own, "__func__", None) is _forward
+
+
 def patch_linear_layers(module: torch.nn.Module) -> None:
     """Gives every ``nn.Linear`` in ``module`` that still uses the stock forward the
     weight-reading backward. Layers with a custom forward are left alone."""
