@@ -48,7 +48,7 @@ def _config():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2):
+def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0):
     if fsdp:
         from xla_fsdp import patch_torch_xla
         patch_torch_xla()
@@ -66,6 +66,11 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2):
                              max_grad_norm=1.0, logging_steps=1, report_to="none",
                              dataloader_drop_last=True, seed=0,
                              gradient_checkpointing=grad_ckpt,
+                             # Trainer's label smoother, which shifts a causal LM's labels
+                             # ([Note: Trainer's causal-LM check under FSDP]); each rank's
+                             # loss a mean over its own tokens, as Trainer's smoother makes it
+                             label_smoothing_factor=smoothing,
+                             average_tokens_across_devices=not smoothing,
                              # the "best" checkpoint is the first (the higher loss), so the
                              # model saved at the end is step 3's, reloaded by Trainer
                              eval_strategy="steps", eval_steps=3, save_strategy="steps",
@@ -92,13 +97,21 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
     plain = launch(run_trainer, (plain_dir, False), num_devices=WORLD)[0]
     _compare(one, one_dir, plain, plain_dir)   # Trainer's own data parallelism is exact
     # without and with Hugging Face's gradient checkpointing (torch.utils.checkpoint inside
-    # every wrapped GPT2Block), which recomputes the same values
+    # every wrapped GPT2Block), which recomputes the same values; with it, Trainer's label
+    # smoothing, against one device smoothing too
+    smoothed_dir = str(tmp_path / "one_smoothed")
+    smoothed = launch(run_trainer, (smoothed_dir, False, False, 2 * WORLD, 0.1),
+                      num_devices=1)[0]
     for grad_ckpt in (False, True):
         fsdp_dir = str(tmp_path / f"fsdp_ckpt{int(grad_ckpt)}")
-        sharded = launch(run_trainer, (fsdp_dir, True, grad_ckpt), num_devices=WORLD)[0]
+        sharded = launch(run_trainer, (fsdp_dir, True, grad_ckpt, 2, 0.1 * grad_ckpt),
+                         num_devices=WORLD)[0]
         assert sharded["wrapped_by"] == "xla_fsdp.fully_sharded" and sharded["left"] is None
-        _compare(plain, plain_dir, sharded, fsdp_dir)
-        _compare(one, one_dir, sharded, fsdp_dir)
+        if grad_ckpt:
+            _compare(smoothed, smoothed_dir, sharded, fsdp_dir)
+        else:
+            _compare(plain, plain_dir, sharded, fsdp_dir)
+            _compare(one, one_dir, sharded, fsdp_dir)
 
 
 def _compare(plain, plain_dir, sharded, fsdp_dir):

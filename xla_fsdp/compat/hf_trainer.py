@@ -64,6 +64,7 @@ def _install(module: Any) -> None:
             _unfused_on_xla(trainer.get_optimizer_cls_and_kwargs))
         trainer.get_decay_parameter_names = _decay_by_original_names(
             trainer.get_decay_parameter_names)
+        trainer.compute_loss = _names_the_wrapped_model(trainer.compute_loss)
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
             wrap_trainer_wrap_model(trainer, _keeps_wrapped_model)
@@ -153,6 +154,38 @@ def _decay_by_original_names(get_decay_names: Callable) -> Callable:
         return [n for n, p in model.named_parameters()
                 if shard_decayed.get(id(p), n in decayed)]
     return get_decay_parameter_names
+
+
+def _names_the_wrapped_model(compute_loss: Callable) -> Callable:
+    """[Note: Trainer's causal-LM check under FSDP] With ``label_smoothing_factor``, Trainer
+    shifts the labels by one token only when ``accelerator.unwrap_model(model)._get_name()``
+    names a causal LM. accelerate unwraps torch's wrappers, not torch_xla's FSDP nor ours,
+    so under FSDP the name was the unit's and a causal LM was trained to predict each token
+    from itself, from the first step. For the call, ``unwrap_model`` goes on through a root
+    unit to the model it wraps, as it does through torch's FSDP."""
+    @functools.wraps(compute_loss)
+    def names_the_wrapped_model(self, model, *args, **kwargs):
+        from ..unit_module import UnitModule
+        accelerator = getattr(self, "accelerator", None)
+        if accelerator is None or not isinstance(accelerator.unwrap_model(model), UnitModule):
+            return compute_loss(self, model, *args, **kwargs)
+        unwrap = accelerator.unwrap_model
+        had_own = "unwrap_model" in vars(accelerator)
+
+        def through_units(m, *a, **k):
+            m = unwrap(m, *a, **k)
+            while isinstance(m, UnitModule):
+                m = unwrap(m.wrapped_module, *a, **k)
+            return m
+        accelerator.unwrap_model = through_units
+        try:
+            return compute_loss(self, model, *args, **kwargs)
+        finally:
+            if had_own:
+                accelerator.unwrap_model = unwrap
+            else:
+                del accelerator.unwrap_model
+    return names_the_wrapped_model
 
 
 def _unwrapped_parameters(units: List[Any]) -> Any:
