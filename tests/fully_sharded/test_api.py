@@ -432,6 +432,25 @@ def _apply_init(out):
                                             if not torch.equal(full[k].cpu(), v))
 
 
+def _offload_rank_scalars(out, device, rank):
+    """With ``offload_optimizer`` the inf flag and a clip's local norm are host scalars that
+    differ between ranks; a 0-d 0 or 1 moved to the device would be baked into each rank's
+    program (an inf on one rank's shard only; a rank whose every gradient is 0)."""
+    from xla_fsdp import FSDP
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), offload_optimizer=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("xla", init_scale=2.0 ** 8)
+    scaler.scale(model(torch.ones(4, 8).to(device)).sum()).backward()
+    next(iter(model.parameters())).grad[0] += float("inf") if rank == 0 else 0.0
+    scaler.step(opt)
+    scaler.update()
+    out["offload_inf_on_one_rank"] = float(scaler.get_scale())
+    model = FSDP(nn.Embedding(8, 4), offload_optimizer=True, shard_param_on_dim_0=True)
+    model(torch.tensor([[0, 1, 2, 3]]).to(device)).sum().backward()   # rank 0's rows only
+    out["offload_norm_zero_on_one_rank"] = float(model.clip_grad_norm_(1.0))
+
+
 def checks(rank):
     import torch_xla
     device = torch_xla.device()
@@ -445,6 +464,7 @@ def checks(rank):
     _attribute_fall_through(out)
     _loss_before_backward(out, device)
     _apply_init(out)
+    _offload_rank_scalars(out, device, rank)
     torch_xla.sync()
     return out
 
@@ -495,6 +515,9 @@ def test_wrapper_api():
     assert tables == [] and logits <= 1e-5, out["vocab_subclass"]
     assert out["apply_vocab_True"] == [] and out["apply_vocab_False"] == [], \
         (out["apply_vocab_True"], out["apply_vocab_False"])
+    for rank_out in nonempty(results.values(), "ranks"):
+        assert rank_out["offload_inf_on_one_rank"] == 2.0 ** 7   # every rank skipped
+        assert rank_out["offload_norm_zero_on_one_rank"] == 4.0  # 4 rows' sums of ones
     assert "offload_optimizer" in out["vocab_refused_offload"]
     assert "embedding 'weight' uses max_norm" in out["vocab_refused_max_norm"], \
         out["vocab_refused_max_norm"]
