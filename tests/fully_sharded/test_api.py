@@ -436,6 +436,8 @@ def _offload_rank_scalars(out, device, rank):
     """With ``offload_optimizer`` the inf flag and a clip's local norm are host scalars that
     differ between ranks; a 0-d 0 or 1 moved to the device would be baked into each rank's
     program (an inf on one rank's shard only; a rank whose every gradient is 0)."""
+    import copy
+
     from xla_fsdp import FSDP
     torch.manual_seed(0)
     model = FSDP(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), offload_optimizer=True)
@@ -449,6 +451,17 @@ def _offload_rank_scalars(out, device, rank):
     model = FSDP(nn.Embedding(8, 4), offload_optimizer=True, shard_param_on_dim_0=True)
     model(torch.tensor([[0, 1, 2, 3]]).to(device)).sum().backward()   # rank 0's rows only
     out["offload_norm_zero_on_one_rank"] = float(model.clip_grad_norm_(1.0))
+    # new host storage (vector_to_parameters assigns .data) reaches the device copy
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 3)
+    model = FSDP(copy.deepcopy(plain), offload_optimizer=True)
+    x = torch.ones(2, 4)
+    model(x.to(device))
+    halved = [p.detach() * 0.5 for p in model.parameters()]
+    torch.nn.utils.vector_to_parameters(torch.cat(halved), list(model.parameters()))
+    with torch.no_grad():
+        plain.weight.mul_(0.5), plain.bias.mul_(0.5)
+    out["offload_new_storage"] = float((model(x.to(device)).cpu() - plain(x)).abs().max())
 
 
 def checks(rank):
@@ -518,6 +531,7 @@ def test_wrapper_api():
     for rank_out in nonempty(results.values(), "ranks"):
         assert rank_out["offload_inf_on_one_rank"] == 2.0 ** 7   # every rank skipped
         assert rank_out["offload_norm_zero_on_one_rank"] == 4.0  # 4 rows' sums of ones
+        assert rank_out["offload_new_storage"] <= 1e-6, rank_out["offload_new_storage"]
     assert "offload_optimizer" in out["vocab_refused_offload"]
     assert "embedding 'weight' uses max_norm" in out["vocab_refused_max_norm"], \
         out["vocab_refused_max_norm"]

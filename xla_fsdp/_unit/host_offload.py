@@ -9,12 +9,16 @@ then keeps its state on the host and steps there with PyTorch's CPU kernels; not
 is on the device. The device holds a copy of the shard in the compute dtype, which is what
 gathers read:
 
-* the copy is refreshed when the shard's generation (optimizer steps, loads, any in-place
-  write) moved since it was made, at the unit's next gather: one host-to-device transfer of
-  compute-dtype bytes per shard and step, whoever changed the shard. FSDP2's CPU offload
-  instead transfers at every all-gather (two or three a step); keeping the copy costs
-  ``compute bytes / world size`` of device memory per parameter (2 for bf16) and saves
-  those transfers;
+* the copy is refreshed when the shard's generation (optimizer steps, loads, in-place
+  writes through the shard, new host storage) moved since it was made, at the unit's next
+  gather: one host-to-device transfer of compute-dtype bytes per shard and step, whoever
+  changed the shard. FSDP2's CPU offload instead transfers at every all-gather (two or
+  three a step); keeping the copy costs ``compute bytes / world size`` of device memory
+  per parameter (2 for bf16) and saves those transfers. The price: an in-place write
+  through ``shard.data`` (``p.data.copy_(...)``, as torch_ema's ``restore`` writes) bumps
+  the version counter of the tensor ``.data`` returned, not the shard's, and nothing else
+  of it is visible short of reading every value; the device keeps the old copy until the
+  next optimizer step or load. Write under ``torch.no_grad()`` instead (``p.copy_``);
 * reduced gradients collect beside the copy (``DeviceCopy.reduced``), in the dtype they were
   reduced in (bf16 unless ``fp32_reduce_scatter``: half the bytes on the device and on the
   way, cast to the shard's dtype on the host, the same values), and go to the host when

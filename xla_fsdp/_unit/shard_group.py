@@ -102,10 +102,14 @@ class ShardGroup:
         return self.shard.grad if self.offload is None else self.offload.reduced
 
     # -- updates ------------------------------------------------------------------------------
-    def generation(self) -> Tuple[int, int]:
+    def generation(self) -> Tuple[int, int, int]:
         """Changes whenever the shard's values may have: counted updates (torch_xla's
-        foreach kernels do not bump version counters) or any other in-place write."""
-        return (version(self.shard), self.updates)
+        foreach kernels do not bump version counters), an in-place write through the shard,
+        or, offloaded, new host storage (``shard.data = ...``, ``vector_to_parameters``).
+        Not seen: an in-place write through ``shard.data``, whose version counter is not the
+        shard's (see [Note: the optimizer on the host])."""
+        storage = self.shard.data_ptr() if self.offload is not None else 0
+        return (version(self.shard), self.updates, storage)
 
     def mark_updated(self) -> None:
         self.updates += 1
