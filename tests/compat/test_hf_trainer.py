@@ -25,6 +25,7 @@ import transformers.trainer  # noqa: F401
 
 from xla_fsdp import launch
 
+from ..support.checks import nonempty
 from ..support.parity import paired
 
 WORLD, STEPS, LR = 4, 6, 0.1
@@ -46,6 +47,22 @@ class TokenData(torch.utils.data.Dataset):
 def _config():
     return GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def resume_elsewhere(rank, out, checkpoint):
+    """[Note: Trainer's optimizer at another world size]: refused before any step."""
+    from xla_fsdp import patch_torch_xla
+    patch_torch_xla()
+    args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=4,
+                             optim="sgd", report_to="none", fsdp="full_shard",
+                             fsdp_config={"xla": True,
+                                          "transformer_layer_cls_to_wrap": ["GPT2Block"]})
+    trainer = Trainer(model=GPT2LMHeadModel(_config()), args=args, train_dataset=TokenData())
+    try:
+        trainer.train(resume_from_checkpoint=checkpoint)
+        return "trained"
+    except ValueError as exc:
+        return str(exc)
 
 
 def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0):
@@ -112,6 +129,12 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
         else:
             _compare(plain, plain_dir, sharded, fsdp_dir)
             _compare(one, one_dir, sharded, fsdp_dir)
+    checkpoint = os.path.join(fsdp_dir, "checkpoint-3")
+    refused = launch(resume_elsewhere, (str(tmp_path / "resumed"), checkpoint),
+                     num_devices=WORLD // 2)
+    for message in nonempty(refused.values(), "ranks"):
+        assert f"{checkpoint} holds Trainer's optimizer state for 4 rank(s) " \
+               "(rank*-of-4-optimizer.pt), and this run has 2" in message, message
 
 
 def _compare(plain, plain_dir, sharded, fsdp_dir):

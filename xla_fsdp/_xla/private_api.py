@@ -461,10 +461,10 @@ def tied_weights_patterns(module: nn.Module) -> List[str]:
     return list(getattr(module, "_tied_weights_keys", None) or [])
 
 
-def wrap_trainer_wrap_model(trainer: type, wrap: Callable[[Callable], Callable]) -> None:
-    """Replaces ``Trainer._wrap_model``, where Trainer wraps its model for XLA FSDP, with
-    ``wrap`` of it (see [Note: Trainer's wrapped model on transformers 5])."""
-    trainer._wrap_model = wrap(trainer._wrap_model)
+def wrap_trainer_method(trainer: type, name: str, wrap: Callable[[Callable], Callable]) -> None:
+    """Replaces Trainer's private method ``name`` (``_wrap_model``,
+    ``_load_optimizer_and_scheduler``) with ``wrap`` of it (the Notes in compat/hf_trainer)."""
+    setattr(trainer, name, wrap(getattr(trainer, name)))
 
 
 # -- tracing without executing (xla_fsdp.aot) --------------------------------------------------

@@ -1,5 +1,7 @@
-"""Hugging Face Trainer's XLA FSDP path on transformers 5: the one thing its wrapping
-stopped doing, done again.
+"""Hugging Face Trainer's XLA FSDP path, where it goes wrong under any XLA FSDP, fixed by
+``patch_torch_xla()``: the default fused optimizer, weight decay inside units, the
+causal-LM check of the label smoother, a resume at another device count, and on
+transformers 5 the wrapped model it stopped keeping (each a Note below).
 
 [Note: Trainer's wrapped model on transformers 5]
 transformers 4's ``Trainer._wrap_model`` wrapped the model for XLA FSDP and set
@@ -32,12 +34,14 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import os
+import re
 import sys
 import threading
 import warnings
 from typing import Any, Callable, Dict, List
 
-from .._xla.private_api import parameters_replaced, wrap_trainer_wrap_model
+from .._xla.private_api import parameters_replaced, wrap_trainer_method
 
 _MODULE = "transformers.trainer"
 _lock = threading.Lock()
@@ -65,9 +69,11 @@ def _install(module: Any) -> None:
         trainer.get_decay_parameter_names = _decay_by_original_names(
             trainer.get_decay_parameter_names)
         trainer.compute_loss = _names_the_wrapped_model(trainer.compute_loss)
+        wrap_trainer_method(trainer, "_load_optimizer_and_scheduler", functools.partial(
+            _refuses_other_world_sizes, optimizer_file=module.OPTIMIZER_NAME))
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
-            wrap_trainer_wrap_model(trainer, _keeps_wrapped_model)
+            wrap_trainer_method(trainer, "_wrap_model", _keeps_wrapped_model)
 
 
 _FUSED = "adamw_torch_fused"
@@ -186,6 +192,33 @@ def _names_the_wrapped_model(compute_loss: Callable) -> Callable:
             else:
                 del accelerator.unwrap_model
     return names_the_wrapped_model
+
+
+def _refuses_other_world_sizes(load: Callable, optimizer_file: str) -> Callable:
+    """[Note: Trainer's optimizer at another world size] Under XLA FSDP, Trainer saves each
+    rank's optimizer state as ``rank{r}-of-{N}-optimizer.pt`` and, resuming, looks only for
+    files of its own N: at another device count it loads the weights (from the
+    consolidated model) and starts the optimizer and the learning-rate schedule again,
+    without a word. The resume is refused instead, on every rank, naming the files."""
+    pattern = re.compile(r"rank\d+-of-(\d+)-" + re.escape(optimizer_file) + "$")
+
+    @functools.wraps(load)
+    def load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is not None and getattr(self, "is_fsdp_xla_v1_enabled", False) \
+                and os.path.isdir(checkpoint):
+            saved = sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(checkpoint))
+                            if m})
+            world = self.args.world_size
+            if saved and world not in saved:
+                raise ValueError(
+                    f"xla_fsdp: {checkpoint} holds Trainer's optimizer state for "
+                    f"{' and '.join(map(str, saved))} rank(s) (rank*-of-{saved[0]}-"
+                    f"{optimizer_file}), and this run has {world}: Trainer would load the "
+                    f"weights and start the optimizer and the learning-rate schedule again "
+                    f"without a word. Resume on {saved[0]} devices, or remove those files to "
+                    f"resume the weights alone")
+        return load(self, checkpoint)
+    return load_optimizer_and_scheduler
 
 
 def _unwrapped_parameters(units: List[Any]) -> Any:
