@@ -39,7 +39,7 @@ from ._unit.unit_params import FullParams, UnitParams
 from ._unit.unit_state import UnitState
 from ._xla.patched_linear import patch_linear_layers
 from ._xla.private_api import CollectiveBindings, incompatible_keys
-from ._xla.trace_only import to_device
+from ._xla.trace_only import scalar_to_device
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.per_rank_format import shard_metadata
@@ -311,10 +311,10 @@ class UnitModule(FallThrough):
         # offloaded shards' gradients are on the host: their part of the norm is taken there
         # and only that scalar goes through the device's all-reduce (one small execution)
         places = split_by_place([p.grad for p in self.params_with_grad])
-        parts = [to_device(_local_norm(grads, norm_type), self.xla_device)
+        parts = [scalar_to_device(_local_norm(grads, norm_type), self.xla_device)
                  for grads in places if grads]
         local = parts[0] if len(parts) == 1 else \
-            to_device(_local_norm(parts, norm_type), self.xla_device)
+            scalar_to_device(_local_norm(parts, norm_type), self.xla_device)
         if norm_type == math.inf:
             total = self._collectives.all_reduce_max(local, groups)
         else:

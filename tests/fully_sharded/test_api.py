@@ -451,7 +451,7 @@ def _offload_rank_scalars(out, device, rank):
     model = FSDP(nn.Embedding(8, 4), offload_optimizer=True, shard_param_on_dim_0=True)
     model(torch.tensor([[0, 1, 2, 3]]).to(device)).sum().backward()   # rank 0's rows only
     out["offload_norm_zero_on_one_rank"] = float(model.clip_grad_norm_(1.0))
-    # new host storage (vector_to_parameters assigns .data) reaches the device copy
+    # writes through .data reach the device copy: assigned (vector_to_parameters), in place
     torch.manual_seed(0)
     plain = nn.Linear(4, 3)
     model = FSDP(copy.deepcopy(plain), offload_optimizer=True)
@@ -461,7 +461,10 @@ def _offload_rank_scalars(out, device, rank):
     torch.nn.utils.vector_to_parameters(torch.cat(halved), list(model.parameters()))
     with torch.no_grad():
         plain.weight.mul_(0.5), plain.bias.mul_(0.5)
-    out["offload_new_storage"] = float((model(x.to(device)).cpu() - plain(x)).abs().max())
+    out["offload_data_assigned"] = float((model(x.to(device)).cpu() - plain(x)).abs().max())
+    for p in [*model.parameters(), *plain.parameters()]:
+        p.data.add_(1.0)
+    out["offload_data_in_place"] = float((model(x.to(device)).cpu() - plain(x)).abs().max())
 
 
 def checks(rank):
@@ -531,7 +534,8 @@ def test_wrapper_api():
     for rank_out in nonempty(results.values(), "ranks"):
         assert rank_out["offload_inf_on_one_rank"] == 2.0 ** 7   # every rank skipped
         assert rank_out["offload_norm_zero_on_one_rank"] == 4.0  # 4 rows' sums of ones
-        assert rank_out["offload_new_storage"] <= 1e-6, rank_out["offload_new_storage"]
+        assert rank_out["offload_data_assigned"] <= 1e-6, rank_out["offload_data_assigned"]
+        assert rank_out["offload_data_in_place"] <= 1e-6, rank_out["offload_data_in_place"]
     assert "offload_optimizer" in out["vocab_refused_offload"]
     assert "embedding 'weight' uses max_norm" in out["vocab_refused_max_norm"], \
         out["vocab_refused_max_norm"]

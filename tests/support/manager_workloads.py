@@ -135,6 +135,7 @@ def other_runs(rank, world, root):
     opt = optimizer_for(model)
     out["latest_restored"] = manager.restore(model, opt)
     out["own_step_again"] = manager.maybe_save(3, model, opt, extra={"run": "again"})
+    out["older_step"] = manager.save(2, model, opt, extra={"run": "older"})
     out["own_unchanged"] = stamps() == saved
     try:
         manager.restore(model, opt, step=7)
@@ -142,6 +143,13 @@ def other_runs(rank, world, root):
     except CheckpointError as exc:
         out["missing_step"] = str(exc)
     out["continued"] = manager.maybe_save(4, model, opt, extra={"run": 1, "step": 4})
+    out["rolled_back_in_process"] = (manager.restore(model, opt, step=2),
+                                     manager.restored_step == 2)
+    try:
+        manager.maybe_save(3, model, opt, extra={"run": "rolled back"})
+        out["after_rollback"] = "saved"
+    except CheckpointError as exc:
+        out["after_rollback"] = str(exc)
     manager.close()
     return out
 

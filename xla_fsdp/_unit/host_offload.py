@@ -10,15 +10,12 @@ is on the device. The device holds a copy of the shard in the compute dtype, whi
 gathers read:
 
 * the copy is refreshed when the shard's generation (optimizer steps, loads, in-place
-  writes through the shard, new host storage) moved since it was made, at the unit's next
+  writes, ``.data`` assigned) moved since it was made, at the unit's next
   gather: one host-to-device transfer of compute-dtype bytes per shard and step, whoever
   changed the shard. FSDP2's CPU offload instead transfers at every all-gather (two or
   three a step); keeping the copy costs ``compute bytes / world size`` of device memory
-  per parameter (2 for bf16) and saves those transfers. The price: an in-place write
-  through ``shard.data`` (``p.data.copy_(...)``, as torch_ema's ``restore`` writes) bumps
-  the version counter of the tensor ``.data`` returned, not the shard's, and nothing else
-  of it is visible short of reading every value; the device keeps the old copy until the
-  next optimizer step or load. Write under ``torch.no_grad()`` instead (``p.copy_``);
+  per parameter (2 for bf16) and saves those transfers. Writes through ``.data`` count
+  too (``HostShard``);
 * reduced gradients collect beside the copy (``DeviceCopy.reduced``), in the dtype they were
   reduced in (bf16 unless ``fp32_reduce_scatter``: half the bytes on the device and on the
   way, cast to the shard's dtype on the host, the same values), and go to the host when
@@ -70,6 +67,23 @@ class DeviceCopy:
     def drop_gradient(self) -> None:
         """After a backward that raised: its reduced gradient never reaches the host."""
         self.reduced = None
+
+
+class HostShard(torch.nn.Parameter):
+    """An offloaded shard. Its ``.data`` is ``detach()``, which shares its version counter,
+    so an in-place write through ``.data`` (``p.data.copy_(ema)``, as torch_ema's
+    ``restore`` writes) moves the shard's generation as any in-place write does: torch's
+    ``.data`` has a counter of its own. Assigning ``.data`` (``vector_to_parameters``) is
+    counted in ``assignments``."""
+
+    @property
+    def data(self) -> torch.Tensor:
+        return torch.Tensor.detach(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        torch.Tensor.data.__set__(self, value)
+        self.assignments = getattr(self, "assignments", 0) + 1
 
 
 def host_master(value: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Dict
 
 import torch
 
-from .._xla.trace_only import to_device
+from .._xla.trace_only import scalar_to_device
 from .shard_group import shard_groups_of
 from .unit_params import params_of
 
@@ -31,5 +31,5 @@ def agree_on_infs(optimizer: torch.optim.Optimizer,
         return
     params = params_of(shard_groups[0])
     for flag in found_inf_per_device.values():
-        agreed = params.collectives.all_reduce_max(to_device(flag, params.device), None)
+        agreed = params.collectives.all_reduce_max(scalar_to_device(flag, params.device), None)
         flag.copy_(agreed.to(flag.device))

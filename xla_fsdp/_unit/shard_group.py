@@ -33,7 +33,7 @@ from .._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout, Layout
 from .._sharding.names import SHARD_PREFIX
 from .._xla.private_api import post_accumulate_grad_hooks, version
 from .._xla.trace_only import to_device
-from .host_offload import DeviceCopy, host_master
+from .host_offload import DeviceCopy, HostShard, host_master
 from .param_record import Member, ParamRecord, mark_taken, refuse_loads_into
 from .registry import WeakRegistry
 
@@ -104,12 +104,9 @@ class ShardGroup:
     # -- updates ------------------------------------------------------------------------------
     def generation(self) -> Tuple[int, int, int]:
         """Changes whenever the shard's values may have: counted updates (torch_xla's
-        foreach kernels do not bump version counters), an in-place write through the shard,
-        or, offloaded, new host storage (``shard.data = ...``, ``vector_to_parameters``).
-        Not seen: an in-place write through ``shard.data``, whose version counter is not the
-        shard's (see [Note: the optimizer on the host])."""
-        storage = self.shard.data_ptr() if self.offload is not None else 0
-        return (version(self.shard), self.updates, storage)
+        foreach kernels do not bump version counters), an in-place write, or, offloaded,
+        ``.data`` assigned (``HostShard``)."""
+        return (version(self.shard), self.updates, getattr(self.shard, "assignments", 0))
 
     def mark_updated(self) -> None:
         self.updates += 1
@@ -224,8 +221,9 @@ def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, 
 def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,
             members: List[Member], device: torch.device, compute_dtype: torch.dtype,
             unit_name: str, offload: bool) -> ShardGroup:
-    value = host_master(shard_value) if offload else to_device(shard_value, device)
-    shard = nn.Parameter(value, requires_grad=members[0][0].requires_grad)
+    shard = (HostShard(host_master(shard_value), requires_grad=members[0][0].requires_grad)
+             if offload else nn.Parameter(to_device(shard_value, device),
+                                          requires_grad=members[0][0].requires_grad))
     # the three attributes torch_xla's users and tools read on a shard
     shard._is_sharded = True
     shard._orig_size = orig_size

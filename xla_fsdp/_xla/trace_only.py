@@ -34,14 +34,17 @@ def activate() -> None:
 
 def to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``value`` on ``device``; a meta tensor, in a process that only traces, becomes a
-    placeholder of its shape and dtype. A 0-d host value travels as one element: torch_xla
-    bakes a 0-d 0 or 1 into the program as a constant, so ranks holding different host
-    scalars (an inf flag, a gradient norm of 0) would trace different programs."""
+    placeholder of its shape and dtype."""
     if value.is_meta and _ACTIVE:
         return placeholder(value.shape, value.dtype)
-    if value.dim() == 0 and value.device.type != "xla":
-        return value.reshape(1).to(device).reshape(())
     return value.to(device)
+
+
+def scalar_to_device(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-d host value whose value may differ between ranks (an inf flag, a gradient
+    norm), on ``device`` as one element viewed as 0-d: torch_xla bakes a 0-d 0 or 1 it
+    moves into the program as a constant, and the ranks would trace different programs."""
+    return to_device(value.reshape(1), device).reshape(())
 
 
 def to_host(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -70,9 +70,10 @@ def test_a_save_beside_another_runs_checkpoints_is_refused(launched, case, resto
     for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
         assert got.get(f"{case}_restored") == restored
-        assert f"holds complete checkpoints of another run at steps {steps}" in got[case]
-        assert ("it restored none" if restored is None
-                else f"it restored step {restored['step']}") in got[case]
+        assert f"holds complete checkpoints at steps {steps} outside this run's history" \
+            in got[case]
+        assert ("it started without restore()" if restored is None
+                else f"it continued from step {restored['step']}") in got[case]
         assert got["unchanged"]
 
 
@@ -81,10 +82,32 @@ def test_a_manager_does_not_save_its_own_step_again_and_restores_a_given_step(la
     for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
         assert got["latest_restored"] == {"run": 1, "step": 3}
-        assert got["own_step_again"] is False and got["own_unchanged"]
-        assert "step000007 is not a complete checkpoint; complete steps: [1, 2, 3]" \
-            in got["missing_step"]
+        # its own step, or one before the step it restored: nothing written
+        assert got["own_step_again"] is False and got["older_step"] is False
+        assert got["own_unchanged"]
+        assert "step000007 is not a complete checkpoint on every rank; complete steps " \
+               "here: [1, 2, 3]" in got["missing_step"]
         assert got["continued"] is True
+        # rolled back by the manager that wrote the later steps: they are abandoned too
+        assert got["rolled_back_in_process"] == ({"run": 1, "step": 2}, True)
+        assert "holds complete checkpoints at steps [3, 4] outside this run's history (it " \
+               "continued from step 2)" in got["after_rollback"], got["after_rollback"]
+
+
+
+def test_a_process_that_only_traces_writes_and_removes_nothing(tmp_path, monkeypatch):
+    """``xla_fsdp.aot`` plans a script whose directory holds a real run's checkpoints."""
+    from xla_fsdp._xla import trace_only
+    step = tmp_path / "step000002"
+    step.mkdir()
+    (step / "COMPLETE").write_text("2\n")
+    (step / "checkpoint_rank-00000000-of-00000001.pth").write_text("the real run's")
+    monkeypatch.setattr(trace_only, "_ACTIVE", True)
+    manager = CheckpointManager(str(tmp_path), every=2, on_preemption=False)
+    assert manager.latest() is None
+    assert manager.save(2, model=None) is False and manager.save(4, model=None) is False
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step000002"]
+    assert (step / "checkpoint_rank-00000000-of-00000001.pth").read_text() == "the real run's"
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -30,20 +30,23 @@ step, waits for it, and sets ``stop_requested``; (3) saves if ``step`` is a mult
 checkpoints beyond ``keep_last`` removed, only once it is published.
 
 [Note: one run per directory]
-A manager saves only into its own run's history. The steps it published or restored are
-its own; a complete checkpoint at a step it did not write, at or after the step it saves
-(or, after ``restore(step=k)``, any after ``k``), is another run's: a run started without
-``restore`` in a used directory, or one rolled back to an earlier step. Saving beside it
-would leave ``latest()`` at the other run's step, or keep one save of a step and drop the
-other, so the save is refused, on every rank, before anything is written; the user
-removes those steps or saves elsewhere. Saving a step of its own again writes nothing.
+A manager saves only into its own run's history: the steps it published, the step it
+restored and the steps before that one. A complete checkpoint outside that history is
+another run's: at or after the step saved, by a run started without ``restore`` in a used
+directory; after the restored step, by a run rolled back (``restore(step=k)``, also by this
+manager itself, whose later steps are then abandoned). Saving beside it would leave
+``latest()`` at the other run's step, or keep one save of a step and drop the other, so the
+save is refused, on every rank, before anything is written; the user removes those steps or
+saves elsewhere. Saving a step of its own again, or one before the step it restored (a
+history it holds already), writes nothing and returns False. A process that only traces
+(``xla_fsdp.aot``) writes nothing either.
 """
 from __future__ import annotations
 
 import glob
 import os
 import warnings
-from typing import Any, List, Optional, Set
+from typing import Any, Optional, Set
 
 import torch
 
@@ -137,9 +140,9 @@ class CheckpointManager:
         restored is not saved again; one another run saved is refused (see [Note: one run
         per directory])."""
         self._finish_pending()
-        if step in self._own and self.directory.is_complete(step):
+        if trace_only.active() or (self._restored is not None and step < self._restored) \
+                or not self._must_write(step):
             return False
-        self._refuse_other_runs(step)
         path = self.directory.prepare(step)
         exchange(f"xla_fsdp.manager.prepare.{step}", None)  # every rank's before any writes
         if self.format == "dcp":
@@ -193,9 +196,11 @@ class CheckpointManager:
             step = self.latest()
             if step is None:
                 raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
-        elif not self.directory.is_complete(step):
-            raise CheckpointError(f"{self.directory.path(step)} is not a complete checkpoint; "
-                                  f"complete steps: {self.directory.complete_steps()}")
+        elif not all(exchange(f"xla_fsdp.manager.restore.{step}",
+                              self.directory.is_complete(step))):
+            raise CheckpointError(f"{self.directory.path(step)} is not a complete checkpoint "
+                                  f"on every rank; complete steps here: "
+                                  f"{self.directory.complete_steps()}")
         path = self.directory.path(step)
         dcp = _dcp_path(path, model)
         if os.path.exists(os.path.join(sharding_group_path(dcp, model)[0], METADATA_FILE)):
@@ -206,9 +211,14 @@ class CheckpointManager:
                 raise CheckpointError(f"{path} is marked complete but holds neither a DCP "
                                       f"checkpoint nor per-rank files")
             extra = load_sharded(prefix, model, optimizer)
-        self._own.add(step)
+        self._own = {s for s in self._own if s < step} | {step}
         self._restored = step
         return extra
+
+    @property
+    def restored_step(self) -> Optional[int]:
+        """The step ``restore`` last loaded, or None."""
+        return self._restored
 
     def close(self) -> None:
         """Publishes what is in flight and stops watching for preemption."""
@@ -251,23 +261,27 @@ class CheckpointManager:
         self.stop_requested = True
         return written
 
-    def _refuse_other_runs(self, step: int) -> None:
-        """See [Note: one run per directory]. Every rank decides on every rank's view, so
-        ranks whose filesystems differ still all raise or all go on."""
-        mine: List[int] = [] if trace_only.active() else [
-            s for s in self.directory.complete_steps() if s not in self._own
-            and (s >= step or (self._restored is not None and s > self._restored))]
-        others = sorted(set().union(*exchange(f"xla_fsdp.manager.others.{step}", mine)))
+    def _must_write(self, step: int) -> bool:
+        """Whether ``save(step)`` writes: not when the step is its own and complete on every
+        rank; refused beside another run's checkpoints (see [Note: one run per directory]).
+        Every rank decides on every rank's view, so ranks whose filesystems differ still
+        all raise, all skip or all write."""
+        own = step in self._own and self.directory.is_complete(step)
+        others = [s for s in self.directory.complete_steps() if s not in self._own and (
+            s >= step if self._restored is None else s > self._restored)]
+        views = exchange(f"xla_fsdp.manager.others.{step}", (own, others))
+        others = sorted(set().union(*(seen for _, seen in views)))
         if others:
-            since = ("it restored none" if self._restored is None
-                     else f"it restored step {self._restored}")
+            history = ("it started without restore()" if self._restored is None
+                       else f"it continued from step {self._restored}")
+            first = " Restore the latest first," if self._restored is None else ""
             raise CheckpointError(
-                f"CheckpointManager: {self.directory.root} holds complete checkpoints of "
-                f"another run at steps {others}, which this manager did not write ({since}); "
-                f"saving step {step} beside them would mix two runs, and restore() would load "
-                f"step {others[-1]}. Restore the latest first, remove those steps "
-                f"(manager.directory.remove(step) on every rank), or save to another "
-                f"directory")
+                f"CheckpointManager: {self.directory.root} holds complete checkpoints at "
+                f"steps {others} outside this run's history ({history}); saving step {step} "
+                f"beside them would mix two histories, and restore() would load step "
+                f"{others[-1]}.{first} Remove those steps (manager.directory.remove(step) "
+                f"on every rank), or save to another directory")
+        return not all(mine for mine, _ in views)
 
     def _preempted(self, step: int) -> bool:
         if not self.on_preemption:
