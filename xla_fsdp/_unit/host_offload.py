@@ -85,6 +85,9 @@ class HostShard(torch.nn.Parameter):
         torch.Tensor.data.__set__(self, value)
         self.assignments = getattr(self, "assignments", 0) + 1
 
+    def __repr__(self) -> str:
+        return "Parameter on the host (offload_optimizer) containing:\n" + repr(self.data)
+
 
 def host_master(value: torch.Tensor) -> torch.Tensor:
     """The host copy of a freshly cut shard that becomes the offloaded parameter: never a
