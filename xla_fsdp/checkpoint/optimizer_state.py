@@ -37,10 +37,10 @@ def holds_settings_of(optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
     torch's optimizers that ``optimizer`` lacks (Adam's state has ``amsgrad``, which Adamax,
     whose settings are all Adam's, has not), unless this optimizer's own groups hold it too
     (Hugging Face's Trainer puts ``weight_decay`` in every group, whatever the optimizer).
-    Keys of the caller's and of LR schedulers (``initial_lr``) are no optimizer's. A setting is a default its own param groups hold:
-    torch's ``load_state_dict`` adds ``differentiable`` to the defaults of optimizers whose
-    groups never get it (Adafactor, LBFGS, SparseAdam), and a group saved from the same
-    class lacks it too."""
+    Keys of the caller's and of LR schedulers (``initial_lr``) are no optimizer's. A setting
+    is a default its own param groups hold: torch's ``load_state_dict`` adds
+    ``differentiable`` to the defaults of optimizers whose groups never get it (Adafactor,
+    LBFGS, SparseAdam), and a group saved from the same class lacks it too."""
     held = set(optimizer.defaults).intersection(*(set(g) for g in optimizer.param_groups))
     own = set(optimizer.defaults).union(*(set(g) for g in optimizer.param_groups))
     foreign = (set(saved) & _torch_settings()) - own   # weight_decay in every group (HF's)

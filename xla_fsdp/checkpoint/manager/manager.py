@@ -161,8 +161,8 @@ class CheckpointManager:
                    optimizer: Optional[torch.optim.Optimizer] = None,
                    extra: Any = None) -> bool:
         """The step boundary (every rank, at the same boundaries): see the module's
-        docstring. Returns whether it wrote a checkpoint; sets ``stop_requested`` when a preemption was
-        agreed on (after saving)."""
+        docstring. Returns whether it wrote a checkpoint; sets ``stop_requested`` when a
+        preemption was agreed on (after saving)."""
         pending = self._pending
         written = pending is not None and pending.written()
         counts = [int(self._preempted(step)), int(written and not pending.failed()),
