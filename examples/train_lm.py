@@ -161,11 +161,11 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                                 keep_last=args.keep_last, async_save=args.async_save)
     start, history, resumes = 0, [], []
     if manager.latest() is not None:  # written at any device count, resharded as it loads
-        start = manager.latest()
         try:
-            extra = manager.restore(model, opt)
+            extra = manager.restore(model, opt)   # the newest step complete on every rank
         except CheckpointError as exc:
-            raise CheckpointError(f"{RESUME_FAILED} step {start}: {exc}") from None
+            raise CheckpointError(f"{RESUME_FAILED} step {manager.latest()}: {exc}") from None
+        start = manager.restored_step
         history, resumes = extra["history"], extra.get("resumes", []) + [start]
         if rank == 0:
             print(f"resumed from step {start} ({len(history)} logged losses)", file=sys.stderr)

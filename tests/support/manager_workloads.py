@@ -130,6 +130,14 @@ def other_runs(rank, world, root):
         xm.rendezvous(f"{case} done")
     out["unchanged"] = listing() == before and stamps() == saved
 
+    # a rank whose filesystem does not show step 3 yet: every rank restores step 2
+    lagging = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
+    if rank == 1:
+        shown = lagging.directory.is_complete
+        lagging.directory.is_complete = lambda step: step != 3 and shown(step)
+    out["lagging_restored"] = lagging.restore(wrapped_net(), None), lagging.restored_step
+    lagging.close()
+
     manager = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
     model = wrapped_net()
     opt = optimizer_for(model)

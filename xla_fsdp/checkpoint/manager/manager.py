@@ -9,7 +9,7 @@ rank, at the same boundaries), and stops when ``stop_requested`` is true::
     start = 0
     if manager.latest() is not None:
         manager.restore(model, optimizer)
-        start = manager.latest()
+        start = manager.restored_step
     for step in range(start, steps):
         train_step()
         manager.maybe_save(step + 1, model, optimizer)
@@ -193,9 +193,14 @@ class CheckpointManager:
         self.wait()
         trace_only.refuse_reads(str(self.directory.root))
         if step is None:
-            step = self.latest()
-            if step is None:
-                raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
+            # the newest step complete on every rank: a rank whose filesystem shows a step
+            # the others do not yet see would load another step than theirs
+            views = exchange("xla_fsdp.manager.restore.latest", self.directory.complete_steps())
+            common = set(views[0]).intersection(*views[1:])
+            if not common:
+                raise CheckpointError(f"{self.directory.root} holds no checkpoint complete on "
+                                      f"every rank; complete steps by rank: {views}")
+            step = max(common)
         elif not all(exchange(f"xla_fsdp.manager.restore.{step}",
                               self.directory.is_complete(step))):
             raise CheckpointError(f"{self.directory.path(step)} is not a complete checkpoint "
