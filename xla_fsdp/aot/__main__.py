@@ -156,7 +156,7 @@ def _estimate(argv: List[str]) -> int:
         raise _Refused(f"{ns.hlo}: no such file")
     with open(ns.hlo) as f:
         estimate = step_time.estimate(f.read(), slice_)
-    print(json.dumps({k: v for k, v in asdict(estimate).items()}, indent=1))
+    print(json.dumps(asdict(estimate), indent=1))
     return 0
 
 

@@ -38,7 +38,7 @@ not show. It is an estimate; ``CALIBRATED`` says how close it came to measured r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .._xla.hlo_text import Instruction, parse_module
@@ -92,10 +92,7 @@ class StepTime:
             setattr(self, name, getattr(self, name) + times * getattr(other, name))
 
 
-_SUMMED = ("seconds", "busy_seconds", "matmul_seconds", "memory_seconds",
-           "collective_seconds", "exposed_collective_seconds", "host_transfer_seconds",
-           "exposed_host_seconds", "dot_flops", "mxu_flops", "multipass_flops", "hbm_bytes",
-           "kernels_without_cost")
+_SUMMED = tuple(f.name for f in fields(StepTime) if f.name != "efficiency")
 
 
 class Schedule:

@@ -150,9 +150,6 @@ class RankRecord:
     # counters (one resumed from the other and saving to the same prefix) differ here
     save_id: Optional[str] = None
 
-    def as_dict(self) -> Dict[str, Any]:
-        return asdict(self)
-
     @staticmethod
     def of(tree: Any) -> Optional["RankRecord"]:
         """The record of a per-rank file's tree, or None for a file we did not write."""
@@ -169,7 +166,7 @@ def rank_file_tree(model: Dict[str, Any], metadata: Dict[str, Any], record: Rank
                    ) -> Dict[str, Any]:
     """A per-rank file's tree: torch_xla's keys and our record, and the optimizer's state
     dict and ``extra`` when there are any."""
-    tree: Dict[str, Any] = {MODEL: model, SHARD_METADATA: metadata, RECORD: record.as_dict()}
+    tree: Dict[str, Any] = {MODEL: model, SHARD_METADATA: metadata, RECORD: asdict(record)}
     if optimizer is not None:
         tree[OPTIMIZER] = optimizer
     if extra is not None:

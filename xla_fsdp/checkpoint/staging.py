@@ -89,7 +89,7 @@ class StagedLoad:
         extra = _extra_key(self.stored, model)
         if extra is not None:
             self.objects[extra] = None
-        self._read()
+        self.source.read(self.tensors, self.objects, into=self.objects)
         self.extra = None if extra is None else self.objects.get(extra)
 
     def refusable(self) -> Callable[[], None]:
@@ -296,10 +296,6 @@ class StagedLoad:
                 stage = self._want_whole(keys[0])
                 out[name] = lambda stage=stage, size=stored.size: stage.view(size)
         return out
-
-    # -- reading ---------------------------------------------------------------------------
-    def _read(self) -> None:
-        self.source.read(self.tensors, self.objects, into=self.objects)
 
 
 def _settings_differ(a: Dict[str, Any], b: Dict[str, Any]) -> List[str]:

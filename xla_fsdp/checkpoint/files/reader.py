@@ -69,7 +69,7 @@ class TensorRef:
             if out.numel():
                 self.read_elements(0, out.reshape(-1))
             return out
-        storage_numel = self.file.record_size(self.key) // _element_size(self.dtype)
+        storage_numel = self.file.record_size(self.key) // self.dtype.itemsize
         storage = torch.empty(storage_numel, dtype=self.dtype)
         self.file.pread_into(self.key, 0, storage.view(torch.uint8).numpy())
         return storage.as_strided(self.shape, self.stride, self.storage_offset).clone()
@@ -104,10 +104,6 @@ def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
         strides.insert(0, acc)
         acc *= d
     return tuple(strides)
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class PreadFile:

@@ -293,7 +293,7 @@ class CheckpointManager:
             return False
         if preemption.requested():
             return True
-        return self.sync_point_unavailable is None and preemption.runtime_sync_point_reached(step)
+        return self.sync_point_unavailable is None and preemption.preemption_sync_point_reached(step)
 
     def _finish_pending(self) -> None:
         pending, step = self._pending, self._pending_step

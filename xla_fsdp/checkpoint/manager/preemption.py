@@ -104,11 +104,6 @@ def activate_runtime_sync_point() -> Optional[str]:
         return why
 
 
-def runtime_sync_point_reached(step: int) -> bool:
-    """Whether the active sync point says every process stops at ``step``."""
-    return preemption_sync_point_reached(step)
-
-
 class Forwarding:
     """While it lasts (made on the main thread), SIGTERM to this process is sent on to
     ``pid`` (the virtual launcher's worker) instead of acting here. ``end(exitcode)`` puts
