@@ -41,6 +41,8 @@ import threading
 import warnings
 from typing import Any, Callable, Dict, List
 
+import torch
+
 from .._xla.private_api import parameters_replaced, wrap_trainer_method
 
 _MODULE = "transformers.trainer"
@@ -70,7 +72,7 @@ def _install(module: Any) -> None:
             trainer.get_decay_parameter_names)
         trainer.compute_loss = _names_the_wrapped_model(trainer.compute_loss)
         wrap_trainer_method(trainer, "_load_optimizer_and_scheduler", functools.partial(
-            _refuses_other_world_sizes, optimizer_file=module.OPTIMIZER_NAME))
+            _loads_at_any_world_size, module=module))
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
             wrap_trainer_method(trainer, "_wrap_model", _keeps_wrapped_model)
@@ -194,31 +196,59 @@ def _names_the_wrapped_model(compute_loss: Callable) -> Callable:
     return names_the_wrapped_model
 
 
-def _refuses_other_world_sizes(load: Callable, optimizer_file: str) -> Callable:
+def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
     """[Note: Trainer's optimizer at another world size] Under XLA FSDP, Trainer saves each
     rank's optimizer state as ``rank{r}-of-{N}-optimizer.pt`` and, resuming, looks only for
-    files of its own N: at another device count it loads the weights (from the
-    consolidated model) and starts the optimizer and the learning-rate schedule again,
-    without a word. The resume is refused instead, on every rank, naming the files."""
+    files of its own N: at another device count it loaded the weights (from the
+    consolidated model) and started the optimizer and the learning-rate schedule again,
+    without a word. Now the optimizer state is read from the N ranks' files into this run's
+    shards, as ``load_sharded`` reads per-rank files at another world size
+    (``sources.trainer_files``), and the schedule from ``scheduler.pt``, as Trainer reads
+    it. A checkpoint holding files of several world sizes, or a model Trainer did not wrap
+    with ours, is refused on every rank, naming the files."""
+    optimizer_file = module.OPTIMIZER_NAME
     pattern = re.compile(r"rank\d+-of-(\d+)-" + re.escape(optimizer_file) + "$")
 
     @functools.wraps(load)
     def load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is not None and getattr(self, "is_fsdp_xla_v1_enabled", False) \
-                and os.path.isdir(checkpoint):
-            saved = sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(checkpoint))
-                            if m})
-            world = self.args.world_size
-            if saved and world not in saved:
-                raise ValueError(
-                    f"xla_fsdp: {checkpoint} holds Trainer's optimizer state for "
-                    f"{' and '.join(map(str, saved))} rank(s) (rank*-of-{saved[0]}-"
-                    f"{optimizer_file}), and this run has {world}: Trainer would load the "
-                    f"weights and start the optimizer and the learning-rate schedule again "
-                    f"without a word. Resume on {saved[0]} devices, or remove those files to "
-                    f"resume the weights alone")
-        return load(self, checkpoint)
+        if checkpoint is None or not getattr(self, "is_fsdp_xla_v1_enabled", False) \
+                or not os.path.isdir(checkpoint):
+            return load(self, checkpoint)
+        saved = sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(checkpoint))
+                        if m})
+        world = self.args.world_size
+        if not saved or world in saved:
+            return load(self, checkpoint)
+        from ..unit_module import UnitModule
+        # the wrapped model is Trainer's model on transformers 4, and model_wrapped on 5
+        model = next((m for m in (self.model_wrapped, self.model) if isinstance(m, UnitModule)),
+                     None)
+        if len(saved) > 1 or model is None:
+            raise ValueError(
+                f"xla_fsdp: {checkpoint} holds Trainer's optimizer state for "
+                f"{' and '.join(map(str, saved))} rank(s) (rank*-of-{saved[0]}-"
+                f"{optimizer_file})" + (", files of several runs" if len(saved) > 1 else
+                                        ", and the model is not wrapped by xla_fsdp") +
+                f"; this run has {world}. Resume on {saved[0]} devices, or remove those "
+                f"files to resume the weights alone")
+        _load_optimizer_from(checkpoint, saved[0], model, self.optimizer, module)
+        scheduler = torch.load(os.path.join(checkpoint, module.SCHEDULER_NAME),
+                               map_location="cpu", weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
     return load_optimizer_and_scheduler
+
+
+def _load_optimizer_from(checkpoint: str, world: int, model: Any, optimizer: Any,
+                         module: Any) -> None:
+    from ..checkpoint.sources.trainer_files import open_trainer_files
+    from ..checkpoint.staging import load_staged
+    optimizer = getattr(optimizer, "optimizer", optimizer)   # accelerate's wrapper
+    names = {id(p): n for n, p in model.named_parameters()}
+    param_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    load_staged(lambda: open_trainer_files(checkpoint, world, module.WEIGHTS_NAME,
+                                           module.OPTIMIZER_NAME, param_names,
+                                           (model.rank, model.world_size)),
+                model, optimizer, "xla_fsdp.trainer_resume", with_model=False)
 
 
 def _unwrapped_parameters(units: List[Any]) -> Any:

@@ -17,7 +17,7 @@ need a filesystem they all see, as consolidation does.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Callable, Sequence, Tuple
 
 from ..dcp_format.layout import rank_extra_key
 from ..files import CheckpointError
@@ -52,7 +52,7 @@ def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
             plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         except CheckpointError as exc:  # the shard metadata, as rank 0's file holds it
             raise CheckpointError(f"{shards.files[0].path}: {exc}") from None
-        source = shard_set_source(shards, plan, with_optimizer, closes=True)
+        source = shard_set_source(shards, plan, with_optimizer, [shards.close])
     except BaseException:
         shards.close()
         raise
@@ -60,9 +60,9 @@ def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
 
 
 def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
-                     closes: bool = False) -> EntrySource:
-    """``shards`` (opened and checked, planned as ``plan``) as a source; with ``closes``
-    closing the source closes the files."""
+                     closers: Sequence[Callable[[], None]] = ()) -> EntrySource:
+    """``shards`` (opened and checked, planned as ``plan``) as a source; closing it runs
+    ``closers``."""
     head = shards.files[0].tree
     if with_optimizer:
         keys, reason = optimizer_param_keys(shards, plan)
@@ -81,4 +81,4 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         if len(shards.files) > 1:   # each rank's own (see [Note: each rank's extra])
             for rank, f in enumerate(shards.files):
                 objects[rank_extra_key(rank)[0]] = f.tree.get(EXTRA)
-    return EntrySource(shards.pattern, tensors, objects, [shards.close] if closes else [])
+    return EntrySource(shards.pattern, tensors, objects, closers)
