@@ -237,6 +237,26 @@ class UnitModule(FallThrough):
         with self._state.params.full_values_written_back():
             return super().apply(fn)
 
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "UnitModule":
+        # [Note: a unit is not copied] A copy's modules would hold copies of the
+        # placeholders, and its forward would run hooks bound to this unit: it gathered
+        # this unit's shards into this unit's placeholders and computed with what the copy
+        # held (nothing, or the values of the moment it was copied), and its backward
+        # reduced nothing, so an EMA or evaluation copy failed deep in XLA or went silently
+        # wrong
+        raise TypeError(
+            f"FSDP unit around {type(self.wrapped_module).__name__} cannot be deep-copied. "
+            f"Copy the model before wrapping it and wrap the copy the same way: its shards "
+            f"then pair with these ones (an EMA over zip(ema.parameters(), "
+            f"model.parameters())). For torch.optim.swa_utils.AveragedModel, build it over "
+            f"the unwrapped model and wrap its .module")
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            f"FSDP unit around {type(self.wrapped_module).__name__} cannot be pickled "
+            f"(torch.save(model), pickle): save its state instead, with full_state_dict() or "
+            f"xla_fsdp.checkpoint's save_sharded, save_consolidated or save_dcp")
+
     def extra_repr(self) -> str:
         params = self._state.params
         padded = [n for g in params.shard_groups if isinstance(g.layout, Dim0Layout)

@@ -9,7 +9,7 @@ import torch.nn as nn
 from xla_fsdp import launch
 
 from ..support.hlo import opcodes, traced_hlo
-from ..support.models import Block, MemStack, Net
+from ..support.models import DIM, Block, MemStack, Net
 from ..support.parity import full_parameters
 from ..support.checks import every, nonempty
 
@@ -336,6 +336,30 @@ def _attribute_fall_through(out):
     _unit_kinds(out, stack)
 
 
+def _view_registrations(out, device):
+    """What is registered through ``unit.module`` is registered on the module the unit's
+    forward calls; a unit is neither deep-copied nor pickled ([Note: a unit is not
+    copied])."""
+    import copy
+    import pickle
+    from xla_fsdp import FSDP
+    net = Net()
+    unit = FSDP(net)
+    calls = []
+    unit.module.register_forward_hook(lambda module, args, output: calls.append(module is net))
+    unit.module.register_buffer("marker", torch.ones(2))
+    unit(torch.ones(2, DIM, device=device))
+    out["view_registrations"] = (calls, "marker" in unit.full_state_dict(rank0_only=False))
+    refused = []
+    for attempt in (lambda: copy.deepcopy(unit), lambda: pickle.dumps(unit)):
+        try:
+            attempt()
+            refused.append("done")
+        except TypeError as exc:
+            refused.append(str(exc))
+    out["unit_not_copied"] = refused
+
+
 def _unit_kinds(out, stack):
     """A scanned stack is a unit of its own kind: the unit surface, not the wrapper's hooks
     around its modules, which its loop would have to switch off."""
@@ -478,6 +502,7 @@ def checks(rank):
     _vocab_tables(out, device)
     _torch_xla_arguments(out, device)
     _attribute_fall_through(out)
+    _view_registrations(out, device)
     _loss_before_backward(out, device)
     _apply_init(out)
     _offload_rank_scalars(out, device, rank)
@@ -553,6 +578,11 @@ def test_wrapper_api():
     assert out["assert_state"] == "TrainingStateError"
     assert out["has_full_param"] == ([[True, True]], [False, False])
     assert out["has_full_param_kept"] == [True, True]
+    assert out["view_registrations"] == ([True], True), out["view_registrations"]
+    copied, pickled = out["unit_not_copied"]
+    assert "FSDP unit around Net cannot be deep-copied. Copy the model before wrapping" \
+        in copied and "cannot be pickled (torch.save(model), pickle)" in pickled, \
+        out["unit_not_copied"]
     assert out["unit_kinds"] == (True, False, 0, 0,
                                  ["XlaFullyShardedDataParallel", "ScannedLayers"], False, True)
     assert out["stack_controls"] == [] and out["root_schedule"] == (False, False)

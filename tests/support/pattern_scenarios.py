@@ -186,6 +186,12 @@ def freeze_after_wrap(ctx):
     ctx.part("b2.up.weight frozen through its placeholder", lambda c: _frozen(
         c, lambda m: m.b2.wrapped_module.up.weight.requires_grad_(False),
         lambda plain: plain.b2.up.weight.requires_grad_(False)))
+    # a module inside a unit holds placeholders, not parameters: its requires_grad_ reaches
+    # them too
+    ctx.part("b1.up frozen through the module's requires_grad_", lambda c: _frozen(
+        c, lambda m: m.b1.up.requires_grad_(False),
+        lambda plain: plain.b1.up.requires_grad_(False)))
+    ctx.part("b1 frozen between a forward and its backward", _frozen_after_forward)
 
 
 def _frozen(ctx, freeze_wrapped, freeze_plain):
@@ -196,6 +202,20 @@ def _frozen(ctx, freeze_wrapped, freeze_plain):
     for step in range(3):
         p.step(f"step {step}", after_step=lambda: p.check_no_placeholder_grads(
             f"after step {step}"))
+    p.compare_params("after 3 steps")
+
+
+def _frozen_after_forward(ctx):
+    """torch gives a leaf that no longer requires grad when backward reaches it no gradient;
+    the reference is frozen before its forward, which gives the same."""
+    p = Pair(ctx, Net)
+    p.step("step 0")
+
+    def freeze():
+        p.model.b1.requires_grad_(False)
+        p.plain.b1.requires_grad_(False)
+    p.step("step 1, b1 frozen after the forward", after_forward=freeze)
+    p.step("step 2")
     p.compare_params("after 3 steps")
 
 

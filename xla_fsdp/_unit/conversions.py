@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from .._sharding.names import join_name
+from .param_record import placeholders_in
 from .shard_group import ShardGroup, shard_group_holding
 
 
@@ -104,3 +105,23 @@ def check_member_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torc
     if held:
         shard_groups = list(held.values())
         check_conversion(shard_groups[0].records[0].unit_name, "", shard_groups, fn)
+
+
+def placeholders_follow_requires_grad() -> None:
+    """Makes every module's ``requires_grad_`` set the flag on the placeholders it and its
+    submodules hold, once per process. A module inside a unit holds placeholders, not
+    parameters, so torch's ``requires_grad_`` of it (freezing a submodule to fine-tune the
+    rest) changed nothing, and the frozen weights trained on, silently; the unit agrees its
+    shards with the placeholders' flags at the next forward (``UnitState.sync_trainable``),
+    as when the flag is set on a placeholder itself."""
+    original = nn.Module.requires_grad_
+    if getattr(original, "follows_placeholders", False):
+        return
+
+    def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
+        for placeholder in placeholders_in(self):
+            placeholder.requires_grad_(requires_grad)
+        return original(self, requires_grad)
+    requires_grad_.follows_placeholders = True  # type: ignore[attr-defined]
+    requires_grad_.__doc__ = original.__doc__
+    nn.Module.requires_grad_ = requires_grad_  # type: ignore[method-assign]

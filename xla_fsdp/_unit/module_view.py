@@ -102,6 +102,29 @@ class ModuleView(FallThrough):
         return "view of the wrapped module, as torch_xla's unit.module"
 
 
+# What is registered through the view is registered on the module it shows, which the
+# unit's forward calls and its state dict holds: left on the view, a hook never ran and a
+# buffer was never read nor saved. torch_xla's ``unit.module`` is in the forward's path.
+_REGISTERED_ON_THE_MODULE = (
+    "register_buffer", "register_parameter", "register_module", "add_module",
+    "register_forward_pre_hook", "register_forward_hook", "register_full_backward_pre_hook",
+    "register_full_backward_hook", "register_backward_hook", "register_state_dict_pre_hook",
+    "register_state_dict_post_hook", "register_load_state_dict_pre_hook",
+    "register_load_state_dict_post_hook")
+
+
+def _on_the_module(name: str) -> Any:
+    def registered_on_the_module(self: ModuleView, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.module, name)(*args, **kwargs)
+    registered_on_the_module.__name__ = name
+    registered_on_the_module.__doc__ = getattr(nn.Module, name).__doc__
+    return registered_on_the_module
+
+
+for _name in _REGISTERED_ON_THE_MODULE:
+    setattr(ModuleView, _name, _on_the_module(_name))
+
+
 def start_writing_through(module: FallThrough) -> None:
     """``module`` is built: its writes of attributes it does not own fall through from now on
     (see [Note: a setting written through a unit])."""

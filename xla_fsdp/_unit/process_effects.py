@@ -24,7 +24,8 @@ when the first unit is built (never at import):
 * on a TPU, torch_xla's collective token switched off (see [Note: no collective token on a
   TPU] in ``_sharding.collectives``);
 * every module's conversion checked first for the shards it holds placeholders of (see
-  [Note: converting a wrapped model] in ``conversions``);
+  [Note: converting a wrapped model] in ``conversions``), and its ``requires_grad_`` set on
+  the placeholders it holds too;
 * every parameter registered on any module counted, so that a model's first-forward checks
   run again after one (``root_context.count_parameter_registration``);
 * Hugging Face's ``save_pretrained`` without a state dict and ``resize_token_embeddings``
@@ -50,7 +51,7 @@ from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
                                 before_grad_scaler_reads, check_before_conversion,
                                 dropout_decomposed_when_compiled, foreach_zero_counts_as_a_write)
 from . import attention, hf_model_guard, peft_names, step_reads
-from .conversions import check_member_conversion
+from .conversions import check_member_conversion, placeholders_follow_requires_grad
 from .loss_scaling import agree_on_infs
 from .root_context import count_parameter_registration
 from .shard_group import shard_group_of
@@ -71,6 +72,7 @@ def install() -> None:
     _installed = True
     register_module_parameter_registration_hook(count_parameter_registration)
     check_before_conversion(check_member_conversion)
+    placeholders_follow_requires_grad()
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_pre_hook(step_reads.before_step)
     register_optimizer_step_post_hook(step_reads.after_step)

@@ -332,6 +332,12 @@ class UnitParams:
         pass the reduce-scatters are held until every trainable shard group of the unit is
         reduced, then executed together. Returns whether every one is."""
         self._reached = True
+        if not shard_group.shard.requires_grad and shard_group.sentinel is None:
+            # frozen between the forward and this backward (and holding no no_sync
+            # accumulation): torch gives a leaf that no longer requires grad no gradient,
+            # so the optimizer leaves it alone
+            shard_group.records[index].placeholder.grad = None
+            return False
         arrived = self._arrived.setdefault(shard_group, set())
         arrived.add(index)
         if not arrived.issuperset(shard_group.trainable_records()) \
