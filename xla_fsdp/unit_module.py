@@ -24,6 +24,7 @@ import torch.nn as nn
 from ._init.meta_init import materialize_meta
 from ._init.module_group import attach_module_groups
 from ._init.shard_members import ShardedParameters
+from ._init.validate import mark_wrapped
 from ._sharding.collectives import Collectives
 from ._sharding.layout import Dim0Layout
 from ._sharding.names import GROUP_PREFIX, clean_name
@@ -87,6 +88,7 @@ class UnitModule(FallThrough):
             if options.use_xla_patched_linear:
                 patch_linear_layers(m)
         self._fsdp_wrapped_module = wrapped
+        mark_wrapped(wrapped, self)
         import torch_xla
         self.xla_device = torch_xla.device()
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names

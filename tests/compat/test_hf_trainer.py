@@ -3,7 +3,7 @@
 The same Trainer run on one device with the whole batch, at N = 4 plain data parallel
 (accelerate all-reduces the gradients), and at N = 4 with ``fsdp="full_shard"`` and
 ``fsdp_config={"xla": True, ...}`` after ``patch_torch_xla()``, so that Trainer's own
-imports of torch_xla's FSDP get ours. Same model init, data, SGD with momentum, a linear
+imports of torch_xla's FSDP get ours. Same model init, data, SGD with momentum, a decaying
 schedule and gradient clipping (which the first steps hit: clipping by each rank's own norm
 shows). The logged losses must
 agree step by step, and the models Trainer's ``save_model()`` writes must load with
@@ -49,7 +49,8 @@ def _config():
                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume=None):
+def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume=None,
+                twice=False):
     if fsdp:
         from xla_fsdp import patch_torch_xla
         patch_torch_xla()
@@ -62,7 +63,8 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume
         extra = {"fsdp": "full_shard",
                  "fsdp_config": {"xla": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=batch,
-                             learning_rate=LR, lr_scheduler_type="linear",
+                             learning_rate=LR, lr_scheduler_type="polynomial",
+                             lr_scheduler_kwargs={"lr_end": LR / 2, "power": 1.0},
                              weight_decay=0.1,   # LayerNorms and biases undecayed, as plain
                              max_grad_norm=1.0, logging_steps=1, report_to="none",
                              dataloader_drop_last=True, seed=0,
@@ -83,6 +85,8 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume
                       eval_dataset=torch.utils.data.Subset(TokenData(), range(WORLD * 8)),
                       optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": LR, "momentum": 0.9}))
     trainer.train(resume_from_checkpoint=resume)
+    if twice:   # [Note: a second train() under XLA FSDP]: on from the trained weights
+        trainer.train()
     trainer.save_model(out)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     wrapped = type(trainer.model).__module__
@@ -116,22 +120,24 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
             _compare(plain, plain_dir, sharded, fsdp_dir)
             _compare(one, one_dir, sharded, fsdp_dir)
     # resumed on half the devices from step 3 ([Note: Trainer's optimizer at another world
-    # size]): its momentum and schedule go on. Trainer keeps the checkpoint's batch per
-    # device (and warns), so plain Trainer resumed as well is the reference
+    # size]): its momentum and schedule go on; then trained again ([Note: a second train()
+    # under XLA FSDP]). Trainer keeps the checkpoint's batch per device (and warns), so
+    # plain Trainer resumed as well is the reference
     resumed = {}
     for fsdp, saved_dir in ((False, plain_dir), (True, str(tmp_path / "fsdp_ckpt0"))):
         resumed[fsdp] = str(tmp_path / f"resumed_fsdp{int(fsdp)}")
         resumed[fsdp, "run"] = launch(run_trainer, (
-            resumed[fsdp], fsdp, False, 2, 0.0, os.path.join(saved_dir, "checkpoint-3")),
+            resumed[fsdp], fsdp, False, 2, 0.0, os.path.join(saved_dir, "checkpoint-3"), True),
             num_devices=WORLD // 2)[0]
     _compare(resumed[False, "run"], os.path.join(resumed[False], "checkpoint-6"),
-             resumed[True, "run"], os.path.join(resumed[True], "checkpoint-6"))
+             resumed[True, "run"], os.path.join(resumed[True], "checkpoint-6"),
+             best="checkpoint-6")
 
 
-def _compare(plain, plain_dir, sharded, fsdp_dir):
+def _compare(plain, plain_dir, sharded, fsdp_dir, best="checkpoint-3"):
     """``sharded`` (the run in ``fsdp_dir``) equals ``plain`` (in ``plain_dir``)."""
     assert len(plain["losses"]) == len(sharded["losses"]) == STEPS
-    assert plain["best"] == sharded["best"] == "checkpoint-3", (plain["best"], sharded["best"])
+    assert plain["best"] == sharded["best"] == best, (plain["best"], sharded["best"])
     for step, (a, b) in paired(sharded["losses"], plain["losses"]):
         assert abs(a - b) <= LOSS_BOUND * abs(b), (step, a, b)
     # Trainer's consolidated save loads into the plain model class, tied weights included

@@ -358,6 +358,11 @@ def _view_registrations(out, device):
         except TypeError as exc:
             refused.append(str(exc))
     out["unit_not_copied"] = refused
+    try:   # a second unit around it would hold none of the first one's shards
+        FSDP(net)
+        out["wrapped_again"] = "wrapped"
+    except ValueError as exc:
+        out["wrapped_again"] = str(exc)
 
 
 def _unit_kinds(out, stack):
@@ -579,6 +584,8 @@ def test_wrapper_api():
     assert out["has_full_param"] == ([[True, True]], [False, False])
     assert out["has_full_param_kept"] == [True, True]
     assert out["view_registrations"] == ([True], True), out["view_registrations"]
+    assert "this Net is already wrapped: an FSDP unit was built around it" in \
+        out["wrapped_again"], out["wrapped_again"]
     copied, pickled = out["unit_not_copied"]
     assert "FSDP unit around Net cannot be deep-copied. Copy the model before wrapping" \
         in copied and "cannot be pickled (torch.save(model), pickle)" in pickled, \

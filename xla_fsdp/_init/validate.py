@@ -2,6 +2,7 @@
 beside it, and what the model must be when its root first runs."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Optional
 
 import torch.nn as nn
@@ -9,6 +10,22 @@ import torch.nn as nn
 from .._sharding.names import clean_name
 from .._unit.shard_group import shard_group_of
 from .._unit.unit_state import UnitState, detached_message, is_unit
+
+
+# a wrapped module -> its unit (held weakly: the unit holds the module)
+_UNIT_OF: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def mark_wrapped(module: nn.Module, unit: nn.Module) -> None:
+    _UNIT_OF[module] = weakref.ref(unit)
+
+
+def unit_wrapping(module: nn.Module) -> Optional[nn.Module]:
+    """The unit ``module`` is, or the one built around it; None if neither."""
+    if is_unit(module):
+        return module
+    ref = _UNIT_OF.get(module)
+    return None if ref is None else ref()
 
 
 def validate_module(module: Any, needs_forward: bool = True) -> None:
@@ -20,6 +37,13 @@ def validate_module(module: Any, needs_forward: bool = True) -> None:
             f"this module ({type(module).__name__} around {inner}) is already wrapped with "
             f"FSDP; wrap inner modules first, then the outer one, and never the same module "
             f"twice")
+    if unit_wrapping(module) is not None:
+        # a second unit around it would hold none of the shards the first one took: its
+        # clipping and its state dict would leave them out
+        raise ValueError(
+            f"this {type(module).__name__} is already wrapped: an FSDP unit was built around "
+            f"it, and holds its parameters. Use that unit (what FSDP(...) returned) instead "
+            f"of wrapping the module again")
     forward = getattr(type(module), "forward", None)
     if needs_forward and (forward is None or forward is nn.Module.forward):
         raise ValueError(

@@ -76,6 +76,7 @@ def _install(module: Any) -> None:
         version = getattr(sys.modules.get("transformers"), "__version__", "0")
         if int(version.split(".")[0]) >= 5:
             wrap_trainer_method(trainer, "_wrap_model", _keeps_wrapped_model)
+        wrap_trainer_method(trainer, "_wrap_model", _wraps_once)
 
 
 _FUSED = "adamw_torch_fused"
@@ -119,6 +120,26 @@ def _keeps_wrapped_model(wrap_model: Callable) -> Callable:
         return wrapped
     keeps_wrapped_model.xla_fsdp_keeps_wrapped_model = True
     return keeps_wrapped_model
+
+
+def _wraps_once(wrap_model: Callable) -> Callable:
+    """[Note: a second train() under XLA FSDP] ``Trainer.train()`` called again (to train
+    some more, or to resume after a run) hands ``_wrap_model`` the model it wrapped before:
+    on transformers 4 the module inside the root (``model_wrapped`` was never updated), on
+    5 the root. On 4 a second root was built around the first one's module; it held none of
+    the shards the first root took, so clipping left them out of the norm and the saved
+    model lacked them, silently. On 5 wrapping again was refused. Now the root already
+    built is returned, and training goes on with it, as plain Trainer goes on with its
+    model."""
+    @functools.wraps(wrap_model)
+    def wrap_model_once(self, model, training: bool = True, dataloader=None):
+        from .._init.validate import unit_wrapping
+        root = unit_wrapping(model) if getattr(self, "is_fsdp_xla_v1_enabled", False) else None
+        if training and root is not None and root.unit_state.is_root:
+            self.model = root
+            return root
+        return wrap_model(self, model, training, dataloader)
+    return wrap_model_once
 
 
 def _decay_by_original_names(get_decay_names: Callable) -> Callable:
