@@ -3,7 +3,7 @@ import torch
 import torch.nn as nn
 
 from xla_fsdp import launch
-from ..support.checks import every, nonempty
+from ..support.checks import every, nonempty, pairs
 
 
 class Tiny(nn.Module):
@@ -153,10 +153,30 @@ def misuses(rank):
     out["create_graph"] = _error(grad_penalty)
     out["step_after_create_graph"] = _error(lambda: penalty(x).sum().backward())
     torch_xla.sync()
+    _full_optimizer_state(out)
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
     _conversions(out)
     return out
+
+
+def _full_optimizer_state(out):
+    """A full optimizer state (of whole parameters) loaded with ``load_state_dict`` into an
+    optimizer that stepped already: refused at its next step, before any update."""
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(Tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    opt.step()
+    state = opt.state_dict()
+    for index in nonempty(state["state"], "optimizer states"):
+        state["state"][index]["momentum_buffer"] = torch.zeros(4, 4)
+    opt.load_state_dict(state)
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    out["full_optimizer_state"] = (_error(opt.step), every(
+        torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
+    torch_xla.sync()
 
 
 def _conversions(out):
@@ -368,6 +388,9 @@ def test_misuse_errors():
         assert "the unit around Tiny inside it" in message and "the same ranks" in message, message
     assert "'1.lin.weight' of Sequential is shared with 'lin.weight' of the unit around " \
         "Tiny, which sharded it first" in out["tied_across_units"], out["tied_across_units"]
+    refused, unchanged = out["full_optimizer_state"]
+    assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
+        "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]
     assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]

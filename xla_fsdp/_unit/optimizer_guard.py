@@ -105,6 +105,7 @@ def count_updates(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> N
 
 
 _audited: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_reaudited_after_loads: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
 # the audit's findings by graph (``graph_hash``): they are positions among the graph's
 # outputs, so a graph seen before, such as every virtual rank's identical first step in
 # one process, is read once
@@ -176,8 +177,33 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
     if sharded and optimizer not in _audited:
         _refuse_whole_tensor_update(optimizer, sharded)
+        _refuse_full_parameter_state(optimizer, sharded)
         _audit_reduced_gradients(optimizer, sharded)
+        if optimizer not in _reaudited_after_loads:   # a state loaded later: at the next step
+            _reaudited_after_loads.add(optimizer)
+            optimizer.register_load_state_dict_post_hook(_audited.discard)
         _audited.add(optimizer)
+
+
+def _refuse_full_parameter_state(optimizer: torch.optim.Optimizer,
+                                 params: List[torch.Tensor]) -> None:
+    """A full (unsharded) optimizer state loaded with ``optimizer.load_state_dict`` (Lightning's
+    full checkpoint holds one) gives a shard state of a whole parameter's shape, which torch
+    accepts and the update then fails on deep in the optimizer. Refused before any update,
+    naming the parameter and the load that fits."""
+    for p in params:
+        shard_group = shard_group_of(p)
+        full = {tuple(shape) for shape in shard_group.layout.shapes}
+        for key, value in optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape \
+                    and tuple(value.shape) in full:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of "
+                    f"{shard_group.names[0]} has the whole parameter's shape "
+                    f"{tuple(value.shape)}, not its shard's {tuple(p.shape)}: a full optimizer "
+                    f"state dict was loaded with optimizer.load_state_dict. Load it with "
+                    f"model.load_full_optim_state_dict(optimizer, state) (or "
+                    f"xla_fsdp.checkpoint's loaders). Refused before any update.")
 
 
 def _refuse_whole_tensor_update(optimizer: torch.optim.Optimizer,
