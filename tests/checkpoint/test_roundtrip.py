@@ -315,7 +315,7 @@ def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
             assert "own_at_2_rank-*-of-*.pth" in out[label] and \
                 "another optimizer class" in out[label], out[label]
         extras = result["layouts"]["own_extras"]
-        assert extras["own"] == ({"rank": rank}, {"rank": rank}), extras
+        assert extras["own"] == extras["replicas"] == ({"rank": rank}, {"rank": rank}), extras
         assert extras["common"] == ({"step": 3}, {"step": 3}), extras
         assert extras["common_dcp_keys"] == ["extra"], extras
         assert "corrupt_rank-00000001-of-00000004.pth" in out["corrupt"]

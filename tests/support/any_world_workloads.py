@@ -217,6 +217,13 @@ def _own_extras(rank, root):
                       load_dcp(os.path.join(root, f"extras_{label}_dcp"), model, None))
     out["common_dcp_keys"] = sorted(
         k for k in _dcp_keys(os.path.join(root, "extras_common_dcp")) if "extra" in k)
+    # replicas (two groups of one rank here): only the first group writes, and each
+    # replica's rank gets its own back ([Note: each replica's extra])
+    hybrid = wrap(build("net", 1), "hybrid", world, rank)
+    save_sharded(os.path.join(root, "extras_replicas"), hybrid, None, extra={"rank": rank})
+    save_dcp(os.path.join(root, "extras_replicas_dcp"), hybrid, None, extra={"rank": rank})
+    out["replicas"] = (load_sharded(os.path.join(root, "extras_replicas"), hybrid, None),
+                       load_dcp(os.path.join(root, "extras_replicas_dcp"), hybrid, None))
     return out
 
 

@@ -19,6 +19,7 @@ from .._sharding.names import clean_name, join_name
 from .._unit.param_record import ParamRecord
 from .._unit.shard_group import ShardGroup
 from .._xla.private_api import is_persistent_buffer
+from .coordination import digest, exchange
 from .files import CheckpointError
 from .unit_protocol import ShardedModel, ShardedUnit
 
@@ -197,6 +198,33 @@ def writes_sharding_group_copy(model: ShardedModel) -> bool:
     """Whether this rank's sharding group writes its checkpoint: every independent group,
     and the first of replicas (or the only group)."""
     return sharding_group_path("", model)[1] or not sharding_group_index(model)
+
+
+def replica_index(model: ShardedModel) -> int:
+    """This rank's replica group under ``replicate_across_groups``; 0 otherwise."""
+    index = sharding_group_index(model)
+    return index if index is not None and model.options.replicate_across_groups else 0
+
+
+def extras_of_replicas(model: ShardedModel, extra: Any) -> Dict[int, Any]:
+    """[Note: each replica's extra]
+    Replicas (``replicate_across_groups``) hold the same shards, so only the first group
+    writes; but their ranks see other data, and a training loop's ``extra`` (a data
+    position, an RNG state) differs between them. The first group's rank then writes the
+    extras of its replicas in the other groups beside its own, by group, when any differs
+    from its own, and each replica's rank gets its own back (``replica_extra_key``, and
+    the per-rank files' ``REPLICA_EXTRAS``); before, every group got the first group's,
+    silently. Every rank calls this with its ``extra`` copied to the host; returns, on a
+    rank of the first group, its replicas' extras that differ from its own."""
+    if not (model.options.replicate_across_groups and model.options.sharding_groups):
+        return {}
+    index, rank = replica_index(model), model.rank
+    digests = exchange("xla_fsdp.extra.replica_digests", (index, rank, digest(extra)))
+    first = {r: d for g, r, d in digests if g == 0}
+    if all(d == first[r] for _, r, d in digests):
+        return {}
+    extras = exchange("xla_fsdp.extra.replicas", (index, rank, extra))
+    return {} if index else {g: e for g, r, e in extras if r == rank and g != 0}
 
 
 def parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> List[str]:

@@ -49,6 +49,7 @@ from .unit_protocol import ShardedUnit
 # the keys of a per-rank file
 MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
     "model", "shard_metadata", "optimizer", "extra", "xla_fsdp")
+REPLICA_EXTRAS = "replica_extras"   # {replica group: extra} (see [Note: each replica's extra])
 FORMAT_VERSION = 1
 LAYER_KINDS = ("flat", "interleaved", "dim0")  # how one layer (or an unstacked group) is cut
 MemberTable = Tuple[List[str], List[List[int]], List[int]]  # names, shapes, numels
@@ -162,15 +163,17 @@ class RankRecord:
 
 
 def rank_file_tree(model: Dict[str, Any], metadata: Dict[str, Any], record: RankRecord,
-                   optimizer: Optional[Dict[str, Any]] = None, extra: Any = None
-                   ) -> Dict[str, Any]:
+                   optimizer: Optional[Dict[str, Any]] = None, extra: Any = None,
+                   replica_extras: Optional[Dict[int, Any]] = None) -> Dict[str, Any]:
     """A per-rank file's tree: torch_xla's keys and our record, and the optimizer's state
-    dict and ``extra`` when there are any."""
+    dict, ``extra`` and the replicas' own extras when there are any."""
     tree: Dict[str, Any] = {MODEL: model, SHARD_METADATA: metadata, RECORD: asdict(record)}
     if optimizer is not None:
         tree[OPTIMIZER] = optimizer
     if extra is not None:
         tree[EXTRA] = extra
+    if replica_extras:
+        tree[REPLICA_EXTRAS] = replica_extras
     return tree
 
 

@@ -14,11 +14,11 @@ from .._xla.trace_only import refuse_reads
 from .async_save import wait_for_pending
 from .coordination import every_rank_agrees, exchange, naming
 from .files import CheckpointError, CheckpointFile
-from .live_model import is_extra_state_key, require_root, sharding_group_path
+from .live_model import is_extra_state_key, replica_index, require_root, sharding_group_path
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .per_rank.shard_set import save_identity
-from .per_rank_format import (EXTRA, MODEL, OPTIMIZER, RANK_FILES, RankRecord, other_world_files,
-                              sharded_checkpoint_path, wrapping_fingerprint)
+from .per_rank_format import (EXTRA, MODEL, OPTIMIZER, RANK_FILES, REPLICA_EXTRAS, RankRecord,
+                              other_world_files, sharded_checkpoint_path, wrapping_fingerprint)
 from .sources.per_rank_files import open_per_rank_files
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
 from .unit_protocol import ShardedModel
@@ -100,7 +100,8 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
         [functools.partial(model.load_state_dict, checkpoint[MODEL])])
     continue_count(model, ours.save_index)
     torch_xla.sync()
-    return checkpoint.get(EXTRA)
+    # see [Note: each replica's extra]
+    return checkpoint.get(REPLICA_EXTRAS, {}).get(replica_index(model), checkpoint.get(EXTRA))
 
 
 def _refuse_other_tensors(path: str, model: ShardedModel, saved: Dict[str, Any]) -> None:

@@ -33,11 +33,12 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree_or_undo, every_rank_agrees, naming
-from .dcp_format.layout import GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key, rank_extras
+from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key,
+                                rank_extras, replica_extra_key)
 from .files import CheckpointError
 from .per_rank_format import EXTRA, OPTIMIZER
 from .live_model import (ParamSlot, extra_state_holders, param_slots, persistent_buffers,
-                         slots_by_shard)
+                         replica_index, slots_by_shard)
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, shard_state_is_sharded)
 from .unit_protocol import ShardedModel
@@ -357,6 +358,9 @@ def _extra_key(stored: Any, model: ShardedModel) -> Optional[str]:
     that saved it, whatever the loader; at another world size there is no own one, and
     every rank gets the first rank's. Before, a DCP checkpoint and every per-rank load that
     did not read the rank's own file alone gave all ranks the first rank's, silently."""
+    replica = replica_extra_key(model.rank, replica_index(model))[0]
+    if replica in stored:   # see [Note: each replica's extra]
+        return replica
     own = rank_extra_key(model.rank)[0]
     if own in stored and len(rank_extras(stored)) == model.world_size:
         return own

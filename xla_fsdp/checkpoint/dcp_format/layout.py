@@ -48,6 +48,13 @@ def rank_extra_key(rank: int) -> Tuple[str, Path]:
     return key, (key,)
 
 
+def replica_extra_key(rank: int, replica: int) -> Tuple[str, Path]:
+    """Where the ``extra`` of rank ``rank`` of replica group ``replica`` is kept when it
+    differs from the first group's (see [Note: each replica's extra])."""
+    key = f"{EXTRA}.replica{replica:03d}.rank{rank:05d}"
+    return key, (key,)
+
+
 def rank_extras(keys: Any) -> List[str]:
     return [k for k in keys if k.startswith(EXTRA + ".rank")]
 

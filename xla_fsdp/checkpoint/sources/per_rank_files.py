@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from typing import Callable, Sequence, Tuple
 
-from ..dcp_format.layout import rank_extra_key
+from ..dcp_format.layout import rank_extra_key, replica_extra_key
 from ..files import CheckpointError
-from ..per_rank_format import EXTRA, MODEL
+from ..per_rank_format import EXTRA, MODEL, REPLICA_EXTRAS
 from .entries import EntrySource, model_entries, optimizer_entries
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
@@ -81,4 +81,7 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         if len(shards.files) > 1:   # each rank's own (see [Note: each rank's extra])
             for rank, f in enumerate(shards.files):
                 objects[rank_extra_key(rank)[0]] = f.tree.get(EXTRA)
+    for rank, f in enumerate(shards.files):   # see [Note: each replica's extra]
+        for replica, extra in f.tree.get(REPLICA_EXTRAS, {}).items():
+            objects[replica_extra_key(rank, replica)[0]] = extra
     return EntrySource(shards.pattern, tensors, objects, closers)

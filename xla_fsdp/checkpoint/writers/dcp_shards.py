@@ -42,15 +42,16 @@ from ..._unit.buffers import original_dtype
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, to_cpu
 from ..._xla.trace_only import refuse_writes
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..live_model import (ParamSlot, extra_state_tensors, param_slots, parameter_order,
-                          persistent_buffers, refuse_lost_writes, require_root,
+from ..live_model import (ParamSlot, extra_state_tensors, extras_of_replicas, param_slots,
+                          parameter_order, persistent_buffers, refuse_lost_writes, require_root,
                           sharding_group_index, sharding_group_path, slots_by_shard,
                           units_by_saved_path, writes_sharding_group_copy)
 from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, every_rank_agrees, exchange, naming
 from .dcp_files import commit, local_plan, remove_files, write_in_files
-from ..dcp_format.layout import KeyScheme, Path, extra_key, key_scheme, rank_extra_key
+from ..dcp_format.layout import (KeyScheme, Path, extra_key, key_scheme, rank_extra_key,
+                                 replica_extra_key)
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..unwrapped_state import model_order
 
@@ -96,8 +97,9 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     extra = copied
     # see [Note: each rank's extra] in staging
     per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", extra_digest))) > 1
-    planner = (_planner(model, optimizer, extra, extra_states, scheme, rank, host, per_rank)
-               if writes else None)
+    replicas = extras_of_replicas(model, extra)
+    planner = (_planner(model, optimizer, extra, extra_states, scheme, rank, host, per_rank,
+                        replicas) if writes else None)
     writer, local = local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
     central = None
@@ -189,7 +191,8 @@ class HostCopies:
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
              extra_states: List[Tuple[str, torch.Tensor]], scheme: KeyScheme, rank: int,
-             host: HostCopies, per_rank_extra: bool) -> ChunkSavePlanner:
+             host: HostCopies, per_rank_extra: bool, replicas: Dict[int, Any]
+             ) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
     first rank) the buffers, the modules' ``extra_states``, the replicated optimizer state and
     every other value, read through ``host``; with ``per_rank_extra`` also this rank's
@@ -253,4 +256,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     if per_rank_extra:
         key, paths[key] = rank_extra_key(rank)
         objects[key] = extra
+    for replica, replica_extra in replicas.items():   # see [Note: each replica's extra]
+        key, paths[key] = replica_extra_key(rank, replica)
+        objects[key] = replica_extra
     return ChunkSavePlanner(tensors, wholes, objects, paths)

@@ -41,9 +41,10 @@ import torch
 
 from ..._sharding.tensor_tree import collect_tensors
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
-from ..coordination import agree, agree_or_undo, exchange
+from ..coordination import agree, agree_or_undo, every_rank_agrees, exchange, naming
 from ..files import StagedFile
-from ..live_model import require_root, sharding_group_path, writes_sharding_group_copy
+from ..live_model import (extras_of_replicas, require_root, sharding_group_path,
+                          writes_sharding_group_copy)
 from ..optimizer_state import optimizer_shard_keys
 from ..per_rank_format import (FORMAT_VERSION, RankRecord, other_world_files, rank_file_tree,
                                sharded_checkpoint_path, wrapping_fingerprint)
@@ -85,11 +86,17 @@ def save_sharded(path_prefix: str, model: ShardedModel,
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     save_id = exchange("xla_fsdp.save_sharded.id", secrets.token_hex(8))[0]  # rank 0's
+    copied = None
+    # a value one rank cannot copy or pickle fails every rank, before any file is touched
+    with every_rank_agrees("xla_fsdp.save_sharded.extra_copy",
+                           naming(f"{path_prefix}: the save's extra")):
+        copied = copy_of_extra(extra) if extra is not None else None
+    replicas = extras_of_replicas(model, copied)
     path_prefix = _sharding_group_prefix(path_prefix, model)
     job = _RankFileSave(path_prefix, model.rank, model.world_size)
     if path_prefix is not None:
         try:
-            job.checkpoint = _checkpoint(model, metadata, optimizer, extra, save_id)
+            job.checkpoint = _checkpoint(model, metadata, optimizer, copied, save_id, replicas)
         except Exception as exc:  # every rank must reach the agreement in publish
             job.error = exc
     return run_save(model, job, async_save, f"save_sharded {path_prefix}")
@@ -145,15 +152,15 @@ class _RankFileSave:
 
 
 def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
-                optimizer: Optional[torch.optim.Optimizer], extra: Any, save_id: str
-                ) -> Dict[str, Any]:
+                optimizer: Optional[torch.optim.Optimizer], extra: Any, save_id: str,
+                replicas: Dict[int, Any]) -> Dict[str, Any]:
     record = RankRecord(FORMAT_VERSION, model.world_size, model.rank,
                         wrapping_fingerprint(metadata), _SAVE_COUNT[model],
                         optimizer_shard_keys(model, optimizer) if optimizer is not None
                         else None, save_id)
     return rank_file_tree(host_copy(model.state_dict()), metadata, record,
                           host_copy(optimizer.state_dict()) if optimizer is not None else None,
-                          copy_of_extra(extra) if extra is not None else None)
+                          extra, replicas)
 
 
 def _tensor_bytes(tree: Any) -> int:
