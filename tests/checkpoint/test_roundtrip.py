@@ -318,6 +318,9 @@ def test_bad_per_rank_checkpoints_are_refused_and_change_nothing(resumes):
         assert extras["own"] == extras["replicas"] == ({"rank": rank}, {"rank": rank}), extras
         assert extras["common"] == ({"step": 3}, {"step": 3}), extras
         assert extras["common_dcp_keys"] == ["extra"], extras
+        for message in nonempty(extras["into_groups"], "loads"):
+            assert f"_group-{rank:03d})" in message and "was saved without " \
+                "independent sharding_groups, and this model has them" in message, message
         assert "corrupt_rank-00000001-of-00000004.pth" in out["corrupt"]
         assert "CRC-32" in out["corrupt"]
         assert "nope: no such checkpoint" in out["no_checkpoint"]

@@ -224,7 +224,21 @@ def _own_extras(rank, root):
     save_dcp(os.path.join(root, "extras_replicas_dcp"), hybrid, None, extra={"rank": rank})
     out["replicas"] = (load_sharded(os.path.join(root, "extras_replicas"), hybrid, None),
                        load_dcp(os.path.join(root, "extras_replicas_dcp"), hybrid, None))
+    # a checkpoint of the whole model, loaded into independent groups: refused, naming it
+    groups = wrap(build("net", 1), "groups", world, rank)
+    out["into_groups"] = [_refusal(lambda: load(os.path.join(root, name), groups, None))
+                          for load, name in ((load_sharded, "extras_own"),
+                                             (load_dcp, "extras_own_dcp"))]
     return out
+
+
+def _refusal(load):
+    from xla_fsdp.checkpoint import CheckpointError
+    try:
+        load()
+        return "no error"
+    except CheckpointError as exc:
+        return str(exc)
 
 
 def _dcp_keys(directory):

@@ -10,6 +10,7 @@ first rank alone when only its host has the checkpoint (``sources``).
 """
 from __future__ import annotations
 
+import os
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -20,8 +21,8 @@ from .staging import Source, load_staged
 from .gathered_state import gathered_state
 from .writers.formats import FORMATS, OutputOptions, write_output
 from .writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
-from .live_model import (refuse_lost_writes, require_root, sharding_group_path,
-                         writes_sharding_group_copy)
+from .live_model import (refuse_lost_writes, require_root, sharding_group_load_path,
+                         sharding_group_path, writes_sharding_group_copy)
 from .sources.consolidated_files import open_consolidated
 from .sources.first_rank import FirstRankSource
 from .unit_protocol import ShardedModel
@@ -89,7 +90,8 @@ def load_consolidated(path: str, model: ShardedModel,
     import torch_xla.runtime as xr
     require_root(model, "load_consolidated")
     refuse_reads(path)
-    path, independent = sharding_group_path(path, model)
+    independent = sharding_group_path(path, model)[1]
+    path = sharding_group_load_path(path, model, os.path.exists)
 
     def opened(crc_share: Optional[Tuple[int, int]] = (0, 1)) -> Source:
         return open_consolidated(path, crc_share=crc_share,

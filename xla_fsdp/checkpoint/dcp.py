@@ -7,16 +7,18 @@ rank asks DCP for its own chunks and reads only the saved chunks that overlap th
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
 
 from .._xla.trace_only import refuse_reads
+from .dcp_format.metadata_file import METADATA_FILE
 from .sources.dcp_files import DcpSource
 from .staging import load_staged
 from .unit_protocol import ShardedModel
-from .live_model import require_root
-from .writers.dcp_shards import checkpoint_dir_for, save_dcp
+from .live_model import require_root, sharding_group_load_path
+from .writers.dcp_shards import save_dcp
 
 
 def load_dcp(checkpoint_dir: str, model: ShardedModel,
@@ -26,7 +28,8 @@ def load_dcp(checkpoint_dir: str, model: ShardedModel,
     the key or file at fault, and changes nothing, if the checkpoint does not fit."""
     require_root(model, "load_dcp")
     refuse_reads(checkpoint_dir)
-    directory, _ = checkpoint_dir_for(checkpoint_dir, model)
+    directory = sharding_group_load_path(
+        checkpoint_dir, model, lambda d: os.path.exists(os.path.join(d, METADATA_FILE)))
     return load_staged(lambda: DcpSource(directory), model, optimizer,
                        "xla_fsdp.load_dcp").extra
 

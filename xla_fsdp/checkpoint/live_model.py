@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -192,6 +192,21 @@ def sharding_group_path(path: str, model: ShardedModel, is_prefix: bool = False
     if is_prefix or ext not in _FILE_EXTENSIONS:
         stem, ext = path, ""
     return f"{stem}_group-{index:03d}{ext}", True
+
+
+def sharding_group_load_path(path: str, model: ShardedModel, present: Callable[[str], bool],
+                             is_prefix: bool = False) -> str:
+    """``sharding_group_path`` for a load; refuses, naming both paths, a checkpoint that
+    ``present`` finds at ``path`` but not at the group's path: one saved without independent
+    groups, loaded into a model with them (otherwise reported as missing at a path the
+    user never gave)."""
+    grouped, independent = sharding_group_path(path, model, is_prefix)
+    if independent and not present(grouped) and present(path):
+        raise CheckpointError(
+            f"{path} was saved without independent sharding_groups, and this model has them: "
+            f"each group loads its own checkpoint ({grouped}). To start the groups' models "
+            f"from it, load its full state with load_full_state_dict")
+    return grouped
 
 
 def writes_sharding_group_copy(model: ShardedModel) -> bool:

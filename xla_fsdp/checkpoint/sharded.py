@@ -5,6 +5,7 @@ Every record's CRC-32 is checked on load.
 from __future__ import annotations
 
 import functools
+import glob
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -14,7 +15,8 @@ from .._xla.trace_only import refuse_reads
 from .async_save import wait_for_pending
 from .coordination import every_rank_agrees, exchange, naming
 from .files import CheckpointError, CheckpointFile
-from .live_model import is_extra_state_key, replica_index, require_root, sharding_group_path
+from .live_model import (is_extra_state_key, replica_index, require_root,
+                         sharding_group_load_path, sharding_group_path)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .per_rank.shard_set import save_identity
 from .per_rank_format import (EXTRA, MODEL, OPTIMIZER, RANK_FILES, REPLICA_EXTRAS, RankRecord,
@@ -43,7 +45,8 @@ def load_sharded(path_prefix: str, model: ShardedModel,
     require_root(model, "load_sharded")
     refuse_reads(path_prefix)
     wait_for_pending(model)  # a save of this model in flight is published first
-    path_prefix = sharding_group_path(path_prefix, model, is_prefix=True)[0]
+    path_prefix = sharding_group_load_path(
+        path_prefix, model, lambda p: bool(glob.glob(glob.escape(p) + RANK_FILES)), True)
     own = _own_file(path_prefix, model, optimizer)
     # one way for every rank (the other is collective), and the own files of one save only:
     # the save counter alone is 1 for the first save of every run

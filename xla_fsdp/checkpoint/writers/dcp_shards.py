@@ -56,13 +56,6 @@ from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from ..unwrapped_state import model_order
 
 
-
-def checkpoint_dir_for(checkpoint_dir: str, model: ShardedModel) -> Tuple[str, bool]:
-    """Where this rank's sharding group keeps its checkpoint, and whether it writes there
-    (``live_model.sharding_group_path``)."""
-    return sharding_group_path(checkpoint_dir, model)[0], writes_sharding_group_copy(model)
-
-
 def save_dcp(checkpoint_dir: str, model: ShardedModel,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
              keys: str = "get_state_dict", async_save: bool = False) -> Any:
@@ -84,7 +77,8 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     scheme = key_scheme(keys)
     wait_for_pending(model)
     torch_xla.sync()
-    directory, writes = checkpoint_dir_for(checkpoint_dir, model)
+    directory = sharding_group_path(checkpoint_dir, model)[0]
+    writes = writes_sharding_group_copy(model)
     sharding_group = sharding_group_index(model)
     rank = model.rank
     host = HostCopies(all_at_once=async_save)
