@@ -174,6 +174,15 @@ def _full_optimizer_state(out):
         state["state"][index]["momentum_buffer"] = torch.zeros(4, 4)
     opt.load_state_dict(state)
     before = [p.detach().cpu().clone() for p in model.parameters()]
+    # a unit frozen between micro-batches of a no_sync accumulation
+    inner = FSDP(Tiny())
+    outer = FSDP(nn.Sequential(inner, Tiny()))
+    outer_opt = torch.optim.SGD(outer.parameters(), lr=0.1)
+    with outer.no_sync():
+        outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    inner.requires_grad_(False)
+    outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    out["frozen_mid_accumulation"] = _error(outer_opt.step)
     out["full_optimizer_state"] = (_error(opt.step), every(
         torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
     torch_xla.sync()
@@ -388,6 +397,9 @@ def test_misuse_errors():
         assert "the unit around Tiny inside it" in message and "the same ranks" in message, message
     assert "'1.lin.weight' of Sequential is shared with 'lin.weight' of the unit around " \
         "Tiny, which sharded it first" in out["tied_across_units"], out["tied_across_units"]
+    assert "lin.weight was frozen (requires_grad=False) between micro-batches of a " \
+        "no_sync() accumulation" in out["frozen_mid_accumulation"], \
+        out["frozen_mid_accumulation"]
     refused, unchanged = out["full_optimizer_state"]
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]

@@ -158,6 +158,13 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
             f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
             f"after wrapping, from the wrapped model's parameters().")
+    frozen = [p for p in sharded if shard_group_of(p).accumulating() and not p.requires_grad]
+    if frozen:   # their accumulated gradients went when the next forward froze them
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): {shard_group_of(frozen[0]).names[0]} was "
+            f"frozen (requires_grad=False) between micro-batches of a no_sync() "
+            f"accumulation, which dropped the gradients accumulated before; unsharded, the "
+            f"step would apply them. Freeze parameters between optimizer steps.")
     if unreduced:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() after a backward under no_sync() and no "
