@@ -302,6 +302,26 @@ def _grouping_misuses(out):
     out["prefetch_self"] = _error(lambda: unit.set_modules_to_backward_prefetch([unit]))
 
 
+class Lamb(torch.optim.Optimizer):
+    """LAMB's trust ratio, as libraries write it: the step scaled by the norms of the
+    parameter and of its update (a statistic of the whole tensor)."""
+
+    def __init__(self, params, lr=0.01):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for param_group in self.param_groups:
+            for p in param_group["params"]:
+                if p.grad is not None:
+                    ratio = p.norm() / (p.grad.norm() + 1e-6)
+                    p.add_(p.grad * ratio, alpha=-param_group["lr"])
+
+
+# elementwise: their update is read and let through ([Note: auditing an optimizer's update])
+ELEMENTWISE = ("Adamax", "NAdam", "RAdam", "Rprop", "ASGD", "Adagrad", "RMSprop", "Adadelta")
+
+
 def whole_tensor_optimizers(rank, directory):
     """Optimizers whose update reads the whole tensor on shards: refused at the first step
     before any update, on both layouts; accepted with allow_per_shard_statistics, whose
@@ -328,6 +348,20 @@ def whole_tensor_optimizers(rank, directory):
             out[f"{name}_{dim0}_unchanged"] = every(torch.equal(a, p.detach().cpu()) for a, p in
                                                     zip(before, model.parameters(), strict=True))
             opt.zero_grad()
+        # not known by name: its first update is read, put back and refused
+        opt = Lamb(model.parameters())
+        model(x).sum().backward()
+        before = [p.detach().cpu().clone() for p in model.parameters()]
+        out[f"Lamb_{dim0}"] = (_error(opt.step), every(
+            torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
+        opt.zero_grad()
+    out["elementwise"] = []
+    for name in ELEMENTWISE:
+        opt = getattr(torch.optim, name)(model.parameters())
+        model(x).sum().backward()
+        out["elementwise"].append(_error(opt.step))
+        opt.zero_grad()
+        torch_xla.sync()
     model = FSDP(nn.Sequential(FSDP(Tiny(), shard_param_on_dim_0=True), Tiny()),
                  shard_param_on_dim_0=True)
     opt = allow_per_shard_statistics(torch.optim.Adafactor(model.parameters(), lr=0.01))
@@ -357,6 +391,12 @@ def test_optimizers_that_read_the_whole_tensor(tmp_path):
                                   f"{reads}"), message
         assert "allow_per_shard_statistics" in message and "Refused before" in message
         assert out[f"{name}_{dim0}_unchanged"]
+    for dim0 in (False, True):
+        message, unchanged = out[f"Lamb_{dim0}"]
+        assert message.startswith("RuntimeError: Lamb.step(): Lamb's update of ") and \
+            "reads more of a tensor than each element" in message and \
+            "The update was put back" in message and unchanged, out[f"Lamb_{dim0}"]
+    assert out["elementwise"] == ["no error"] * len(ELEMENTWISE), out["elementwise"]
     assert out["allowed"] == "no error" and out["per_rank_load"] == "no error"
     for rank_out in (results[0], results[1]):   # refused on every rank: no rank waits
         for case in ("consolidated", "dcp"):

@@ -18,8 +18,11 @@ parameter's and the update's RMS; Muon orthogonalizes the matrix; LBFGS works on
 parameter at once. On a shard they take those over this rank's slice (a flat shard is not
 even a matrix), and each rank steps by statistics the unsharded model never computes: the
 training differs, silently (torch's Adafactor on a two-block model at N=2: the second
-step's loss 4.5e-4 off with row-block shards, 1.7e-3 with flat ones). They are refused at
-their first step over a shard that is not a whole parameter, before any update.
+step's loss 4.5e-4 off with row-block shards, 1.7e-3 with flat ones). Those known by
+name are refused at their first step over a shard that is not a whole parameter, before
+any update; any other optimizer's first update is read from its graph (see [Note: auditing
+an optimizer's update]: LAMB, LARS, Shampoo, SOAP of other libraries) and, if it reads
+more than each element, put back and refused.
 ``allow_per_shard_statistics(optimizer)`` accepts the difference for one optimizer; its
 state that is not shaped like its shard then differs between ranks, and checkpoints that
 merge ranks refuse it (``checkpoint.optimizer_state.state_is_sharded``).
@@ -112,6 +115,9 @@ _reaudited_after_loads: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakS
 _findings: Dict[bytes, List[reduced_gradients.Finding]] = {}
 _FINDINGS_KEPT = 64
 _PER_SHARD_ALLOWED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# the shards and state before an optimizer's first step, for ``audit_update``
+_before_update: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list]" = \
+    weakref.WeakKeyDictionary()
 # optimizers whose update reads the whole tensor (module.class, under each name torch has
 # given the class), and what they read
 _FACTORED = "row and column means and the RMS of a tensor"
@@ -186,6 +192,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         _refuse_whole_tensor_update(optimizer, sharded)
         _refuse_full_parameter_state(optimizer, sharded)
         _audit_reduced_gradients(optimizer, sharded)
+        _keep_for_the_update_audit(optimizer, sharded)
         if optimizer not in _reaudited_after_loads:   # a state loaded later: at the next step
             _reaudited_after_loads.add(optimizer)
             optimizer.register_load_state_dict_post_hook(_audited.discard)
@@ -230,6 +237,56 @@ def _refuse_whole_tensor_update(optimizer: torch.optim.Optimizer,
             f"unsharded model. Use an optimizer whose update is elementwise (AdamW, SGD, ...), "
             f"or accept per-shard statistics with "
             f"xla_fsdp.allow_per_shard_statistics(optimizer). Refused before any update.")
+
+
+def _keep_for_the_update_audit(optimizer: torch.optim.Optimizer,
+                               params: List[torch.Tensor]) -> None:
+    """Before a step ``audit_update`` reads: what the multi-rank shards and their state hold
+    now, as pending copies (nothing runs unless the update is refused and put back)."""
+    if optimizer in _PER_SHARD_ALLOWED or torch.compiler.is_compiling():
+        return
+    kept = []
+    for p in params:
+        if p.grad is not None and p.device.type == "xla" \
+                and shard_group_of(p).layout.world_size > 1:
+            state = {k: v.detach().clone() if torch.is_tensor(v) else v
+                     for k, v in optimizer.state.get(p, {}).items()}
+            kept.append((p, p.detach().clone(), state, p in optimizer.state))
+    if kept:
+        _before_update[optimizer] = kept
+
+
+def audit_update(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step post-hook, the first of them: see [Note: auditing an optimizer's
+    update]. A refused update is put back before the error is raised."""
+    kept = _before_update.pop(optimizer, None)
+    if not kept:
+        return
+    updated = [p for (p, *_), waits in zip(kept, needs_computation([k[0] for k in kept]))
+               if waits]
+    if not updated:
+        return
+    findings = reduced_gradients.audit(graph_hlo(updated), updates=True)
+    found = [f for f in findings if f.what == reduced_gradients.WHOLE_TENSOR]
+    if not found:
+        return
+    with torch.no_grad():
+        for p, value, state, had_state in kept:
+            p.copy_(value)
+            if had_state:
+                optimizer.state[p] = state
+            else:
+                optimizer.state.pop(p, None)
+    names = [shard_group_of(updated[f.output]).names[0] for f in found]
+    name = type(optimizer).__name__
+    raise RuntimeError(
+        f"{name}.step(): {name}'s update of {', '.join(names[:3])}"
+        f"{', ...' if len(names) > 3 else ''} reads more of a tensor than each element (a "
+        f"norm, a mean over rows or columns, a matrix product: HLO instruction "
+        f"{found[0].instruction} of the step), but each rank holds a slice, so it would "
+        f"train differently from the unsharded model. Use an optimizer whose update is "
+        f"elementwise (AdamW, SGD, Lion, ...), or accept per-shard statistics with "
+        f"xla_fsdp.allow_per_shard_statistics(optimizer). The update was put back.")
 
 
 def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,

@@ -55,8 +55,9 @@ from .conversions import check_member_conversion, placeholders_follow_requires_g
 from .loss_scaling import agree_on_infs
 from .root_context import count_parameter_registration
 from .shard_group import shard_group_of
-from .optimizer_guard import (check_accelerate_setting, check_step, count_updates,
-                              refuse_local_clipping_and_averaging, withdraw_declaration)
+from .optimizer_guard import (audit_update, check_accelerate_setting, check_step,
+                              count_updates, refuse_local_clipping_and_averaging,
+                              withdraw_declaration)
 
 _installed = False
 
@@ -75,6 +76,7 @@ def install() -> None:
     placeholders_follow_requires_grad()
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_pre_hook(step_reads.before_step)
+    register_optimizer_step_post_hook(audit_update)   # first: it may put the update back
     register_optimizer_step_post_hook(step_reads.after_step)
     register_optimizer_step_post_hook(count_updates)
     register_optimizer_step_post_hook(

@@ -57,16 +57,21 @@ class Finding:
     instruction: str   # the all-reduce or reduce that does it
 
 
-def audit(hlo: str) -> List[Finding]:
+WHOLE_TENSOR = "updated by a statistic of this rank's slices alone"
+
+
+def audit(hlo: str, updates: bool = False) -> List[Finding]:
     """Findings for the outputs of the entry computation of ``hlo`` (one per gradient, in
-    the order they were given to the lowering); empty when nothing is wrong."""
+    the order they were given to the lowering; with ``updates``, one per parameter an
+    optimizer step updated: see [Note: auditing an optimizer's update]); empty when nothing
+    is wrong."""
     computations, entry = parse_module(hlo)
     if entry is None:
         return []
     graph = {i.name: i for i in computations[entry]}
     root = computations[entry][-1]
     outputs = root.operands if root.opcode == "tuple" else [root.name]
-    walk = _Walk(graph)
+    walk = _Walk(graph, updates)
     findings = []
     for index, name in enumerate(outputs):
         found = walk.after_reduction(name)
@@ -75,9 +80,22 @@ def audit(hlo: str) -> List[Finding]:
     return findings
 
 
+# [Note: auditing an optimizer's update]
+# An optimizer whose update reads more of a tensor than each element (LAMB's and LARS's
+# trust ratios, Adafactor's row and column means, Shampoo's and Muon's matrix products)
+# computes, over FSDP shards, a statistic of each rank's slice: it trains silently
+# differently from the unsharded model. The ones known by name are refused before their
+# first step; every other optimizer's first step is read as its gradients are (the walk
+# above), from each updated shard back to the reduce-scatters: a ``dot``, or a ``reduce``
+# over more than two elements per result (stacking two tensors to take their elementwise
+# maximum, as Adamax does, reduces two), reached by a reduced gradient without an
+# all-reduce on the way, is such a statistic. What the walk cannot follow is never found.
+
+
 class _Walk:
-    def __init__(self, graph: Dict[str, Instruction]) -> None:
+    def __init__(self, graph: Dict[str, Instruction], updates: bool = False) -> None:
         self.graph = graph
+        self.updates = updates
         self._local: Dict[str, bool] = {}        # memo of _reaches_locally
 
     def _inputs(self, inst: Instruction) -> List[str]:
@@ -112,9 +130,21 @@ class _Walk:
                     return ALL_REDUCED, name
                 continue
             if inst.opcode == "reduce" and any(self._reaches_locally(o) for o in inst.operands):
-                return LOCAL_SCALE, name
+                if not self.updates:
+                    return LOCAL_SCALE, name
+                if self._reduces_many(inst):
+                    return WHOLE_TENSOR, name
+            if self.updates and inst.opcode == "dot" and \
+                    any(self._reaches_locally(o) for o in inst.operands):
+                return WHOLE_TENSOR, name
             stack.extend(self._inputs(inst))
         return None
+
+    def _reduces_many(self, inst: Instruction) -> bool:
+        """More than two elements of the operand go into each element of the result."""
+        source = self.graph.get(inst.operands[0]) if inst.operands else None
+        operand, result = _elements(source.shape) if source else None, _elements(inst.shape)
+        return operand is not None and result is not None and operand > 2 * result
 
     def _averages_slices(self, inst: Instruction) -> bool:
         rank_groups = inst.replica_groups
@@ -166,6 +196,17 @@ class _Walk:
                 continue
             stack.extend(self._inputs(inst))
         return out
+
+
+def _elements(shape: str) -> Optional[int]:
+    """The element count of an array shape (``f32[8,32]{1,0}``); None for a tuple."""
+    m = re.fullmatch(r"[a-z0-9]+\[([\d,]*)\](\{[\d,]*\})?", shape)
+    if m is None:
+        return None
+    count = 1
+    for d in filter(None, m.group(1).split(",")):
+        count *= int(d)
+    return count
 
 
 def _is_scalar(inst: Optional[Instruction]) -> bool:
