@@ -88,7 +88,6 @@ class UnitModule(FallThrough):
             if options.use_xla_patched_linear:
                 patch_linear_layers(m)
         self._fsdp_wrapped_module = wrapped
-        mark_wrapped(wrapped, self)
         import torch_xla
         self.xla_device = torch_xla.device()
         self._shared_params: List[Tuple[str, str]] = []  # (alias, source) names
@@ -107,6 +106,7 @@ class UnitModule(FallThrough):
         process_effects.install()
         if options.execute_sharding_on_init:
             torch_xla.sync()
+        mark_wrapped(wrapped, self)   # last: a wrap that raised leaves the module unwrapped
         start_writing_through(self)
 
     # -- sharding at construction ------------------------------------------------------------

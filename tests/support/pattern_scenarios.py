@@ -22,6 +22,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from .checks import nonempty
 from .models import GLOBAL_BATCH, Net, batch, loss_fn
 from .pattern_models import (BufferNet, BuriedNet, DataclassNet, ScaledNet, SharedEmbeddingLM,
                              SkipNet)
@@ -191,7 +192,24 @@ def freeze_after_wrap(ctx):
     ctx.part("b1.up frozen through the module's requires_grad_", lambda c: _frozen(
         c, lambda m: m.b1.up.requires_grad_(False),
         lambda plain: plain.b1.up.requires_grad_(False)))
-    ctx.part("b1 frozen between a forward and its backward", _frozen_after_forward)
+    ctx.part("b1 frozen between a forward and its backward", lambda c: _frozen_after_forward(
+        c, lambda m: m.b1.requires_grad_(False), lambda plain: plain.b1.requires_grad_(False)))
+    ctx.part("b1.up frozen between a forward and its backward", lambda c: _frozen_after_forward(
+        c, lambda m: m.b1.up.requires_grad_(False),
+        lambda plain: plain.b1.up.requires_grad_(False)))
+
+    # everything frozen, then the head unfrozen through its shards: the newer flag wins
+    def all_but_head(m):
+        m.requires_grad_(False)
+        for name, shard in nonempty(m.get_original_names_and_sharded_parameters(), "shards"):
+            if name.startswith("head."):
+                shard.requires_grad_(True)
+
+    def plain_all_but_head(plain):
+        plain.requires_grad_(False)
+        plain.head.requires_grad_(True)
+    ctx.part("all frozen, then the head unfrozen", lambda c: _frozen(
+        c, all_but_head, plain_all_but_head))
 
 
 def _frozen(ctx, freeze_wrapped, freeze_plain):
@@ -205,16 +223,16 @@ def _frozen(ctx, freeze_wrapped, freeze_plain):
     p.compare_params("after 3 steps")
 
 
-def _frozen_after_forward(ctx):
+def _frozen_after_forward(ctx, freeze_wrapped, freeze_plain):
     """torch gives a leaf that no longer requires grad when backward reaches it no gradient;
     the reference is frozen before its forward, which gives the same."""
     p = Pair(ctx, Net)
     p.step("step 0")
 
     def freeze():
-        p.model.b1.requires_grad_(False)
-        p.plain.b1.requires_grad_(False)
-    p.step("step 1, b1 frozen after the forward", after_forward=freeze)
+        freeze_wrapped(p.model)
+        freeze_plain(p.plain)
+    p.step("step 1, frozen after the forward", after_forward=freeze)
     p.step("step 2")
     p.compare_params("after 3 steps")
 

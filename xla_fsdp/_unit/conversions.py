@@ -109,18 +109,28 @@ def check_member_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torc
 
 def placeholders_follow_requires_grad() -> None:
     """Makes every module's ``requires_grad_`` set the flag on the placeholders it and its
-    submodules hold, once per process. A module inside a unit holds placeholders, not
-    parameters, so torch's ``requires_grad_`` of it (freezing a submodule to fine-tune the
-    rest) changed nothing, and the frozen weights trained on, silently; the unit agrees its
-    shards with the placeholders' flags at the next forward (``UnitState.sync_trainable``),
-    as when the flag is set on a placeholder itself."""
+    submodules hold, and on the shards they make up, once per process. A module inside a
+    unit holds placeholders, not parameters, so torch's ``requires_grad_`` of it (freezing
+    a submodule to fine-tune the rest) changed nothing, and the frozen weights trained on,
+    silently."""
     original = nn.Module.requires_grad_
     if getattr(original, "follows_placeholders", False):
         return
 
     def requires_grad_(self: nn.Module, requires_grad: bool = True) -> nn.Module:
-        for placeholder in placeholders_in(self):
+        held = placeholders_in(self)
+        for placeholder in held:
             placeholder.requires_grad_(requires_grad)
+        # a shard all of whose parameters the module holds agrees now, so that a flag set
+        # on it later (unfreezing some of model.parameters()) is the newer one; part of
+        # one is left to the next forward, which refuses it
+        ids = {id(t) for t in held}
+        shard_groups = {id(g): g for g in map(shard_group_holding, held) if g is not None}
+        for shard_group in shard_groups.values():
+            if all(id(r.placeholder) in ids for r in shard_group.records):
+                shard_group.shard.requires_grad_(requires_grad)
+                for record in shard_group.records:
+                    record.agree_requires_grad(requires_grad)
         return original(self, requires_grad)
     requires_grad_.follows_placeholders = True  # type: ignore[attr-defined]
     requires_grad_.__doc__ = original.__doc__
