@@ -67,6 +67,8 @@ def misuses(rank):
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     out["int_param"] = _error(lambda: FSDP(int_param))
     out["dtype"] = _error(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
+    retried = Tiny().to(torch.bfloat16)   # refused, then wrapped once fixed
+    out["retried"] = [_error(lambda: FSDP(retried)), _error(lambda: FSDP(retried.float()))]
     # a parameter assigned to a wrapped module after the first forward: never sharded
     grown = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
     grown(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
@@ -443,6 +445,7 @@ def test_misuse_errors():
     refused, unchanged = out["full_optimizer_state"]
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]
+    assert out["retried"][0] != "no error" and out["retried"][1] == "no error", out["retried"]
     assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
     assert "lin.weight" in out["optimizer_before_wrap"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
