@@ -160,11 +160,11 @@ def train(rank: int, args: argparse.Namespace) -> dict:
     manager = CheckpointManager(os.path.join(args.out, "ckpt"), every=args.checkpoint_every,
                                 keep_last=args.keep_last, async_save=args.async_save)
     start, history, resumes = 0, [], []
-    if manager.latest() is not None:  # written at any device count, resharded as it loads
-        try:
-            extra = manager.restore(model, opt)   # the newest step complete on every rank
-        except CheckpointError as exc:
-            raise CheckpointError(f"{RESUME_FAILED} step {manager.latest()}: {exc}") from None
+    try:   # the newest step every rank sees, written at any device count, resharded
+        extra = manager.restore(model, opt, missing_ok=True)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{RESUME_FAILED} step {manager.latest()}: {exc}") from None
+    if manager.restored_step is not None:
         start = manager.restored_step
         history, resumes = extra["history"], extra.get("resumes", []) + [start]
         if rank == 0:

@@ -130,13 +130,21 @@ def other_runs(rank, world, root):
         xm.rendezvous(f"{case} done")
     out["unchanged"] = listing() == before and stamps() == saved
 
-    # a rank whose filesystem does not show step 3 yet: every rank restores step 2
+    # a rank whose filesystem never shows step 3: refused on every rank, after waiting
     lagging = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
     if rank == 1:
         shown = lagging.directory.is_complete
         lagging.directory.is_complete = lambda step: step != 3 and shown(step)
-    out["lagging_restored"] = lagging.restore(wrapped_net(), None), lagging.restored_step
+    try:
+        lagging.restore(wrapped_net(), None)
+        out["lagging_restored"] = lagging.restored_step
+    except CheckpointError as exc:
+        out["lagging_restored"] = str(exc)
     lagging.close()
+    empty = CheckpointManager(os.path.join(root, "empty"), on_preemption=False)
+    out["missing_ok"] = (empty.restore(wrapped_net(), None, missing_ok=True),
+                         empty.restored_step)
+    empty.close()
 
     manager = CheckpointManager(root, every=1, async_save=False, on_preemption=False)
     model = wrapped_net()

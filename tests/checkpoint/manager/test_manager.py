@@ -81,7 +81,9 @@ def test_a_manager_does_not_save_its_own_step_again_and_restores_a_given_step(la
     out, _ = launched
     for rank in nonempty(range(WORLD), "ranks"):
         got = out[rank]
-        assert got["lagging_restored"] == ({"run": 1, "step": 2}, 2)
+        assert "the ranks see different complete checkpoints after 5 s (by rank: [[1, 2, " \
+            "3], [1, 2]])" in got["lagging_restored"], got["lagging_restored"]
+        assert got["missing_ok"] == (None, None)
         assert got["latest_restored"] == {"run": 1, "step": 3}
         # its own step, or one before the step it restored: nothing written
         assert got["own_step_again"] is False and got["older_step"] is False

@@ -6,10 +6,8 @@ A training loop calls ``maybe_save(step, model, optimizer)`` at every step bound
 rank, at the same boundaries), and stops when ``stop_requested`` is true::
 
     manager = CheckpointManager(directory, every=100, keep_last=3)
-    start = 0
-    if manager.latest() is not None:
-        manager.restore(model, optimizer)
-        start = manager.restored_step
+    manager.restore(model, optimizer, missing_ok=True)
+    start = manager.restored_step or 0
     for step in range(start, steps):
         train_step()
         manager.maybe_save(step + 1, model, optimizer)
@@ -45,6 +43,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 import warnings
 from typing import Any, Optional, Set
 
@@ -65,6 +64,7 @@ from .directory import CheckpointDirectory
 from .step_vote import StepVote
 
 FORMATS = ("sharded", "dcp")
+_AGREE_TRIES, _AGREE_WAIT = 10, 0.5   # restore(): how long ranks' views may differ
 SHARDED_PREFIX = "checkpoint"   # the per-rank files: step000100/checkpoint_rank-...pth
 GROUPS_DCP = "dcp"   # independent sharding groups' DCP directories: step000100/dcp_group-001
 
@@ -185,23 +185,23 @@ class CheckpointManager:
 
     def restore(self, model: ShardedModel,
                 optimizer: Optional[torch.optim.Optimizer] = None,
-                step: Optional[int] = None) -> Any:
+                step: Optional[int] = None, missing_ok: bool = False) -> Any:
         """Loads the newest complete checkpoint, or that of ``step``, into ``model`` (and
         ``optimizer``), whatever world size and format wrote it; returns the ``extra``
         saved with it. The run then continues from it: a later save refuses checkpoints
-        newer than it (see [Note: one run per directory])."""
+        newer than it (see [Note: one run per directory]). With ``missing_ok``, a directory
+        without a checkpoint loads nothing and returns None (``restored_step`` stays None);
+        every rank decides alike, so a loop starts with ``restore(..., missing_ok=True)``
+        rather than asking each rank's ``latest()``."""
         self.wait()
+        if step is None:
+            step = self._newest_on_every_rank()
+            if step is None and missing_ok:
+                return None
         trace_only.refuse_reads(str(self.directory.root))
         if step is None:
-            # the newest step complete on every rank: a rank whose filesystem shows a step
-            # the others do not yet see would load another step than theirs
-            views = exchange("xla_fsdp.manager.restore.latest", self.directory.complete_steps())
-            common = set(views[0]).intersection(*views[1:])
-            if not common:
-                raise CheckpointError(f"{self.directory.root} holds no checkpoint complete on "
-                                      f"every rank; complete steps by rank: {views}")
-            step = max(common)
-        elif not all(exchange(f"xla_fsdp.manager.restore.{step}",
+            raise CheckpointError(f"{self.directory.root} holds no complete checkpoint")
+        if not all(exchange(f"xla_fsdp.manager.restore.{step}",
                               self.directory.is_complete(step))):
             raise CheckpointError(f"{self.directory.path(step)} is not a complete checkpoint "
                                   f"on every rank; complete steps here: "
@@ -251,6 +251,27 @@ class CheckpointManager:
                 preemption.stop_watching()
 
     # -- internals ---------------------------------------------------------------------------
+    def _newest_on_every_rank(self) -> Optional[int]:
+        """The newest complete step, once every rank sees it (a shared filesystem may show a
+        new step to some ranks first), or None if no rank sees any. Ranks that go on seeing
+        different steps are refused: restoring an older step would leave the newer one
+        outside the run's history, and no later save would be allowed."""
+        if trace_only.active():
+            return None
+        views: list = []
+        for attempt in range(_AGREE_TRIES):
+            if attempt:
+                time.sleep(_AGREE_WAIT)
+            views = exchange(f"xla_fsdp.manager.restore.latest.{attempt}",
+                             self.directory.complete_steps())
+            newest = max((max(v) for v in views if v), default=None)
+            if all(newest in v for v in views) or newest is None:
+                return newest
+        raise CheckpointError(
+            f"{self.directory.root}: the ranks see different complete checkpoints after "
+            f"{_AGREE_TRIES * _AGREE_WAIT:g} s (by rank: {views}); restore(step=...) one "
+            f"every rank sees, or remove the others")
+
     def _save_and_stop(self, step: int, model: ShardedModel,
                        optimizer: Optional[torch.optim.Optimizer], extra: Any) -> bool:
         """A preemption: this step saved and published, then ``stop_requested``. A save
