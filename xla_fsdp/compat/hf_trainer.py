@@ -232,13 +232,19 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
 
     @functools.wraps(load)
     def load_optimizer_and_scheduler(self, checkpoint):
-        if checkpoint is None or not getattr(self, "is_fsdp_xla_v1_enabled", False) \
-                or not os.path.isdir(checkpoint):
+        if checkpoint is None or not getattr(self, "is_fsdp_xla_v1_enabled", False):
             return load(self, checkpoint)
-        saved = sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(checkpoint))
-                        if m})
+        from ..checkpoint.coordination import exchange
+        scheduler = os.path.join(checkpoint, module.SCHEDULER_NAME)
+        listed = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
+        # every rank's view, so that all take the same way (the other one is collective)
+        views = exchange("xla_fsdp.trainer_resume.files", (sorted(
+            {int(m.group(1)) for m in map(pattern.match, listed) if m}),
+            os.path.isfile(scheduler)))
+        saved = sorted({n for counts, _ in views for n in counts})
         world = self.args.world_size
-        if not saved or world in saved:
+        # Trainer loads neither without the schedule's file
+        if not saved or world in saved or not all(found for _, found in views):
             return load(self, checkpoint)
         from ..unit_module import UnitModule
         # the wrapped model is Trainer's model on transformers 4, and model_wrapped on 5
@@ -253,9 +259,8 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
                 f"; this run has {world}. Resume on {saved[0]} devices, or remove those "
                 f"files to resume the weights alone")
         _load_optimizer_from(checkpoint, saved[0], model, self.optimizer, module)
-        scheduler = torch.load(os.path.join(checkpoint, module.SCHEDULER_NAME),
-                               map_location="cpu", weights_only=True)
-        self.lr_scheduler.load_state_dict(scheduler)
+        self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu",
+                                                     weights_only=True))
     return load_optimizer_and_scheduler
 
 
@@ -265,6 +270,9 @@ def _load_optimizer_from(checkpoint: str, world: int, model: Any, optimizer: Any
     from ..checkpoint.staging import load_staged
     optimizer = getattr(optimizer, "optimizer", optimizer)   # accelerate's wrapper
     names = {id(p): n for n, p in model.named_parameters()}
+    if any(id(p) not in names for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError("xla_fsdp: Trainer's optimizer holds a parameter the wrapped model "
+                         "does not, so its state cannot be matched to the saved shards")
     param_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     load_staged(lambda: open_trainer_files(checkpoint, world, module.WEIGHTS_NAME,
                                            module.OPTIMIZER_NAME, param_names,
