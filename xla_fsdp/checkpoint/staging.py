@@ -358,13 +358,16 @@ def _extra_key(stored: Any, model: ShardedModel) -> Optional[str]:
     that saved it, whatever the loader; at another world size there is no own one, and
     every rank gets the first rank's. Before, a DCP checkpoint and every per-rank load that
     did not read the rank's own file alone gave all ranks the first rank's, silently."""
+    # see [Note: each replica's extra]: a group of the size that saved them
     replica = replica_extra_key(model.rank, replica_index(model))[0]
-    if replica in stored:   # see [Note: each replica's extra]
+    group = replica.rsplit(".rank", 1)[0] + ".rank"
+    if replica in stored and sum(k.startswith(group) for k in stored) == model.world_size:
         return replica
     own = rank_extra_key(model.rank)[0]
     if own in stored and len(rank_extras(stored)) == model.world_size:
         return own
     return EXTRA if EXTRA in stored else None
+
 
 def load_staged(open_source: Callable[[], Source], model: ShardedModel,
                 optimizer: Optional[torch.optim.Optimizer], tag: str,
