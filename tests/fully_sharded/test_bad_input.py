@@ -185,6 +185,14 @@ def _full_optimizer_state(out):
     inner.requires_grad_(False)
     outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
     out["frozen_mid_accumulation"] = _error(outer_opt.step)
+    # weight decay split by p.dim() (nanoGPT's recipe) over flat shards
+    split = FSDP(Tiny())
+    shards = list(split.parameters())
+    split_opt = torch.optim.AdamW([
+        {"params": [p for p in shards if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in shards if p.dim() < 2], "weight_decay": 0.0}])
+    split(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    out["decay_by_dim"] = _error(split_opt.step)
     out["full_optimizer_state"] = (_error(opt.step), every(
         torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
     torch_xla.sync()
@@ -442,6 +450,8 @@ def test_misuse_errors():
     assert "lin.weight was frozen (requires_grad=False) between micro-batches of a " \
         "no_sync() accumulation" in out["frozen_mid_accumulation"], \
         out["frozen_mid_accumulation"]
+    assert "a param group with weight decay holds no matrix, while the group without it " \
+        "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
     refused, unchanged = out["full_optimizer_state"]
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]

@@ -191,6 +191,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     if sharded and optimizer not in _audited:
         _refuse_whole_tensor_update(optimizer, sharded)
         _refuse_full_parameter_state(optimizer, sharded)
+        _refuse_decay_split_by_shard_shape(optimizer)
         _audit_reduced_gradients(optimizer, sharded)
         _keep_for_the_update_audit(optimizer, sharded)
         if optimizer not in _reaudited_after_loads:   # a state loaded later: at the next step
@@ -237,6 +238,36 @@ def _refuse_whole_tensor_update(optimizer: torch.optim.Optimizer,
             f"unsharded model. Use an optimizer whose update is elementwise (AdamW, SGD, ...), "
             f"or accept per-shard statistics with "
             f"xla_fsdp.allow_per_shard_statistics(optimizer). Refused before any update.")
+
+
+def _refuse_decay_split_by_shard_shape(optimizer: torch.optim.Optimizer) -> None:
+    """Weight decay split by ``p.dim() >= 2`` (nanoGPT's and timm's recipe) sees a flat
+    shard as one-dimensional: every matrix lands in the group without decay, silently. Its
+    signature, refused at the first step: a decayed param group that holds no shard of a
+    matrix while a group without decay holds a flat shard of one."""
+    def matrices(param_group: Dict[str, Any], flat: bool) -> List[str]:
+        found = []
+        for p in param_group["params"]:
+            shard_group = shard_group_of(p)
+            if shard_group is not None and (not flat or not isinstance(
+                    shard_group.layout, Dim0Layout)) and p.dim() == 1 and \
+                    any(len(shape) >= 2 for shape in shard_group.layout.shapes):
+                found.append(shard_group.names[0])
+        return found
+    decayed = [g for g in optimizer.param_groups if g.get("weight_decay", 0)]
+    undecayed = [n for g in optimizer.param_groups if not g.get("weight_decay", 0)
+                 for n in matrices(g, flat=True)]
+    if undecayed and any(not matrices(g, flat=False) and not any(
+            p.dim() >= 2 for p in g["params"]) for g in decayed):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): a param group with weight decay holds no "
+            f"matrix, while the group without it holds flat shards of matrices "
+            f"({', '.join(undecayed[:3])}{', ...' if len(undecayed) > 3 else ''}): a split by "
+            f"p.dim() or p.ndim sees each flat shard as one-dimensional. Split by the "
+            f"original shapes (each shard's _orig_size, or the names of "
+            f"model.get_original_names_and_sharded_parameters()), or shard with "
+            f"shard_param_on_dim_0=True, whose shards keep their dimensions. Refused before "
+            f"any update.")
 
 
 def _keep_for_the_update_audit(optimizer: torch.optim.Optimizer,
