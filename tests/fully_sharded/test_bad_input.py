@@ -195,6 +195,11 @@ def _full_optimizer_state(out):
     out["decay_by_dim"] = _error(split_opt.step)
     out["full_optimizer_state"] = (_error(opt.step), every(
         torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
+    # a state of another layout's shards (3 elements, not the shard's)
+    for index in state["state"]:
+        state["state"][index]["momentum_buffer"] = torch.zeros(3)
+    opt.load_state_dict(state)
+    out["other_layout_state"] = _error(opt.step)
     torch_xla.sync()
 
 
@@ -452,6 +457,8 @@ def test_misuse_errors():
         out["frozen_mid_accumulation"]
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
+    assert "has shape (3,), not its shard's" in out["other_layout_state"], \
+        out["other_layout_state"]
     refused, unchanged = out["full_optimizer_state"]
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]

@@ -202,23 +202,28 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 
 def _refuse_full_parameter_state(optimizer: torch.optim.Optimizer,
                                  params: List[torch.Tensor]) -> None:
-    """A full (unsharded) optimizer state loaded with ``optimizer.load_state_dict`` (Lightning's
-    full checkpoint holds one) gives a shard state of a whole parameter's shape, which torch
-    accepts and the update then fails on deep in the optimizer. Refused before any update,
-    naming the parameter and the load that fits."""
+    """An optimizer state of another shape than the shard it is for: a full (unsharded)
+    state dict, or one of another world size or layout, loaded with
+    ``optimizer.load_state_dict`` (Lightning's full checkpoint holds one). torch accepts it
+    and the update then fails deep in the optimizer, or trains a mismatch. An optimizer
+    whose update is elementwise keeps every state of more than one element in its shard's
+    shape (those that do not are refused at their first update, or allowed per shard).
+    Refused before any update, naming the parameter and the loads that fit."""
+    if optimizer in _PER_SHARD_ALLOWED:
+        return
     for p in params:
-        shard_group = shard_group_of(p)
-        full = {tuple(shape) for shape in shard_group.layout.shapes}
         for key, value in optimizer.state.get(p, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape \
-                    and tuple(value.shape) in full:
+            if torch.is_tensor(value) and value.numel() > 1 and value.shape != p.shape:
+                whole = tuple(value.shape) in {tuple(s) for s in shard_group_of(p).layout.shapes}
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of "
-                    f"{shard_group.names[0]} has the whole parameter's shape "
-                    f"{tuple(value.shape)}, not its shard's {tuple(p.shape)}: a full optimizer "
-                    f"state dict was loaded with optimizer.load_state_dict. Load it with "
-                    f"model.load_full_optim_state_dict(optimizer, state) (or "
-                    f"xla_fsdp.checkpoint's loaders). Refused before any update.")
+                    f"{shard_group_of(p).names[0]} has "
+                    + ("the whole parameter's shape " if whole else "shape ")
+                    + f"{tuple(value.shape)}, not its shard's {tuple(p.shape)}: a state dict "
+                    f"of the unsharded model, or of another world size or shard layout, was "
+                    f"loaded with optimizer.load_state_dict. Load it with "
+                    f"model.load_full_optim_state_dict(optimizer, state), or save and load "
+                    f"with xla_fsdp.checkpoint, which reshard it. Refused before any update.")
 
 
 def _refuse_whole_tensor_update(optimizer: torch.optim.Optimizer,
