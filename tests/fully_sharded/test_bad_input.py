@@ -195,6 +195,20 @@ def _full_optimizer_state(out):
     out["decay_by_dim"] = _error(split_opt.step)
     out["full_optimizer_state"] = (_error(opt.step), every(
         torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
+    # a parameter in no unit, stepped beside the shards: refused unless its gradient is
+    # all-reduced before the step
+    import torch_xla.core.xla_model as xm
+    free = []
+    for reduce in (False, True):
+        temperature = nn.Parameter(torch.ones(1, device=torch_xla.device()))
+        scaled = FSDP(Tiny())
+        free_opt = torch.optim.SGD(list(scaled.parameters()) + [temperature], lr=0.1)
+        (scaled(torch.ones(2, 4).to(torch_xla.device())) * temperature).sum().backward()
+        if reduce:
+            xm.all_reduce(xm.REDUCE_SUM, [temperature.grad], scale=0.5)
+        free.append(_error(free_opt.step))
+        torch_xla.sync()
+    out["free_parameter"] = free
     # a state of another layout's shards (3 elements, not the shard's)
     for index in state["state"]:
         state["state"][index]["momentum_buffer"] = torch.zeros(3)
@@ -459,6 +473,9 @@ def test_misuse_errors():
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
     assert "has shape (3,), not its shard's" in out["other_layout_state"], \
         out["other_layout_state"]
+    alone, reduced = out["free_parameter"]
+    assert "parameter 2 (shape (1,)) is in no FSDP unit" in alone and reduced == "no error", \
+        out["free_parameter"]
     refused, unchanged = out["full_optimizer_state"]
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]

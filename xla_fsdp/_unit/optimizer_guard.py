@@ -193,6 +193,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         _refuse_full_parameter_state(optimizer, sharded)
         _refuse_decay_split_by_shard_shape(optimizer)
         _audit_reduced_gradients(optimizer, sharded)
+        _refuse_unreduced_free_parameters(optimizer, sharded)
         _keep_for_the_update_audit(optimizer, sharded)
         if optimizer not in _reaudited_after_loads:   # a state loaded later: at the next step
             _reaudited_after_loads.add(optimizer)
@@ -273,6 +274,34 @@ def _refuse_decay_split_by_shard_shape(optimizer: torch.optim.Optimizer) -> None
             f"model.get_original_names_and_sharded_parameters()), or shard with "
             f"shard_param_on_dim_0=True, whose shards keep their dimensions. Refused before "
             f"any update.")
+
+
+def _refuse_unreduced_free_parameters(optimizer: torch.optim.Optimizer,
+                                      sharded: List[torch.Tensor]) -> None:
+    """A parameter in no unit, stepped beside multi-rank shards (a learnable loss
+    temperature, task weights): each rank's gradient comes from its own batch, and nothing
+    reduces it unless the loop does, so its copies drift apart. Refused when its pending
+    gradient has no all-reduce (what already ran cannot be read, and is let through)."""
+    if not any(shard_group_of(p).layout.world_size > 1 for p in sharded):
+        return
+    free = [(i, p) for i, p in enumerate(p for g in optimizer.param_groups
+                                          for p in g["params"])
+            if shard_group_of(p) is None and p.grad is not None and p.grad.device.type == "xla"]
+    if free:
+        pending = needs_computation([p.grad for _, p in free])
+        free = [(i, p) for (i, p), waits in zip(free, pending) if waits]
+    if not free:
+        return
+    reduced = reduced_gradients.all_reduced([p.grad for _, p in free], graph_hlo)
+    lone = [(i, p) for (i, p), done in zip(free, reduced) if not done]
+    if lone:
+        index, p = lone[0]
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step(): parameter {index} (shape {tuple(p.shape)}) "
+            f"is in no FSDP unit, so each rank's gradient of it comes from its own batch and "
+            f"nothing reduces it: its copies would drift apart across ranks. Make it a "
+            f"parameter of the wrapped model, or all-reduce its gradient (averaged over "
+            f"ranks) before the step. Refused before any update.")
 
 
 def _keep_for_the_update_audit(optimizer: torch.optim.Optimizer,

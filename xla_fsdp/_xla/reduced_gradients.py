@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .hlo_text import Instruction, parse_module
 
@@ -207,6 +207,30 @@ def _elements(shape: str) -> Optional[int]:
     for d in filter(None, m.group(1).split(",")):
         count *= int(d)
     return count
+
+
+def all_reduced(tensors: List[Any], hlo_of: Any) -> List[bool]:
+    """For each pending tensor: whether an all-reduce is in the graph that computes it
+    (``hlo_of(tensors)``: the HLO of their pending graph)."""
+    computations, entry = parse_module(hlo_of(tensors))
+    if entry is None:
+        return [True] * len(tensors)
+    graph = {i.name: i for i in computations[entry]}
+    root = computations[entry][-1]
+    outputs = root.operands if root.opcode == "tuple" else [root.name]
+    found = []
+    for name in outputs:
+        seen, stack, hit = set(), [name], False
+        while stack and not hit:
+            current = stack.pop()
+            inst = graph.get(current)
+            if current in seen or inst is None:
+                continue
+            seen.add(current)
+            hit = inst.opcode == "all-reduce" or inst.opcode in OPAQUE
+            stack.extend(inst.operands)
+        found.append(hit)
+    return found if len(found) == len(tensors) else [True] * len(tensors)
 
 
 def _is_scalar(inst: Optional[Instruction]) -> bool:
