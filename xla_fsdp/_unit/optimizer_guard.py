@@ -312,8 +312,10 @@ def _keep_for_the_update_audit(optimizer: torch.optim.Optimizer,
         return
     kept = []
     for p in params:
+        # a vocabulary table's gradient is computed by its lookups' own collectives, not
+        # reduce-scattered: the walk would read its backward as part of the update
         if p.grad is not None and p.device.type == "xla" \
-                and shard_group_of(p).layout.world_size > 1:
+                and shard_group_of(p).layout.world_size > 1 and not shard_group_of(p).vocab_table:
             state = {k: v.detach().clone() if torch.is_tensor(v) else v
                      for k, v in optimizer.state.get(p, {}).items()}
             kept.append((p, p.detach().clone(), state, p in optimizer.state))

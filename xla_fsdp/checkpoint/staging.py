@@ -360,8 +360,8 @@ def _extra_key(stored: Any, model: ShardedModel) -> Optional[str]:
     did not read the rank's own file alone gave all ranks the first rank's, silently."""
     # see [Note: each replica's extra]: a group of the size that saved them
     replica = replica_extra_key(model.rank, replica_index(model))[0]
-    group = replica.rsplit(".rank", 1)[0] + ".rank"
-    if replica in stored and sum(k.startswith(group) for k in stored) == model.world_size:
+    same_replica = replica.rsplit(".rank", 1)[0] + ".rank"
+    if replica in stored and sum(k.startswith(same_replica) for k in stored) == model.world_size:
         return replica
     own = rank_extra_key(model.rank)[0]
     if own in stored and len(rank_extras(stored)) == model.world_size:
