@@ -251,20 +251,15 @@ def _refuse_decay_split_by_shard_shape(optimizer: torch.optim.Optimizer) -> None
     shard as one-dimensional: every matrix lands in the group without decay, silently. Its
     signature, refused at the first step: a decayed param group that holds no shard of a
     matrix while a group without decay holds a flat shard of one."""
-    def matrices(param_group: Dict[str, Any], flat: bool) -> List[str]:
-        found = []
-        for p in param_group["params"]:
-            shard_group = shard_group_of(p)
-            if shard_group is not None and (not flat or not isinstance(
-                    shard_group.layout, Dim0Layout)) and p.dim() == 1 and \
-                    any(len(shape) >= 2 for shape in shard_group.layout.shapes):
-                found.append(shard_group.names[0])
-        return found
+    def of_matrix(p: torch.Tensor) -> bool:
+        shard_group = shard_group_of(p)
+        return p.dim() >= 2 or shard_group is not None and \
+            any(len(shape) >= 2 for shape in shard_group.layout.shapes)
+    undecayed = [shard_group_of(p).names[0] for g in optimizer.param_groups
+                 if not g.get("weight_decay", 0) for p in g["params"]
+                 if p.dim() == 1 and of_matrix(p)]
     decayed = [g for g in optimizer.param_groups if g.get("weight_decay", 0)]
-    undecayed = [n for g in optimizer.param_groups if not g.get("weight_decay", 0)
-                 for n in matrices(g, flat=True)]
-    if undecayed and any(not matrices(g, flat=False) and not any(
-            p.dim() >= 2 for p in g["params"]) for g in decayed):
+    if undecayed and any(not any(of_matrix(p) for p in g["params"]) for g in decayed):
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): a param group with weight decay holds no "
             f"matrix, while the group without it holds flat shards of matrices "
@@ -292,7 +287,7 @@ def _refuse_unreduced_free_parameters(optimizer: torch.optim.Optimizer,
         free = [(i, p) for (i, p), waits in zip(free, pending) if waits]
     if not free:
         return
-    reduced = reduced_gradients.all_reduced([p.grad for _, p in free], graph_hlo)
+    reduced = reduced_gradients.all_reduced(graph_hlo([p.grad for _, p in free]), len(free))
     lone = [(i, p) for (i, p), done in zip(free, reduced) if not done]
     if lone:
         index, p = lone[0]

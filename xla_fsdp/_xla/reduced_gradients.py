@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from .hlo_text import Instruction, parse_module
 
@@ -65,12 +65,7 @@ def audit(hlo: str, updates: bool = False) -> List[Finding]:
     the order they were given to the lowering; with ``updates``, one per parameter an
     optimizer step updated: see [Note: auditing an optimizer's update]); empty when nothing
     is wrong."""
-    computations, entry = parse_module(hlo)
-    if entry is None:
-        return []
-    graph = {i.name: i for i in computations[entry]}
-    root = computations[entry][-1]
-    outputs = root.operands if root.opcode == "tuple" else [root.name]
+    graph, outputs = _entry(hlo)
     walk = _Walk(graph, updates)
     findings = []
     for index, name in enumerate(outputs):
@@ -209,15 +204,23 @@ def _elements(shape: str) -> Optional[int]:
     return count
 
 
-def all_reduced(tensors: List[Any], hlo_of: Any) -> List[bool]:
-    """For each pending tensor: whether an all-reduce is in the graph that computes it
-    (``hlo_of(tensors)``: the HLO of their pending graph)."""
-    computations, entry = parse_module(hlo_of(tensors))
+def _entry(hlo: str) -> Tuple[Dict[str, Instruction], List[str]]:
+    """The entry computation's instructions by name, and its outputs in order."""
+    computations, entry = parse_module(hlo)
     if entry is None:
-        return [True] * len(tensors)
-    graph = {i.name: i for i in computations[entry]}
+        return {}, []
     root = computations[entry][-1]
-    outputs = root.operands if root.opcode == "tuple" else [root.name]
+    return ({i.name: i for i in computations[entry]},
+            root.operands if root.opcode == "tuple" else [root.name])
+
+
+def all_reduced(hlo: str, count: int) -> List[bool]:
+    """For each of the ``count`` outputs of ``hlo``: whether an all-reduce (or what the
+    walks cannot follow) is in the graph that computes it; True for all when the HLO does
+    not list them."""
+    graph, outputs = _entry(hlo)
+    if len(outputs) != count:
+        return [True] * count
     found = []
     for name in outputs:
         seen, stack, hit = set(), [name], False
@@ -230,7 +233,7 @@ def all_reduced(tensors: List[Any], hlo_of: Any) -> List[bool]:
             hit = inst.opcode == "all-reduce" or inst.opcode in OPAQUE
             stack.extend(inst.operands)
         found.append(hit)
-    return found if len(found) == len(tensors) else [True] * len(tensors)
+    return found
 
 
 def _is_scalar(inst: Optional[Instruction]) -> bool:
