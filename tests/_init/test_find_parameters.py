@@ -16,3 +16,11 @@ def test_a_module_registered_under_several_names_gives_every_name():
     # the shared module holds the parameter once, the head once
     assert [(type(m).__name__, attr) for m, attr in owners] == [("Embedding", "weight"),
                                                                 ("Linear", "weight")]
+
+
+def test_a_lazy_parameter_is_refused_by_name():
+    import pytest
+    model = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(3))
+    with pytest.raises(ValueError, match=r"parameter '1.weight' of LazyLinear is not "
+                                         r"materialised yet"):
+        find_parameters([("", model)], None)

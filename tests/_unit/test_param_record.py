@@ -58,15 +58,10 @@ def test_install_puts_full_values_in_and_free_puts_dummies_back():
 
 def test_a_write_to_a_freed_placeholder_is_refused_at_the_next_install():
     """[Note: writes to a freed placeholder]: a clamp through the module's attribute between
-    forwards would be lost; the next install names the parameter instead. Writes while the
-    full values are in place are the forward's own and pass."""
+    forwards would be lost; the next install names the parameter instead."""
     import pytest
     world = FakeWorld(Tied(), world_size=1)
     records = records_of(world)
-    ParamRecord.install(records, full_values(world))
-    with torch.no_grad():
-        world.modules[0].layer.weight.mul_(1.0)   # full values held: a real update
-    ParamRecord.free(records, [torch.zeros(1)] * len(records))
     ParamRecord.install(records, full_values(world))
     ParamRecord.free(records, [torch.zeros(1)] * len(records))
     with torch.no_grad():
@@ -74,6 +69,25 @@ def test_a_write_to_a_freed_placeholder_is_refused_at_the_next_install():
     with pytest.raises(RuntimeError, match=r"parameter 'layer.weight' was changed in place "
                                            r"through its module attribute"):
         ParamRecord.install(records, full_values(world))
+
+
+def test_a_write_to_a_held_full_value_is_refused_when_it_is_freed():
+    """[Note: writes to a held full value]: the gathered copy is dropped, so a write to it is
+    refused after every placeholder is freed, unless the caller keeps the writes."""
+    import pytest
+    world = FakeWorld(Tied(), world_size=1)
+    records = records_of(world)
+    ParamRecord.install(records, full_values(world))
+    with torch.no_grad():
+        world.modules[0].layer.weight.clamp_(-0.1, 0.1)   # a forward's write: lost
+    with pytest.raises(RuntimeError, match=r"parameter 'layer.weight' was changed in place "
+                                           r"while the unit held its full value"):
+        ParamRecord.free(records, [torch.zeros(1)] * len(records))
+    assert every((not r.holds_full for r in records), "records")   # freed all the same
+    ParamRecord.install(records, full_values(world))   # and the next install goes on
+    with torch.no_grad():
+        world.modules[0].layer.weight.mul_(2.0)
+    assert ParamRecord.free(records, [torch.zeros(1)] * len(records), writes_kept=True)
 
 
 def test_free_swaps_only_the_placeholders_that_hold_full_values():
@@ -178,6 +192,8 @@ def test_taken_name_is_the_canonical_name_of_a_parameter_or_its_placeholder():
     assert taken_name(embed) == taken_name(records[0].placeholder) == "embed.weight"
     assert taken_name(layer_w) == "layer.weight" and taken_name(layer_b) == "layer.bias"
     assert taken_name(records[2].placeholder) == "layer.bias"
+    # [Note: a taken parameter is empty]: what else holds an original reads nothing stale
+    assert every((p.numel() == 0 for p, _, _ in world.found[0]), "originals")
     # never taken: an unwrapped model's parameter, a shard, any tensor
     assert taken_name(world.reference.embed.weight) is None
     assert taken_name(world.shard_groups[0][0].shard) is None

@@ -44,6 +44,13 @@ class Stack(nn.Module):
         return x
 
 
+class ClampsItsWeight(Tiny):
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.clamp_(-0.1, 0.1)
+        return super().forward(x)
+
+
 def _error(fn):
     try:
         fn()
@@ -144,6 +151,13 @@ def misuses(rank):
     reads = FSDP(reads)
     with torch.no_grad():
         out["read_outside_unit"] = _error(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
+    torch_xla.sync()
+    # a forward writing its own weight: the write reaches the gathered copy only
+    # (see [Note: writes to a held full value])
+    clamps = FSDP(ClampsItsWeight())
+    out["written_while_held"] = [
+        _error(lambda: clamps(torch.ones(2, 4).to(torch_xla.device())).sum().backward()),
+        _error(lambda: clamps(torch.ones(2, 4).to(torch_xla.device())).sum().backward())]
     torch_xla.sync()
     # a gradient penalty: the graph its backward records would read freed parameters
     penalty = FSDP(Tiny())
@@ -495,6 +509,9 @@ def test_misuse_errors():
                  in e for e in out["placeholder_write_saved"] + [out["placeholder_write"]]), \
         (out["placeholder_write_saved"], out["placeholder_write"])
     assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
+    for message in nonempty(out["written_while_held"], "forwards"):
+        assert message.startswith("RuntimeError: ClampsItsWeight: parameter 'lin.weight' was "
+                                  "changed in place while the unit held its full value"), message
     assert out["create_graph"].startswith("RuntimeError: FSDP unit around Tiny: a backward "
                                           "with create_graph=True"), out["create_graph"]
     assert out["step_after_create_graph"] == "no error", out["step_after_create_graph"]

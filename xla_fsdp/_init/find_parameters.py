@@ -37,6 +37,11 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
                         f"which sharded it first. Tied parameters must belong to one unit: "
                         f"wrap the modules that share it together (or leave them to the "
                         f"outer unit).")
+                if isinstance(p, nn.parameter.UninitializedParameter):
+                    raise ValueError(
+                        f"parameter '{name}' of {type(m).__name__} is not materialised yet (a "
+                        f"lazy module): run one forward of the unwrapped model before "
+                        f"wrapping, so that it has a shape to shard")
                 if not p.is_floating_point() or p.dtype != torch.float32:
                     raise TypeError(
                         f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "

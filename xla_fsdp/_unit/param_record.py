@@ -39,6 +39,16 @@ it without a word. Each record keeps the placeholder's version counter as of its
 moved since, naming the parameter. A write through ``.data`` shares no counter and is not
 seen; updates belong on the shards, which ``model.parameters()`` yields.
 
+[Note: writes to a held full value]
+While a unit holds its full parameters (its forward, a backward, an ``unshard()``), what its
+modules read is a gathered copy that ``free`` drops. A write to it in place is lost:
+``nn.Embedding(max_norm=...)`` renormalising its rows, a forward that clamps its own
+weight. On the unwrapped model the write persists, so ``free`` compares the placeholder's
+version counter with the one of its install and refuses a change, naming the parameter,
+after putting every dummy back. Two callers keep the writes and pass: ``apply``, which
+writes them back to the shards, and a pass that raised, which drops them on purpose. A
+write through ``.data`` is not seen here either.
+
 [Note: a freed placeholder is empty]
 A freed placeholder holds zero elements, not torch_xla's one. Code that reads a parameter
 outside its unit's forward (a parent's forward multiplying by a child unit's scalar gain,
@@ -48,6 +58,15 @@ gradient arriving in backward could reveal, and frozen parameters or ``no_grad``
 there. An empty tensor broadcasts against nothing but a dimension of one, so such a read
 fails where it happens, in the forward, with a shape of 0 in the message. Code that reads a
 parameter outside its unit belongs inside that unit, or calls the unit's ``unshard()`` first.
+
+[Note: a taken parameter is empty]
+Sharding removes an original parameter from its modules, but not from what else holds it: a
+module that keeps it in a list or a closure, a hook that captured it, an average built from
+``model.parameters()`` before wrapping. Left whole, it kept its value of wrapping time and
+its device memory, and code reading it trained on a stale copy without a word (its gradient
+reached nothing). Emptied, as a freed placeholder is, such a read fails where it happens,
+and the memory is really freed. A reference taken before wrapping is read through the
+module attribute instead, inside the unit.
 """
 from __future__ import annotations
 
@@ -116,17 +135,30 @@ class ParamRecord:
                     f"load a state dict")
 
     @staticmethod
-    def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor]) -> bool:
+    def free(records: Sequence["ParamRecord"], dummies: Sequence[torch.Tensor],
+             writes_kept: bool = False) -> bool:
         """Puts each record's dummy back into its placeholder, where it holds a full value;
-        returns whether any did."""
+        returns whether any did. Unless the caller keeps what was written to the full
+        values (``writes_kept``: it wrote them back, or it is abandoning a pass that
+        raised), a full value written in place while held is refused after the swap (see
+        [Note: writes to a held full value])."""
         held = [(r, d) for r, d in zip(records, dummies) if r.holds_full]
         if not held:
             return False
+        written = [r for r, _ in held if version(r.placeholder) != r.freed_at]
         with preserve_version_counter([r.placeholder for r, _ in held]):
             for record, dummy in held:
                 record.placeholder.data = dummy
                 record.holds_full = record.placeholder._has_full_param = False
                 record.freed_at = version(record.placeholder)
+        if written and not writes_kept:
+            raise RuntimeError(
+                f"{written[0].unit_name}: parameter '{written[0].name}' was changed in place "
+                f"while the unit held its full value (e.g. nn.Embedding(max_norm=...), or a "
+                f"clamp of the weight in forward). That value is a gathered copy, freed after "
+                f"use, so the change would be lost (see [Note: writes to a held full value]). "
+                f"Change the shards instead (model.parameters(), which the optimizer holds), "
+                f"or inside model.apply(fn), whose writes reach them")
         return True
 
     @staticmethod
@@ -174,8 +206,11 @@ def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
 
 
 def mark_taken(original: torch.Tensor, name: str, unit_name: str) -> None:
-    """Marks an original parameter as replaced by a shard (its memory is no longer used)."""
+    """Marks an original parameter as replaced by a shard, and empties it (see [Note: a
+    taken parameter is empty])."""
     _TAKEN[original] = (name, unit_name)
+    original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+    original.grad = None
 
 
 def taken_name(t: torch.Tensor) -> Optional[str]:

@@ -191,13 +191,14 @@ class UnitParams:
 
     @torch.no_grad()
     def reshard(self, shard_groups: Sequence[ShardGroup], deps: Sequence[torch.Tensor],
-                barrier: bool) -> None:
-        """Frees the full parameters of ``shard_groups`` (and a gather issued for them)."""
+                barrier: bool, writes_kept: bool = False) -> None:
+        """Frees the full parameters of ``shard_groups`` (and a gather issued for them);
+        ``writes_kept`` as ``ParamRecord.free``'s."""
         records, dummies = [], []
         for g in shard_groups:
             records += g.records
             dummies += [self._dummy(g.compute_dtype)] * len(g.records)
-        freed = ParamRecord.free(records, dummies)
+        freed = ParamRecord.free(records, dummies, writes_kept)
         if len(shard_groups) == len(self.gathered):
             self._gathered = None
         if barrier and (freed or deps):
@@ -225,7 +226,7 @@ class UnitParams:
                     g.shard.copy_(value.view(g.shard.shape).to(g.shard.device, g.shard.dtype))
                     g.mark_updated()
         finally:
-            self.reshard(shard_groups, [], barrier=False)
+            self.reshard(shard_groups, [], barrier=False, writes_kept=True)
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
@@ -236,7 +237,7 @@ class UnitParams:
         and the reductions not issued yet (see [Note: a pass that raised])."""
         self._queue, self._queue_bytes = [], 0
         self.drop_prefetch()
-        self.reshard(self.gathered, [], barrier=False)
+        self.reshard(self.gathered, [], barrier=False, writes_kept=True)
         for g in self.gathered:
             g.drop_unreduced()
         self._end_backward()

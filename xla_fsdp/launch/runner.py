@@ -231,8 +231,10 @@ def _death_message(exitcode, log_text: str, threads: Dict[int, int]) -> str:
     if "Termination timeout" in log_text and "RendezvousKey" in log_text:
         return (
             f"the device process {how}: XLA gave up on a collective that not every rank "
-            f"joined. The ranks ran different graphs, or did not reach their collectives "
-            f"in the same order (see the launcher's limits in the README).\n{stacks}"
+            f"joined. The ranks ran different graphs, did not reach their collectives "
+            f"in the same order, or one ran an op that torch_xla computes on the host "
+            f"(a CPU fallback) over a pending collective (see the launcher's limits in "
+            f"docs/launcher.md).\n{stacks}"
             f"Last lines of XLA's log:\n{_last_lines(_without_dump(log_text))}")
     return (f"the device process {how} before returning.\n{stacks}"
             f"Last log lines:\n{_last_lines(_without_dump(log_text))}")
