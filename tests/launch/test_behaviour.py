@@ -74,6 +74,13 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     gathered = xm.all_gather(torch.tensor([rank, 1]).to(device), pin_layout=False)
     out["fallbacks"] = [torch.bincount(gathered).cpu().tolist(),
                         torch.isin(gathered, torch.tensor([1]).to(device)).cpu().tolist()]
+    # ...and torch.nn's that do (their forwards; the backward kernels are out of sight)
+    rows = xm.all_gather(torch.full((1, 2), 3.0 + rank).to(device), pin_layout=False)
+    ids = torch.tensor([[0, 1]]).to(device)
+    out["module_fallbacks"] = [
+        torch.nn.functional.embedding_bag(ids, rows.clone()).cpu().tolist(),
+        torch.nn.functional.embedding(ids, rows.clone(), max_norm=5.0).cpu().tolist(),
+        torch._weight_norm(rows.clone(), torch.ones(2, 1).to(device), 0).cpu().tolist()]
     # ...and on a sharded model, where each rank's mask counts differ (torch's Rprop on
     # FSDP's gradient shards); the counts end up in the graphs of the next collectives
     out["rprop"] = rprop_losses(rank, xr.world_size(), device)
@@ -145,6 +152,11 @@ def test_everyday_calls_work(tmp_path):
         assert r["gathered"] == [1.0] * 4 + [2.0] * 4
         assert r["masked"] == [[3.0, 0.0, 3.0, 0.0], [0, 2]]
         assert r["fallbacks"] == [[1, 3], [False, True, True, True]]
+        bag, renormed, normed = r["module_fallbacks"]
+        assert bag == [[3.5, 3.5]], bag
+        torch.testing.assert_close(torch.tensor(renormed),
+                                   torch.tensor([[[3.0, 3.0], [20 / 32 ** 0.5] * 2]]))
+        torch.testing.assert_close(torch.tensor(normed), torch.full((2, 2), 0.5 ** 0.5))
         assert r["pinned"] == [r["gathered"], [[1.0, 1.0, 2.0, 2.0]] * 2]
         assert r["in_place"] == [[1.0] * 3] * 2
         assert r["saw_marker"]

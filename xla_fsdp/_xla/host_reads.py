@@ -32,10 +32,14 @@ _SHAPE_FROM_VALUES = frozenset(("nonzero", "argwhere", "masked_select", "unique"
                                 "unique_consecutive"))
 # ops torch_xla 2.9 runs on the CPU (its fallbacks), which read their operands there; the
 # list is ``torch_xla.debug.metrics.executed_fallback_ops()`` over a probe of torch's
-# functions (nanmedian, quantile, kthvalue and argsort run on the device)
+# functions (nanmedian, quantile, kthvalue and argsort run on the device) and of torch.nn's
+# modules (weight_norm, the orthogonal and spectral_norm parametrizations, EmbeddingBag).
+# Their backward kernels run in autograd's engine, which no torch function mode sees.
 _CPU_FALLBACKS = frozenset(("bincount", "histc", "median", "nanmedian", "mode",
                             "searchsorted", "isin", "multinomial", "logcumsumexp",
-                            "linalg_det", "det"))
+                            "linalg_det", "det", "_weight_norm", "matrix_exp",
+                            "linalg_matrix_exp", "linalg_householder_product", "vdot",
+                            "linalg_solve", "linalg_qr", "embedding_bag"))
 # ...and indexing by a boolean mask, which is a nonzero
 _INDEXING = frozenset(("__getitem__", "__setitem__", "index", "index_put", "index_put_"))
 _MASKED_WRITES = frozenset(("__setitem__", "index_put", "index_put_"))
@@ -55,6 +59,8 @@ def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
         return isinstance(repeats, torch.Tensor)
     if name == "where":
         return len(args) + len(kwargs) == 1
+    if name == "embedding":   # renormalises the rows it reads on the CPU first
+        return (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None
     return name in _INDEXING and len(args) > 1 and _has_mask(args[1])
 
 
