@@ -211,3 +211,18 @@ def test_placeholders_in_lists_each_placeholder_a_module_holds_once():
     assert placeholders_in(world.reference) == []  # parameters, not placeholders
     module.layer.extra = torch.zeros(2)              # a plain tensor attribute
     assert len(placeholders_in(module)) == 3
+
+
+def test_a_module_holding_placeholders_is_not_copied_or_pickled():
+    """[Note: a unit is not copied], one level down: a copy of a module inside a unit (an
+    EMA of one block) would hold empty placeholders; so would a module above it."""
+    import copy
+    import io
+    import pytest
+    world = FakeWorld(Tied(), world_size=1)
+    module = world.modules[0]
+    for target in (module.layer, module):
+        for copier in (copy.deepcopy, lambda m: torch.save(m, io.BytesIO())):
+            with pytest.raises(TypeError, match=r"holds parameters that the FSDP unit around "
+                                                r"Tied shards: a copy or a pickle of it"):
+                copier(target)

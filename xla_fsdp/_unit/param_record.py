@@ -229,6 +229,21 @@ def taken_by(t: torch.Tensor) -> Optional[str]:
     return None if taken is None else f"'{taken[0]}' of the unit around {taken[1]}"
 
 
+def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
+    """Makes ``copy.deepcopy`` and pickling (``torch.save``) of ``module``, a module inside a
+    unit that holds placeholders, or of any module above it, refuse: the copy would hold
+    empty tensors (see [Note: a unit is not copied] in ``unit_module``). Both look these up
+    on the instance first."""
+    def refuse(*_args: Any) -> Any:
+        raise TypeError(
+            f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
+            f"shards: a copy or a pickle of it would hold empty placeholders. Copy the model "
+            f"before wrapping and wrap the copy the same way, or save the values with "
+            f"full_state_dict()")
+    object.__setattr__(module, "__deepcopy__", refuse)
+    object.__setattr__(module, "__reduce_ex__", refuse)
+
+
 def refuse_loads_into(module: nn.Module, attr: str, unit_name: str) -> None:
     """Makes ``module.load_state_dict`` (or a parent's, below the unit) refuse a value for the
     placeholder at ``attr``: torch's loader sees no parameter there, so it would skip it, and
