@@ -73,6 +73,10 @@ SETTINGS = {
     # hybrid sharding: groups of two are replicas that see different data, their gradients
     # averaged across groups
     "hsdp": ("net", {"replicate_across_groups": True}, "sgd", {"groups": 2, "replicas": True}),
+    # ...in bf16, the replicas' gradients averaged in bf16 (see [Note: pinned bf16
+    # all-reduce] for the virtual devices)
+    "hsdp_bf16": ("net", {"replicate_across_groups": True, "compute_dtype": torch.bfloat16},
+                  "sgd", {"groups": 2, "replicas": True}),
     # GradScaler (unscaled before clipping) and an optimizer that reads gradients on the host:
     # both read after one sync of the step (see step_reads in the package)
     "scaled_guarded_clip": ("net", {}, "sgd_guarded", {"scaler": True, "clip": 0.05}),

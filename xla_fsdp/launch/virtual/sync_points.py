@@ -18,6 +18,8 @@ What is routed:
   one thread while holding the GIL deadlocks the others),
 * ``xm.all_gather(t, pin_layout=True)`` of one tensor: XLA's pinned all-gather instead of
   torch_xla's rank-specific all-reduce (see [Note: pinned all-gather]),
+* ``xm.all_reduce`` of bf16 with a pinned layout: in float32 (see [Note: pinned bf16
+  all-reduce]),
 * ``time.sleep`` in a device thread: the other ranks run while it sleeps.
 """
 from __future__ import annotations
@@ -87,6 +89,7 @@ class SyncPoints:
                 if hasattr(module, name):
                     setattr(module, name, self._noting_collective(getattr(module, name)))
         self._patch(xm, "all_gather", self._all_gather)  # the original notes collectives
+        self._patch(xm, "all_reduce", self._all_reduce)
         self._patch(time, "sleep", self._sleep)
         self._install_bridge()
 
@@ -367,6 +370,25 @@ class SyncPoints:
             shape[dim] *= count
             output = value.new_empty(shape)
         return self._orig["all_gather"](value, dim, groups, output, pin_layout, *args, **kwargs)
+
+    def _all_reduce(self, reduce_type: str, inputs: Any, scale: float = 1.0,
+                    groups: Optional[List[List[int]]] = None, pin_layout: bool = True) -> Any:
+        # [Note: pinned bf16 all-reduce] XLA:CPU has no layout-pinned all-reduce of bf16 (a
+        # TPU has): alone it raises, inside a larger graph (FSDP's hybrid sharding averaging
+        # bf16 gradients across replicas) it corrupts memory. Here such a reduction runs in
+        # float32 and is rounded back, which is what a bf16 sum of these values gives.
+        orig = self._orig["all_reduce"]
+        tensors = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+        if self._rank is None or not pin_layout or \
+                not any(t.dtype == torch.bfloat16 for t in tensors):
+            return orig(reduce_type, inputs, scale, groups, pin_layout)
+        widened = orig(reduce_type, [t.float() for t in tensors], scale, groups, pin_layout)
+        narrowed = [w.to(t.dtype) for w, t in zip(widened, tensors, strict=True)]
+        if isinstance(inputs, torch.Tensor):
+            return narrowed[0]
+        for t, value in zip(tensors, narrowed, strict=True):   # in place, as torch_xla's
+            t.copy_(value)
+        return inputs
 
     def _sleep(self, seconds: float) -> None:
         # A device thread that sleeps is waiting for something its peers do (e.g. files
