@@ -6,36 +6,18 @@ saved inputs, the incoming gradients and, when the function it runs is a method 
 module, that module's ``parameters()`` and ``buffers()``. The barrier stops XLA from
 reading the weights for the recompute before backward reaches it, and from merging the
 recompute into the forward, which would keep the activations after all. Inside an FSDP unit
-a module's parameters are placeholders, plain attributes that ``parameters()`` does not
-list, so the recomputed forward runs as a method of a view of the module
-(``_BarrierView``) whose ``parameters()`` are the module's own and its placeholders: the
-barrier holds the same weights as with torch_xla's FSDP, whose full parameters stay
-registered.
+a module's parameters are placeholders, plain attributes, which ``parameters()`` lists while
+they hold their full values (see [Note: a module's parameters inside its unit's forward]),
+as the recompute in the unit's backward finds them: the barrier holds the same weights as
+with torch_xla's FSDP, whose full parameters stay registered.
 """
 from __future__ import annotations
 
 from types import MethodType
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn as nn
-
-from ._unit.param_record import placeholders_in
-
-
-class _BarrierView(nn.Module):
-    """What torch_xla's checkpoint reads of the module whose method it recomputes."""
-
-    def __init__(self, module: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "viewed", module)  # not a submodule: nothing registered twice
-
-    def parameters(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        yield from self.viewed.parameters(recurse)
-        yield from placeholders_in(self.viewed)
-
-    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.viewed.buffers(recurse)
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -50,12 +32,12 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     original = module.forward
 
-    def run_flat(_view: nn.Module, n_args: int, keys: tuple, *flat: Any) -> Any:
+    def run_flat(_module: nn.Module, n_args: int, keys: tuple, *flat: Any) -> Any:
         # the recompute runs in the unit's backward, which holds the attention scope as its
         # forward did (see [Note: attention inside a unit keeps no probabilities])
         return original(*flat[:n_args], **dict(zip(keys, flat[n_args:])))
 
-    recompute = MethodType(run_flat, _BarrierView(module))
+    recompute = MethodType(run_flat, module)
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         flat = args + tuple(kwargs.values())

@@ -44,7 +44,7 @@ from ._xla.trace_only import scalar_to_device
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
 from .checkpoint.per_rank_format import shard_metadata
-from .checkpoint.live_model import original_names_and_shards
+from .checkpoint.live_model import original_names_and_shards, sharding_group_index
 
 
 def _local_norm(grads: List[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -406,7 +406,10 @@ class UnitModule(FallThrough):
 
     def get_shard_metadata(self) -> Dict[str, Any]:
         """What consolidation needs, in torch_xla's format (see ``checkpoint.per_rank_format``)."""
-        return shard_metadata(self, self.named_units(), self.world_size, self.rank)
+        index = sharding_group_index(self)
+        return shard_metadata(self, self.named_units(), self.world_size, self.rank,
+                              None if index is None else
+                              (index, self.options.replicate_across_groups))
 
     def check_root_call(self, what: str) -> None:
         """Raises unless this is the root unit and it is idle: ``what`` concerns the whole

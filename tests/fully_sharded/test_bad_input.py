@@ -45,6 +45,15 @@ class Stack(nn.Module):
         return x
 
 
+class Attends(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
 class ClampsItsWeight(Tiny):
     def forward(self, x):
         with torch.no_grad():
@@ -93,7 +102,9 @@ def misuses(rank):
         _error(lambda: nested.module[1].load_state_dict(weights, strict=False)),
         _error(lambda: nested.module[1].lin.load_state_dict(Tiny().lin.state_dict())),
         every(torch.equal(a, b) for a, b in zip(before, nested.parameters(), strict=True))]
-    out["groups_no_rank"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0, 1]]))
+    # left out, the rank's place and the group size follow from the groups
+    derived = FSDP(Tiny(), sharding_groups=[[1, 0]])
+    out["groups_no_rank"] = [derived.rank, derived.world_size]
     out["groups_cover"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
                                               sharding_world_size=1))
     # a unit sharded over other ranks than its root: the norm, loss scaling and checkpoints
@@ -153,6 +164,12 @@ def misuses(rank):
     with torch.no_grad():
         out["read_outside_unit"] = _error(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
+    # a unit inside nn.MultiheadAttention, which reads out_proj's weight without calling it
+    attention = Attends()
+    attention.attn.out_proj = FSDP(attention.attn.out_proj)
+    attention = FSDP(attention)
+    out["attention_out_proj"] = _error(lambda: attention(torch.ones(3, 1, 4).to(
+        torch_xla.device())))
     # a forward writing its own weight: the write reaches the gathered copy only
     # (see [Note: writes to a held full value])
     clamps = FSDP(ClampsItsWeight())
@@ -484,7 +501,7 @@ def test_misuse_errors():
         assert message.startswith(f"ValueError: load_state_dict() got '{key}', a parameter that "
                                   f"the FSDP unit around Sequential shards"), message
     assert unchanged
-    assert "sharding_rank and sharding_world_size" in out["groups_no_rank"]
+    assert out["groups_no_rank"] == [1, 2], out["groups_no_rank"]   # rank 0 is second
     assert "every rank 0..1" in out["groups_cover"]
     assert out["groups_same"] == "no error", out["groups_same"]
     for message in nonempty(out["groups_mixed"], "mixed shardings"):
@@ -522,6 +539,9 @@ def test_misuse_errors():
                  in e for e in out["placeholder_write_saved"] + [out["placeholder_write"]]), \
         (out["placeholder_write_saved"], out["placeholder_write"])
     assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
+    assert out["attention_out_proj"].startswith(
+        "ValueError: FSDP unit around Attends: the nn.MultiheadAttention at 'attn' has its "
+        "out_proj wrapped in a unit of its own"), out["attention_out_proj"]
     for message in nonempty(out["written_while_held"], "forwards"):
         assert message.startswith("RuntimeError: ClampsItsWeight: parameter 'lin.weight' was "
                                   "changed in place while the unit held its full value"), message

@@ -3,7 +3,8 @@
 not pass through the root's output, ``retain_graph``, nested units used before the root,
 dataclass outputs, freezing after wrapping, non-persistent buffers, grouped units whose
 members are skipped or called twice, no-grad evaluation, ``load_state_dict(assign=True)``,
-an abandoned ``no_sync`` micro-batch, one module registered under several names.
+an abandoned ``no_sync`` micro-batch, one module registered under several names, a forward
+that lists its own parameters.
 
 One launch at N = 2 runs them all (the suite's time budget allows no more); each rank trains
 the unsharded reference too. Bounds (fp32): losses within 1e-5 relative, parameters and

@@ -24,8 +24,8 @@ import torch
 
 from .checks import nonempty
 from .models import GLOBAL_BATCH, Net, batch, loss_fn
-from .pattern_models import (BufferNet, BuriedNet, DataclassNet, ScaledNet, SharedEmbeddingLM,
-                             SkipNet)
+from .pattern_models import (BufferNet, BuriedNet, DataclassNet, PenalisedNet, ScaledNet,
+                             SharedEmbeddingLM, SkipNet)
 from .patterns import (TOL, WORLD, Context, Pair, check_strict_round_trip,
                               compare_values, describe, placeholder, seeded, sgd, wrap_blocks,
                               wrap_grouped)
@@ -234,6 +234,16 @@ def _frozen_after_forward(ctx, freeze_wrapped, freeze_plain):
         freeze_plain(p.plain)
     p.step("step 1, frozen after the forward", after_forward=freeze)
     p.step("step 2")
+    p.compare_params("after 3 steps")
+
+
+def own_parameters_in_forward(ctx):
+    """Each block's forward lists its own parameters (a penalty, the dtype of its input):
+    the full values its unit holds then ([Note: a module's parameters inside its unit's
+    forward])."""
+    p = Pair(ctx, PenalisedNet, wrap=wrap_blocks)
+    for step in range(3):
+        p.step(f"step {step}")
     p.compare_params("after 3 steps")
 
 
@@ -466,6 +476,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
     "optimizer_in_backward": optimizer_in_backward,
     "shared_module_names": shared_module_names,
     "independent_groups": independent_groups,
+    "own_parameters_in_forward": own_parameters_in_forward,
 }
 
 

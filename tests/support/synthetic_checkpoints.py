@@ -21,12 +21,13 @@ def full_model(seed=0):
 
 
 def write_set(prefix, world, full=None, save_index=1, flattened=False, recipe=False,
-              update_count=0, ranks=None, param_groups=None):
+              update_count=0, ranks=None, param_groups=None, sharding_group=None):
     """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths.
     ``flattened``: both parameters in one interleaved group, as flatten_parameters=True.
     ``recipe``: as torch_xla's documented recipe writes them (``model``, ``shard_metadata``,
     ``optimizer``; no xla_fsdp record). ``ranks``: write only these ranks' files.
-    ``param_groups``: the optimizer's groups of indices (default one group of all)."""
+    ``param_groups``: the optimizer's groups of indices (default one group of all).
+    ``sharding_group``: (index, replica) of the writers' sharding group, in the metadata."""
     full = full or full_model()
     if flattened:
         return _write_flattened(prefix, world, full, save_index)
@@ -38,6 +39,8 @@ def write_set(prefix, world, full=None, save_index=1, flattened=False, recipe=Fa
         "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
         "param_order": list(SHAPES), "update_count": update_count, "world_size": world,
         "rank": 0}
+    if sharding_group is not None:
+        metadata["sharding_group"], metadata["replica"] = sharding_group
     groups = param_groups or [list(range(len(SHAPES)))]
     paths = []
     for rank in (range(world) if ranks is None else ranks):

@@ -7,6 +7,7 @@ from typing import Callable, Dict, Iterator, List, Tuple
 import torch
 import torch.nn as nn
 
+from .._unit.module_parameters import registered_parameters
 from .._unit.param_record import Member, Owner, taken_by
 from .._unit.shard_group import shard_group_of
 from .._xla.private_api import children
@@ -26,7 +27,7 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
     for prefix, root in roots:
         for mod_path, m in _module_paths(root, unit):
             mod_path = ".".join(p for p in (prefix, mod_path) if p)
-            for attr, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+            for attr, p in list(registered_parameters(m, recurse=False, remove_duplicate=False)):
                 if shard_group_of(p) is not None:
                     continue
                 name = f"{mod_path}.{attr}" if mod_path else attr

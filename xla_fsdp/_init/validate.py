@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch.nn as nn
 
 from .._sharding.names import clean_name
+from .._unit.module_parameters import registered_parameters
 from .._unit.shard_group import shard_group_of
 from .._unit.unit_state import UnitState, detached_message, is_unit
 
@@ -68,7 +69,18 @@ def validate_first_forward(root: UnitState) -> None:
     for state in root.context.states:
         if state.detached:
             raise ValueError(detached_message(state.members))
-    added = sorted({clean_name(n) for m in root.members for n, p in m.named_parameters()
+    for m in root.members:
+        for path, attention in m.named_modules():
+            # its forward reads out_proj.weight instead of calling out_proj, so a unit
+            # there would hand it an empty placeholder (XLA's shape error, naming nothing)
+            if isinstance(attention, nn.MultiheadAttention) and is_unit(attention.out_proj):
+                raise ValueError(
+                    f"FSDP unit around {root.name}: the nn.MultiheadAttention at "
+                    f"'{clean_name(path)}' has its out_proj wrapped in a unit of its own, but "
+                    f"it reads out_proj.weight without calling out_proj. Wrap the "
+                    f"MultiheadAttention whole (size_based_auto_wrap_policy: keep it in "
+                    f"force_leaf_modules)")
+    added = sorted({clean_name(n) for m in root.members for n, p in registered_parameters(m)
                     if shard_group_of(p) is None})
     if added:
         shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from .._sharding.names import join_name
+from .module_parameters import registered_parameters
 from .param_record import placeholders_in
 from .shard_group import ShardGroup, shard_group_holding
 
@@ -76,14 +77,14 @@ def check_conversion(unit_name: str, path: str, shard_groups: Sequence[ShardGrou
 def shards_kept_out(module: nn.Module, shard_names: List[str]) -> Iterator[None]:
     """Unregisters ``module``'s shards for the duration, then registers its parameters again
     in their order, the shards as they were and the others as they are then."""
-    order = [name for name, _ in module.named_parameters(recurse=False)]
+    order = [name for name, _ in registered_parameters(module, recurse=False)]
     shards = {name: module.get_parameter(name) for name in shard_names}
     for name in shard_names:
         delattr(module, name)
     try:
         yield
     finally:
-        current = dict(module.named_parameters(recurse=False))
+        current = dict(registered_parameters(module, recurse=False))
         for name in current:
             delattr(module, name)
         for name in order:

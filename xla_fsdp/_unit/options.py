@@ -188,19 +188,20 @@ def _resolve_ranks(rank_groups: Optional[List[List[int]]], rank: Optional[int],
             raise ValueError("sharding_rank and sharding_world_size only apply together with "
                              "sharding_groups")
         return xr.global_ordinal(), xr.world_size()
-    if rank is None or world is None:
-        raise ValueError("sharding_groups needs sharding_rank and sharding_world_size "
-                         "(this rank's index within its group, and the group size)")
     total = xr.world_size()
     members = sorted(r for g in rank_groups for r in g)
     if members != list(range(total)):
         raise ValueError(f"sharding_groups {rank_groups} must contain every rank "
                          f"0..{total - 1} exactly once")
+    me = xr.global_ordinal()
+    mine = next(g for g in rank_groups if me in g)
+    # left out, both follow from the groups: one set of options serves every rank, as a
+    # launcher that passes the same arguments to every process (Lightning's) needs
+    world = len(mine) if world is None else world
+    rank = mine.index(me) if rank is None else rank
     if any(len(g) != world for g in rank_groups):
         raise ValueError(f"every group in sharding_groups {rank_groups} must have "
                          f"sharding_world_size={world} ranks")
-    me = xr.global_ordinal()
-    mine = next(g for g in rank_groups if me in g)
     if mine.index(me) != rank:
         raise ValueError(f"sharding_rank={rank} does not match rank {me}'s position "
                          f"{mine.index(me)} in its group {mine}")

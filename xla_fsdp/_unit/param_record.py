@@ -56,8 +56,10 @@ an evaluation under ``no_grad``, a frozen parameter) gets the placeholder: with 
 of zeros it broadcast against anything and computed a silently wrong result, which only a
 gradient arriving in backward could reveal, and frozen parameters or ``no_grad`` never get
 there. An empty tensor broadcasts against nothing but a dimension of one, so such a read
-fails where it happens, in the forward, with a shape of 0 in the message. Code that reads a
-parameter outside its unit belongs inside that unit, or calls the unit's ``unshard()`` first.
+fails where it happens, in the forward, with a shape of 0 in the message. A reduction of it
+does not fail: its sum or norm is 0 and its mean nan, so a penalty or a logged norm over a
+parameter read outside its unit is wrong without a word. Code that reads a parameter
+outside its unit belongs inside that unit, or calls the unit's ``unshard()`` first.
 
 [Note: a taken parameter is empty]
 Sharding removes an original parameter from its modules, but not from what else holds it: a
@@ -84,6 +86,8 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
+# the placeholders that hold their full value now (see module_parameters)
+_HELD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
@@ -118,6 +122,7 @@ class ParamRecord:
             for record, placeholder, value in zip(records, placeholders, values):
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
+                _HELD[placeholder] = True
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -150,6 +155,7 @@ class ParamRecord:
             for record, dummy in held:
                 record.placeholder.data = dummy
                 record.holds_full = record.placeholder._has_full_param = False
+                _HELD.pop(record.placeholder, None)
                 record.freed_at = version(record.placeholder)
         if written and not writes_kept:
             raise RuntimeError(
@@ -190,6 +196,16 @@ class ParamRecord:
         if self.grad_hook is None and self.placeholder.requires_grad:
             self.grad_hook = self.placeholder.register_post_accumulate_grad_hook(
                 lambda _t: fn())
+
+
+def any_held() -> bool:
+    """Whether any placeholder of any unit holds its full value now."""
+    return len(_HELD) > 0
+
+
+def held_record(t: torch.Tensor) -> Optional[ParamRecord]:
+    """The record of placeholder ``t`` if it holds its full value now, else None."""
+    return _BY_PLACEHOLDER.get(t) if t in _HELD else None
 
 
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:

@@ -53,6 +53,7 @@ from .._xla.private_api import (CollectiveBindings, after_grad_scaler_unscale,
 from . import attention, hf_model_guard, peft_names, step_reads
 from .conversions import check_member_conversion, placeholders_follow_requires_grad
 from .loss_scaling import agree_on_infs
+from .module_parameters import held_values_listed
 from .root_context import count_parameter_registration
 from .shard_group import shard_group_of
 from .optimizer_guard import (audit_update, check_accelerate_setting, check_step,
@@ -74,6 +75,7 @@ def install() -> None:
     register_module_parameter_registration_hook(count_parameter_registration)
     check_before_conversion(check_member_conversion)
     placeholders_follow_requires_grad()
+    held_values_listed()
     register_optimizer_step_pre_hook(check_step)
     register_optimizer_step_pre_hook(step_reads.before_step)
     register_optimizer_step_post_hook(audit_update)   # first: it may put the update back

@@ -79,8 +79,11 @@ def other_world_files(prefix: str, world_size: int) -> List[str]:
 
 # -- writing ----------------------------------------------------------------------------------
 def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], world_size: int,
-                   rank: int) -> Dict[str, Any]:
-    """This rank's shard metadata (see the module docstring)."""
+                   rank: int, sharding_group: Optional[Tuple[int, bool]] = None
+                   ) -> Dict[str, Any]:
+    """This rank's shard metadata (see the module docstring); ``sharding_group`` is the
+    index of this rank's group and whether the groups are replicas, under
+    ``sharding_groups`` (see [Note: files of several sharding groups])."""
     units = units_by_saved_path(root, units)
     shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
     interleave_info, stack_info = {}, {}
@@ -109,7 +112,9 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
             "shared_info": shared_info, "layout_info": layout_info, "stack_info": stack_info,
             "param_order": parameter_order(root, units),
             "update_count": sum(g.updates for _, unit in units for g in unit.shard_groups),
-            "world_size": world_size, "rank": rank}
+            "world_size": world_size, "rank": rank,
+            **({} if sharding_group is None else
+               {"sharding_group": sharding_group[0], "replica": sharding_group[1]})}
 
 
 def _layout_entry(layout: Layout) -> Dict[str, Any]:
@@ -219,6 +224,13 @@ class ShardMetadata:
         return self.raw["rank"]
 
     @property
+    def sharding_group(self) -> Optional[Tuple[int, bool]]:
+        """The writer's sharding group and whether groups are replicas; None if unknown."""
+        if "sharding_group" not in self.raw:
+            return None
+        return self.raw["sharding_group"], bool(self.raw["replica"])
+
+    @property
     def update_count(self) -> Optional[int]:
         return self.raw.get("update_count")
 
@@ -261,4 +273,6 @@ class ShardMetadata:
         """The same metadata as another rank of another world size writes it."""
         out = copy.deepcopy(self.raw)
         out["world_size"], out["rank"] = world_size, rank
+        out.pop("sharding_group", None)   # the new files are one group's
+        out.pop("replica", None)
         return out

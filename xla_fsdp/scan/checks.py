@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .._init.mixed_precision import float32_modules
+from .._unit.module_parameters import registered_parameters
 from .._unit.unit_state import is_unit
 from .._xla.private_api import is_batch_norm, module_hook_count, op_schema
 
@@ -155,7 +156,7 @@ def describe_layer(layer: nn.Module, ignored: Tuple[str, ...], hooks: bool = Fal
             raise ValueError(f"{where} ({type(m).__name__}) has module hooks, which the "
                              f"scan would not call")
         out[f"{path}:type"] = type(m)
-        for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+        for name, p in registered_parameters(m, recurse=False, remove_duplicate=False):
             out[f"{path}.{name}"] = ("parameter", tuple(p.shape), p.dtype, p.requires_grad)
         for name, b in m.named_buffers(recurse=False, remove_duplicate=False):
             out[f"{path}.{name}"] = ("buffer", tuple(b.shape), b.dtype)

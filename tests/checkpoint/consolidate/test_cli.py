@@ -66,6 +66,26 @@ def test_python_dash_m_and_console_script(tmp_path):
         assert os.path.exists(prefix + "_consolidated.pth")
 
 
+@pytest.mark.parametrize("replica", [True, False])
+def test_files_of_two_sharding_groups(tmp_path, capsys, replica):
+    """torch_xla's recipe under sharding_groups of two: every rank writes its file, named by
+    its global rank, and each group numbers its ranks 0 and 1 ([Note: files of several
+    sharding groups]). Replicas' files are one checkpoint; independent groups' are refused."""
+    prefix = str(tmp_path / "ck")
+    for index in (0, 1):
+        for rank, path in enumerate(write_set(str(tmp_path / f"g{index}"), 2, recipe=True,
+                                              sharding_group=(index, replica))):
+            os.rename(path, f"{prefix}_rank-{2 * index + rank:08d}-of-00000004.pth")
+    if not replica:
+        assert "files of sharding groups 0 and 1, each holding a different part" in \
+            _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+        return
+    code, out = _run(capsys, "--ckpt_prefix", prefix)
+    assert code == 0, out.err
+    result = torch.load(prefix + "_consolidated.pth", weights_only=True)
+    assert every(torch.equal(result["model"][k], v) for k, v in full_model().items())
+
+
 def _refusal(tmp_path, capsys, *args):
     before = {p: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
     code, out = _run(capsys, *args)

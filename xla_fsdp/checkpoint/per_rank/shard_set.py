@@ -140,11 +140,13 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
         raise CheckpointError(f"{pattern!r} mixes checkpoints of different world sizes: "
                               + ", ".join(f"{p} (world size {w})" for p, w in worlds.items()))
     world = next(iter(worlds.values()))
+    files = _first_replica(files)
     by_rank: Dict[int, CheckpointFile] = {}
     for f in files:
         rank = ShardMetadata(f.tree[SHARD_METADATA]).rank
         if rank in by_rank:
-            raise CheckpointError(f"{by_rank[rank].path} and {f.path} both hold rank {rank}")
+            raise CheckpointError(f"{by_rank[rank].path} and {f.path} both hold rank {rank}"
+                                  + _independent_groups(by_rank[rank], f))
         by_rank[rank] = f
     missing = [r for r in range(world) if r not in by_rank]
     if missing:
@@ -154,6 +156,34 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
     _check_same(ordered, "wrapping", _wrapping_identity)
     _check_same(ordered, "save", save_identity, IncompleteCheckpoint)
     return ordered
+
+
+def _first_replica(files: List[CheckpointFile]) -> List[CheckpointFile]:
+    """[Note: files of several sharding groups]
+    Under ``sharding_groups`` each group numbers its ranks from 0, so where every rank
+    writes a file (torch_xla's recipe, which Lightning's full save and Hugging Face
+    Trainer's ``save_model`` follow) one pattern matches a file of each group for every
+    rank. Replicas (``replicate_across_groups``) hold the same shards: the files of the
+    lowest group among them are the checkpoint. Independent groups hold different parts of
+    one model, which no one group's files make whole: refused, saying so. The writer's group
+    is in its shard metadata; files without it are one group's."""
+    writers = [ShardMetadata(f.tree[SHARD_METADATA]).sharding_group for f in files]
+    replicas = [w[0] for w in writers if w is not None and w[1]]
+    if not replicas or len(replicas) != len(files):
+        return files
+    first = min(replicas)
+    return [f for f, w in zip(files, writers, strict=True) if w is not None and w[0] == first]
+
+
+def _independent_groups(a: CheckpointFile, b: CheckpointFile) -> str:
+    first, second = (ShardMetadata(f.tree[SHARD_METADATA]).sharding_group for f in (a, b))
+    if first is None or second is None or first[0] == second[0]:
+        return ""
+    return (f": they are files of sharding groups {first[0]} and {second[0]}, each "
+            f"holding a different part of the model (sharding_groups without "
+            f"replicate_across_groups), which one group's files cannot make whole. Save "
+            f"with xla_fsdp.checkpoint.save_sharded or save_consolidated, which write every "
+            f"group's part")
 
 
 def save_identity(f: CheckpointFile) -> tuple:

@@ -1,0 +1,69 @@
+"""What a module inside a unit lists as its parameters while the unit holds their full values.
+
+[Note: a module's parameters inside its unit's forward]
+A module inside a unit holds placeholders, not parameters (see ``param_record``), so torch's
+``parameters()`` of it lists nothing of its unit. Code that reads a module's own parameters
+in its forward then went wrong: a penalty ``sum(p.pow(2).sum() for p in self.parameters())``
+added nothing, without a word, and ``next(self.parameters()).dtype`` raised StopIteration.
+While a placeholder holds its full value (the unit's forward and backward, an
+``unshard()``), ``named_parameters`` of a module that holds it, or of any module above it,
+also lists it under its attribute's name, as PyTorch FSDP2's modules list their unsharded
+parameters then. A module that lists the placeholder's shard (a unit, or a module above
+it) lists the shard only, so what an optimizer is built from never changes. Between
+forwards nothing is added: the placeholders are empty then, and a listing of the shards
+stays what code written for torch_xla's FSDP reads. FSDP's own walks over what a module
+registers use ``registered_parameters``, which lists only that.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Set, Tuple
+
+import torch
+import torch.nn as nn
+
+from .param_record import any_held, held_record
+from .shard_group import shard_group_holding, shard_group_of
+
+_TORCH_NAMED_PARAMETERS = nn.Module.named_parameters
+
+
+def registered_parameters(module: nn.Module, recurse: bool = True,
+                          remove_duplicate: bool = True
+                          ) -> Iterator[Tuple[str, nn.Parameter]]:
+    """torch's ``named_parameters``: what ``module`` registers, never a placeholder."""
+    return _TORCH_NAMED_PARAMETERS(module, recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def held_values_listed() -> None:
+    """Patches ``nn.Module.named_parameters`` (and so ``parameters``) once per process (see
+    [Note: a module's parameters inside its unit's forward])."""
+    if getattr(nn.Module.named_parameters, "lists_held_values", False):
+        return
+
+    def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True
+                         ) -> Iterator[Tuple[str, torch.Tensor]]:
+        listed: Set[int] = set()
+        for name, p in _TORCH_NAMED_PARAMETERS(self, prefix, recurse, remove_duplicate):
+            shard_group = shard_group_of(p)
+            if shard_group is not None:
+                listed.add(id(shard_group))
+            yield name, p
+        if not any_held():
+            return
+        seen: Set[int] = set()
+        modules = (self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
+                   if recurse else [(prefix, self)])
+        for path, module in modules:
+            for attr, value in list(vars(module).items()):
+                if not isinstance(value, torch.Tensor) or held_record(value) is None:
+                    continue
+                if id(shard_group_holding(value)) in listed or \
+                        (remove_duplicate and id(value) in seen):
+                    continue
+                seen.add(id(value))
+                yield (f"{path}.{attr}" if path else attr), value
+
+    named_parameters.lists_held_values = True  # type: ignore[attr-defined]
+    named_parameters.__doc__ = _TORCH_NAMED_PARAMETERS.__doc__
+    nn.Module.named_parameters = named_parameters  # type: ignore[method-assign]
