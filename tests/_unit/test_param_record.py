@@ -226,3 +226,13 @@ def test_a_module_holding_placeholders_is_not_copied_or_pickled():
             with pytest.raises(TypeError, match=r"holds parameters that the FSDP unit around "
                                                 r"Tied shards: a copy or a pickle of it"):
                 copier(target)
+
+
+def test_a_frozen_original_keeps_its_value():
+    """[Note: a taken parameter is empty]: frozen, what else holds it reads a right value."""
+    model = Tied()
+    model.layer.bias.requires_grad_(False)
+    bias = model.layer.bias
+    value = bias.detach().clone()
+    FakeWorld(model, world_size=1)
+    assert torch.equal(bias.detach(), value)

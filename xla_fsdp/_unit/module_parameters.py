@@ -8,7 +8,8 @@ added nothing, without a word, and ``next(self.parameters()).dtype`` raised Stop
 While a placeholder holds its full value (the unit's forward and backward, an
 ``unshard()``), ``named_parameters`` of a module that holds it, or of any module above it,
 also lists it under its attribute's name, as PyTorch FSDP2's modules list their unsharded
-parameters then. A module that lists the placeholder's shard (a unit, or a module above
+parameters then; so does a scanned layer's trace the values lent to it. Under
+``torch.compile`` nothing is added (the listing is torch's, which Dynamo follows). A module that lists the placeholder's shard (a unit, or a module above
 it) lists the shard only, so what an optimizer is built from never changes. Between
 forwards nothing is added: the placeholders are empty then, and a listing of the shards
 stays what code written for torch_xla's FSDP reads. FSDP's own walks over what a module
@@ -43,14 +44,17 @@ def held_values_listed() -> None:
     def named_parameters(self: nn.Module, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True
                          ) -> Iterator[Tuple[str, torch.Tensor]]:
+        # Dynamo traces this (HF's ``self.dtype``): nothing it cannot follow before the
+        # check, and a compiled region lends its full values, it never holds them
+        if torch.compiler.is_compiling() or not any_held():
+            yield from _TORCH_NAMED_PARAMETERS(self, prefix, recurse, remove_duplicate)
+            return
         listed: Set[int] = set()
         for name, p in _TORCH_NAMED_PARAMETERS(self, prefix, recurse, remove_duplicate):
             shard_group = shard_group_of(p)
             if shard_group is not None:
                 listed.add(id(shard_group))
             yield name, p
-        if not any_held():
-            return
         seen: Set[int] = set()
         modules = (self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
                    if recurse else [(prefix, self)])

@@ -67,8 +67,10 @@ module that keeps it in a list or a closure, a hook that captured it, an average
 ``model.parameters()`` before wrapping. Left whole, it kept its value of wrapping time and
 its device memory, and code reading it trained on a stale copy without a word (its gradient
 reached nothing). Emptied, as a freed placeholder is, such a read fails where it happens,
-and the memory is really freed. A reference taken before wrapping is read through the
-module attribute instead, inside the unit.
+and the memory is really freed. A frozen original keeps its value, which is still right
+(an embedding shared, frozen, with an unwrapped teacher): unfrozen later through its shard,
+its stale value is the one case left. A reference taken before wrapping is read through
+the module attribute instead, inside the unit.
 """
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
-# the placeholders that hold their full value now (see module_parameters)
+# placeholder holding its full value, or full value lent -> its record (see module_parameters)
 _HELD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -122,7 +124,7 @@ class ParamRecord:
             for record, placeholder, value in zip(records, placeholders, values):
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
-                _HELD[placeholder] = True
+                _HELD[placeholder] = record
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -174,12 +176,16 @@ class ParamRecord:
         for record, value in zip(records, values):
             for module, attr in record.owners:
                 setattr(module, attr, value)
+            if not torch.compiler.is_compiling():   # a scanned layer's trace
+                _HELD[value] = record
 
     @staticmethod
     def take_back(records: Sequence["ParamRecord"]) -> None:
         """The placeholders back where ``lend`` set the full values."""
         for record in records:
             for module, attr in record.owners:
+                if not torch.compiler.is_compiling():
+                    _HELD.pop(getattr(module, attr), None)
                 setattr(module, attr, record.placeholder)
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
@@ -204,8 +210,9 @@ def any_held() -> bool:
 
 
 def held_record(t: torch.Tensor) -> Optional[ParamRecord]:
-    """The record of placeholder ``t`` if it holds its full value now, else None."""
-    return _BY_PLACEHOLDER.get(t) if t in _HELD else None
+    """The record of ``t`` if it is a placeholder holding its full value now, or a full value
+    lent outside ``torch.compile`` (a scanned layer's trace), else None."""
+    return _HELD.get(t)
 
 
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
@@ -225,8 +232,9 @@ def mark_taken(original: torch.Tensor, name: str, unit_name: str) -> None:
     """Marks an original parameter as replaced by a shard, and empties it (see [Note: a
     taken parameter is empty])."""
     _TAKEN[original] = (name, unit_name)
-    original.data = torch.empty(0, dtype=original.dtype, device=original.device)
-    original.grad = None
+    if original.requires_grad:
+        original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+        original.grad = None
 
 
 def taken_name(t: torch.Tensor) -> Optional[str]:

@@ -59,7 +59,7 @@ def runs_graph(func: Any, args: tuple, kwargs: dict) -> bool:
         return isinstance(repeats, torch.Tensor)
     if name == "where":
         return len(args) + len(kwargs) == 1
-    if name == "embedding":   # renormalises the rows it reads on the CPU first
+    if func is torch.nn.functional.embedding:   # renormalises its rows on the CPU first
         return (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None
     return name in _INDEXING and len(args) > 1 and _has_mask(args[1])
 

@@ -382,7 +382,8 @@ class SyncPoints:
         if self._rank is None or not pin_layout or \
                 not any(t.dtype == torch.bfloat16 for t in tensors):
             return orig(reduce_type, inputs, scale, groups, pin_layout)
-        widened = orig(reduce_type, [t.float() for t in tensors], scale, groups, pin_layout)
+        widened = orig(reduce_type, [t.float() if t.dtype == torch.bfloat16 else t
+                                     for t in tensors], scale, groups, pin_layout)
         narrowed = [w.to(t.dtype) for w, t in zip(widened, tensors, strict=True)]
         if isinstance(inputs, torch.Tensor):
             return narrowed[0]

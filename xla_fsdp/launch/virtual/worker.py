@@ -149,13 +149,6 @@ def _run(fn, args: tuple, num_devices: int, send) -> Dict[int, bytes]:
         raise RuntimeError(f"asked for {num_devices} virtual CPU devices, XLA created "
                            f"{len(devices)}; was the runtime started before launch?")
     xm.set_replication(devices[0], devices)
-    # [Note: host scalars] torch_xla shares one device value among equal Python scalars of a
-    # graph (a per-device cache). Scalars computed on the host from each rank's own shards
-    # (torch's Adafactor under allow_per_shard_statistics) coincide on some ranks only, so
-    # the ranks' graphs get different parameter lists and never meet here. On hardware each
-    # process compiles its own program, whose collectives still meet: without the cache the
-    # graphs here are alike too.
-    torch_xla._XLAC._set_xla_enable_device_data_cache(False)
     collector = CollectorAtMeetings()  # see [Note: collection at collective points]
     collector.install()
     ring = TurnRing(num_devices, process_globals.install(), collector.collect_if_due)
