@@ -326,6 +326,17 @@ class UnitModule(FallThrough):
         which holds the whole model once. Every rank takes part in the reduction, also one
         whose parameters got no gradient."""
         self.check_root_call("clip_grad_norm_")
+        pending = [n for _, unit in self.named_units() for g in unit._state.params.shard_groups
+                   if g.accumulating() for n in g.names]
+        if pending:
+            # the accumulated gradients wait on the full parameters until the synchronised
+            # backward reduces them: the shards hold none to clip, and a change to a shard's
+            # gradient counts as dropping the accumulation
+            raise RuntimeError(
+                f"clip_grad_norm_ inside a no_sync() accumulation ({pending[0]} and others "
+                f"have micro-batches not reduced yet): clip after the backward outside "
+                f"no_sync(), before the optimizer step (Lightning: clip_gradients only on the "
+                f"step that does not accumulate)")
         if groups is None:
             groups = self._options.sharding_groups if self._options.replicate_across_groups \
                 else None

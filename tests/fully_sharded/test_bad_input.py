@@ -216,6 +216,14 @@ def _full_optimizer_state(out):
     inner.requires_grad_(False)
     outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
     out["frozen_mid_accumulation"] = _error(outer_opt.step)
+    # clipped between micro-batches: the shards hold nothing reduced yet
+    clipped = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
+    with clipped.no_sync():
+        clipped(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    out["clip_mid_accumulation"] = [_error(lambda: clipped.clip_grad_norm_(1.0))]
+    clipped(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
+    out["clip_mid_accumulation"].append(_error(lambda: clipped.clip_grad_norm_(1.0)))
+    torch_xla.sync()
     # weight decay split by p.dim() (nanoGPT's recipe) over flat shards
     split = FSDP(Tiny())
     shards = list(split.parameters())
@@ -501,6 +509,10 @@ def test_misuse_errors():
     assert "lin.weight was frozen (requires_grad=False) between micro-batches of a " \
         "no_sync() accumulation" in out["frozen_mid_accumulation"], \
         out["frozen_mid_accumulation"]
+    refused, after = out["clip_mid_accumulation"]
+    assert refused.startswith("RuntimeError: clip_grad_norm_ inside a no_sync() accumulation "
+                              "(1.lin.weight and others") and after == "no error", \
+        out["clip_mid_accumulation"]
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
     assert "has shape (3,), not its shard's" in out["other_layout_state"], \

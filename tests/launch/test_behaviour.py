@@ -74,6 +74,9 @@ def everyday_calls(rank: int, save_path: str) -> dict:
     gathered = xm.all_gather(torch.tensor([rank, 1]).to(device), pin_layout=False)
     out["fallbacks"] = [torch.bincount(gathered).cpu().tolist(),
                         torch.isin(gathered, torch.tensor([1]).to(device)).cpu().tolist()]
+    # `in` reads it too (Hugging Face's generate checks `pad_token_id in input_ids`)
+    contained = xm.all_gather(torch.tensor([rank, 1]).to(device), pin_layout=False)
+    out["contains"] = [1 in contained, 5 in contained]
     # ...and torch.nn's that do (their forwards; the backward kernels are out of sight)
     rows = xm.all_gather(torch.full((1, 2), 3.0 + rank).to(device), pin_layout=False)
     ids = torch.tensor([[0, 1]]).to(device)
@@ -152,6 +155,7 @@ def test_everyday_calls_work(tmp_path):
         assert r["gathered"] == [1.0] * 4 + [2.0] * 4
         assert r["masked"] == [[3.0, 0.0, 3.0, 0.0], [0, 2]]
         assert r["fallbacks"] == [[1, 3], [False, True, True, True]]
+        assert r["contains"] == [True, False]
         bag, renormed, normed = r["module_fallbacks"]
         assert bag == [[3.5, 3.5]], bag
         torch.testing.assert_close(torch.tensor(renormed),

@@ -22,7 +22,7 @@ _COLLECTIVE_IR = re.compile(
 _READS = frozenset((
     "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
     "__complex__", "__repr__", "__str__", "__format__", "__array__", "__reduce_ex__",
-    "is_nonzero", "equal", "allclose", "to", "copy_"))
+    "is_nonzero", "equal", "allclose", "to", "copy_", "__contains__"))
 # these read a value only when they move it to the CPU
 _CPU_TARGET_ONLY = frozenset(("to", "copy_"))
 
