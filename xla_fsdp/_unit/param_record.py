@@ -74,6 +74,7 @@ the module attribute instead, inside the unit.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -88,7 +89,8 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
-# placeholder holding its full value, or full value lent -> its record (see module_parameters)
+# placeholder holding its full value, or full value lent -> its record, held weakly as in
+# registry (see module_parameters)
 _HELD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -124,7 +126,7 @@ class ParamRecord:
             for record, placeholder, value in zip(records, placeholders, values):
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
-                _HELD[placeholder] = record
+                _HELD[placeholder] = weakref.ref(record)
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -177,7 +179,7 @@ class ParamRecord:
             for module, attr in record.owners:
                 setattr(module, attr, value)
             if not torch.compiler.is_compiling():   # a scanned layer's trace
-                _HELD[value] = record
+                _HELD[value] = weakref.ref(record)
 
     @staticmethod
     def take_back(records: Sequence["ParamRecord"]) -> None:
@@ -212,7 +214,8 @@ def any_held() -> bool:
 def held_record(t: torch.Tensor) -> Optional[ParamRecord]:
     """The record of ``t`` if it is a placeholder holding its full value now, or a full value
     lent outside ``torch.compile`` (a scanned layer's trace), else None."""
-    return _HELD.get(t)
+    ref = _HELD.get(t)
+    return None if ref is None else ref()
 
 
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
