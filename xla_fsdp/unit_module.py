@@ -333,8 +333,9 @@ class UnitModule(FallThrough):
             # backward reduces them: the shards hold none to clip, and a change to a shard's
             # gradient counts as dropping the accumulation
             raise RuntimeError(
-                f"clip_grad_norm_ inside a no_sync() accumulation ({pending[0]} and others "
-                f"have micro-batches not reduced yet): clip after the backward outside "
+                f"clip_grad_norm_ inside a no_sync() accumulation ({', '.join(pending[:3])}"
+                f"{', ...' if len(pending) > 3 else ''}: micro-batches not reduced yet): clip "
+                f"after the backward outside "
                 f"no_sync(), before the optimizer step (Lightning: clip_gradients only on the "
                 f"step that does not accumulate)")
         if groups is None:

@@ -511,7 +511,8 @@ def test_misuse_errors():
         out["frozen_mid_accumulation"]
     refused, after = out["clip_mid_accumulation"]
     assert refused.startswith("RuntimeError: clip_grad_norm_ inside a no_sync() accumulation "
-                              "(1.lin.weight and others") and after == "no error", \
+                              "(1.lin.weight, 1.lin.bias, lin.weight, ...: micro-batches not "
+                              "reduced yet)") and after == "no error", \
         out["clip_mid_accumulation"]
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]

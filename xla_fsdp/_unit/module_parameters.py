@@ -9,8 +9,9 @@ While a placeholder holds its full value (the unit's forward and backward, an
 ``unshard()``), ``named_parameters`` of a module that holds it, or of any module above it,
 also lists it under its attribute's name, as PyTorch FSDP2's modules list their unsharded
 parameters then; so does a scanned layer's trace the values lent to it. Under
-``torch.compile`` nothing is added (the listing is torch's, which Dynamo follows). A module that lists the placeholder's shard (a unit, or a module above
-it) lists the shard only, so what an optimizer is built from never changes. Between
+``torch.compile`` nothing is added (the listing is torch's, which Dynamo follows). A module
+that lists the placeholder's shard (a unit, or a module above it) lists the shard only, so
+what an optimizer is built from never changes. Between
 forwards nothing is added: the placeholders are empty then, and a listing of the shards
 stays what code written for torch_xla's FSDP reads. FSDP's own walks over what a module
 registers use ``registered_parameters``, which lists only that.

@@ -74,7 +74,6 @@ the module attribute instead, inside the unit.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -89,9 +88,8 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
-# placeholder holding its full value, or full value lent -> its record, held weakly as in
-# registry (see module_parameters)
-_HELD: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# placeholder holding its full value, or full value lent -> its record (see module_parameters)
+_HELD: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
@@ -126,7 +124,7 @@ class ParamRecord:
             for record, placeholder, value in zip(records, placeholders, values):
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
-                _HELD[placeholder] = weakref.ref(record)
+                _HELD[placeholder] = record
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -159,7 +157,7 @@ class ParamRecord:
             for record, dummy in held:
                 record.placeholder.data = dummy
                 record.holds_full = record.placeholder._has_full_param = False
-                _HELD.pop(record.placeholder, None)
+                _HELD.pop(record.placeholder)
                 record.freed_at = version(record.placeholder)
         if written and not writes_kept:
             raise RuntimeError(
@@ -179,7 +177,7 @@ class ParamRecord:
             for module, attr in record.owners:
                 setattr(module, attr, value)
             if not torch.compiler.is_compiling():   # a scanned layer's trace
-                _HELD[value] = weakref.ref(record)
+                _HELD[value] = record
 
     @staticmethod
     def take_back(records: Sequence["ParamRecord"]) -> None:
@@ -187,7 +185,7 @@ class ParamRecord:
         for record in records:
             for module, attr in record.owners:
                 if not torch.compiler.is_compiling():
-                    _HELD.pop(getattr(module, attr), None)
+                    _HELD.pop(getattr(module, attr))
                 setattr(module, attr, record.placeholder)
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
@@ -214,8 +212,7 @@ def any_held() -> bool:
 def held_record(t: torch.Tensor) -> Optional[ParamRecord]:
     """The record of ``t`` if it is a placeholder holding its full value now, or a full value
     lent outside ``torch.compile`` (a scanned layer's trace), else None."""
-    ref = _HELD.get(t)
-    return None if ref is None else ref()
+    return _HELD.get(t)
 
 
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:

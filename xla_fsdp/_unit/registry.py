@@ -32,3 +32,9 @@ class WeakRegistry(Generic[V]):
 
     def __contains__(self, key: Any) -> bool:
         return self.get(key) is not None
+
+    def pop(self, key: Any) -> None:
+        self._refs.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._refs)

@@ -388,7 +388,8 @@ class SyncPoints:
         if isinstance(inputs, torch.Tensor):
             return narrowed[0]
         for t, value in zip(tensors, narrowed, strict=True):   # in place, as torch_xla's
-            t.copy_(value)
+            if t.dtype == torch.bfloat16:
+                t.copy_(value)
         return inputs
 
     def _sleep(self, seconds: float) -> None:
