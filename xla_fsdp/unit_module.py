@@ -33,7 +33,7 @@ from ._unit.conversions import check_conversion, shards_kept_out
 from ._unit.host_offload import split_by_place
 from ._unit.module_view import FallThrough, start_writing_through
 from ._unit.options import FsdpOptions, default_predivide_factor
-from ._unit.param_record import ParamRecord
+from ._unit.param_record import ParamRecord, unit_state_dict
 from ._unit.shard_group import ShardGroup
 from ._unit.training_state import TrainingState
 from ._unit.unit_params import FullParams, UnitParams
@@ -385,6 +385,12 @@ class UnitModule(FallThrough):
         self.check_root_call("load_full_state_dict")
         return load_full_state_dict(self, state_dict, strict)
 
+    def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """This rank's shards and the buffers, under the unit's names. The modules inside
+        refuse a ``state_dict()`` of their own (see [Note: state_dict() below a unit])."""
+        with unit_state_dict():
+            return super().state_dict(*args, **kwargs)
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False) -> Any:
         """This unit's own state dict, as ``state_dict()`` gives it (this rank's shards); on
@@ -440,7 +446,8 @@ class UnitModule(FallThrough):
 
 def _unwrapped_names(root: UnitModule, state_dict: Mapping[str, Any]) -> bool:
     """Whether ``state_dict`` names no entry of the wrapped model's state dict."""
-    wrapped = set(nn.Module.state_dict(root, keep_vars=True))
+    with unit_state_dict():
+        wrapped = set(nn.Module.state_dict(root, keep_vars=True))
     return not any(k in wrapped for k in state_dict)
 
 

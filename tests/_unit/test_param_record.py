@@ -236,3 +236,22 @@ def test_a_frozen_original_keeps_its_value():
     value = bias.detach().clone()
     FakeWorld(model, world_size=1)
     assert torch.equal(bias.detach(), value)
+
+
+def test_a_module_holding_placeholders_refuses_a_state_dict_of_its_own():
+    """[Note: state_dict() below a unit]: the dict would lack every parameter the unit holds;
+    through a unit's state_dict() (which counts itself) the same module is read."""
+    import pytest
+    from xla_fsdp._unit.param_record import unit_state_dict
+    module = FakeWorld(Tied(), world_size=1).modules[0]
+    with pytest.raises(TypeError, match=r"state_dict\(\) of a module inside an FSDP unit: "
+                                        r"Linear holds parameters that the FSDP unit around "
+                                        r"Tied shards, and the state dict would leave"):
+        module.layer.state_dict()
+    with pytest.raises(TypeError, match=r"Embedding holds .* \(at 'embed' in the module "
+                                        r"called\)"):
+        module.state_dict()                     # a module above it: refused where it reads
+    with unit_state_dict():
+        assert list(module.state_dict()) == []   # placeholders are not torch's parameters
+    with pytest.raises(TypeError, match="inside an FSDP unit"):
+        module.state_dict()                      # the count went back down

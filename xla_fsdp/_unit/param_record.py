@@ -74,7 +74,9 @@ the module attribute instead, inside the unit.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -254,18 +256,57 @@ def taken_by(t: torch.Tensor) -> Optional[str]:
 
 
 def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
-    """Makes ``copy.deepcopy`` and pickling (``torch.save``) of ``module``, a module inside a
-    unit that holds placeholders, or of any module above it, refuse: the copy would hold
-    empty tensors (see [Note: a unit is not copied] in ``unit_module``). Both look these up
-    on the instance first."""
+    """Makes ``copy.deepcopy``, pickling (``torch.save``) and a ``state_dict()`` of
+    ``module``, a module inside a unit that holds placeholders, or of any module above it,
+    refuse: a copy would hold empty tensors (see [Note: a unit is not copied] in
+    ``unit_module``), and a state dict would lack what the placeholders stand for (see
+    [Note: state_dict() below a unit]). The copies look these up on the instance first."""
+    if "__deepcopy__" in vars(module):
+        return
+    what = (f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
+            f"shards")
+
     def refuse(*_args: Any) -> Any:
         raise TypeError(
-            f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
-            f"shards: a copy or a pickle of it would hold empty placeholders. Copy the model "
+            f"{what}: a copy or a pickle of it would hold empty placeholders. Copy the model "
             f"before wrapping and wrap the copy the same way, or save the values with "
             f"full_state_dict()")
+
+    def refuse_state_dict(_module: nn.Module, prefix: str, _keep_vars: bool) -> None:
+        if not getattr(_UNIT_SAVING, "depth", 0):
+            at = f" (at '{prefix[:-1]}' in the module called)" if prefix else ""
+            raise TypeError(
+                f"state_dict() of a module inside an FSDP unit: {what}{at}, and the state "
+                f"dict would leave them out (and give nested units' flat shards). Call "
+                f"root.full_state_dict() for the model's values under its own names (every "
+                f"rank calls it; Fabric: fabric.save(..., state_dict_type='full')), or "
+                f"state_dict() of the root FSDP model for this rank's shards")
     object.__setattr__(module, "__deepcopy__", refuse)
     object.__setattr__(module, "__reduce_ex__", refuse)
+    module.register_state_dict_pre_hook(refuse_state_dict)
+
+
+# [Note: state_dict() below a unit]
+# The modules inside a unit hold placeholders, plain attributes that torch's state_dict()
+# does not list, and nested units' flat shards under wrapper names. Through a unit's own
+# state_dict() that is the sharded state dict, whose names its loaders read; called on a
+# module inside it (Lightning's _FabricModule.state_dict(), an accelerate or user save of
+# the inner model) it was a dict missing every parameter the units hold, saved without a
+# word. The units count their state_dict() calls per thread (the virtual launcher runs a
+# rank per thread), and a module holding placeholders refuses one made outside them.
+_UNIT_SAVING = threading.local()
+
+
+@contextlib.contextmanager
+def unit_state_dict() -> Iterator[None]:
+    """Marks this thread as inside a unit's ``state_dict()``, where the modules below it may
+    be read (see [Note: state_dict() below a unit])."""
+    depth = getattr(_UNIT_SAVING, "depth", 0)
+    _UNIT_SAVING.depth = depth + 1
+    try:
+        yield
+    finally:
+        _UNIT_SAVING.depth = depth
 
 
 def refuse_loads_into(module: nn.Module, attr: str, unit_name: str) -> None:
