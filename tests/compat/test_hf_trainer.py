@@ -50,7 +50,7 @@ def _config():
 
 
 def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume=None,
-                twice=False):
+                twice=False, settings=None):
     if fsdp:
         from xla_fsdp import patch_torch_xla
         patch_torch_xla()
@@ -61,7 +61,8 @@ def run_trainer(rank, out, fsdp, grad_ckpt=False, batch=2, smoothing=0.0, resume
     extra = {}
     if fsdp:
         extra = {"fsdp": "full_shard",
-                 "fsdp_config": {"xla": True, "transformer_layer_cls_to_wrap": ["GPT2Block"]}}
+                 "fsdp_config": {"xla": True, "transformer_layer_cls_to_wrap": ["GPT2Block"],
+                                 "xla_fsdp_settings": settings or {}}}
     args = TrainingArguments(output_dir=out, max_steps=STEPS, per_device_train_batch_size=batch,
                              learning_rate=LR, lr_scheduler_type="polynomial",
                              lr_scheduler_kwargs={"lr_end": LR / 2, "power": 1.0},
@@ -132,6 +133,16 @@ def test_trainer_fsdp_matches_plain_trainer_and_one_device(tmp_path):
     _compare(resumed[False, "run"], os.path.join(resumed[False], "checkpoint-6"),
              resumed[True, "run"], os.path.join(resumed[True], "checkpoint-6"),
              best="checkpoint-6")
+    # resumed on as many devices, its shards cut along dim 0: Trainer's own loader would
+    # read each rank's file index by index, so the optimizer state is resharded instead
+    # ([Note: Trainer's optimizer at another world size]); it goes on as the run that
+    # never stopped
+    relaid_dir = str(tmp_path / "relaid")
+    relaid = launch(run_trainer, (relaid_dir, True, False, 2, 0.0,
+                                  str(tmp_path / "fsdp_ckpt0" / "checkpoint-3"), False,
+                                  {"shard_param_on_dim_0": True}), num_devices=WORLD)[0]
+    _compare(plain, os.path.join(plain_dir, "checkpoint-6"),
+             relaid, os.path.join(relaid_dir, "checkpoint-6"))
 
 
 def _compare(plain, plain_dir, sharded, fsdp_dir, best="checkpoint-3"):

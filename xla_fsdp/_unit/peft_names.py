@@ -50,7 +50,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 import torch.nn as nn
 
 from .._sharding.names import GROUP_PREFIX, clean_name, join_name
-from .param_record import placeholders_in
+from .param_record import placeholders_in, unit_state_dict
 
 # what is wrapped: (module, class in it or "", attribute)
 Target = Tuple[str, str, str]
@@ -118,7 +118,10 @@ def _modules_to_save_method(original: Extractor) -> Extractor:
     @functools.wraps(original)
     def adapter_state_dict(self: nn.Module, adapter_name: str, *args: Any,
                            **kwargs: Any) -> Dict[str, Any]:
-        result = original(self, adapter_name, *args, **kwargs)
+        # it reads the module's own state dict for the names only, and gets the values from
+        # the one given: no dict below a unit escapes (see [Note: state_dict() below a unit])
+        with unit_state_dict():
+            result = original(self, adapter_name, *args, **kwargs)
         given = args[0] if args else kwargs.get("state_dict")
         if isinstance(given, Mapping):
             prefix = f"modules_to_save.{adapter_name}."

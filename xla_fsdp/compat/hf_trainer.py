@@ -225,8 +225,10 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
     without a word. Now the optimizer state is read from the N ranks' files into this run's
     shards, as ``load_sharded`` reads per-rank files at another world size
     (``sources.trainer_files``), and the schedule from ``scheduler.pt``, as Trainer reads
-    it. A checkpoint holding files of several world sizes, or a model Trainer did not wrap
-    with ours, is refused on every rank, naming the files."""
+    it. So are files of this run's N saved from shards cut otherwise (another layout,
+    flattening or units: Trainer's loader failed in torch, or the optimizer's step refused
+    state of another shape). A checkpoint holding files of several world sizes, or a model
+    Trainer did not wrap with ours, is refused on every rank, naming the files."""
     optimizer_file = module.OPTIMIZER_NAME
     pattern = re.compile(r"rank\d+-of-(\d+)-" + re.escape(optimizer_file) + "$")
 
@@ -235,21 +237,29 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
         if checkpoint is None or not getattr(self, "is_fsdp_xla_v1_enabled", False):
             return load(self, checkpoint)
         from ..checkpoint.coordination import exchange
-        scheduler = os.path.join(checkpoint, module.SCHEDULER_NAME)
-        listed = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
-        # every rank's view, so that all take the same way (the other one is collective)
-        views = exchange("xla_fsdp.trainer_resume.files", (sorted(
-            {int(m.group(1)) for m in map(pattern.match, listed) if m}),
-            os.path.isfile(scheduler)))
-        saved = sorted({n for counts, _ in views for n in counts})
-        world = self.args.world_size
-        # Trainer loads neither without the schedule's file
-        if not saved or world in saved or not all(found for _, found in views):
-            return load(self, checkpoint)
         from ..unit_module import UnitModule
         # the wrapped model is Trainer's model on transformers 4, and model_wrapped on 5
         model = next((m for m in (self.model_wrapped, self.model) if isinstance(m, UnitModule)),
                      None)
+        world = self.args.world_size
+        scheduler = os.path.join(checkpoint, module.SCHEDULER_NAME)
+        own = os.path.join(checkpoint, f"rank{self.args.process_index}-of-{world}-"
+                                       f"{optimizer_file}")
+        listed = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
+        # every rank's view, so that all take the same way (the other one is collective)
+        views = exchange("xla_fsdp.trainer_resume.files", (sorted(
+            {int(m.group(1)) for m in map(pattern.match, listed) if m}),
+            os.path.isfile(scheduler), _shards_differ(own, model)))
+        saved = sorted({n for counts, _, _ in views for n in counts})
+        # Trainer loads neither without the schedule's file
+        if not saved or not all(found for _, found, _ in views):
+            return load(self, checkpoint)
+        if world in saved:
+            # Trainer's loader reads this rank's file index by index, right only when the
+            # shards are cut as they were saved
+            if not any(differ for _, _, differ in views):
+                return load(self, checkpoint)
+            saved = [world]
         if len(saved) > 1 or model is None:
             raise ValueError(
                 f"xla_fsdp: {checkpoint} holds Trainer's optimizer state for "
@@ -262,6 +272,18 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
         self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu",
                                                      weights_only=True))
     return load_optimizer_and_scheduler
+
+
+def _shards_differ(path: str, model: Any) -> bool:
+    """Whether this rank's optimizer file at ``path`` was saved from shards cut otherwise
+    than ``model``'s (another layout, flattening or units): its shard metadata differs."""
+    if model is None or not os.path.isfile(path):
+        return False
+    from ..checkpoint.files import CheckpointFile
+    from ..checkpoint.per_rank_format import SHARD_METADATA
+    with CheckpointFile(path) as f:
+        saved = f.tree.get(SHARD_METADATA) if isinstance(f.tree, dict) else None
+    return saved is not None and saved != model.get_shard_metadata()
 
 
 def _load_optimizer_from(checkpoint: str, world: int, model: Any, optimizer: Any,
