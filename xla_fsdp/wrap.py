@@ -7,6 +7,7 @@ below ``module`` that no inner unit has taken yet.
 """
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type
 
 import torch.nn as nn
@@ -66,7 +67,21 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
     ignored_modules = set(ignored_modules or ())
     ignored_ids = {id(p) for p in ignored_params or ()}
     return _wrap(module, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_ids,
-                 only_wrap_children, kwargs)
+                 only_wrap_children, kwargs, _registrations(module))
+
+
+def _registrations(module: nn.Module) -> Counter:
+    """How many places below ``module`` register each parameter (by id)."""
+    return Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+
+
+def _splits_a_tie(module: nn.Module, registrations: Counter) -> bool:
+    """[Note: a tie is not split by a policy] Whether a parameter of ``module`` is also
+    registered outside it: an embedding whose weight a head outside shares. A unit around
+    it would shard the tie away from its other module, which FSDP refuses, and a policy is
+    not the user naming that split (a size policy wraps the embedding, or the body without
+    the head, by counting). Such a module is left to the unit above, which holds both."""
+    return any(registrations[i] > n for i, n in _registrations(module).items())
 
 
 def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
@@ -78,7 +93,7 @@ def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
 
 def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
           ignored_modules: Set[nn.Module], ignored_ids: Set[int], only_children: bool,
-          kwargs: Dict[str, Any]) -> Tuple[nn.Module, int]:
+          kwargs: Dict[str, Any], registrations: Counter) -> Tuple[nn.Module, int]:
     # an existing unit (e.g. ScannedLayers) has sharded its subtree already: wrapping inside
     # it would build units around its placeholders
     if module in ignored_modules or is_unit(module):
@@ -91,12 +106,13 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
     wrapped_total = 0
     for name, child in inner.named_children():
         new_child, count = _wrap(child, policy, wrapper_cls, ignored_modules, ignored_ids,
-                                 False, kwargs)
+                                 False, kwargs, registrations)
         if new_child is not child:
             setattr(inner, name, new_child)
         wrapped_total += count
     remaining = _unwrapped_numel(inner, ignored_ids)
-    if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):
+    if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining) \
+            and not _splits_a_tie(inner, registrations):
         # fairscale's and torch_xla's convention: a module's own options over the policy's
         return wrapper_cls(module, **{**kwargs, **wrap_overrides(inner)}), \
             wrapped_total + remaining

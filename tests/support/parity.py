@@ -41,6 +41,9 @@ SETTINGS = {
     # no gradient); with every gradient present it must train exactly as the default
     "zero_missing": ("net", {"zero_missing_gradients": True}, "sgd", {}),
     "tied": ("tied", {}, "sgd", {}),
+    # a size policy that would wrap the tied embedding alone, apart from its head ([Note: a
+    # tie is not split by a policy]): the tie stays with the root, the linears get units
+    "tied_size_policy": ("tied", {}, "sgd", {"size_policy": 1000}),
     "accumulate": ("net", {}, "sgd", {"micro": 2}),
     "accumulate_no_sync": ("net", {}, "sgd", {"micro": 2, "no_sync": True}),
     "clip": ("net", {}, "sgd", {"clip": 0.05}),
@@ -183,6 +186,10 @@ def wrap(model, kind, fsdp_kwargs, extra, world):
         model.layers = ScannedLayers(model.layers,
                                      prefetch_next_layer=extra.get("prefetch", False), **kw)
         return FSDP(model, **kw)
+    if extra.get("size_policy"):
+        from xla_fsdp.wrap import size_based_auto_wrap_policy
+        return FSDP(model, auto_wrap_policy=functools.partial(
+            size_based_auto_wrap_policy, min_num_params=extra["size_policy"]), **kw)
     if extra.get("auto_wrap_checkpoint"):
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
         return FSDP(model, auto_wrap_policy=policy,
