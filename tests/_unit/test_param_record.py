@@ -64,8 +64,15 @@ def test_a_write_to_a_freed_placeholder_is_refused_at_the_next_install():
     records = records_of(world)
     ParamRecord.install(records, full_values(world))
     ParamRecord.free(records, [torch.zeros(1)] * len(records))
+    weight = world.modules[0].layer.weight
     with torch.no_grad():
-        world.modules[0].layer.weight.clamp_(-0.1, 0.1)   # a placeholder: lost
+        # refused where it happens ([Note: a freed placeholder is empty])...
+        with pytest.raises(RuntimeError, match=r"clamp_\(\) read parameter 'layer.weight' of "
+                                               r"the FSDP unit around Tied outside"):
+            weight.clamp_(-0.1, 0.1)
+        # ...and a write that passed no check (here with the check off) at the next install
+        with torch._C.DisableTorchFunctionSubclass():
+            weight.clamp_(-0.1, 0.1)
     with pytest.raises(RuntimeError, match=r"parameter 'layer.weight' was changed in place "
                                            r"through its module attribute"):
         ParamRecord.install(records, full_values(world))
@@ -96,7 +103,7 @@ def test_free_swaps_only_the_placeholders_that_hold_full_values():
     before = [r.placeholder.data_ptr() for r in others]
     ParamRecord.install([held], full_values(world)[:1])
     assert ParamRecord.free([held, *others], [torch.full((1,), 7.0)] * 3)
-    assert held.placeholder.tolist() == [7.0]
+    assert held.placeholder.data.tolist() == [7.0]
     assert [r.placeholder.data_ptr() for r in others] == before
 
 

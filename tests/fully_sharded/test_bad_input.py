@@ -16,7 +16,7 @@ class Tiny(nn.Module):
 
 
 class ReadsInnerGain(nn.Module):
-    """The outer forward scales by a parameter of the inner module (an inner unit's)."""
+    """The outer forward adds a penalty over an inner unit's parameter (freed: its sum was 0)."""
 
     def __init__(self):
         super().__init__()
@@ -25,7 +25,8 @@ class ReadsInnerGain(nn.Module):
         self.out = Tiny()
 
     def forward(self, x):
-        return self.out(self.inner(x) * self.inner.gain)
+        h = self.inner(x)
+        return self.out(h) + 1e-2 * self.inner.lin.weight.pow(2).sum() + self.inner.gain
 
 
 class Stack(nn.Module):
@@ -148,9 +149,12 @@ def misuses(rank):
     plain = torch.ones(3, requires_grad=True)
     plain.grad = torch.full((3,), 4.0)
     out["torch_clip_plain"] = float(torch.nn.utils.clip_grad_norm_([plain], 1.0))
-    # a weight clamped through its module's attribute between steps: a placeholder there
+    # a weight clamped through its module's attribute between steps: a placeholder there,
+    # which refuses it; a write no check saw (here, with the check off) is refused later
     with torch.no_grad():
-        inner.module.lin.weight.clamp_(-0.1, 0.1)
+        out["placeholder_clamp"] = _error(lambda: inner.module.lin.weight.clamp_(-0.1, 0.1))
+        with torch._C.DisableTorchFunctionSubclass():
+            inner.module.lin.weight.clamp_(-0.1, 0.1)
     # nor saved without it, before that forward
     out["placeholder_write_saved"] = [_error(model.state_dict), _error(model.full_state_dict)]
     out["placeholder_write"] = _error(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
@@ -539,7 +543,9 @@ def test_misuse_errors():
     assert every("parameter 'lin.weight' was changed in place through its module attribute"
                  in e for e in out["placeholder_write_saved"] + [out["placeholder_write"]]), \
         (out["placeholder_write_saved"], out["placeholder_write"])
-    assert "f32[2,4] vs. f32[0]" in out["read_outside_unit"], out["read_outside_unit"]
+    for key, op in (("placeholder_clamp", "clamp_"), ("read_outside_unit", "pow")):
+        assert out[key].startswith(f"RuntimeError: {op}() read parameter 'lin.weight' of the "
+                                   f"FSDP unit around Tiny outside the unit's forward"), out[key]
     assert out["attention_out_proj"].startswith(
         "ValueError: FSDP unit around Attends: the nn.MultiheadAttention at 'attn' has its "
         "out_proj wrapped in a unit of its own"), out["attention_out_proj"]

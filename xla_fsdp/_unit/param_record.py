@@ -57,9 +57,14 @@ of zeros it broadcast against anything and computed a silently wrong result, whi
 gradient arriving in backward could reveal, and frozen parameters or ``no_grad`` never get
 there. An empty tensor broadcasts against nothing but a dimension of one, so such a read
 fails where it happens, in the forward, with a shape of 0 in the message. A reduction of it
-does not fail: its sum or norm is 0 and its mean nan, so a penalty or a logged norm over a
-parameter read outside its unit is wrong without a word. Code that reads a parameter
-outside its unit belongs inside that unit, or calls the unit's ``unshard()`` first.
+did not fail (its sum or norm was 0, its mean nan), so a penalty or a logged norm over a
+parameter read outside its unit was wrong without a word. So a freed placeholder is also
+of class ``FreedPlaceholder``, whose ``__torch_function__`` refuses any op that reads its
+values, naming the parameter; what reads its metadata (shape, dtype, device, ``.grad``,
+hooks) passes. ``install`` makes it a plain tensor again (``__class__`` is swapped, which
+costs nothing an op pays), so the unit's forward and backward run without the check. Code
+that reads a parameter outside its unit belongs inside that unit, or calls the unit's
+``unshard()`` first.
 
 [Note: a taken parameter is empty]
 Sharding removes an original parameter from its modules, but not from what else holds it: a
@@ -83,7 +88,8 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .._xla.private_api import preserve_version_counter, version
+from .._xla.private_api import (call_as_tensor, dynamo_is_tracing, preserve_version_counter,
+                                version)
 from .registry import WeakRegistry
 
 Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the parameter
@@ -94,6 +100,39 @@ _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
 _HELD: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+class FreedPlaceholder(torch.Tensor):
+    """A placeholder between its unit's forwards (see [Note: a freed placeholder is
+    empty]): empty, and refusing what reads its values."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Any = (),
+                           kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+        # Dynamo inspects the placeholders a traced forward puts back (see ``take_back``)
+        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__") \
+                or dynamo_is_tracing():
+            return call_as_tensor(func, args, kwargs)
+        freed = next((a for a in args if isinstance(a, FreedPlaceholder)), None)
+        record = None if freed is None else _BY_PLACEHOLDER.get(freed)
+        what = ("a parameter" if record is None else
+                f"parameter '{record.name}' of the FSDP unit around {record.unit_name}")
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}() read {what} outside the unit's forward, "
+            f"where its module attribute is an empty placeholder, not the parameter: the "
+            f"result would be of no elements, or 0 (see [Note: a freed placeholder is empty]). "
+            f"Read it inside that unit's forward, after the unit's unshard(), or through "
+            f"full_state_dict()")
+
+
+_METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
+             torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.storage_offset,
+             torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+             torch.Tensor.is_contiguous, torch.Tensor.get_device, torch.Tensor.requires_grad_,
+             torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
+             torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__,
+             torch.Tensor.__len__, torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__,
+             torch.Tensor.__setstate__, torch.Tensor.data_ptr, torch.Tensor.untyped_storage}
 
 
 class ParamRecord:
@@ -110,6 +149,7 @@ class ParamRecord:
         self.grad_hook: Optional[RemovableHandle] = None
         self.freed_at = version(placeholder)   # see [Note: writes to a freed placeholder]
         placeholder._has_full_param = False  # torch_xla's name, for the code that reads it
+        placeholder.__class__ = FreedPlaceholder
         _BY_PLACEHOLDER[placeholder] = self
 
     @property
@@ -124,6 +164,7 @@ class ParamRecord:
         placeholders = [r.placeholder for r in records]
         with preserve_version_counter(placeholders):
             for record, placeholder, value in zip(records, placeholders, values):
+                placeholder.__class__ = torch.Tensor
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
                 _HELD[placeholder] = record
@@ -158,6 +199,7 @@ class ParamRecord:
         with preserve_version_counter([r.placeholder for r, _ in held]):
             for record, dummy in held:
                 record.placeholder.data = dummy
+                record.placeholder.__class__ = FreedPlaceholder
                 record.holds_full = record.placeholder._has_full_param = False
                 _HELD.pop(record.placeholder)
                 record.freed_at = version(record.placeholder)
@@ -279,7 +321,7 @@ def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
                 f"state_dict() of a module inside an FSDP unit: {what}{at}, and the state "
                 f"dict would leave them out (and give nested units' flat shards). Call "
                 f"root.full_state_dict() for the model's values under its own names (every "
-                f"rank calls it; Fabric: fabric.save(..., state_dict_type='full')), or "
+                f"rank calls it; Fabric: XLAFSDPStrategy(state_dict_type='full')), or "
                 f"state_dict() of the root FSDP model for this rank's shards")
     object.__setattr__(module, "__deepcopy__", refuse)
     object.__setattr__(module, "__reduce_ex__", refuse)

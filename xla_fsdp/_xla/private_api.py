@@ -25,6 +25,11 @@ from torch.utils import _pytree
 from .._sharding.tensor_tree import copy_tree
 
 
+def _xlac() -> Any:
+    import torch_xla
+    return torch_xla._XLAC
+
+
 # -- torch.distributed.checkpoint -------------------------------------------------------------
 def dcp_file_prefix(prefix: str) -> Any:
     """The storage data of a save plan that makes ``FileSystemWriter`` name its files
@@ -113,6 +118,18 @@ def preserve_version_counter(tensors: Sequence[torch.Tensor]
     take a swap for an in-place update of a tensor it saved. One context for many tensors:
     its cost is per call, not per tensor."""
     return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+
+
+def call_as_tensor(func: Callable, args: Sequence[Any], kwargs: Optional[Dict]) -> Any:
+    """``func`` with tensor subclasses' ``__torch_function__`` off, as on plain tensors."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **(kwargs or {}))
+
+
+def dynamo_is_tracing() -> bool:
+    """Inside Dynamo: traced code, or Dynamo's own inspection of the real tensors it wraps
+    (where ``torch.compiler.is_compiling()`` is False)."""
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
 
 
 def version(t: torch.Tensor) -> int:
@@ -285,14 +302,13 @@ def to_cpu(tree: Any) -> Any:
     and its containers of the types they were: torch_xla's own walk rebuilds every tuple as a
     list and every dict subclass as a dict, so an optimizer's ``betas`` came back from a
     checkpoint as a list. A tensor held twice is copied once."""
-    import torch_xla
     on_device: Dict[int, torch.Tensor] = {}
     copy_tree(lambda t: on_device.setdefault(id(t), t) if t.device.type == "xla" else t, tree)
     if not on_device:
         return copy_tree(lambda t: t, tree)
     tensors = list(on_device.values())
-    torch_xla._XLAC._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
-    copies = dict(zip(on_device, torch_xla._XLAC._xla_get_cpu_tensors(tensors), strict=True))
+    _xlac()._xla_sync_multi(tensors, devices=[], wait=True, sync_xla_data=False)
+    copies = dict(zip(on_device, _xlac()._xla_get_cpu_tensors(tensors), strict=True))
     return copy_tree(lambda t: copies.get(id(t), t), tree)
 
 
@@ -359,8 +375,7 @@ def off_token_chain(device: torch.device) -> Iterator[None]:
     token chain] in ``_sharding.collectives``). Only the token's value is swapped, never a
     buffer: replacing a token that holds a finished step's data can wait on the device while
     holding the GIL, which is why the token found is the one put back."""
-    import torch_xla
-    xlac = torch_xla._XLAC
+    xlac = _xlac()
     key = str(device)
     base = xlac._get_all_reduce_token(key)
     try:
@@ -380,9 +395,8 @@ def pinned_all_gathers(shards: Sequence[torch.Tensor], shard_count: int,
     Python: it compares the output buffer with ``None`` twice, and a tensor compared with
     ``None`` raises and catches a TypeError inside torch (32 us each under cProfile, twice per
     parameter per gather). See [Note: per-step host cost]."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
-    xlac = torch_xla._XLAC
+    xlac = _xlac()
     token, context = xm._get_all_reduce_token()
     outputs = []
     for shard in shards:
@@ -478,15 +492,13 @@ def placeholder(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 def xla_tensor_id(t: torch.Tensor) -> int:
     """The id of the lazy tensor behind ``t`` now (an in-place update through
     functionalization gives it a new one)."""
-    import torch_xla
-    return torch_xla._XLAC._xla_get_tensor_id(t)
+    return _xlac()._xla_get_tensor_id(t)
 
 
 def pending_tensor_count(device: str) -> int:
     """How many live tensors on ``device`` have a pending graph for a value: what the next
     ``torch_xla.sync()`` computes."""
-    import torch_xla
-    return sum(torch_xla._XLAC._check_device_tensor_need_materialization(device))
+    return sum(_xlac()._check_device_tensor_need_materialization(device))
 
 
 def run_live_graphs(device: torch.device) -> None:
@@ -495,43 +507,37 @@ def run_live_graphs(device: torch.device) -> None:
     closure runs, so what the step draws and logs is what it would be without this. The
     collective token restarts after it, as after ``torch_xla.sync()`` (see ``run_pending``:
     every collective of the device has run)."""
-    import torch_xla
-    torch_xla._XLAC._xla_sync_live_tensors(str(device), [], False)
-    torch_xla._XLAC._set_all_reduce_token(str(device), None)
+    _xlac()._xla_sync_live_tensors(str(device), [], False)
+    _xlac()._set_all_reduce_token(str(device), None)
 
 
 def pending_ir(tensors: Sequence[torch.Tensor]) -> str:
     """torch_xla's text of the pending graph computing ``tensors`` (cheaper than its HLO)."""
-    import torch_xla
-    return torch_xla._XLAC._get_xla_tensors_text(list(tensors))
+    return _xlac()._get_xla_tensors_text(list(tensors))
 
 
 def needs_computation(tensors: Sequence[torch.Tensor]) -> List[bool]:
     """For each tensor, whether its value is a pending graph (not device data)."""
-    import torch_xla
-    return list(torch_xla._XLAC._check_tensor_need_materialization(list(tensors)))
+    return list(_xlac()._check_tensor_need_materialization(list(tensors)))
 
 
 def graph_hlo(outputs: Sequence[torch.Tensor]) -> str:
     """The HLO text of the graph computing ``outputs``, as torch_xla lowers it to compile
     (without the donations, which torch_xla decides at compile time)."""
-    import torch_xla
-    return torch_xla._XLAC._get_xla_tensors_hlo(list(outputs))
+    return _xlac()._get_xla_tensors_hlo(list(outputs))
 
 
 def graph_hash(outputs: Sequence[torch.Tensor]) -> bytes:
     """torch_xla's hash of the graph computing ``outputs``: equal hashes are the same
     computation (torch_xla reuses a compiled program by it)."""
-    import torch_xla
-    return torch_xla._XLAC._get_graph_hash(list(outputs))
+    return _xlac()._get_graph_hash(list(outputs))
 
 
 def graph_inputs(outputs: Sequence[torch.Tensor]) -> Tuple[List[int], List[torch.Tensor]]:
     """The device data the graph computing ``outputs`` reads, in parameter order: for each,
     the id of the lazy tensor that held it when the graph first used it, and a tensor
     holding it."""
-    import torch_xla
-    ids, tensors = torch_xla._XLAC._get_tensors_xla_device_data_node(list(outputs), [])
+    ids, tensors = _xlac()._get_tensors_xla_device_data_node(list(outputs), [])
     return list(ids), list(tensors)
 
 
@@ -539,8 +545,7 @@ def cut_pending_graphs(device: str) -> None:
     """Every live tensor on ``device`` whose value is a pending graph gets a placeholder
     instead: the graph is dropped unrun, and later graphs take the tensor as a parameter,
     as they would after ``torch_xla.sync()`` had run it."""
-    import torch_xla
-    torch_xla._XLAC._clear_pending_irs(device)
+    _xlac()._clear_pending_irs(device)
 
 
 def pretend_world(world_size: Optional[int], rank: Optional[int]) -> None:
@@ -562,24 +567,21 @@ def alias_id(t: torch.Tensor) -> int:
     input to a sync's program when the input was read under this id."""
     import re
 
-    import torch_xla
-    info = torch_xla._XLAC._get_xla_tensor_debug_info(t)
+    info = _xlac()._get_xla_tensor_debug_info(t)
     return int(re.search(r"AliasID: (-?\d+)", info).group(1))
 
 
 def sharding_spec(t: torch.Tensor) -> str:
     """The SPMD sharding ``t`` is annotated with, in HLO's syntax ("" if none)."""
-    import torch_xla
-    return torch_xla._XLAC._get_xla_sharding_spec(t)
+    return _xlac()._get_xla_sharding_spec(t)
 
 
 def activate_preemption_sync() -> Optional[str]:
     """Starts the XLA runtime's preemption sync point (the one torch_xla's
     ``CheckpointManager`` uses); returns None, or why the runtime does not provide it (it
     needs the distributed runtime's coordination service, as on a multi-host TPU slice)."""
-    import torch_xla
     try:
-        torch_xla._XLAC._activate_preemption_sync_manager()
+        _xlac()._activate_preemption_sync_manager()
     except RuntimeError as exc:
         return str(exc).strip().splitlines()[-1]
     return None
@@ -588,13 +590,11 @@ def activate_preemption_sync() -> Optional[str]:
 def preemption_sync_point_reached(step: int) -> bool:
     """Whether the runtime's preemption sync point says every process is to stop at
     ``step`` (after ``activate_preemption_sync`` succeeded)."""
-    import torch_xla
-    return bool(torch_xla._XLAC._sync_point_reached(step))
+    return bool(_xlac()._sync_point_reached(step))
 
 
 def start_alone(tensors: Sequence[torch.Tensor]) -> None:
     """Starts computing the pending graph of ``tensors`` as a computation of its own and
     returns without waiting for it. Their graph must depend on no other pending collective
     (trace its collectives under ``fresh_collective_token``)."""
-    import torch_xla
-    torch_xla._XLAC._xla_sync_multi(list(tensors), devices=[], wait=False)
+    _xlac()._xla_sync_multi(list(tensors), devices=[], wait=False)
