@@ -7,6 +7,7 @@ below ``module`` that no inner unit has taken yet.
 """
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from typing import Any, Callable, Dict, Iterable, Optional, Set, Tuple, Type
 
@@ -71,17 +72,22 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
 
 
 def _registrations(module: nn.Module) -> Counter:
-    """How many places below ``module`` register each parameter (by id)."""
-    return Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    """How many modules below ``module`` register each parameter (by id); a module reached
+    twice (one block object in two places) counts once."""
+    return Counter(id(p) for m in module.modules() for _, p in m.named_parameters(recurse=False))
 
 
-def _splits_a_tie(module: nn.Module, registrations: Counter) -> bool:
-    """[Note: a tie is not split by a policy] Whether a parameter of ``module`` is also
-    registered outside it: an embedding whose weight a head outside shares. A unit around
-    it would shard the tie away from its other module, which FSDP refuses, and a policy is
-    not the user naming that split (a size policy wraps the embedding, or the body without
-    the head, by counting). Such a module is left to the unit above, which holds both."""
-    return any(registrations[i] > n for i, n in _registrations(module).items())
+def _shared_outside(module: nn.Module, registrations: Counter,
+                    ignored_ids: Set[int]) -> Optional[str]:
+    """[Note: a tie is not split by a policy] The name of a parameter of ``module`` that a
+    module outside it registers too (an embedding whose weight a head outside shares), or
+    None. A unit around it would shard the tie away from its other module, which FSDP
+    refuses, and a policy is not the user naming that split (a size policy wraps the
+    embedding, or the body without the head, by counting). Such a module is left to the
+    unit above, which holds both, with a warning naming the parameter."""
+    inside = _registrations(module)
+    return next((n for n, p in module.named_parameters() if id(p) not in ignored_ids
+                 and registrations[id(p)] > inside[id(p)]), None)
 
 
 def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
@@ -111,9 +117,13 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
             setattr(inner, name, new_child)
         wrapped_total += count
     remaining = _unwrapped_numel(inner, ignored_ids)
-    if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining) \
-            and not _splits_a_tie(inner, registrations):
-        # fairscale's and torch_xla's convention: a module's own options over the policy's
-        return wrapper_cls(module, **{**kwargs, **wrap_overrides(inner)}), \
-            wrapped_total + remaining
+    if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):
+        tied = _shared_outside(inner, registrations, ignored_ids)
+        if tied is None:
+            # fairscale's and torch_xla's convention: a module's own options over the policy's
+            return wrapper_cls(module, **{**kwargs, **wrap_overrides(inner)}), \
+                wrapped_total + remaining
+        warnings.warn(f"auto_wrap_policy: {type(inner).__name__} is not wrapped in a unit of "
+                      f"its own: its parameter '{tied}' is shared with a module outside it, so "
+                      f"the unit above holds it (see [Note: a tie is not split by a policy])")
     return module, wrapped_total

@@ -276,14 +276,17 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
 
 def _shards_differ(path: str, model: Any) -> bool:
     """Whether this rank's optimizer file at ``path`` was saved from shards cut otherwise
-    than ``model``'s (another layout, flattening or units): its shard metadata differs."""
+    than ``model``'s (another layout, flattening or units): the wrapping its shard metadata
+    describes differs (not its values: ``xm.save`` turns tuples into lists, and the update
+    count moves)."""
     if model is None or not os.path.isfile(path):
         return False
     from ..checkpoint.files import CheckpointFile
-    from ..checkpoint.per_rank_format import SHARD_METADATA
+    from ..checkpoint.per_rank_format import SHARD_METADATA, wrapping_fingerprint
     with CheckpointFile(path) as f:
         saved = f.tree.get(SHARD_METADATA) if isinstance(f.tree, dict) else None
-    return saved is not None and saved != model.get_shard_metadata()
+    return isinstance(saved, dict) and \
+        wrapping_fingerprint(saved) != wrapping_fingerprint(model.get_shard_metadata())
 
 
 def _load_optimizer_from(checkpoint: str, world: int, model: Any, optimizer: Any,
