@@ -75,8 +75,8 @@ class XlaFullyShardedDataParallel(UnitModule):
       under a low-precision compute_dtype] in ``_unit/attention.py``), and in
       every unit sdpa on XLA keeps no probabilities for backward: it computes them again
       there (see [Note: attention inside a unit keeps no probabilities]);
-    * ``zero_missing_gradients=True`` keeps ranks' collectives identical when their data
-      leave different parameters without a gradient;
+    * ``zero_missing_gradients=True`` keeps ranks' reductions identical when their data
+      leave different parameters of a unit without a gradient;
     * parameters are padded only to what the collectives need (a multiple of the world size),
       not to ``128 * world_size`` elements, so a bias of 10 stays 10 (plus at most N-1);
     * all-gathers are native all-gathers even with ``pin_layout_in_collective_ops=True``;

@@ -370,7 +370,8 @@ class UnitParams:
         # gradient, as unsharded training does when no rank used them (a skipped module: the
         # optimizer then leaves it alone, momentum and weight decay included). When ranks'
         # data skip different modules (data-dependent expert routing), they would then issue
-        # different reduce-scatters, which hangs on hardware; with zero_missing_gradients
+        # different reduce-scatters, which on hardware pair by order (experts of one shape
+        # sum each other's gradients, without a word) or hang; with zero_missing_gradients
         # every trainable shard group of a unit that took part is reduced here, at the end of
         # backward and in shard group order (so also in the same order on every rank), zeros
         # standing for what did not arrive. The price is holding the unit's full gradients
