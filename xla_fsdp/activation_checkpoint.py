@@ -7,7 +7,7 @@ module, that module's ``parameters()`` and ``buffers()``. The barrier stops XLA 
 reading the weights for the recompute before backward reaches it, and from merging the
 recompute into the forward, which would keep the activations after all. Inside an FSDP unit
 a module's parameters are placeholders, plain attributes, which ``parameters()`` lists while
-they hold their full values (see [Note: a module's parameters inside its unit's forward]),
+they hold their full values (see [Note: a module's parameters inside its unit]),
 as the recompute in the unit's backward finds them: the barrier holds the same weights as
 with torch_xla's FSDP, whose full parameters stay registered.
 """

@@ -129,6 +129,8 @@ def misuses(rank):
     stale_opt = torch.optim.SGD(early.parameters(), lr=0.1)
     FSDP(early)
     out["optimizer_before_wrap"] = _error(stale_opt.step)
+    group = FSDP(Tiny()).module.lin.parameters()   # a group of an inner module's: placeholders
+    out["inner_module_group"] = _error(torch.optim.SGD([{"params": group}], lr=0.1).step)
     # xm.optimizer_step on sharded gradients, and clip_grad_norm_ on a nested unit
     inner = FSDP(Tiny())
     model = FSDP(nn.Sequential(inner, Tiny()))
@@ -173,15 +175,12 @@ def misuses(rank):
     attention = FSDP(attention)
     out["attention_out_proj"] = _error(lambda: attention(torch.ones(3, 1, 4).to(
         torch_xla.device())))
-    # a forward writing its own weight: the write reaches the gathered copy only
-    # (see [Note: writes to a held full value])
+    # a forward writing its own weight, twice (see [Note: writes to a held full value])
     clamps = FSDP(ClampsItsWeight())
-    out["written_while_held"] = [
-        _error(lambda: clamps(torch.ones(2, 4).to(torch_xla.device())).sum().backward()),
-        _error(lambda: clamps(torch.ones(2, 4).to(torch_xla.device())).sum().backward())]
+    out["written_while_held"] = [_error(lambda: clamps(torch.ones(2, 4).to(
+        torch_xla.device())).sum().backward()) for _ in range(2)]
     torch_xla.sync()
-    # a gradient penalty: the graph its backward records would read freed parameters
-    penalty = FSDP(Tiny())
+    penalty = FSDP(Tiny())   # a gradient penalty: its graph would read freed parameters
     x = torch.ones(2, 4).to(torch_xla.device()).requires_grad_()
 
     def grad_penalty():
@@ -529,8 +528,9 @@ def test_misuse_errors():
     assert "the optimizer state 'momentum_buffer' of lin.weight has the whole parameter's " \
         "shape (4, 4), not its shard's" in refused and unchanged, out["full_optimizer_state"]
     assert out["retried"][0] != "no error" and out["retried"][1] == "no error", out["retried"]
-    assert "Create the optimizer after wrapping" in out["optimizer_before_wrap"]
-    assert "lin.weight" in out["optimizer_before_wrap"]
+    assert every("Create the optimizer after wrapping" in out[k] and "lin.weight" in out[k]
+                 for k in ("optimizer_before_wrap", "inner_module_group"))
+    assert "for a group of one module's parameters" in out["inner_module_group"]
     assert "Call optimizer.step() instead" in out["xm_optimizer_step"]
     assert "would clip each rank's slice by the norm of that slice alone" in \
         out["torch_clip_after_sync"], out["torch_clip_after_sync"]

@@ -1,20 +1,24 @@
-"""What a module inside a unit lists as its parameters while the unit holds their full values.
+"""What a module inside a unit lists as its parameters: the placeholders its unit holds.
 
-[Note: a module's parameters inside its unit's forward]
+[Note: a module's parameters inside its unit]
 A module inside a unit holds placeholders, not parameters (see ``param_record``), so torch's
 ``parameters()`` of it lists nothing of its unit. Code that reads a module's own parameters
-in its forward then went wrong: a penalty ``sum(p.pow(2).sum() for p in self.parameters())``
-added nothing, without a word, and ``next(self.parameters()).dtype`` raised StopIteration.
-While a placeholder holds its full value (the unit's forward and backward, an
-``unshard()``), ``named_parameters`` of a module that holds it, or of any module above it,
-also lists it under its attribute's name, as PyTorch FSDP2's modules list their unsharded
-parameters then; so does a scanned layer's trace the values lent to it. Under
-``torch.compile`` nothing is added (the listing is torch's, which Dynamo follows). A module
-that lists the placeholder's shard (a unit, or a module above it) lists the shard only, so
-what an optimizer is built from never changes. Between
-forwards nothing is added: the placeholders are empty then, and a listing of the shards
-stays what code written for torch_xla's FSDP reads. FSDP's own walks over what a module
-registers use ``registered_parameters``, which lists only that.
+went wrong: a penalty ``sum(p.pow(2).sum() for p in self.parameters())`` in forward added
+nothing, without a word, and ``next(self.parameters()).dtype`` raised StopIteration; between
+forwards, an optimizer group built from a submodule's ``parameters()`` (a learning rate of
+its own) was empty and trained nothing, and a loop freezing them (Hugging Face's
+``freeze_feature_encoder()``) froze nothing. So ``named_parameters`` of a module that holds
+a placeholder, or of any module above it, also lists it under its attribute's name, as
+PyTorch FSDP2's modules list their parameters: its full value while the unit holds it (the
+unit's forward and backward, an ``unshard()``), and between forwards the empty placeholder,
+whose ``requires_grad`` the unit agrees with its shard at the next forward and which an
+optimizer refuses to step (its values read nothing: see [Note: a freed placeholder is
+empty]); so does a scanned layer's trace the values lent to it. A module that lists the
+placeholder's shard (a unit, or a module above it) lists the shard only, so what an
+optimizer built from the model is never changes, and a listing of the shards stays what
+code written for torch_xla's FSDP reads. Under ``torch.compile`` nothing is added (the
+listing is torch's, which Dynamo follows), nor in a process without units. FSDP's own walks
+over what a module registers use ``registered_parameters``, which lists only that.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from typing import Iterator, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .param_record import any_held, held_record
+from .param_record import any_placeholder, is_placeholder
 from .shard_group import shard_group_holding, shard_group_of
 
 _TORCH_NAMED_PARAMETERS = nn.Module.named_parameters
@@ -38,7 +42,7 @@ def registered_parameters(module: nn.Module, recurse: bool = True,
 
 def held_values_listed() -> None:
     """Patches ``nn.Module.named_parameters`` (and so ``parameters``) once per process (see
-    [Note: a module's parameters inside its unit's forward])."""
+    [Note: a module's parameters inside its unit])."""
     if getattr(nn.Module.named_parameters, "lists_held_values", False):
         return
 
@@ -47,7 +51,7 @@ def held_values_listed() -> None:
                          ) -> Iterator[Tuple[str, torch.Tensor]]:
         # Dynamo traces this (HF's ``self.dtype``): nothing it cannot follow before the
         # check, and a compiled region lends its full values, it never holds them
-        if torch.compiler.is_compiling() or not any_held():
+        if torch.compiler.is_compiling() or not any_placeholder():
             yield from _TORCH_NAMED_PARAMETERS(self, prefix, recurse, remove_duplicate)
             return
         listed: Set[int] = set()
@@ -61,7 +65,7 @@ def held_values_listed() -> None:
                    if recurse else [(prefix, self)])
         for path, module in modules:
             for attr, value in list(vars(module).items()):
-                if not isinstance(value, torch.Tensor) or held_record(value) is None:
+                if not isinstance(value, torch.Tensor) or not is_placeholder(value):
                     continue
                 if id(shard_group_holding(value)) in listed or \
                         (remove_duplicate and id(value) in seen):

@@ -162,8 +162,12 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     if stale:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that FSDP has replaced by shards "
-            f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}). Create the optimizer "
-            f"after wrapping, from the wrapped model's parameters().")
+            f"({', '.join(stale[:5])}{', ...' if len(stale) > 5 else ''}), or the empty "
+            f"placeholders a module inside a unit lists in their place. Create the optimizer "
+            f"after wrapping, from the wrapped model's parameters(); for a group of one "
+            f"module's parameters (a learning rate of its own), wrap that module as a unit "
+            f"and take its parameters(), or pick the shards by their original names from "
+            f"model.get_original_names_and_sharded_parameters().")
     frozen = [p for p in sharded if shard_group_of(p).accumulating() and not p.requires_grad]
     if frozen:   # their accumulated gradients went when the next forward froze them
         raise RuntimeError(

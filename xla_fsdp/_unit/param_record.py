@@ -96,8 +96,8 @@ Owner = Tuple[nn.Module, str]  # a module and the attribute that holds the param
 Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders, its names
 
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
-# placeholder holding its full value, or full value lent -> its record (see module_parameters)
-_HELD: "WeakRegistry[ParamRecord]" = WeakRegistry()
+# a full value lent outside torch.compile (a scanned layer's trace) -> its record
+_LENT: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
@@ -167,7 +167,6 @@ class ParamRecord:
                 placeholder.__class__ = torch.Tensor
                 placeholder.data = value
                 record.holds_full = placeholder._has_full_param = True
-                _HELD[placeholder] = record
 
     @staticmethod
     def refuse_lost_writes(records: Sequence["ParamRecord"]) -> None:
@@ -201,7 +200,6 @@ class ParamRecord:
                 record.placeholder.data = dummy
                 record.placeholder.__class__ = FreedPlaceholder
                 record.holds_full = record.placeholder._has_full_param = False
-                _HELD.pop(record.placeholder)
                 record.freed_at = version(record.placeholder)
         if written and not writes_kept:
             raise RuntimeError(
@@ -221,7 +219,7 @@ class ParamRecord:
             for module, attr in record.owners:
                 setattr(module, attr, value)
             if not torch.compiler.is_compiling():   # a scanned layer's trace
-                _HELD[value] = record
+                _LENT[value] = record
 
     @staticmethod
     def take_back(records: Sequence["ParamRecord"]) -> None:
@@ -229,7 +227,7 @@ class ParamRecord:
         for record in records:
             for module, attr in record.owners:
                 if not torch.compiler.is_compiling():
-                    _HELD.pop(getattr(module, attr))
+                    _LENT.pop(getattr(module, attr))
                 setattr(module, attr, record.placeholder)
 
     def agree_requires_grad(self, requires_grad: bool) -> None:
@@ -248,15 +246,15 @@ class ParamRecord:
                 lambda _t: fn())
 
 
-def any_held() -> bool:
-    """Whether any placeholder of any unit holds its full value now."""
-    return len(_HELD) > 0
+def any_placeholder() -> bool:
+    """Whether any unit of the process has placeholders (a model is wrapped)."""
+    return len(_BY_PLACEHOLDER) > 0
 
 
-def held_record(t: torch.Tensor) -> Optional[ParamRecord]:
-    """The record of ``t`` if it is a placeholder holding its full value now, or a full value
-    lent outside ``torch.compile`` (a scanned layer's trace), else None."""
-    return _HELD.get(t)
+def is_placeholder(t: torch.Tensor) -> bool:
+    """Whether ``t`` stands where a parameter was: a placeholder, holding its full value or
+    not, or a full value lent outside ``torch.compile``."""
+    return t in _BY_PLACEHOLDER or t in _LENT
 
 
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
