@@ -122,7 +122,9 @@ class FreedPlaceholder(torch.Tensor):
             f"where its module attribute is an empty placeholder, not the parameter: the "
             f"result would be of no elements, or 0 (see [Note: a freed placeholder is empty]). "
             f"Read it inside that unit's forward, after the unit's unshard(), or through "
-            f"full_state_dict()")
+            f"full_state_dict(). (In a backward: a reentrant torch.utils.checkpoint run twice "
+            f"over the same modules of a unit recomputes after the unit's reduction; pass "
+            f"use_reentrant=False.)")
 
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
