@@ -199,8 +199,13 @@ def test_taken_name_is_the_canonical_name_of_a_parameter_or_its_placeholder():
     assert taken_name(embed) == taken_name(records[0].placeholder) == "embed.weight"
     assert taken_name(layer_w) == "layer.weight" and taken_name(layer_b) == "layer.bias"
     assert taken_name(records[2].placeholder) == "layer.bias"
-    # [Note: a taken parameter is empty]: what else holds an original reads nothing stale
+    # [Note: a taken parameter is empty]: what else holds an original reads nothing stale,
+    # and a reduction over it (a sum was 0) is refused, naming it
     assert every((p.numel() == 0 for p, _, _ in world.found[0]), "originals")
+    import pytest
+    with pytest.raises(RuntimeError, match=r"sum\(\) read the original parameter 'layer.bias' "
+                                           r"of the unit around Tied, which the unit replaced"):
+        layer_b.sum()
     # never taken: an unwrapped model's parameter, a shard, any tensor
     assert taken_name(world.reference.embed.weight) is None
     assert taken_name(world.shard_groups[0][0].shard) is None

@@ -71,8 +71,9 @@ Sharding removes an original parameter from its modules, but not from what else 
 module that keeps it in a list or a closure, a hook that captured it, an average built from
 ``model.parameters()`` before wrapping. Left whole, it kept its value of wrapping time and
 its device memory, and code reading it trained on a stale copy without a word (its gradient
-reached nothing). Emptied, as a freed placeholder is, such a read fails where it happens,
-and the memory is really freed. A frozen original keeps its value, which is still right
+reached nothing). Emptied, as a freed placeholder is, and of class ``TakenParameter``,
+which refuses reads of its values as ``FreedPlaceholder`` does (a sum over it was 0), such a
+read fails where it happens, naming the parameter, and the memory is really freed. A frozen original keeps its value, which is still right
 (an embedding shared, frozen, with an unwrapped teacher): unfrozen later through its shard,
 its stale value is the one case left. A reference taken before wrapping is read through
 the module attribute instead, inside the unit.
@@ -102,6 +103,13 @@ _LENT: "WeakRegistry[ParamRecord]" = WeakRegistry()
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 
+def _passes(func: Callable) -> bool:
+    """Whether ``func`` reads only metadata (or Dynamo inspects a tensor a traced forward
+    puts back: see ``take_back``)."""
+    return func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__") \
+        or dynamo_is_tracing()
+
+
 class FreedPlaceholder(torch.Tensor):
     """A placeholder between its unit's forwards (see [Note: a freed placeholder is
     empty]): empty, and refusing what reads its values."""
@@ -109,9 +117,7 @@ class FreedPlaceholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Any = (),
                            kwargs: Optional[Mapping[str, Any]] = None) -> Any:
-        # Dynamo inspects the placeholders a traced forward puts back (see ``take_back``)
-        if func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__") \
-                or dynamo_is_tracing():
+        if _passes(func):
             return call_as_tensor(func, args, kwargs)
         freed = next((a for a in args if isinstance(a, FreedPlaceholder)), None)
         record = None if freed is None else _BY_PLACEHOLDER.get(freed)
@@ -125,6 +131,25 @@ class FreedPlaceholder(torch.Tensor):
             f"full_state_dict(). (In a backward: a reentrant torch.utils.checkpoint run twice "
             f"over the same modules of a unit recomputes after the unit's reduction; pass "
             f"use_reentrant=False.)")
+
+
+class TakenParameter(nn.Parameter):
+    """A trainable original parameter a unit took (see [Note: a taken parameter is empty]):
+    empty, and refusing what reads its values, through whatever reference was kept."""
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: Any, args: Any = (),
+                           kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+        if _passes(func):
+            return call_as_tensor(func, args, kwargs)
+        taken = next((taken_by(a) for a in args if isinstance(a, TakenParameter)), None)
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}() read the original parameter "
+            f"{taken or 'of an FSDP unit'}, which the unit replaced by a shard and emptied (a "
+            f"reference kept from before wrapping: a list, a closure, a hook, an optimizer or "
+            f"an average built then; see [Note: a taken parameter is empty]). Read it through "
+            f"its module attribute inside the unit's forward, or take model.parameters() "
+            f"(the shards) after wrapping")
 
 
 _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement,
@@ -279,6 +304,8 @@ def mark_taken(original: torch.Tensor, name: str, unit_name: str) -> None:
     if original.requires_grad:
         original.data = torch.empty(0, dtype=original.dtype, device=original.device)
         original.grad = None
+        if type(original) is nn.Parameter:
+            original.__class__ = TakenParameter
 
 
 def taken_name(t: torch.Tensor) -> Optional[str]:
