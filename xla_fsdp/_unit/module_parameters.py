@@ -27,7 +27,7 @@ from typing import Iterator, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .param_record import any_placeholder, is_placeholder
+from .param_record import any_placeholder, holds_placeholders, is_placeholder
 from .shard_group import shard_group_holding, shard_group_of
 
 _TORCH_NAMED_PARAMETERS = nn.Module.named_parameters
@@ -64,6 +64,8 @@ def held_values_listed() -> None:
         modules = (self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
                    if recurse else [(prefix, self)])
         for path, module in modules:
+            if not holds_placeholders(module):
+                continue
             for attr, value in list(vars(module).items()):
                 if not isinstance(value, torch.Tensor) or not is_placeholder(value):
                     continue

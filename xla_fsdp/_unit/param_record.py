@@ -99,6 +99,8 @@ Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # a full value lent outside torch.compile (a scanned layer's trace) -> its record
 _LENT: "WeakRegistry[ParamRecord]" = WeakRegistry()
+# a module holding a placeholder -> True (see ``refuse_copies_of``)
+_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
@@ -278,6 +280,11 @@ def any_placeholder() -> bool:
     return len(_BY_PLACEHOLDER) > 0
 
 
+def holds_placeholders(module: nn.Module) -> bool:
+    """Whether ``module`` itself holds a placeholder (or a value lent in its place)."""
+    return module in _OWNERS
+
+
 def is_placeholder(t: torch.Tensor) -> bool:
     """Whether ``t`` stands where a parameter was: a placeholder, holding its full value or
     not, or a full value lent outside ``torch.compile``."""
@@ -330,8 +337,9 @@ def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
     refuse: a copy would hold empty tensors (see [Note: a unit is not copied] in
     ``unit_module``), and a state dict would lack what the placeholders stand for (see
     [Note: state_dict() below a unit]). The copies look these up on the instance first."""
-    if "__deepcopy__" in vars(module):
+    if module in _OWNERS:
         return
+    _OWNERS[module] = True
     what = (f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
             f"shards")
 
