@@ -261,8 +261,11 @@ class SyncPoints:
                     f"causes: a value that depends on the rank baked into the graph (e.g. "
                     f"`t * xr.global_ordinal()`; pass rank-dependent data in as a tensor "
                     f"instead), xm.all_gather(..., pin_layout=True) (it builds a "
-                    f"rank-specific graph; use pin_layout=False), or a Python branch that "
-                    f"differs between ranks.")
+                    f"rank-specific graph; use pin_layout=False), or a Python branch or a "
+                    f"data-dependent op that differs between ranks (an expert routing that "
+                    f"reads the batch, as Hugging Face's mixture-of-experts models do: ranks "
+                    f"whose tokens chose other experts run other graphs, which on hardware "
+                    f"pair wrongly; see docs/wrapper.md).")
             return result
 
         return self._ring.collective(rank, kind, _user_site(), audited_dispatch)
