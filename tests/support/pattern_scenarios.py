@@ -239,12 +239,40 @@ def _frozen_after_forward(ctx, freeze_wrapped, freeze_plain):
 
 def own_parameters_in_forward(ctx):
     """Each block's forward lists its own parameters (a penalty, the dtype of its input):
-    the full values its unit holds then ([Note: a module's parameters inside its unit's
-    forward])."""
+    the full values its unit holds then ([Note: a module's parameters inside its unit])."""
     p = Pair(ctx, PenalisedNet, wrap=wrap_blocks)
     for step in range(3):
         p.step(f"step {step}")
     p.compare_params("after 3 steps")
+
+
+def frozen_for_a_reference_forward(ctx):
+    """peft's ``disable_adapter()`` around a reference forward inside a ``no_sync``
+    accumulation (TRL's DPO without a separate reference model): a module inside a unit is
+    frozen through its ``parameters()`` for a no-grad forward and unfrozen; the gradient it
+    accumulated before is kept, as torch keeps a frozen parameter's, and reduced with the
+    last micro-batch's."""
+    p = Pair(ctx, Net, wrap=wrap_blocks)
+    p.zero_grad()
+    for micro in range(2):
+        xl, yl, xg, yg = p.data()
+        for q in p.model.b1.up.parameters():   # the placeholders of a module in b1's unit
+            q.requires_grad = False
+        with torch.no_grad():
+            p.model(xl)
+        for q in p.model.b1.up.parameters():
+            q.requires_grad = True
+        if micro == 0:
+            with p.model.no_sync():
+                p.loss(p.model(xl), yl).backward()
+        else:
+            loss = p.loss(p.model(xl), yl)
+            loss.backward()
+        ref = p.loss(p.plain(xg), yg)
+        ref.backward()
+    p.opt_step()
+    p.finish("two micro-batches, a reference forward before each", loss, ref)
+    p.compare_params("after the accumulated step")
 
 
 def non_persistent_buffer(ctx):
@@ -477,6 +505,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
     "shared_module_names": shared_module_names,
     "independent_groups": independent_groups,
     "own_parameters_in_forward": own_parameters_in_forward,
+    "frozen_for_a_reference_forward": frozen_for_a_reference_forward,
 }
 
 

@@ -131,7 +131,7 @@ def placeholders_follow_requires_grad() -> None:
             if all(id(r.placeholder) in ids for r in shard_group.records):
                 shard_group.shard.requires_grad_(requires_grad)
                 for record in shard_group.records:
-                    record.agree_requires_grad(requires_grad)
+                    record.agree_requires_grad(requires_grad, shard_group.accumulating())
         return original(self, requires_grad)
     requires_grad_.follows_placeholders = True  # type: ignore[attr-defined]
     requires_grad_.__doc__ = original.__doc__

@@ -27,7 +27,8 @@ from typing import Iterator, Set, Tuple
 import torch
 import torch.nn as nn
 
-from .param_record import any_placeholder, holds_placeholders, is_placeholder
+from .._xla.private_api import children
+from .param_record import any_placeholder, is_placeholder, placeholder_attributes
 from .shard_group import shard_group_holding, shard_group_of
 
 _TORCH_NAMED_PARAMETERS = nn.Module.named_parameters
@@ -51,7 +52,10 @@ def held_values_listed() -> None:
                          ) -> Iterator[Tuple[str, torch.Tensor]]:
         # Dynamo traces this (HF's ``self.dtype``): nothing it cannot follow before the
         # check, and a compiled region lends its full values, it never holds them
-        if torch.compiler.is_compiling() or not any_placeholder():
+        # a unit lists its shards and its nested units': every placeholder below stands
+        # for one of those (see the Note)
+        if torch.compiler.is_compiling() or not any_placeholder() or \
+                "_fsdp_wrapped_module" in children(self):
             yield from _TORCH_NAMED_PARAMETERS(self, prefix, recurse, remove_duplicate)
             return
         listed: Set[int] = set()
@@ -64,9 +68,8 @@ def held_values_listed() -> None:
         modules = (self.named_modules(prefix=prefix, remove_duplicate=remove_duplicate)
                    if recurse else [(prefix, self)])
         for path, module in modules:
-            if not holds_placeholders(module):
-                continue
-            for attr, value in list(vars(module).items()):
+            for attr in placeholder_attributes(module):
+                value = module.__dict__.get(attr)
                 if not isinstance(value, torch.Tensor) or not is_placeholder(value):
                     continue
                 if id(shard_group_holding(value)) in listed or \

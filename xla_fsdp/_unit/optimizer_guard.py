@@ -172,9 +172,10 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     if frozen:   # their accumulated gradients went when the next forward froze them
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): {shard_group_of(frozen[0]).names[0]} was "
-            f"frozen (requires_grad=False) between micro-batches of a no_sync() "
-            f"accumulation, which dropped the gradients accumulated before; unsharded, the "
-            f"step would apply them. Freeze parameters between optimizer steps.")
+            f"frozen (requires_grad=False) during a no_sync() accumulation and still is, so "
+            f"the gradients accumulated before were not reduced; unsharded, the step would "
+            f"apply them. Freeze parameters between optimizer steps, or unfreeze them "
+            f"before the last backward.")
     if unreduced:
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() after a backward under no_sync() and no "

@@ -99,8 +99,9 @@ Member = Tuple[nn.Parameter, List[Owner], List[str]]  # a parameter, its holders
 _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # a full value lent outside torch.compile (a scanned layer's trace) -> its record
 _LENT: "WeakRegistry[ParamRecord]" = WeakRegistry()
-# a module holding a placeholder -> True (see ``refuse_copies_of``)
-_OWNERS: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+# on a module holding placeholders: the attributes they stand at (a plain attribute of the
+# module, so that listing a model's parameters finds them without a lookup per module)
+_PLACEHOLDER_ATTRS = "_fsdp_placeholder_attributes"
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
@@ -259,12 +260,14 @@ class ParamRecord:
                     _LENT.pop(getattr(module, attr))
                 setattr(module, attr, record.placeholder)
 
-    def agree_requires_grad(self, requires_grad: bool) -> None:
+    def agree_requires_grad(self, requires_grad: bool, accumulating: bool = False) -> None:
         """Makes the placeholder trainable or frozen, as its shard is; a frozen one keeps no
-        gradient."""
+        gradient, but the one a ``no_sync`` accumulation holds (``accumulating``), as torch
+        keeps a frozen parameter's: frozen for a pass and unfrozen (peft's
+        ``disable_adapter()`` around a reference forward), it is reduced with the rest."""
         self.placeholder.requires_grad_(requires_grad)
         self.requires_grad = requires_grad
-        if not requires_grad:
+        if not requires_grad and not accumulating:
             self.placeholder.grad = None
 
     def hook_gradient(self, fn: Callable[[], None]) -> None:
@@ -280,9 +283,17 @@ def any_placeholder() -> bool:
     return len(_BY_PLACEHOLDER) > 0
 
 
-def holds_placeholders(module: nn.Module) -> bool:
-    """Whether ``module`` itself holds a placeholder (or a value lent in its place)."""
-    return module in _OWNERS
+def hold_placeholder(module: nn.Module, attr: str) -> None:
+    """Records that ``module`` holds a placeholder at ``attr``."""
+    held = module.__dict__.setdefault(_PLACEHOLDER_ATTRS, [])
+    if attr not in held:
+        held.append(attr)
+
+
+def placeholder_attributes(module: nn.Module) -> Sequence[str]:
+    """The attributes at which ``module`` itself holds placeholders (or values lent in
+    their place)."""
+    return module.__dict__.get(_PLACEHOLDER_ATTRS, ())
 
 
 def is_placeholder(t: torch.Tensor) -> bool:
@@ -337,9 +348,8 @@ def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
     refuse: a copy would hold empty tensors (see [Note: a unit is not copied] in
     ``unit_module``), and a state dict would lack what the placeholders stand for (see
     [Note: state_dict() below a unit]). The copies look these up on the instance first."""
-    if module in _OWNERS:
+    if "__deepcopy__" in vars(module):
         return
-    _OWNERS[module] = True
     what = (f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
             f"shards")
 

@@ -139,7 +139,7 @@ class UnitState:
             # per-step host cost]); the records always agree among themselves
             if changed or g.records[0].requires_grad != trainable:
                 for r in g.records:
-                    r.agree_requires_grad(trainable)
+                    r.agree_requires_grad(trainable, g.accumulating())
                 self.watch_gradients(g)
 
     # -- the end of a pass, for every unit of the model (from the root context) ----------------
