@@ -103,7 +103,8 @@ def test_free_swaps_only_the_placeholders_that_hold_full_values():
     before = [r.placeholder.data_ptr() for r in others]
     ParamRecord.install([held], full_values(world)[:1])
     assert ParamRecord.free([held, *others], [torch.full((1,), 7.0)] * 3)
-    assert held.placeholder.data.tolist() == [7.0]
+    with torch._C.DisableTorchFunctionSubclass():   # a freed placeholder refuses reads
+        assert held.placeholder.tolist() == [7.0]
     assert [r.placeholder.data_ptr() for r in others] == before
 
 
@@ -267,3 +268,17 @@ def test_a_module_holding_placeholders_refuses_a_state_dict_of_its_own():
         assert list(module.state_dict()) == []   # placeholders are not torch's parameters
     with pytest.raises(TypeError, match="inside an FSDP unit"):
         module.state_dict()                      # the count went back down
+
+
+def test_a_freed_placeholder_refuses_reads_of_its_values_and_passes_its_metadata():
+    """[Note: a freed placeholder is empty]: a sum over it was 0; through ``.data`` or a
+    view too; what reads only its metadata (``new_zeros`` for a hidden state) passes."""
+    import pytest
+    weight = FakeWorld(Tied(), world_size=1).modules[0].layer.weight
+    for read in (weight.sum, lambda: weight.data.sum(), lambda: weight.T,
+                 lambda: weight.data.normal_()):   # the last, an init outside apply(): lost
+        with pytest.raises(RuntimeError, match=r"read parameter 'layer.weight' of the FSDP "
+                                               r"unit around Tied outside the unit's forward"):
+            read()
+    assert weight.shape == (0,) and weight.dtype == torch.float32 and weight.grad is None
+    assert weight.new_zeros(2).shape == (2,) and torch.numel(weight) == 0

@@ -108,9 +108,15 @@ _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 
 def _passes(func: Callable) -> bool:
     """Whether ``func`` reads only metadata (or Dynamo inspects a tensor a traced forward
-    puts back: see ``take_back``)."""
+    puts back: see ``take_back``). A property passes unless it is a view of the values."""
     return func in _METADATA or getattr(func, "__name__", "") in ("__get__", "__set__") \
-        or dynamo_is_tracing()
+        and func not in _VIEWS or dynamo_is_tracing()
+
+
+def _op_name(func: Callable) -> str:
+    """``sum()``, or ``.T`` for a property."""
+    name = getattr(func, "__name__", str(func))
+    return f".{func.__self__.__name__}" if name == "__get__" else f"{name}()"
 
 
 class FreedPlaceholder(torch.Tensor):
@@ -120,14 +126,20 @@ class FreedPlaceholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Callable, types: Any, args: Any = (),
                            kwargs: Optional[Mapping[str, Any]] = None) -> Any:
-        if _passes(func):
-            return call_as_tensor(func, args, kwargs)
         freed = next((a for a in args if isinstance(a, FreedPlaceholder)), None)
         record = None if freed is None else _BY_PLACEHOLDER.get(freed)
+        if func == _DATA and record is not None:
+            # ``.data`` (a write through it was lost): an alias refusing the same reads
+            alias = call_as_tensor(func, args, kwargs)
+            alias.__class__ = FreedPlaceholder
+            _BY_PLACEHOLDER[alias] = record
+            return alias
+        if _passes(func):
+            return call_as_tensor(func, args, kwargs)
         what = ("a parameter" if record is None else
                 f"parameter '{record.name}' of the FSDP unit around {record.unit_name}")
         raise RuntimeError(
-            f"{getattr(func, '__name__', func)}() read {what} outside the unit's forward, "
+            f"{_op_name(func)} read {what} outside the unit's forward, "
             f"where its module attribute is an empty placeholder, not the parameter: the "
             f"result would be of no elements, or 0 (see [Note: a freed placeholder is empty]). "
             f"Read it inside that unit's forward, after the unit's unshard(), or through "
@@ -147,7 +159,7 @@ class TakenParameter(nn.Parameter):
             return call_as_tensor(func, args, kwargs)
         taken = next((taken_by(a) for a in args if isinstance(a, TakenParameter)), None)
         raise RuntimeError(
-            f"{getattr(func, '__name__', func)}() read the original parameter "
+            f"{_op_name(func)} read the original parameter "
             f"{taken or 'of an FSDP unit'}, which the unit replaced by a shard and emptied (a "
             f"reference kept from before wrapping: a list, a closure, a hook, an optimizer or "
             f"an average built then; see [Note: a taken parameter is empty]). Read it through "
@@ -162,7 +174,15 @@ _METADATA = {torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tens
              torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook,
              torch.Tensor.__hash__, torch.Tensor.__repr__, torch.Tensor.__format__,
              torch.Tensor.__len__, torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__,
-             torch.Tensor.__setstate__, torch.Tensor.data_ptr, torch.Tensor.untyped_storage}
+             torch.Tensor.__setstate__, torch.Tensor.data_ptr, torch.Tensor.untyped_storage,
+             torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty,
+             torch.Tensor.new_full, torch.Tensor.new_tensor, torch.Tensor.type,
+             torch.Tensor.is_pinned, torch.Tensor.is_shared, torch.is_floating_point,
+             torch.numel, torch.is_complex}
+# the properties that are views of the values
+_DATA = torch.Tensor.data.__get__
+_VIEWS = {_DATA, torch.Tensor.T.__get__, torch.Tensor.mT.__get__, torch.Tensor.H.__get__,
+          torch.Tensor.mH.__get__, torch.Tensor.real.__get__, torch.Tensor.imag.__get__}
 
 
 class ParamRecord:
