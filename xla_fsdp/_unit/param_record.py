@@ -72,11 +72,12 @@ module that keeps it in a list or a closure, a hook that captured it, an average
 ``model.parameters()`` before wrapping. Left whole, it kept its value of wrapping time and
 its device memory, and code reading it trained on a stale copy without a word (its gradient
 reached nothing). Emptied, as a freed placeholder is, and of class ``TakenParameter``,
-which refuses reads of its values as ``FreedPlaceholder`` does (a sum over it was 0), such a
-read fails where it happens, naming the parameter, and the memory is really freed. A frozen original keeps its value, which is still right
-(an embedding shared, frozen, with an unwrapped teacher): unfrozen later through its shard,
-its stale value is the one case left. A reference taken before wrapping is read through
-the module attribute instead, inside the unit.
+which refuses reads of its values as ``FreedPlaceholder`` does (a sum over it was 0), such
+a read fails where it happens, naming the parameter, and the memory is really freed. A
+frozen original keeps its value, which is still right (an embedding shared, frozen, with an
+unwrapped teacher): unfrozen later through its shard, its stale value is the one case
+left. A reference taken before wrapping is read through the module attribute instead,
+inside the unit.
 """
 from __future__ import annotations
 
@@ -100,7 +101,8 @@ _BY_PLACEHOLDER: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # a full value lent outside torch.compile (a scanned layer's trace) -> its record
 _LENT: "WeakRegistry[ParamRecord]" = WeakRegistry()
 # on a module holding placeholders: the attributes they stand at (a plain attribute of the
-# module, so that listing a model's parameters finds them without a lookup per module)
+# module, so that listing a model's parameters finds them without a lookup per module;
+# see ``hold_placeholder``)
 _PLACEHOLDER_ATTRS = "_fsdp_placeholder_attributes"
 # original parameter -> (its name in the unit that took it, that unit's name)
 _TAKEN: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
@@ -303,11 +305,16 @@ def any_placeholder() -> bool:
     return len(_BY_PLACEHOLDER) > 0
 
 
-def hold_placeholder(module: nn.Module, attr: str) -> None:
-    """Records that ``module`` holds a placeholder at ``attr``."""
+def hold_placeholder(module: nn.Module, attr: str, unit_name: str) -> None:
+    """Records that ``module`` holds a placeholder of the unit around ``unit_name`` at
+    ``attr``, where a load into it is refused; the first one makes its copies and its own
+    ``state_dict()`` refuse."""
     held = module.__dict__.setdefault(_PLACEHOLDER_ATTRS, [])
+    if not held:
+        _refuse_copies_of(module, unit_name)
     if attr not in held:
         held.append(attr)
+        _refuse_loads_into(module, attr, unit_name)
 
 
 def placeholder_attributes(module: nn.Module) -> Sequence[str]:
@@ -362,14 +369,12 @@ def taken_by(t: torch.Tensor) -> Optional[str]:
     return None if taken is None else f"'{taken[0]}' of the unit around {taken[1]}"
 
 
-def refuse_copies_of(module: nn.Module, unit_name: str) -> None:
+def _refuse_copies_of(module: nn.Module, unit_name: str) -> None:
     """Makes ``copy.deepcopy``, pickling (``torch.save``) and a ``state_dict()`` of
     ``module``, a module inside a unit that holds placeholders, or of any module above it,
     refuse: a copy would hold empty tensors (see [Note: a unit is not copied] in
     ``unit_module``), and a state dict would lack what the placeholders stand for (see
     [Note: state_dict() below a unit]). The copies look these up on the instance first."""
-    if "__deepcopy__" in vars(module):
-        return
     what = (f"{type(module).__name__} holds parameters that the FSDP unit around {unit_name} "
             f"shards")
 
@@ -416,7 +421,7 @@ def unit_state_dict() -> Iterator[None]:
         _UNIT_SAVING.depth = depth
 
 
-def refuse_loads_into(module: nn.Module, attr: str, unit_name: str) -> None:
+def _refuse_loads_into(module: nn.Module, attr: str, unit_name: str) -> None:
     """Makes ``module.load_state_dict`` (or a parent's, below the unit) refuse a value for the
     placeholder at ``attr``: torch's loader sees no parameter there, so it would skip it, and
     under ``strict=False`` load nothing without a word. A load through the unit never names

@@ -34,8 +34,7 @@ from .._sharding.names import SHARD_PREFIX
 from .._xla.private_api import post_accumulate_grad_hooks, version
 from .._xla.trace_only import to_device
 from .host_offload import DeviceCopy, HostShard, host_master
-from .param_record import (Member, ParamRecord, hold_placeholder, mark_taken,
-                           refuse_copies_of, refuse_loads_into)
+from .param_record import Member, ParamRecord, hold_placeholder, mark_taken
 from .registry import WeakRegistry
 
 _SEPARATOR = "_FSDP_SHARD_SEPARATOR_"
@@ -238,9 +237,7 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
         for m, attr in owners:
             delattr(m, attr)                     # no longer a registered parameter...
             object.__setattr__(m, attr, full)    # ...but a plain attribute: the placeholder
-            refuse_loads_into(m, attr, unit_name)
-            refuse_copies_of(m, unit_name)
-            hold_placeholder(m, attr)
+            hold_placeholder(m, attr, unit_name)
         records.append(ParamRecord(full, list(names), list(owners), unit_name))
     shard_group = ShardGroup(layout, shard, records,
                              f"{SHARD_PREFIX}.{orig_name}".replace(".", _SEPARATOR), orig_name,
