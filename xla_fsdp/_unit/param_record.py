@@ -55,13 +55,12 @@ outside its unit's forward (a parent's forward multiplying by a child unit's sca
 an evaluation under ``no_grad``, a frozen parameter) gets the placeholder: with one element
 of zeros it broadcast against anything and computed a silently wrong result, which only a
 gradient arriving in backward could reveal, and frozen parameters or ``no_grad`` never get
-there. An empty tensor broadcasts against nothing but a dimension of one, so such a read
-fails where it happens, in the forward, with a shape of 0 in the message. A reduction of it
-did not fail (its sum or norm was 0, its mean nan), so a penalty or a logged norm over a
+there. An empty tensor broadcasts against nothing but a dimension of one, but a reduction
+of it does not fail (its sum or norm is 0, its mean nan): a penalty or a logged norm over a
 parameter read outside its unit was wrong without a word. So a freed placeholder is also
 of class ``FreedPlaceholder``, whose ``__torch_function__`` refuses any op that reads its
-values, naming the parameter; what reads its metadata (shape, dtype, device, ``.grad``,
-hooks) passes. ``install`` makes it a plain tensor again (``__class__`` is swapped, which
+values (``.data`` and views of them included), naming the parameter; what reads its
+metadata (shape, dtype, device, ``.grad``, hooks, ``new_zeros``) passes. ``install`` makes it a plain tensor again (``__class__`` is swapped, which
 costs nothing an op pays), so the unit's forward and backward run without the check. Code
 that reads a parameter outside its unit belongs inside that unit, or calls the unit's
 ``unshard()`` first.
