@@ -23,7 +23,7 @@ _READS = frozenset((
     "item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__",
     "__complex__", "__repr__", "__str__", "__format__", "__array__", "__reduce_ex__",
     "is_nonzero", "equal", "allclose", "to", "copy_", "__contains__"))
-# these read a value only when they move it to the CPU
+# these read a value only when they move it to the CPU (a subset of _READS)
 _CPU_TARGET_ONLY = frozenset(("to", "copy_"))
 
 
@@ -86,27 +86,19 @@ def reads_host_value(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether calling ``func(*args, **kwargs)`` (as a torch function mode sees it) reads
     tensor values on the host."""
     name = getattr(func, "__name__", "")
-    if name not in _READS:
+    if name in _CPU_TARGET_ONLY:
+        return any(_is_cpu(a) for a in list(args) + list(kwargs.values()))
+    return name in _READS
+
+
+def _is_cpu(x: Any) -> bool:
+    """A CPU tensor, or a CPU device (a ``torch.device`` or a string naming one)."""
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "cpu"
+    if not isinstance(x, (str, torch.device)):
         return False
-    return name not in _CPU_TARGET_ONLY or _targets_cpu(args, kwargs)
-
-
-def _targets_cpu(args: tuple, kwargs: dict) -> bool:
-    def is_cpu(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return x.device.type == "cpu"
-        if isinstance(x, (str, torch.device)):
-            return torch.device(x).type == "cpu" if _is_device_like(x) else False
-        return False
-    return any(is_cpu(a) for a in list(args) + list(kwargs.values()))
-
-
-def _is_device_like(x: Any) -> bool:
-    if isinstance(x, torch.device):
-        return True
     try:
-        torch.device(x)
-        return True
+        return torch.device(x).type == "cpu"
     except (RuntimeError, TypeError):
         return False
 

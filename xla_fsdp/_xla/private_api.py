@@ -30,6 +30,16 @@ def _xlac() -> Any:
     return torch_xla._XLAC
 
 
+def _replace_once(owner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+    """``owner.name`` becomes ``make(original)``, once per process."""
+    original = getattr(owner, name)
+    if getattr(original, "xla_fsdp_replaced", False):
+        return
+    replacement = make(original)
+    replacement.xla_fsdp_replaced = True  # type: ignore[attr-defined]
+    setattr(owner, name, replacement)
+
+
 # -- torch.distributed.checkpoint -------------------------------------------------------------
 def dcp_file_prefix(prefix: str) -> Any:
     """The storage data of a save plan that makes ``FileSystemWriter`` name its files
@@ -59,18 +69,13 @@ def before_grad_scaler_reads(then: Callable[[Any], None]) -> None:
     """``then(optimizer)`` runs each time ``torch.amp.GradScaler.step`` is about to read an
     optimizer's inf flags on the host to decide whether it steps (not for an optimizer that
     takes the flags itself, ``_step_supports_amp_scaling``). Once per process."""
-    scaler = torch.amp.GradScaler
-    original = scaler._maybe_opt_step
-    if getattr(original, "followed", False):
-        return
-
-    def decide(self: Any, optimizer: Any, optimizer_state: Any, *args: Any,
-               **kwargs: Any) -> Any:
-        then(optimizer)
-        return original(self, optimizer, optimizer_state, *args, **kwargs)
-
-    decide.followed = True  # type: ignore[attr-defined]
-    scaler._maybe_opt_step = decide
+    def make(original: Callable) -> Callable:
+        def decide(self: Any, optimizer: Any, optimizer_state: Any, *args: Any,
+                   **kwargs: Any) -> Any:
+            then(optimizer)
+            return original(self, optimizer, optimizer_state, *args, **kwargs)
+        return decide
+    _replace_once(torch.amp.GradScaler, "_maybe_opt_step", make)
 
 
 def after_grad_scaler_unscale(then: Callable[[Any, Dict[torch.device, torch.Tensor]], None]
@@ -78,19 +83,14 @@ def after_grad_scaler_unscale(then: Callable[[Any, Dict[torch.device, torch.Tens
     """``then(optimizer, found_inf_per_device)`` runs each time ``torch.amp.GradScaler`` has
     unscaled an optimizer's gradients, before anything reads its inf flags (its step's
     decision, its scale's update). Once per process."""
-    scaler = torch.amp.GradScaler
-    original = scaler._unscale_grads_
-    if getattr(original, "followed", False):
-        return
-
-    def unscale(self: Any, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                allow_fp16: bool) -> Dict[torch.device, torch.Tensor]:
-        found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
-        then(optimizer, found)
-        return found
-
-    unscale.followed = True  # type: ignore[attr-defined]
-    scaler._unscale_grads_ = unscale
+    def make(original: Callable) -> Callable:
+        def unscale(self: Any, optimizer: Any, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor, allow_fp16: bool) -> Dict[torch.device, torch.Tensor]:
+            found = original(self, optimizer, inv_scale, found_inf, allow_fp16)
+            then(optimizer, found)
+            return found
+        return unscale
+    _replace_once(torch.amp.GradScaler, "_unscale_grads_", make)
 
 
 def incompatible_keys(missing: List[str], unexpected: List[str]) -> Any:
@@ -189,15 +189,12 @@ def op_schema(target: Any) -> Optional[Any]:
 def check_before_conversion(check: Callable[[nn.Module, Callable], None]) -> None:
     """Makes every module's conversion (``Module._apply``: ``to``, ``half``, ``cpu``...) call
     ``check(module, fn)`` before converting that module, once per process."""
-    original = nn.Module._apply
-    if getattr(original, "checked", False):
-        return
-
-    def _apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
-        check(self, fn)
-        return original(self, fn, recurse)
-    _apply.checked = True  # type: ignore[attr-defined]
-    nn.Module._apply = _apply  # type: ignore[method-assign]
+    def make(original: Callable) -> Callable:
+        def _apply(self: nn.Module, fn: Callable, recurse: bool = True) -> nn.Module:
+            check(self, fn)
+            return original(self, fn, recurse)
+        return _apply
+    _replace_once(nn.Module, "_apply", make)
 
 
 def is_batch_norm(m: nn.Module) -> bool:
@@ -258,20 +255,16 @@ def foreach_zero_counts_as_a_write() -> None:
     silently. ``torch._foreach_zero_`` is wrapped once per process to bump the counter of
     each XLA tensor whose counter the kernel left unchanged, so the wrapper does nothing
     once torch_xla counts the write itself. Installed with FSDP's process-wide effects."""
-    original = torch._foreach_zero_
-    if getattr(original, "counts_xla_writes", False):
-        return
-
-    def zero_(tensors: Sequence[torch.Tensor]) -> None:
-        tensors = list(tensors)
-        xla = [(t, t._version) for t in tensors if t.device.type == "xla"]
-        original(tensors)
-        unseen = [t for t, seen in xla if t._version == seen]
-        if unseen:
-            torch.autograd.graph.increment_version(unseen)
-
-    zero_.counts_xla_writes = True  # type: ignore[attr-defined]
-    torch._foreach_zero_ = zero_
+    def make(original: Callable) -> Callable:
+        def zero_(tensors: Sequence[torch.Tensor]) -> None:
+            tensors = list(tensors)
+            xla = [(t, t._version) for t in tensors if t.device.type == "xla"]
+            original(tensors)
+            unseen = [t for t, seen in xla if t._version == seen]
+            if unseen:
+                torch.autograd.graph.increment_version(unseen)
+        return zero_
+    _replace_once(torch, "_foreach_zero_", make)
 
 
 # -- the torch.save format ------------------------------------------------------------------
@@ -324,15 +317,14 @@ def scan_flat(body: Callable, init: List[torch.Tensor], xs: List[torch.Tensor],
 def fresh_collective_token() -> Iterator[None]:
     """Traces the body with a collective token of its own and puts the device's back after
     (see [Note: the collective token inside a loop body] in ``scan.loop``)."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
     device = xm._get_device_context().device
-    outer = torch_xla._XLAC._get_all_reduce_token(device)
-    torch_xla._XLAC._set_all_reduce_token(device, None)
+    outer = _xlac()._get_all_reduce_token(device)
+    _xlac()._set_all_reduce_token(device, None)
     try:
         yield
     finally:
-        torch_xla._XLAC._set_all_reduce_token(device, outer)
+        _xlac()._set_all_reduce_token(device, outer)
 
 
 def collective_token_added() -> bool:
@@ -360,12 +352,11 @@ def run_pending(tensors: Sequence[Optional[torch.Tensor]]) -> None:
     ``torch_xla.sync()``) leaves the token pointing at the graph just run, whose input
     buffers XLA may since have donated, so the next collective would read a deleted buffer.
     The caller's collectives must therefore be the last ones issued on the device."""
-    import torch_xla
     import torch_xla.core.xla_model as xm
     tensors = [t for t in tensors if t is not None and t.device.type == "xla"]
     if tensors:
         xm.unlazy(tensors)
-        torch_xla._XLAC._set_all_reduce_token(str(tensors[0].device), None)
+        _xlac()._set_all_reduce_token(str(tensors[0].device), None)
 
 
 @contextlib.contextmanager

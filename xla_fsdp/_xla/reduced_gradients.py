@@ -36,9 +36,10 @@ them, so that what it cannot follow is never refused. A refused step must be a w
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 from .hlo_text import Instruction, parse_module
 
@@ -110,29 +111,22 @@ class _Walk:
     def after_reduction(self, output: str) -> Optional[Tuple[str, str]]:
         """(what, instruction) of the first mistake between ``output`` and the
         reduce-scatters it comes from, or None."""
-        seen: Set[str] = set()
-        stack = [output]
-        while stack:
-            name = stack.pop()
-            if name in seen or name not in self.graph:
-                continue
-            seen.add(name)
-            inst = self.graph[name]
-            if inst.opcode in ("reduce-scatter", "all-gather") or inst.opcode in OPAQUE:
-                continue
-            if inst.opcode == "all-reduce":
-                if self._averages_slices(inst):
-                    return ALL_REDUCED, name
-                continue
+        def onward(inst: Instruction) -> List[str]:
+            stop = inst.opcode in ("reduce-scatter", "all-gather", "all-reduce") or \
+                inst.opcode in OPAQUE
+            return [] if stop else self._inputs(inst)
+
+        for inst in _reached(self.graph, output, onward):
+            if inst.opcode == "all-reduce" and self._averages_slices(inst):
+                return ALL_REDUCED, inst.name
             if inst.opcode == "reduce" and any(self._reaches_locally(o) for o in inst.operands):
                 if not self.updates:
-                    return LOCAL_SCALE, name
+                    return LOCAL_SCALE, inst.name
                 if self._reduces_many(inst):
-                    return WHOLE_TENSOR, name
+                    return WHOLE_TENSOR, inst.name
             if self.updates and inst.opcode == "dot" and \
                     any(self._reaches_locally(o) for o in inst.operands):
-                return WHOLE_TENSOR, name
-            stack.extend(self._inputs(inst))
+                return WHOLE_TENSOR, inst.name
         return None
 
     def _reduces_many(self, inst: Instruction) -> bool:
@@ -176,32 +170,19 @@ class _Walk:
     def _scattered_elementwise(self, name: str) -> List[Optional[List[List[int]]]]:
         """Replica groups of the reduce-scatters ``name`` reaches with neither a reduce nor
         an all-reduce on the way (None: all ranks)."""
-        out, seen, stack = [], set(), [name]
-        while stack:
-            current = stack.pop()
-            if current in seen:
-                continue
-            seen.add(current)
-            inst = self.graph.get(current)
-            if inst is None or inst.opcode in UNIFORM or inst.opcode in OPAQUE \
-                    or inst.opcode == "reduce":
-                continue
-            if inst.opcode == "reduce-scatter":
-                out.append(inst.replica_groups)
-                continue
-            stack.extend(self._inputs(inst))
-        return out
+        def onward(inst: Instruction) -> List[str]:
+            stop = inst.opcode in UNIFORM or inst.opcode in OPAQUE or \
+                inst.opcode in ("reduce", "reduce-scatter")
+            return [] if stop else self._inputs(inst)
+
+        return [inst.replica_groups for inst in _reached(self.graph, name, onward)
+                if inst.opcode == "reduce-scatter"]
 
 
 def _elements(shape: str) -> Optional[int]:
     """The element count of an array shape (``f32[8,32]{1,0}``); None for a tuple."""
     m = re.fullmatch(r"[a-z0-9]+\[([\d,]*)\](\{[\d,]*\})?", shape)
-    if m is None:
-        return None
-    count = 1
-    for d in filter(None, m.group(1).split(",")):
-        count *= int(d)
-    return count
+    return None if m is None else math.prod(int(d) for d in filter(None, m.group(1).split(",")))
 
 
 def _entry(hlo: str) -> Tuple[Dict[str, Instruction], List[str]]:
@@ -221,19 +202,24 @@ def all_reduced(hlo: str, count: int) -> List[bool]:
     graph, outputs = _entry(hlo)
     if len(outputs) != count:
         return [True] * count
-    found = []
-    for name in outputs:
-        seen, stack, hit = set(), [name], False
-        while stack and not hit:
-            current = stack.pop()
-            inst = graph.get(current)
-            if current in seen or inst is None:
-                continue
-            seen.add(current)
-            hit = inst.opcode == "all-reduce" or inst.opcode in OPAQUE
-            stack.extend(inst.operands)
-        found.append(hit)
-    return found
+    return [any(inst.opcode == "all-reduce" or inst.opcode in OPAQUE
+                for inst in _reached(graph, name, lambda inst: inst.operands))
+            for name in outputs]
+
+
+def _reached(graph: Dict[str, Instruction], start: str,
+             onward: Callable[[Instruction], List[str]]) -> Iterator[Instruction]:
+    """Every instruction of ``graph`` reached from ``start``, each once, depth first, going
+    on from each to the names ``onward`` gives (after the caller has seen it)."""
+    seen: Set[str] = set()
+    stack = [start]
+    while stack:
+        name = stack.pop()
+        if name in seen or name not in graph:
+            continue
+        seen.add(name)
+        yield graph[name]
+        stack.extend(onward(graph[name]))
 
 
 def _is_scalar(inst: Optional[Instruction]) -> bool:

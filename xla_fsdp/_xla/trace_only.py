@@ -7,8 +7,9 @@ tensor a graph leaves behind placeholders, which hold no memory. So a plan for a
 larger than this machine's memory traces in little memory. The wrapper asks ``active()``
 where it would otherwise give meta tensors values (``materialize_meta``) and puts tensors
 on the device through ``to_device``, checkpoint writers refuse (``refuse_writes``), and
-checkpoints read as absent (``refuse_reads``); nothing else in it changes. Only the traced process of ``xla_fsdp.aot`` activates this,
-once, before the user's function runs; a training process never does.
+checkpoints read as absent (``refuse_reads``); nothing else in it changes. Only the traced
+process of ``xla_fsdp.aot`` activates this, once, before the user's function runs; a training
+process never does.
 """
 from __future__ import annotations
 
