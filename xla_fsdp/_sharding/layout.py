@@ -158,8 +158,7 @@ class FlatLayout(_Tensors, _WholeShard):
         """``rank``'s shard, a new tensor. ``tensors`` may also be the group's whole content
         as one tensor of ``numel`` elements. Only the shard is allocated, never the padded
         group."""
-        start, end = self.shard_range(rank)
-        return _slice_padded(self._flat(tensors), start, end)
+        return _slice_padded(self._flat(tensors), *self.shard_range(rank))
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         """Views of the full tensors inside an all-gathered padded flat tensor."""
@@ -297,8 +296,7 @@ class Dim0Layout(_WholeShard):
     def shard(self, tensors: Sequence[torch.Tensor], rank: int) -> torch.Tensor:
         """``rank``'s block of rows, a new tensor (``tensors`` is the one tensor, in any
         shape with ``numel`` elements)."""
-        start, end = self.shard_range(rank)
-        return _slice_padded(self._rows(tensors), start, end)
+        return _slice_padded(self._rows(tensors), *self.shard_range(rank))
 
     def unshard(self, gathered: torch.Tensor) -> List[torch.Tensor]:
         return [gathered[:self.rows].view(self.shape)]

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 from collections import OrderedDict
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch
 from torch.nn.utils.rnn import PackedSequence
@@ -74,12 +75,21 @@ def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True,
     def walk(value: Any) -> Any:
         return _walk(fn, value, rebuild, copies=copies)
 
-    def target(pairs: List[Any]) -> Any:
-        """Where a rebuild writes: ``obj``, or with ``copies`` a copy of it if any of the
-        (old, new) ``pairs`` differs (None if none does: ``obj`` is kept as it is)."""
-        if not copies:
+    def updated(changes: Dict[Any, Tuple[Any, Any]], assign: Callable[[Any, Any, Any], Any]
+                ) -> Any:
+        """``obj`` with ``assign(out, key, new)`` for each key's (old, new) in ``changes``,
+        where ``out`` is ``obj``, or with ``copies`` a copy of it if any of them differs
+        (``obj`` itself, unchanged, if none does)."""
+        if not rebuild:
             return obj
-        return copy.copy(obj) if any(_changed(a, b) for a, b in pairs) else None
+        out = obj
+        if copies:
+            if not any(_changed(a, b) for a, b in changes.values()):
+                return obj
+            out = copy.copy(obj)
+        for k, (_, new) in changes.items():
+            assign(out, k, new)
+        return out
 
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -97,30 +107,17 @@ def _walk(fn: Visit, obj: Any, rebuild: bool, objects: bool = True,
         return type(obj)(values) if rebuild else obj
     if hasattr(obj, "keys") and hasattr(obj, "__setitem__") and hasattr(obj, "items"):
         # dict-like model outputs: updated in place (with ``copies``, a copy is)
-        new_items = [(k, v, walk(v)) for k, v in list(obj.items())]
-        out = target([(v, new) for _, v, new in new_items]) if rebuild else None
-        for k, _, new in new_items if out is not None else ():
-            out[k] = new
-        return obj if out is None else out
+        return updated({k: (v, walk(v)) for k, v in list(obj.items())}, operator.setitem)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: walk(getattr(obj, f.name)) for f in dataclasses.fields(obj)
-                   if hasattr(obj, f.name)}
-        if not rebuild:
-            return obj
-        if type(obj).__dataclass_params__.frozen:
-            return dataclasses.replace(obj, **{k: v for k, v in changes.items()
+        changes = {f.name: (getattr(obj, f.name), walk(getattr(obj, f.name)))
+                   for f in dataclasses.fields(obj) if hasattr(obj, f.name)}
+        if rebuild and type(obj).__dataclass_params__.frozen:
+            return dataclasses.replace(obj, **{k: v for k, (_, v) in changes.items()
                                                if type(obj).__dataclass_fields__[k].init})
-        out = target([(getattr(obj, k), v) for k, v in changes.items()])
-        for k, v in changes.items() if out is not None else ():
-            setattr(out, k, v)
-        return obj if out is None else out
+        return updated(changes, setattr)
     if objects and _is_plain_object(obj):
-        changes = {k: _walk(fn, v, rebuild, objects=False, copies=copies)
-                   for k, v in list(vars(obj).items())}
-        out = target([(getattr(obj, k), v) for k, v in changes.items()]) if rebuild else None
-        for k, v in changes.items() if out is not None else ():
-            setattr(out, k, v)
-        return obj if out is None else out
+        return updated({k: (getattr(obj, k), _walk(fn, v, rebuild, objects=False, copies=copies))
+                        for k, v in list(vars(obj).items())}, setattr)
     return obj
 
 

@@ -38,30 +38,27 @@ import torch.nn.functional as F
 from .collectives import Collectives, optimization_barrier
 
 
-class _GatherTokens(torch.autograd.Function):
-    """Every rank's rows along dim 0; the gradient is reduce-scattered back."""
-
-    @staticmethod
-    def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
-        ctx.vocab_collectives = collectives
+def _exchange(collectives: Collectives, x: torch.Tensor, gather: bool) -> torch.Tensor:
+    """Every rank's rows along dim 0 (``gather``), else every rank's rows summed and this
+    rank's dim-0 block kept."""
+    if gather:
         return collectives.all_gather([x], coalesce=False)[0]
+    return collectives.reduce_scatter([x], 1.0)[0]
+
+
+class _Exchange(torch.autograd.Function):
+    """``_exchange``, whose gradient is the other exchange: a gather's is reduce-scattered
+    back, a sum's is gathered."""
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.vocab_collectives.reduce_scatter([grad.contiguous()], 1.0)[0]
-
-
-class _SumToOwner(torch.autograd.Function):
-    """Sums every rank's rows and keeps this rank's dim-0 block; the gradient is gathered."""
+    def forward(ctx: Any, collectives: Collectives, x: torch.Tensor,
+                gather: bool) -> torch.Tensor:
+        ctx.vocab_collectives, ctx.gather = collectives, gather
+        return _exchange(collectives, x, gather)
 
     @staticmethod
-    def forward(ctx: Any, collectives: Collectives, x: torch.Tensor) -> torch.Tensor:
-        ctx.vocab_collectives = collectives
-        return collectives.reduce_scatter([x], 1.0)[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor]:
-        return None, ctx.vocab_collectives.all_gather([grad.contiguous()], coalesce=False)[0]
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[None, torch.Tensor, None]:
+        return None, _exchange(ctx.vocab_collectives, grad.contiguous(), not ctx.gather), None
 
 
 class _Project(torch.autograd.Function):
@@ -116,14 +113,14 @@ def lookup(collectives: Collectives, rows: torch.Tensor, first: torch.Tensor,
     the table from row ``first`` (a device tensor: a constant would make each rank's
     program its own)."""
     block = rows.shape[0]
-    every = collectives.all_gather([ids.reshape(-1)], coalesce=False)[0]
+    every = _exchange(collectives, ids.reshape(-1), gather=True)
     local = every - first
     inside = (local >= 0) & (local < block)
     found = F.embedding(torch.where(inside, local, torch.zeros_like(local)), rows)
     found = found * inside.unsqueeze(1).to(rows.dtype)
     if padding_idx is not None:  # the padding row's value, but no gradient into it
         found = torch.where((every == padding_idx).unsqueeze(1), found.detach(), found)
-    return _SumToOwner.apply(collectives, found).reshape(*ids.shape, rows.shape[1])
+    return _Exchange.apply(collectives, found, False).reshape(*ids.shape, rows.shape[1])
 
 
 def project(collectives: Collectives, rows: torch.Tensor, hidden: torch.Tensor,
@@ -131,7 +128,7 @@ def project(collectives: Collectives, rows: torch.Tensor, hidden: torch.Tensor,
     """``F.linear(hidden, table)`` where this rank holds ``rows``, its block of the table's
     ``vocab`` rows (padded to a multiple of the world size)."""
     tokens = hidden.reshape(-1, hidden.shape[-1])
-    every = _GatherTokens.apply(collectives, tokens)
+    every = _Exchange.apply(collectives, tokens, True)
     logits = _Project.apply(collectives, rows, every)
     if logits.shape[1] != vocab:
         logits = logits[:, :vocab]
