@@ -54,14 +54,13 @@ def start(target: Callable[..., None], args: Tuple[Any, ...],
     server]). ``args`` may hold multiprocessing connections."""
     ctx = _warm_context(env)
     if ctx is None:
-        ctx = multiprocessing.get_context("spawn")
         with environment_for_child(env):  # a spawned child is born with it
-            process = ctx.Process(target=target, name="xla_fsdp-devices", args=args)
+            process = multiprocessing.get_context("spawn").Process(
+                target=target, name="xla_fsdp-devices", args=args)
             process.start()
         return process
-    environment = dict(os.environ, **env)
     process = ctx.Process(target=_run_in_environment, name="xla_fsdp-devices",
-                          args=(environment, _ParentStdout(), target) + tuple(args))
+                          args=(dict(os.environ, **env), _ParentStdout(), target) + tuple(args))
     process.start()
     return process
 

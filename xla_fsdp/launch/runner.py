@@ -65,7 +65,8 @@ def launch(fn: Callable[..., Any], args: Sequence[Any] = (),
         num_devices = int(os.environ.get(NUM_DEVICES_ENV, DEFAULT_VIRTUAL_DEVICES))
     if not isinstance(num_devices, int) or num_devices < 1:
         raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
-    return _launch_virtual(fn, tuple(args), num_devices)
+    env = dict(worker.environment(num_devices), **launched_here())
+    return run_device_process(worker.main, (picklable_call(fn, tuple(args)), num_devices), env)
 
 
 def accelerator_type() -> Optional[str]:
@@ -112,11 +113,6 @@ def _rebuild_rank_call(payload: bytes) -> "_RankCall":
     return _RankCall(*pickle.loads(payload))
 
 
-def _launch_virtual(fn: Callable[..., Any], args: tuple, num_devices: int) -> Dict[int, Any]:
-    env = dict(worker.environment(num_devices), **launched_here())
-    return run_device_process(worker.main, (picklable_call(fn, args), num_devices), env)
-
-
 _IN_LAUNCH = "XLA_FSDP_IN_LAUNCH"
 
 
@@ -143,11 +139,11 @@ def picklable_call(fn: Callable[..., Any], args: tuple) -> bytes:
 def run_device_process(target: Callable[..., None], target_args: tuple,
                        env: Dict[str, str]) -> Dict[int, Any]:
     """Runs ``target(sender, *target_args, log_path)`` in a child process that starts with
-    ``env`` (``process_start``), and returns the ``{rank: value}`` it reports. The child reports over
-    ``sender`` as ``worker`` does: ``("thread", rank, thread id)`` as a rank starts (to
-    name the stacks of a fatal error's dump), ``("error", rank, pickled exception or None,
-    traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at the
-    end; it writes its fd 2 to ``log_path``, which is forwarded to our stderr."""
+    ``env`` (``process_start``), and returns the ``{rank: value}`` it reports. The child
+    reports over ``sender`` as ``worker`` does: ``("thread", rank, thread id)`` as a rank
+    starts (to name the stacks of a fatal error's dump), ``("error", rank, pickled exception
+    or None, traceback)`` as soon as a rank fails, ``("results", {rank: pickled value})`` at
+    the end; it writes its fd 2 to ``log_path``, which is forwarded to our stderr."""
     receiver, sender = multiprocessing.Pipe(duplex=False)
     with tempfile.NamedTemporaryFile("w+b", prefix="xla_fsdp_launch_", suffix=".log",
                                      delete=False) as log:
@@ -228,6 +224,8 @@ def _death_message(exitcode, log_text: str, threads: Dict[int, int]) -> str:
     how = (f"was killed by signal {signal.Signals(-exitcode).name}"
            if exitcode is not None and exitcode < 0 else f"exited with code {exitcode}")
     stacks = _rank_stacks(log_text, threads)
+    # the log before the stacks Python's fault handler wrote as the process died
+    last = _last_lines(log_text.split(_DUMP_START, 1)[0])
     if "Termination timeout" in log_text and "RendezvousKey" in log_text:
         return (
             f"the device process {how}: XLA gave up on a collective that not every rank "
@@ -235,17 +233,12 @@ def _death_message(exitcode, log_text: str, threads: Dict[int, int]) -> str:
             f"in the same order, or one ran an op that torch_xla computes on the host "
             f"(a CPU fallback) over a pending collective (see the launcher's limits in "
             f"docs/launcher.md).\n{stacks}"
-            f"Last lines of XLA's log:\n{_last_lines(_without_dump(log_text))}")
+            f"Last lines of XLA's log:\n{last}")
     return (f"the device process {how} before returning.\n{stacks}"
-            f"Last log lines:\n{_last_lines(_without_dump(log_text))}")
+            f"Last log lines:\n{last}")
 
 
 _DUMP_START = "Fatal Python error:"
-
-
-def _without_dump(log_text: str) -> str:
-    """The log before the stacks Python's fault handler wrote as the process died."""
-    return log_text.split(_DUMP_START, 1)[0]
 
 
 def _rank_stacks(log_text: str, threads: Dict[int, int], frames: int = 6) -> str:

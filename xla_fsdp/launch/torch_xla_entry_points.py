@@ -26,6 +26,7 @@ import functools
 import multiprocessing.spawn
 from typing import Any, Callable, Optional, Tuple
 
+from ..compat.patch import patch_if_requested
 from .runner import accelerator_type, launch
 
 
@@ -56,12 +57,7 @@ def patch_spawned_children() -> None:
 
 class _PatchOnUnpickle:
     def __reduce__(self):
-        return (_patch_child, ())
-
-
-def _patch_child() -> None:
-    from ..compat.patch import patch_if_requested
-    patch_if_requested()
+        return (patch_if_requested, ())
 
 
 def _spawn(fn: Callable[..., Any], args: Tuple = (), nprocs: Optional[int] = None,

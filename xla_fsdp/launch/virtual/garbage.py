@@ -60,7 +60,4 @@ def _due_generation() -> int:
     """The generation the automatic collector would collect now, or -1 (CPython collects
     the oldest generation whose count exceeds its threshold)."""
     counts, thresholds = gc.get_count(), gc.get_threshold()
-    for generation in (2, 1, 0):
-        if thresholds[generation] and counts[generation] > thresholds[generation]:
-            return generation
-    return -1
+    return next((g for g in (2, 1, 0) if thresholds[g] and counts[g] > thresholds[g]), -1)

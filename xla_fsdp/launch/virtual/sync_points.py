@@ -177,10 +177,8 @@ class SyncPoints:
         run = self._orig["_run_cached_graph"]
         if self._rank is None or graph_hash not in self._collective_programs:
             return run(graph_hash, inputs)
-        out: List[Any] = []
-        self._collective("a compiled region holding collectives",
-                         lambda: out.append(run(graph_hash, inputs)))
-        return out[0]
+        return self._collective("a compiled region holding collectives",
+                                lambda: run(graph_hash, inputs))
 
     def _peers_sync_where_compiled(self, compiled: Callable, compiler: int) -> Callable:
         # The compiling rank synced its device while compiling; the others' first call of
@@ -297,35 +295,37 @@ class SyncPoints:
                 f"same number of times and at the same points.")
 
     # -- patched entry points --------------------------------------------------------------
-    def _step_marker(self, device: str, devices: List[str], wait: bool = False,
-                     reset_scope: bool = True) -> None:
-        orig = self._orig["_xla_step_marker"]
-        if self._rank is None or self._local.compiling:  # see [Note: the compiling rank syncs alone]
-            return orig(device, devices, wait=wait, reset_scope=reset_scope)
-        self._collective("torch_xla.sync()", lambda: orig(
-            device, devices, wait=False, reset_scope=reset_scope))
+    def _sync(self, kind: str, sync: Callable[[bool], Any], wait: bool) -> Any:
+        """``sync(wait)``; in a device thread, ``sync(False)`` at a collective point and then,
+        if ``wait``, a wait for this rank's device alone."""
+        # see [Note: the compiling rank syncs alone]
+        if self._rank is None or self._local.compiling:
+            return sync(wait)
+        self._collective(kind, lambda: sync(False))
         if wait:
             self._wait_own_device()
 
+    def _step_marker(self, device: str, devices: List[str], wait: bool = False,
+                     reset_scope: bool = True) -> None:
+        orig = self._orig["_xla_step_marker"]
+        return self._sync("torch_xla.sync()", lambda w: orig(
+            device, devices, wait=w, reset_scope=reset_scope), wait)
+
     def _sync_live(self, device: str, devices: List[str], wait: bool = True) -> None:
         orig = self._orig["_xla_sync_live_tensors"]
-        if self._rank is None or self._local.compiling:
-            return orig(device, devices, wait)
-        self._collective("a sync of the live tensors", lambda: orig(device, devices, False))
-        if wait:
-            self._wait_own_device()
+        return self._sync("a sync of the live tensors", lambda w: orig(device, devices, w), wait)
 
     def _sync_multi(self, tensors: List[torch.Tensor], devices: List[str], wait: bool = True,
                     sync_xla_data: bool = True) -> None:
         orig = self._orig["_xla_sync_multi"]
+
+        def sync(w: bool) -> Any:
+            return orig(tensors, devices, wait=w, sync_xla_data=sync_xla_data)
         if (self._rank is None or self._local.compiling
                 or not has_pending_collective(tensors)):
-            return orig(tensors, devices, wait=wait, sync_xla_data=sync_xla_data)
+            return sync(wait)
         self._local.collectives_traced = True  # as in materialize
-        self._collective("a sync of tensors that depend on a collective", lambda: orig(
-            tensors, devices, wait=False, sync_xla_data=sync_xla_data))
-        if wait:
-            self._wait_own_device()
+        return self._sync("a sync of tensors that depend on a collective", sync, wait)
 
     def _wait_device_ops(self, devices: Iterable[str] = ()) -> None:
         if self._rank is None:
