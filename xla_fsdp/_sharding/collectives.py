@@ -178,10 +178,8 @@ class Collectives:
         if not tensors:
             return []
         n = self.world_size
-        if len(tensors) == 1:
-            buffer = tensors[0]
-        else:
-            buffer = torch.cat([t.reshape(n, -1) for t in tensors], dim=1).reshape(-1)
+        buffer = tensors[0] if len(tensors) == 1 else \
+            torch.cat([t.reshape(n, -1) for t in tensors], dim=1).reshape(-1)
         if "reduce_scatter" in self.dummy:
             block = buffer.shape[0] // n
             reduced = buffer.narrow(0, self.rank * block, block) * scale

@@ -31,9 +31,8 @@ def plan_for(name: Optional[str]) -> None:
     _PLANNED_FOR = name
 
 
-class _CpuFallbackNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=CPU")
+def _not_the_cpu_fallback_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Defaulting to PJRT_DEVICE=CPU")
 
 
 def torch_xla_device_type_quietly() -> Optional[str]:
@@ -42,10 +41,9 @@ def torch_xla_device_type_quietly() -> Optional[str]:
     accelerator. Our entry points (the launcher, ``patch_torch_xla``) call it first: with no
     accelerator they run virtual CPU devices by design, which every command would otherwise
     open with a warning. torch_xla's choice of an accelerator is still logged."""
-    notice = _CpuFallbackNotice()
-    logging.getLogger().addFilter(notice)
+    logging.getLogger().addFilter(_not_the_cpu_fallback_notice)
     try:
         import torch_xla.runtime as xr  # its import picks a default device type
         return xr.device_type()
     finally:
-        logging.getLogger().removeFilter(notice)
+        logging.getLogger().removeFilter(_not_the_cpu_fallback_notice)

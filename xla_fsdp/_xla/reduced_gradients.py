@@ -137,13 +137,9 @@ class _Walk:
 
     def _averages_slices(self, inst: Instruction) -> bool:
         rank_groups = inst.replica_groups
-        for operand in inst.operands:
-            if _is_scalar(self.graph.get(operand)):
-                continue
-            for scattered in self._scattered_elementwise(operand):
-                if _share_two_ranks(rank_groups, scattered):
-                    return True
-        return False
+        return any(_share_two_ranks(rank_groups, scattered) for operand in inst.operands
+                   if not _is_scalar(self.graph.get(operand))
+                   for scattered in self._scattered_elementwise(operand))
 
     def _reaches_locally(self, name: str) -> bool:
         """``name`` depends on a reduce-scatter's result by a path with no all-reduce or
