@@ -40,7 +40,7 @@ from .scan.checks import (check_identical, describe_layer, forward_graph, hook_c
                           refuse_float32_modules, refuse_input_mutation, refuse_later_hooks,
                           refuse_opaque_arguments, refuse_varying_computation,
                           tensor_attributes, varying_attributes)
-from .scan.loop import ScanFunction, ScanLoop, run_forward_only
+from .scan.loop import ScanFunction, ScanLoop
 from .scan.trace import LayerGraphs, trace_layer
 from .unit_module import UnitModule
 
@@ -188,8 +188,8 @@ class ScannedLayers(UnitModule):
                         self._prefetch)
         grad = torch.is_grad_enabled() and (hidden.requires_grad or any(differentiable) or
                                             any(g.shard.requires_grad for g in shard_groups))
-        if not grad:
-            return rebuild(run_forward_only(loop, hidden))
+        if not grad:   # evaluation: nothing is saved for a backward
+            return rebuild(loop.forward(hidden, save=False)[0])
         return rebuild(ScanFunction.apply(loop, hidden, *invariants,
                                           *[g.local() for g in shard_groups]))
 
@@ -206,12 +206,10 @@ class ScannedLayers(UnitModule):
         layers = list(self.wrapped_module)
         check_identical(layers, self._ignored, hooks=True)
         self.__dict__["_varying"] = varying_attributes(layers, self._ignored)
-        seen = next((i for i, d in enumerate(descriptions) if d == now), None)
-        if seen is None:
+        if now not in descriptions:
             descriptions.append(now)
-            seen = len(descriptions) - 1
-        self.__dict__["_last_settings"] = seen
-        return seen
+        self.__dict__["_last_settings"] = descriptions.index(now)
+        return self._last_settings
 
     def _trace(self, hidden: torch.Tensor, invariants: List[torch.Tensor],
                differentiable: List[bool], leaves: List[Any], tensors: List[int], spec: Any,

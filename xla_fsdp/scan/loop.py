@@ -73,7 +73,7 @@ class ScanLoop:
         def body(carry: List[torch.Tensor], xs: List[torch.Tensor]):
             h, ahead = carry[0], carry[1:]
             params = ahead[1:] if self.prefetch else self._gather(xs[:n])
-            out = self.graphs.forward(*self._layer_inputs(h, params, xs[n:]))
+            out = self.graphs.forward(h, *self.invariants, *params, *xs[n:])
             saved = out[1:]
             ys = [saved[i] for i in stacked] + ([h] if save_hidden else [])
             return [out[0], *self._advance(ahead, 1)], ys
@@ -94,7 +94,7 @@ class ScanLoop:
             layer_ys = xs[base:]
             h = layer_ys[len(stacked)] if len(layer_ys) > len(stacked) else None
             params = ahead[1:] if self.prefetch else self._gather(xs[:n])
-            inputs = self._layer_inputs(h, params, xs[n:base])
+            inputs = [h, *self.invariants, *params, *xs[n:base]]
             news = dict(zip(stacked, layer_ys))
             saved = [inputs[k] if k is not None else news[i]
                      for i, k in enumerate(self.graphs.saved_inputs)]
@@ -109,24 +109,27 @@ class ScanLoop:
         init = ([grad] + [torch.zeros_like(self.invariants[i]) for i in carried]
                 + self._start(self._layers() - 1))
         carry, reduced = _loop(body, init, self._xs() + list(ys), reverse=True)
-        g_inv: List[Optional[torch.Tensor]] = [None] * len(self.invariants)
-        for i, g in zip(carried, carry[1:1 + len(carried)]):
-            g_inv[i] = g
-        g_shards: List[Optional[torch.Tensor]] = [None] * len(self.shard_groups)
-        for i, g in zip(trainable, reduced):
-            g_shards[i] = g
-        return carry[0], g_inv, g_shards
+        g_inv = dict(zip(carried, carry[1:1 + len(carried)]))
+        g_shards = dict(zip(trainable, reduced))
+        return (carry[0], [g_inv.get(i) for i in range(len(self.invariants))],
+                [g_shards.get(i) for i in range(len(self.shard_groups))])
 
     def _given_gradients(self) -> List[int]:
         """The shard groups whose shards get a gradient: trainable, with a parameter the
         layer's backward reaches. A group of parameters the layer never uses is not reduced,
         and its shard's ``.grad`` stays None, as unscanned: a zero gradient would still
         move it under weight decay and count an AdamW step."""
-        given, at, out = self.graphs.given_gradients, 1 + len(self.invariants), []
-        for i, g in enumerate(self.shard_groups):
+        given = self._per_group(self.graphs.given_gradients)
+        return [i for i, g in enumerate(self.shard_groups)
+                if g.shard.requires_grad and any(given[i])]
+
+    def _per_group(self, layer_inputs: Sequence[Any]) -> List[Sequence[Any]]:
+        """``layer_inputs`` (one per input of the layer) cut into each shard group's
+        parameters' part."""
+        at, out = 1 + len(self.invariants), []
+        for g in self.shard_groups:
             k = len(g.layout.layer.shapes)
-            if g.shard.requires_grad and any(given[at:at + k]):
-                out.append(i)
+            out.append(layer_inputs[at:at + k])
             at += k
         return out
 
@@ -138,22 +141,20 @@ class ScanLoop:
         """The carry that holds the layer about to run, gathered: its index and parameters."""
         if not self.prefetch:
             return []
-        index = torch.tensor(layer, dtype=torch.int64,
-                             device=self.shard_groups[0].local().device)
-        return [index, *self._gather(self._rows(index))]
+        return self._ahead(torch.tensor(layer, dtype=torch.int64,
+                                        device=self.shard_groups[0].local().device))
 
     def _advance(self, ahead: List[torch.Tensor], step: int) -> List[torch.Tensor]:
         """Gathers the layer after the current one in the loop's direction (wrapping at the
         end: one gather more than layers)."""
-        if not self.prefetch:
-            return []
-        index = ahead[0] + step
-        return [index, *self._gather(self._rows(index))]
+        return self._ahead(ahead[0] + step) if self.prefetch else []
 
-    def _rows(self, index: torch.Tensor) -> List[torch.Tensor]:
+    def _ahead(self, index: torch.Tensor) -> List[torch.Tensor]:
+        """The carry's index and layer ``index``'s parameters, gathered."""
         row = torch.remainder(index, self._layers()).view(1)
-        return [torch.index_select(g.local().detach(), 0, row).squeeze(0)
+        rows = [torch.index_select(g.local().detach(), 0, row).squeeze(0)
                 for g in self.shard_groups]
+        return [index, *self._gather(rows)]
 
     # -- one layer -------------------------------------------------------------------------
     def _xs(self) -> List[torch.Tensor]:
@@ -166,20 +167,11 @@ class ScanLoop:
                                  self.options.coalesce_all_gather_ops)
         return unshard_all([g.layout.layer for g in self.shard_groups], gathered)
 
-    def _layer_inputs(self, hidden: Optional[torch.Tensor], params: Sequence[torch.Tensor],
-                      buffers: Sequence[torch.Tensor]) -> List[Any]:
-        return [hidden, *self.invariants, *params, *buffers]
-
     def _reduce(self, grads: Sequence[Optional[torch.Tensor]], trainable: List[int],
                 device: Any) -> List[torch.Tensor]:
         if not trainable:
             return []
-        at = 1 + len(self.invariants)
-        per_group = []
-        for g in self.shard_groups:
-            k = len(g.layout.layer.shapes)
-            per_group.append(grads[at:at + k])
-            at += k
+        per_group = self._per_group(grads)
         flats = [padded_gradient(self.shard_groups[i].layout.layer, per_group[i],
                                  self.shard_groups[i].compute_dtype, device,
                                  self.options.fp32_reduce_scatter, self.divide)
@@ -212,11 +204,6 @@ class ScanFunction(torch.autograd.Function):
             if g is not None:
                 shard_group.add_gradient(g)
         return (None, g_h, *g_inv, *[None] * len(g_shards))
-
-
-def run_forward_only(loop: ScanLoop, hidden: torch.Tensor) -> torch.Tensor:
-    """Without autograd (evaluation): nothing is saved for a backward."""
-    return loop.forward(hidden, save=False)[0]
 
 
 def _loop(body: Callable, init: List[torch.Tensor], xs: List[torch.Tensor],
