@@ -21,9 +21,7 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
     parameters each of those names, as ``state_dict()`` does. Not the parameters inner units
     have sharded, nor those below modules another unit groups (see ``module_group``).
     ``roots`` are (name prefix, module); ``unit`` is compared by identity only."""
-    owners: Dict[int, List[Owner]] = {}
-    names: Dict[int, List[str]] = {}
-    order: List[nn.Parameter] = []
+    found: Dict[int, Member] = {}   # by id, in the order first found
     for prefix, root in roots:
         for mod_path, m in _module_paths(root, unit):
             mod_path = ".".join(p for p in (prefix, mod_path) if p)
@@ -48,13 +46,11 @@ def find_parameters(roots: List[Tuple[str, nn.Module]], unit: object) -> List[Me
                         f"parameter '{name}' of {type(m).__name__} has dtype {p.dtype}; FSDP "
                         f"shards float32 parameters only (set compute_dtype for bf16/fp16 "
                         f"compute, and keep integer state in buffers)")
-                if id(p) not in owners:
-                    owners[id(p)], names[id(p)] = [], []
-                    order.append(p)
-                if not any(o is m and a == attr for o, a in owners[id(p)]):
-                    owners[id(p)].append((m, attr))
-                names[id(p)].append(name)
-    return [(p, owners[id(p)], names[id(p)]) for p in order]
+                _, owners, names = found.setdefault(id(p), (p, [], []))
+                if not any(o is m and a == attr for o, a in owners):
+                    owners.append((m, attr))
+                names.append(name)
+    return list(found.values())
 
 
 def _module_paths(root: nn.Module, unit: object) -> Iterator[Tuple[str, nn.Module]]:

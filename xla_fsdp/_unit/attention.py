@@ -128,8 +128,9 @@ def _scaled(query: torch.Tensor, key: torch.Tensor, scale: float
     scores' factors, ``after`` last). Float32 scores are scaled as torch's math path scales
     them, query and key each by the root of ``scale`` (see [Note: attention inside a unit
     keeps no probabilities])."""
-    q_scale, k_scale, after = factors = _scale_split(query, scale)
-    return _times(query, q_scale), _times(key, k_scale), factors
+    factors = ((math.sqrt(scale), math.sqrt(scale), 1.0) if query.dtype == torch.float32
+               else (1.0, 1.0, scale))
+    return _times(query, factors[0]), _times(key, factors[1]), factors
 
 
 def _scores(query: torch.Tensor, key: torch.Tensor, after: float, causal: bool,
@@ -147,14 +148,6 @@ def _scores(query: torch.Tensor, key: torch.Tensor, after: float, causal: bool,
     else:
         scores = scores + mask.float()
     return scores, (scores == -math.inf).all(-1, keepdim=True)
-
-
-def _scale_split(query: torch.Tensor, scale: float) -> Tuple[float, float, float]:
-    """(query's, key's, the float32 scores') factors whose product is ``scale``."""
-    if query.dtype == torch.float32:
-        root = math.sqrt(scale)
-        return root, root, 1.0
-    return 1.0, 1.0, scale
 
 
 def _times(x: torch.Tensor, factor: float) -> torch.Tensor:

@@ -284,18 +284,16 @@ def _refuse_unreduced_free_parameters(optimizer: torch.optim.Optimizer,
     gradient has no all-reduce (what already ran cannot be read, and is let through)."""
     if not any(shard_group_of(p).layout.world_size > 1 for p in sharded):
         return
-    free = [(i, p) for i, p in enumerate(p for g in optimizer.param_groups
-                                          for p in g["params"])
-            if shard_group_of(p) is None and p.grad is not None and p.grad.device.type == "xla"]
-    if free:
-        pending = needs_computation([p.grad for _, p in free])
-        free = [(i, p) for (i, p), waits in zip(free, pending) if waits]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    free = _pending([p for p in params if shard_group_of(p) is None and p.grad is not None
+                     and p.grad.device.type == "xla"])
     if not free:
         return
-    reduced = reduced_gradients.all_reduced(graph_hlo([p.grad for _, p in free]), len(free))
-    lone = [(i, p) for (i, p), done in zip(free, reduced) if not done]
+    reduced = reduced_gradients.all_reduced(graph_hlo([p.grad for p in free]), len(free))
+    lone = [p for p, done in zip(free, reduced) if not done]
     if lone:
-        index, p = lone[0]
+        p = lone[0]
+        index = next(i for i, q in enumerate(params) if q is p)
         raise RuntimeError(
             f"{type(optimizer).__name__}.step(): parameter {index} (shape {tuple(p.shape)}) "
             f"is in no FSDP unit, so each rank's gradient of it comes from its own batch and "
@@ -311,14 +309,10 @@ def _keep_for_the_update_audit(optimizer: torch.optim.Optimizer,
     if optimizer in _PER_SHARD_ALLOWED or torch.compiler.is_compiling():
         return
     kept = []
-    for p in params:
-        # a vocabulary table's gradient is computed by its lookups' own collectives, not
-        # reduce-scattered: the walk would read its backward as part of the update
-        if p.grad is not None and p.device.type == "xla" \
-                and shard_group_of(p).layout.world_size > 1 and not shard_group_of(p).vocab_table:
-            state = {k: v.detach().clone() if torch.is_tensor(v) else v
-                     for k, v in optimizer.state.get(p, {}).items()}
-            kept.append((p, p.detach().clone(), state, p in optimizer.state))
+    for p in filter(_sliced_gradient, params):
+        state = {k: v.detach().clone() if torch.is_tensor(v) else v
+                 for k, v in optimizer.state.get(p, {}).items()}
+        kept.append((p, p.detach().clone(), state, p in optimizer.state))
     if kept:
         _before_update[optimizer] = kept
 
@@ -356,18 +350,29 @@ def audit_update(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         f"xla_fsdp.allow_per_shard_statistics(optimizer). The update was put back.")
 
 
+def _sliced_gradient(p: torch.Tensor) -> bool:
+    """Whether shard ``p`` has a gradient on the device that FSDP reduce-scattered into a
+    slice: a world of one holds whole gradients (nothing done to them mixes slices), and a
+    vocabulary table's gradient is computed by its lookups' own collectives (the audits
+    would read its backward as part of what follows the reduction)."""
+    shard_group = shard_group_of(p)
+    return p.grad is not None and p.grad.device.type == "xla" \
+        and shard_group.layout.world_size > 1 and not shard_group.vocab_table
+
+
+def _pending(params: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Those of ``params`` whose gradient is a pending graph, not computed yet (what already
+    ran cannot be read)."""
+    if not params:
+        return []
+    return [p for p, waits in zip(params, needs_computation([p.grad for p in params])) if waits]
+
+
 def _audit_reduced_gradients(optimizer: torch.optim.Optimizer,
                              params: List[torch.Tensor]) -> None:
     """See [Note: auditing reduced gradients]: once per optimizer, on the graph of the
     gradients it is about to apply, before anything of it runs."""
-    # a world of one holds whole gradients: nothing done to them mixes slices; a vocabulary
-    # table's gradient is reduced by its lookups' own collectives, read as the rest are
-    audited = [p for p in params if p.grad is not None and p.grad.device.type == "xla"
-               and shard_group_of(p).layout.world_size > 1
-               and not shard_group_of(p).vocab_table]
-    if audited:
-        pending = needs_computation([p.grad for p in audited])
-        audited = [p for p, waits in zip(audited, pending) if waits]
+    audited = _pending(list(filter(_sliced_gradient, params)))
     if not audited:
         return
     grads = [p.grad for p in audited]

@@ -115,11 +115,8 @@ class FsdpOptions:
             kw["sync_on_finalization"] = mark_step
         on_neuron = kw.pop("on_neuron")  # AWS Neuron mishandles flattened parameters
         kw["shard_param_on_dim_0"] = kw["shard_param_on_dim_0"] or on_neuron
-        no_barriers = kw["debug_dummy_optimization_barrier_op"]
-        kw["optimization_barrier_in_forward"] = kw["optimization_barrier_in_forward"] and \
-            not no_barriers
-        kw["optimization_barrier_in_backward"] = kw["optimization_barrier_in_backward"] and \
-            not no_barriers
+        for barrier in ("optimization_barrier_in_forward", "optimization_barrier_in_backward"):
+            kw[barrier] = kw[barrier] and not kw["debug_dummy_optimization_barrier_op"]
         kw["reduce_scatter_bucket_size_mb"] = kw["reduce_scatter_bucket_size_mb"] or 0
         kw["compute_dtype"] = kw["compute_dtype"] or torch.float32
         # torch_xla casts buffers to the compute dtype by default, which turns BatchNorm's

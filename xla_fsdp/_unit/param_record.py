@@ -331,14 +331,9 @@ def is_placeholder(t: torch.Tensor) -> bool:
 def placeholders_in(module: nn.Module) -> List[torch.Tensor]:
     """The placeholders that ``module`` and its submodules hold, each once: inside a unit,
     what stands where their parameters were."""
-    out, seen = [], set()
-    for m in module.modules():
-        for value in vars(m).values():
-            if isinstance(value, torch.Tensor) and value in _BY_PLACEHOLDER \
-                    and id(value) not in seen:
-                seen.add(id(value))
-                out.append(value)
-    return out
+    held = {id(v): v for m in module.modules() for v in vars(m).values()
+            if isinstance(v, torch.Tensor) and v in _BY_PLACEHOLDER}
+    return list(held.values())
 
 
 def mark_taken(original: torch.Tensor, name: str, unit_name: str) -> None:

@@ -125,9 +125,7 @@ class HookedUnitState(UnitState):
     def _pre_traced(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
         if self is self.context.root:
             self._check_at_trace()
-        if self.options.compute_dtype != torch.float32:
-            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        self._enter_attention_scope(member)
+        args, kwargs = self._enter(member, args, kwargs)
         # the first positional input that carries a gradient is tied to the unit's
         # reductions (see [Note: one unit's reductions before the next unit's backward])
         at = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
@@ -137,10 +135,14 @@ class HookedUnitState(UnitState):
             args = args[:at] + (x,) + args[at + 1:]
         return args, kwargs
 
-    def _enter_attention_scope(self, member: nn.Module) -> None:
-        # see [Note: attention inside a unit keeps no probabilities]; traced by Dynamo too,
-        # which guards the compiled code on the scope
+    def _enter(self, member: nn.Module, args: tuple, kwargs: dict) -> Tuple[tuple, dict]:
+        """The member's inputs in the compute dtype, and the attention scope taken (see [Note:
+        attention inside a unit keeps no probabilities]; traced by Dynamo too, which guards
+        the compiled code on the scope)."""
+        if self.options.compute_dtype != torch.float32:
+            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
         attention_scope.enter((id(self), id(member)))
+        return args, kwargs
 
     def pre_forward(self, member: nn.Module, args: tuple, kwargs: dict,
                     compiled: bool) -> Tuple[tuple, dict]:
@@ -163,9 +165,7 @@ class HookedUnitState(UnitState):
             self.sync_trainable()
             self.params.drop_abandoned()
             self.training_state = TrainingState.FORWARD
-        if self.options.compute_dtype != torch.float32:
-            args, kwargs = cast_floating(self.options.compute_dtype, (args, kwargs))
-        self._enter_attention_scope(member)
+        args, kwargs = self._enter(member, args, kwargs)
         inputs = collect_tensors((args, kwargs))
         prefetch = [] if recompute else [s.params for s in self.forward_prefetch]
         self.params.unshard(inputs, self.options.optimization_barrier_in_forward, prefetch)
