@@ -284,8 +284,7 @@ class XlaFullyShardedDataParallel(UnitModule):
                                first_forward_check=validate_first_forward,
                                compile_refusal=compile_refusal)
 
-    def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
-                       ) -> ShardedParameters:
+    def _shard_members(self, roots: List[Tuple[str, nn.Module]]) -> ShardedParameters:
         """Each parameter below ``roots`` on its own, or with ``flatten_parameters`` a unit's
         parameters of one dtype together; buffers placed on the device."""
         found = find_parameters(roots, self)
@@ -295,8 +294,8 @@ class XlaFullyShardedDataParallel(UnitModule):
         def dtype_of(owners: List[Owner]) -> torch.dtype:
             return torch.float32 if any(id(m) in fp32 for m, _ in owners) else self.compute_dtype
 
-        sharded = shard_members([found], False, self.options, self.xla_device, unit_name,
-                                dtype_of)
+        sharded = shard_members([found], False, self.options, self.xla_device,
+                                self.unit_state.name, dtype_of)
         for m in modules:
             if id(m) in fp32:
                 run_in_float32(m, self.compute_dtype)

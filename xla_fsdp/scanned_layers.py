@@ -138,12 +138,11 @@ class ScannedLayers(UnitModule):
         # the loop takes each layer's gradients and reduces them itself: nothing to hook
         return UnitState(self, name, members, params, self.options, detached, compile_refusal)
 
-    def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
-                       ) -> ShardedParameters:
+    def _shard_members(self, roots: List[Tuple[str, nn.Module]]) -> ShardedParameters:
         ((_, stack),) = roots
         found = [find_parameters([(str(i), layer)], self) for i, layer in enumerate(stack)]
-        sharded = shard_members(found, True, self.options, self.xla_device, unit_name,
-                                lambda _owners: self.compute_dtype)
+        sharded = shard_members(found, True, self.options, self.xla_device,
+                                self.unit_state.name, lambda _owners: self.compute_dtype)
         place_buffers(stack, self.buffer_dtype, self.xla_device,
                       keep=float32_statistics(stack.modules()))
         return sharded

@@ -121,15 +121,14 @@ class UnitModule(FallThrough):
         self._shard(list(zip(member_paths, self._state.members)))
 
     def _shard(self, roots: List[Tuple[str, nn.Module]]) -> None:
-        sharded = self._shard_members(roots, self._state.name)
+        sharded = self._shard_members(roots)
         for g in sharded.shard_groups:
             self.register_parameter(g.shard_name, g.shard)
         self._state.add_shard_groups(sharded.shard_groups)
         self._shared_params = sharded.shared_params
         self._param_order = sharded.param_order
 
-    def _shard_members(self, roots: List[Tuple[str, nn.Module]], unit_name: str
-                       ) -> ShardedParameters:
+    def _shard_members(self, roots: List[Tuple[str, nn.Module]]) -> ShardedParameters:
         """Shards the parameters below ``roots`` ((name prefix, module) pairs) and places
         their buffers, as this kind of unit runs them."""
         raise NotImplementedError

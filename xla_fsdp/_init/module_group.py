@@ -15,6 +15,7 @@ alone (``grouping_unit_of``).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch.nn as nn
@@ -101,9 +102,8 @@ def attach_module_groups(unit: GroupingUnit) -> None:
             continue  # an outer unit will see all of them
         member_paths = [paths[id(m)] for m in members]
         check_disjoint(member_paths)
-        index = 0
-        while f"{GROUP_PREFIX}{index}" in children(unit):
-            index += 1
+        taken = children(unit)
+        index = next(i for i in itertools.count() if f"{GROUP_PREFIX}{i}" not in taken)
         unit.add_module(f"{GROUP_PREFIX}{index}", owner)
         owner.attach(member_paths)
 

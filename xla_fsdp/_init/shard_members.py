@@ -44,15 +44,10 @@ def shard_members(layers: List[List[Member]], stacked: bool, options: FsdpOption
     for index, members in enumerate(grouped):
         table = id(members[0][0]) in tables
         at = [position[id(p)] for p, _, _ in members]
-        # a table is a row block of its own whatever the unit's layout
         shard_groups.append(build_shard_group(
-            [[layer[k] for k in at] for layer in layers], index, stacked=stacked,
-            flatten=options.flatten_parameters and not table,
-            dim0=options.shard_param_on_dim_0 or table,
-            world_size=options.world_size, rank=options.rank,
-            multiple=options.shard_size_multiple, device=device,
-            compute_dtype=dtype_of(members[0][1]), unit_name=unit_name,
-            offload=options.offload_optimizer, vocab_table=table))
+            [[layer[k] for k in at] for layer in layers], index, options, stacked=stacked,
+            device=device, compute_dtype=dtype_of(members[0][1]), unit_name=unit_name,
+            vocab_table=table))
     found = [m for layer in layers for m in layer]
     return ShardedParameters(shard_groups,
                              [(alias, names[0]) for _, _, names in found for alias in names[1:]],

@@ -97,14 +97,9 @@ def check_member_conversion(module: nn.Module, fn: Callable[[torch.Tensor], torc
                             ) -> None:
     """``check_conversion`` for the shards whose placeholders ``module`` holds (a module
     inside a unit), before torch converts it (see [Note: converting a wrapped model])."""
-    held: dict = {}
-    for value in vars(module).values():
-        if isinstance(value, torch.Tensor):
-            shard_group = shard_group_holding(value)
-            if shard_group is not None:
-                held[id(shard_group)] = shard_group
-    if held:
-        shard_groups = list(held.values())
+    found = (shard_group_holding(v) for v in vars(module).values() if isinstance(v, torch.Tensor))
+    shard_groups = list({id(g): g for g in found if g is not None}.values())
+    if shard_groups:
         check_conversion(shard_groups[0].records[0].unit_name, "", shard_groups, fn)
 
 

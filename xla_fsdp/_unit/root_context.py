@@ -20,6 +20,7 @@ from .._sharding.collectives import optimization_barrier
 from .._xla.private_api import in_backward, queue_backward_callback
 from .host_offload import fetch_gradients
 from .optimizer_guard import declare_sharded_gradients
+from .options import FsdpOptions
 from .training_state import TrainingState
 from .unit_params import UnitParams
 
@@ -55,14 +56,14 @@ def count_parameter_registration(*_args: object) -> None:
 
 
 class RootContext:
-    def __init__(self, root: Participant, sync_on_finalization: bool, barrier: bool) -> None:
+    def __init__(self, root: Participant, options: FsdpOptions) -> None:
         self.states: List[Participant] = [root]  # the root's first, then in module order
         self.forward_id = 0               # root forwards started; tells passes apart
         self.backward_barrier: List[torch.Tensor] = []
         self._results: List[torch.Tensor] = []
         self._callback_queued = False
-        self._sync = sync_on_finalization
-        self._barrier = barrier
+        self._sync = options.sync_on_finalization
+        self._barrier = options.optimization_barrier_in_backward
         self._checked_at: Optional[int] = None   # the registration count then
         # while Dynamo traces a forward: whether its units take the traced path (set by the
         # unit's forward, read by the hooks)

@@ -34,6 +34,7 @@ from .._sharding.names import SHARD_PREFIX
 from .._xla.private_api import post_accumulate_grad_hooks, version
 from .._xla.trace_only import to_device
 from .host_offload import DeviceCopy, HostShard, host_master
+from .options import FsdpOptions
 from .param_record import Member, ParamRecord, hold_placeholder, mark_taken
 from .registry import WeakRegistry
 
@@ -191,19 +192,21 @@ def _layout(shapes: Tuple[torch.Size, ...], flatten: bool, dim0: bool, world_siz
 
 
 @torch.no_grad()
-def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, flatten: bool,
-                      dim0: bool, world_size: int, rank: int, multiple: int,
-                      device: torch.device, compute_dtype: torch.dtype, unit_name: str,
-                      offload: bool = False, vocab_table: bool = False) -> ShardGroup:
+def build_shard_group(layers: List[List[Member]], index: int, options: FsdpOptions, *,
+                      stacked: bool, device: torch.device, compute_dtype: torch.dtype,
+                      unit_name: str, vocab_table: bool) -> ShardGroup:
     """Shards one group of parameters and puts placeholders where they were.
 
     ``layers`` holds the group's members (parameter, every (module, attribute) holding it,
     every name it has): one list, or with ``stacked`` one list per layer of a scanned stack,
-    whose members at the same position become one ``StackedLayout`` shard. Only the shard
-    is copied to ``device``; ``vocab_table`` marks it (see [Note: vocabulary-parallel
-    tables])."""
+    whose members at the same position become one ``StackedLayout`` shard, laid out as the
+    unit's ``options`` say. Only the shard is copied to ``device``; ``vocab_table`` marks it
+    and makes it a row block of its own (see [Note: vocabulary-parallel tables])."""
     shapes = tuple(p.shape for p, _, _ in layers[0])
-    layout: Layout = _layout(shapes, flatten, dim0, world_size, multiple)
+    # a table is a row block of its own whatever the unit's layout
+    flatten = options.flatten_parameters and not vocab_table
+    layout: Layout = _layout(shapes, flatten, options.shard_param_on_dim_0 or vocab_table,
+                             options.world_size, options.shard_size_multiple)
     size = torch.Size([layout.numel]) if flatten else shapes[0]
     first = layers[0][0][2][0]
     if stacked:
@@ -212,21 +215,14 @@ def build_shard_group(layers: List[List[Member]], index: int, *, stacked: bool, 
         first = first.split(".", 1)[1]  # its name within a layer
     orig_name = "_fsdp_wrapped_module." + (f"flat_param_{index}" if flatten else first)
     members = [m for layer in layers for m in layer]
-    shard_group = _finish(layout, layout.shard([p.detach() for p, _, _ in members], rank),
-                          size, orig_name, members, device, compute_dtype, unit_name, offload)
-    shard_group.vocab_table = vocab_table
-    return shard_group
-
-
-def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, orig_name: str,
-            members: List[Member], device: torch.device, compute_dtype: torch.dtype,
-            unit_name: str, offload: bool) -> ShardGroup:
+    shard_value = layout.shard([p.detach() for p, _, _ in members], options.rank)
+    offload = options.offload_optimizer
     shard = (HostShard(host_master(shard_value), requires_grad=members[0][0].requires_grad)
              if offload else nn.Parameter(to_device(shard_value, device),
                                           requires_grad=members[0][0].requires_grad))
     # the three attributes torch_xla's users and tools read on a shard
     shard._is_sharded = True
-    shard._orig_size = orig_size
+    shard._orig_size = size
     shard._orig_name = orig_name
     records = []
     for p, owners, names in members:
@@ -241,8 +237,9 @@ def _finish(layout: Layout, shard_value: torch.Tensor, orig_size: torch.Size, or
         records.append(ParamRecord(full, list(names), list(owners), unit_name))
     shard_group = ShardGroup(layout, shard, records,
                              f"{SHARD_PREFIX}.{orig_name}".replace(".", _SEPARATOR), orig_name,
-                             orig_size, compute_dtype,
-                             offload=DeviceCopy(device, compute_dtype) if offload else None)
+                             size, compute_dtype,
+                             offload=DeviceCopy(device, compute_dtype) if offload else None,
+                             vocab_table=vocab_table)
     _BY_SHARD[shard] = shard_group
     for r in records:
         _BY_PLACEHOLDER[r.placeholder] = shard_group

@@ -162,7 +162,5 @@ def _on_stack(caller: Any) -> bool:
 
 def _device(optimizer: torch.optim.Optimizer) -> Optional[torch.device]:
     """The XLA device of the FSDP shards ``optimizer`` steps, or None."""
-    for g in shard_groups_of(optimizer):
-        if g.shard.device.type == "xla":
-            return g.shard.device
-    return None
+    return next((g.shard.device for g in shard_groups_of(optimizer)
+                 if g.shard.device.type == "xla"), None)

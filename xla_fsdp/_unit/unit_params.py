@@ -162,14 +162,12 @@ class UnitParams:
         return bool(issue) or installing
 
     def _needs_gather(self) -> bool:
-        if self.state is not FullParams.SHARDED and self._stale():
+        # full parameters gathered before the shards changed (an optimizer step, a load),
+        # e.g. kept with ``reshard_after_backward=False``, are gathered again
+        if self.state is not FullParams.SHARDED \
+                and self._gathered_generation != self._generation():
             self.reshard(self.gathered, [], barrier=False)
         return bool(self.gathered) and self.state is FullParams.SHARDED
-
-    def _stale(self) -> bool:
-        """Whether the shards changed (an optimizer step, a load) since the full parameters
-        held here were gathered, e.g. with ``reshard_after_backward=False``."""
-        return self._gathered_generation != self._generation()
 
     def _generation(self) -> Tuple[tuple, ...]:
         return tuple(g.generation() for g in self.gathered)

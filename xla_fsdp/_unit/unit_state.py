@@ -48,8 +48,7 @@ class UnitState:
         self.params = params
         self.options = options
         self.parent: Optional["UnitState"] = None
-        self.context = RootContext(self, options.sync_on_finalization,
-                                   options.optimization_barrier_in_backward)
+        self.context = RootContext(self, options)
         self.training_state = TrainingState.IDLE
         self.detached = detached           # a grouping unit no unit was built around yet
         self.compile_refusal = compile_refusal  # why the unit cannot run compiled, if it cannot
