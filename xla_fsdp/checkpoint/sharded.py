@@ -127,7 +127,7 @@ def _load_through_source(prefix: str, model: ShardedModel,
     records: List[Optional[RankRecord]] = []
 
     def open_source() -> Any:
-        source, shards, _ = open_per_rank_files(prefix, RANK_FILES, optimizer is not None,
+        source, shards = open_per_rank_files(prefix, RANK_FILES, optimizer is not None,
                                                 share=(model.rank, model.world_size))
         records.append(RankRecord.of(shards.files[0].tree))
         return source

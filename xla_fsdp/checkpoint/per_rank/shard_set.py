@@ -1,6 +1,7 @@
 """Finds and validates the per-rank files of one sharded checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import os
@@ -11,7 +12,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile
 from ..per_rank_format import MODEL, RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
-
 
 
 @dataclass
@@ -87,24 +87,19 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
             raise CheckpointError(
                 f"the output {out} matches the input pattern {pattern!r}, so the next run would "
                 f"read it as a rank file; choose another --save_path or a narrower --ckpt_suffix")
-    files = []
-    try:
-        for path in paths:
-            try:
-                files.append(CheckpointFile(path))
-            except CheckpointError as exc:
-                raise IncompleteCheckpoint(str(exc)) from None
+    with contextlib.ExitStack() as to_close:
+        try:
+            files = [to_close.enter_context(CheckpointFile(path)) for path in paths]
+        except CheckpointError as exc:
+            raise IncompleteCheckpoint(str(exc)) from None
         by_rank = check_shard_set(files, pattern)
         if verify:
-            for f in by_rank:
-                try:
+            try:
+                for f in by_rank:
                     f.verify()
-                except CheckpointError as exc:
-                    raise IncompleteCheckpoint(str(exc)) from None
-    except BaseException:
-        for f in files:
-            f.close()
-        raise
+            except CheckpointError as exc:
+                raise IncompleteCheckpoint(str(exc)) from None
+        to_close.pop_all()
     return ShardSet(by_rank, ShardMetadata(by_rank[0].tree[SHARD_METADATA]), pattern)
 
 

@@ -7,9 +7,10 @@ opened lazily (``files``): nothing but headers is read until the loader asks for
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, TypeVar, Union
 
 from .dcp_files import DcpSource
 from ..dcp_format.metadata_file import METADATA_FILE
@@ -19,6 +20,8 @@ from ..consolidated_format import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimiz
 from ..live_model import is_extra_state_key
 from ..per_rank_format import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
+
+_File = TypeVar("_File", bound=Union[CheckpointFile, SafetensorsFile])
 
 
 def open_consolidated(path: str, safetensors: bool = False,
@@ -63,77 +66,58 @@ def _hf_sharded(directory: str, crc_share: Optional[Tuple[int, int]]) -> EntrySo
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{index_path}: not a safetensors index ({exc})") from None
     files: Dict[str, SafetensorsFile] = {}
-    closers: List[Callable[[], None]] = []
-    try:
+    with contextlib.ExitStack() as to_close:
         for name in sorted(set(weight_map.values())):
             shard = os.path.join(directory, name)
             if not os.path.exists(shard):
                 raise CheckpointError(f"{index_path} names {name}, which is missing from "
                                       f"{directory}")
-            files[name] = SafetensorsFile(shard)
-            closers.append(files[name].close)
-            if crc_share is not None:
-                files[name].verify(crc_share)
+            files[name] = _opened(to_close, SafetensorsFile(shard), crc_share)
         state = {}
         for key, name in weight_map.items():
             if key not in files[name].tensors:
                 raise CheckpointError(f"{index_path} puts {key!r} in {name}, which does not "
                                       f"hold it")
             state[key] = files[name].tensors[key]
-    except BaseException:
-        for close in closers:
-            close()
-        raise
-    tensors, objects = model_entries(state)
-    return EntrySource(directory, tensors, objects, closers)
+        return EntrySource(directory, *model_entries(state), [to_close.pop_all().close])
 
 
 def _safetensors(path: str, optimizer_file: bool,
                  crc_share: Optional[Tuple[int, int]]) -> EntrySource:
-    weights = SafetensorsFile(path)
-    closers = [weights.close]
     companion = optimizer_companion(path)
-    try:
-        if crc_share is not None:
-            weights.verify(crc_share)
+    with contextlib.ExitStack() as to_close:
+        weights = _opened(to_close, SafetensorsFile(path), crc_share)
         tensors, objects = model_entries(weights.tensors)
-        file = _checked(companion, crc_share) \
-            if optimizer_file and os.path.exists(companion) else None
-    except BaseException:
-        weights.close()
-        raise
-    if file is not None:
-        closers.append(file.close)
-        _add_optimizer(file.tree, companion, tensors, objects)
-    return EntrySource(path, tensors, objects, closers)
+        if optimizer_file and os.path.exists(companion):
+            file = _opened(to_close, CheckpointFile(companion), crc_share)
+            _add_optimizer(file.tree, companion, tensors, objects)
+        return EntrySource(path, tensors, objects, [to_close.pop_all().close])
 
 
-def _checked(path: str, crc_share: Optional[Tuple[int, int]]) -> CheckpointFile:
-    file = CheckpointFile(path)
-    try:
-        if crc_share is not None:
-            file.verify(crc_share)
-    except BaseException:
-        file.close()
-        raise
+def _opened(to_close: contextlib.ExitStack, file: _File, crc_share: Optional[Tuple[int, int]]
+            ) -> _File:
+    """``file``, closed by ``to_close``, its records' CRC-32s checked first (unless the caller
+    checked them: ``crc_share`` None)."""
+    to_close.callback(file.close)
+    if crc_share is not None:
+        file.verify(crc_share)
     return file
 
 
 def _torch_file(path: str, crc_share: Optional[Tuple[int, int]]) -> EntrySource:
-    file = _checked(path, crc_share)
-    tree = file.tree
-    if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
-        state = tree[MODEL]
-    elif isinstance(tree, dict) and tree and all(
-            isinstance(k, str) and (is_tensor(v) or is_extra_state_key(k))
-            for k, v in tree.items()):
-        state = tree  # torch.save(model.state_dict()), modules' extra state of any kind
-    else:
-        file.close()
-        raise CheckpointError(f"{path}: holds neither a 'model' state dict nor a state dict")
-    tensors, objects = model_entries(state)
-    _add_optimizer(tree, path, tensors, objects)
-    return EntrySource(path, tensors, objects, [file.close])
+    with contextlib.ExitStack() as to_close:
+        tree = _opened(to_close, CheckpointFile(path), crc_share).tree
+        if isinstance(tree, dict) and isinstance(tree.get(MODEL), dict):
+            state = tree[MODEL]
+        elif isinstance(tree, dict) and tree and all(
+                isinstance(k, str) and (is_tensor(v) or is_extra_state_key(k))
+                for k, v in tree.items()):
+            state = tree  # torch.save(model.state_dict()), modules' extra state of any kind
+        else:
+            raise CheckpointError(f"{path}: holds neither a 'model' state dict nor a state dict")
+        tensors, objects = model_entries(state)
+        _add_optimizer(tree, path, tensors, objects)
+        return EntrySource(path, tensors, objects, [to_close.pop_all().close])
 
 
 def _add_optimizer(tree: Any, where: str, tensors: Dict[str, Any],

@@ -103,13 +103,10 @@ def _read_run(value: Tensorish, start: int, out: torch.Tensor) -> None:
 
 def model_entries(state_dict: Mapping[str, Any]) -> Tuple[Dict[str, Tensorish], Dict[str, Any]]:
     """The unwrapped model's state dict, as (tensors, objects) under the layout's keys."""
-    tensors, objects = {}, {}
+    tensors: Dict[str, Tensorish] = {}
+    objects: Dict[str, Any] = {}
     for name, value in state_dict.items():
-        key = GET_STATE_DICT.model(name)[0]
-        if is_tensor(value):
-            tensors[key] = value
-        else:
-            objects[key] = value
+        (tensors if is_tensor(value) else objects)[GET_STATE_DICT.model(name)[0]] = value
     return tensors, objects
 
 
@@ -125,6 +122,8 @@ def optimizer_entries(state_dict: Mapping[str, Any], where: str,
         raise CheckpointError(f"{where}: the optimizer state is not an optimizer state dict "
                               f"(no 'param_groups')")
     name_of: Dict[Any, str] = {}
+    tensors: Dict[str, Tensorish] = {}
+    objects: Dict[str, Any] = {}
     for j, param_group in enumerate(state_dict["param_groups"]):
         given = param_group.get("param_names")
         for i, p in enumerate(param_group["params"]):
@@ -139,15 +138,10 @@ def optimizer_entries(state_dict: Mapping[str, Any], where: str,
                     f"{where}: the optimizer state numbers its parameters (param group {j}) "
                     f"without naming them; give it as get_state_dict does (state and params "
                     f"by name), or with the names in order (param_names)")
-    tensors: Dict[str, Tensorish] = {}
-    objects: Dict[str, Any] = {}
-    for j, param_group in enumerate(state_dict["param_groups"]):
         for setting, value in param_group.items():
-            if setting == "param_names":
-                continue
-            if setting == "params":
-                value = [name_of[p] for p in value]
-            objects[f"{OPTIMIZER}.param_groups.{j}.{setting}"] = value
+            if setting != "param_names":
+                objects[f"{OPTIMIZER}.param_groups.{j}.{setting}"] = (
+                    [name_of[p] for p in value] if setting == "params" else value)
     for p, state in state_dict.get("state", {}).items():
         if p not in name_of:
             raise CheckpointError(f"{where}: optimizer state for parameter {p!r}, which no "

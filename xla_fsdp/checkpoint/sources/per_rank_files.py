@@ -17,6 +17,7 @@ need a filesystem they all see, as consolidation does.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Sequence, Tuple
 
 from ..dcp_format.layout import rank_extra_key, replica_extra_key
@@ -29,12 +30,10 @@ from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, find_shard_set
 
 
-
 def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
-                        share: Tuple[int, int] = (0, 1)
-                        ) -> Tuple[EntrySource, ShardSet, ModelPlan]:
+                        share: Tuple[int, int] = (0, 1)) -> Tuple[EntrySource, ShardSet]:
     """The checkpoint whose rank files are ``prefix + suffix`` (a glob) as a source that
-    closes them, with the files and their plan. ``share`` (i, n): this caller checks the
+    closes them, with the files. ``share`` (i, n): this caller checks the
     CRC-32s of every n-th file from the i-th, so that n loading ranks together read every
     file once. ``CheckpointError`` naming the file at fault when the files do not form one
     complete checkpoint, or, ``with_optimizer``, when its optimizer state cannot be mapped
@@ -45,18 +44,15 @@ def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
         if "no files match" not in str(exc):
             raise
         raise CheckpointError(f"{prefix}: no such checkpoint ({exc})") from None
-    try:
+    with contextlib.ExitStack() as to_close:
+        to_close.callback(shards.close)
         for f in shards.files[share[0]::share[1]]:
             f.verify()
         try:
             plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         except CheckpointError as exc:  # the shard metadata, as rank 0's file holds it
             raise CheckpointError(f"{shards.files[0].path}: {exc}") from None
-        source = shard_set_source(shards, plan, with_optimizer, [shards.close])
-    except BaseException:
-        shards.close()
-        raise
-    return source, shards, plan
+        return shard_set_source(shards, plan, with_optimizer, [to_close.pop_all().close]), shards
 
 
 def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,

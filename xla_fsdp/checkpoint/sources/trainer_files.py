@@ -13,6 +13,7 @@ builds its optimizer as the saved run did. The shapes are checked against every 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Sequence, Tuple
 
@@ -34,18 +35,14 @@ def open_trainer_files(directory: str, world: int, weights_name: str, optimizer_
     shards = find_shard_set(os.path.join(directory, "rank"), f"*-of-{world}-{weights_name}",
                             verify=False)
     opened: List[CheckpointFile] = []
-
-    def close() -> None:
-        shards.close()
-        for f in opened:
-            f.close()
-    try:
+    with contextlib.ExitStack() as to_close:
+        to_close.callback(shards.close)
         for rank, f in enumerate(shards.files):
             path = os.path.join(directory, f"rank{rank}-of-{world}-{optimizer_name}")
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing: {f.path} has no optimizer state "
                                       f"beside it")
-            opened.append(CheckpointFile(path))
+            opened.append(to_close.enter_context(CheckpointFile(path)))
             saved = opened[-1].tree
             if not isinstance(saved, dict) or OPTIMIZER not in saved \
                     or saved.get(SHARD_METADATA) != f.tree[SHARD_METADATA]:
@@ -64,7 +61,4 @@ def open_trainer_files(directory: str, world: int, weights_name: str, optimizer_
         for f in shards.files[share[0]::share[1]] + opened[share[0]::share[1]]:
             f.verify()
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
-        return shard_set_source(shards, plan, True, [close])
-    except BaseException:
-        close()
-        raise
+        return shard_set_source(shards, plan, True, [to_close.pop_all().close])
