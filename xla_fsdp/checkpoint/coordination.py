@@ -117,10 +117,9 @@ def agree(tag: str, error: Any) -> None:
             raise error
         finally:
             error = None  # see [Note: no frame keeps the exception it raises]
-    failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, message = failed[0]
-        raise CheckpointError(f"rank {rank} failed, so this rank stopped too: {message}")
+    rank = next((rank for rank, e in enumerate(errors) if e is not None), None)
+    if rank is not None:
+        raise CheckpointError(f"rank {rank} failed, so this rank stopped too: {errors[rank]}")
 
 
 def agree_or_undo(tag: str, error: Any, undo: Optional[Callable[[], None]]) -> None:

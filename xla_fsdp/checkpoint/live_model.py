@@ -254,8 +254,7 @@ def parameter_order(root: nn.Module, units: List[Tuple[str, ShardedUnit]]) -> Li
     for path, unit in units:
         for position, name in enumerate(unit.param_order):
             full = unwrapped_name(path, name)
-            owner = full.rsplit(".", 1)[0] if "." in full else ""
-            keyed.append(((module_rank[owner], position), full))
+            keyed.append(((module_rank[full.rpartition(".")[0]], position), full))
     return [name for _, name in sorted(keyed)]
 
 

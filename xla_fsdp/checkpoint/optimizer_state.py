@@ -68,20 +68,6 @@ def _torch_settings() -> FrozenSet[str]:
 SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
 
 
-def sharded_like(name: str, value: Any, shape: Sequence[int]) -> bool:
-    """Whether optimizer state ``name`` = ``value`` is laid out like the tensor of ``shape``
-    it belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
-    (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
-    and read as the tensor is; anything else (a step count) is the same on every rank.
-    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
-    tensor's shape that tells, but for a 0-d parameter, whose every state is 0-d in a
-    checkpoint of the unwrapped model: then the names torch's optimizers give their scalars
-    (``SCALAR_STATE``) are the same on every rank, and the rest (the moments) sharded. A
-    shard is never 0-d, so live and per-rank state is told by shape alone."""
-    value_shape = _shape_of(value)
-    return value_shape == tuple(shape) and not (len(shape) == 0 and name in SCALAR_STATE)
-
-
 def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
     """The shape of a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor; None for
     anything else."""
@@ -94,15 +80,27 @@ def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
 
 def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) -> bool:
     """THE rule every reader and writer of optimizer state applies to one value: True if it
-    is cut, saved and read as its tensor of ``shape`` is (``sharded_like``), False if it is
-    the same on every rank (a step count, any non-tensor). A tensor that is neither laid out
-    like its tensor nor a scalar is state computed over a shard's own rows and columns
-    (Adafactor's factored statistics, allowed by ``allow_per_shard_statistics``): it differs
-    between ranks, so a checkpoint that merges ranks can neither cut it as the tensor nor
-    keep one rank's copy for all, and only per-rank files hold it: ``CheckpointError``.
-    ``where`` names the parameter and the file."""
-    sharded = sharded_like(name, value, shape)
+    is cut, saved and read as its tensor of ``shape`` is, False if it is the same on every
+    rank (a step count, any non-tensor).
+
+    Optimizer state ``name`` = ``value`` is sharded when it is laid out like the tensor it
+    belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
+    (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
+    and read as the tensor is; anything else (a step count) is the same on every rank.
+    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
+    tensor's shape that tells, but for a 0-d parameter, whose every state is 0-d in a
+    checkpoint of the unwrapped model: then the names torch's optimizers give their scalars
+    (``SCALAR_STATE``) are the same on every rank, and the rest (the moments) sharded. A
+    shard is never 0-d, so live and per-rank state is told by shape alone.
+
+    A tensor that is neither laid out like its tensor nor a scalar is state computed over a
+    shard's own rows and columns (Adafactor's factored statistics, allowed by
+    ``allow_per_shard_statistics``): it differs between ranks, so a checkpoint that merges
+    ranks can neither cut it as the tensor nor keep one rank's copy for all, and only
+    per-rank files hold it: ``CheckpointError``. ``where`` names the parameter and the
+    file."""
     value_shape = _shape_of(value)
+    sharded = value_shape == tuple(shape) and not (len(shape) == 0 and name in SCALAR_STATE)
     if value_shape and not sharded:
         raise CheckpointError(
             f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "

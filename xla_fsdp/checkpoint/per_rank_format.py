@@ -172,14 +172,9 @@ def rank_file_tree(model: Dict[str, Any], metadata: Dict[str, Any], record: Rank
                    replica_extras: Optional[Dict[int, Any]] = None) -> Dict[str, Any]:
     """A per-rank file's tree: torch_xla's keys and our record, and the optimizer's state
     dict, ``extra`` and the replicas' own extras when there are any."""
-    tree: Dict[str, Any] = {MODEL: model, SHARD_METADATA: metadata, RECORD: asdict(record)}
-    if optimizer is not None:
-        tree[OPTIMIZER] = optimizer
-    if extra is not None:
-        tree[EXTRA] = extra
-    if replica_extras:
-        tree[REPLICA_EXTRAS] = replica_extras
-    return tree
+    optional = {OPTIMIZER: optimizer, EXTRA: extra, REPLICA_EXTRAS: replica_extras or None}
+    return {MODEL: model, SHARD_METADATA: metadata, RECORD: asdict(record),
+            **{k: v for k, v in optional.items() if v is not None}}
 
 
 # -- reading ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from .async_save import wait_for_pending
 from .coordination import every_rank_agrees, exchange, naming
 from .files import CheckpointError, CheckpointFile
 from .live_model import (is_extra_state_key, replica_index, require_root,
-                         sharding_group_load_path, sharding_group_path)
+                         sharding_group_load_path)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .per_rank.shard_set import save_identity
 from .per_rank_format import (EXTRA, MODEL, OPTIMIZER, RANK_FILES, REPLICA_EXTRAS, RankRecord,
@@ -98,8 +98,8 @@ def _load_own_file(path: str, ours: RankRecord, model: ShardedModel,
         _refuse_other_tensors(path, model, checkpoint[MODEL])
     commit_on_every_rank(
         "xla_fsdp.load_sharded.own", path,
-        None if optimizer is None else functools.partial(load_optimizer_state, optimizer,
-                                                         checkpoint[OPTIMIZER]),
+        [] if optimizer is None else [functools.partial(load_optimizer_state, optimizer,
+                                                        checkpoint[OPTIMIZER])],
         [functools.partial(model.load_state_dict, checkpoint[MODEL])])
     continue_count(model, ours.save_index)
     torch_xla.sync()

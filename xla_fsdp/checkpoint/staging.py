@@ -24,8 +24,9 @@ rank through a second agreement, with the model as far as the copy got.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Dict, List, Optional, Protocol, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorStorageMetadata)
@@ -78,39 +79,22 @@ class StagedLoad:
         # returning how to put back what it replaced
         self.refusables: List[Callable[[], Callable[[], None]]] = []
         self.copies: List[Callable[[], None]] = []   # into the shards and buffers
-        self.strict = strict
         self.missing: List[str] = []
         self.unexpected: List[str] = []
         slots = param_slots(model)
         self.scheme = _scheme_of(self.stored, [n for s in slots for n in s.names])
         if with_model:
-            self._model(model, slots)
+            self._model(model, slots, strict)
         if optimizer is not None:
-            self._optimizer(model, optimizer, slots)
+            self._optimizer(optimizer, slots)
         extra = _extra_key(self.stored, model)
         if extra is not None:
             self.objects[extra] = None
         self.source.read(self.tensors, self.objects, into=self.objects)
         self.extra = None if extra is None else self.objects.get(extra)
 
-    def refusable(self) -> Callable[[], None]:
-        """Runs every refusable in turn and returns how to undo them all; when one raises,
-        the ones before it are undone first."""
-        undos: List[Callable[[], None]] = []
-
-        def undo() -> None:
-            for each in reversed(undos):
-                each()
-        try:
-            for refusable in self.refusables:
-                undos.append(refusable())
-        except BaseException:
-            undo()
-            raise
-        return undo
-
     # -- the model -------------------------------------------------------------------------
-    def _model(self, model: ShardedModel, slots: List[ParamSlot]) -> None:
+    def _model(self, model: ShardedModel, slots: List[ParamSlot], strict: bool) -> None:
         """A tied or shared parameter may be stored under any of its names (a Hugging Face
         directory holds one, as ``save_pretrained`` writes it); it is read from the first
         one stored, and every one stored must have its shape."""
@@ -118,21 +102,20 @@ class StagedLoad:
         holders = extra_state_holders(model)
         whole = [n for n, _ in buffers] + [n for n, _ in holders]
         names = [n for s in slots for n in s.names] + whole
-        expected = {self.scheme.model(n)[0]: n for n in names}
+        prefix = self.scheme.model("")[0]
         if self.scheme.bare_model:  # the model's namespace: keys under its top-level names
             tops = {n.split(".", 1)[0] for n in names}
             present = {k for k in self.stored if k.split(".", 1)[0] in tops}
         else:
-            present = {k for k in self.stored if k.startswith(self.scheme.model("")[0])}
+            present = {k for k in self.stored if k.startswith(prefix)}
         held = [[n for n in s.names if self.scheme.model(n)[0] in present] for s in slots]
-        missing = sorted([s.name for s, h in zip(slots, held) if not h]
-                         + [n for n in whole if self.scheme.model(n)[0] not in present])
-        unexpected = sorted(present - set(expected))
-        strip = len(self.scheme.model("")[0])
-        self.missing, self.unexpected = missing, [k[strip:] for k in unexpected]
-        if (missing or unexpected) and self.strict:
+        self.missing = sorted([s.name for s, h in zip(slots, held) if not h]
+                              + [n for n in whole if self.scheme.model(n)[0] not in present])
+        self.unexpected = sorted(k[len(prefix):] for k in
+                                 present - {self.scheme.model(n)[0] for n in names})
+        if (self.missing or self.unexpected) and strict:
             raise CheckpointError(
-                f"{self.where} does not hold this model: missing {missing}, unexpected "
+                f"{self.where} does not hold this model: missing {self.missing}, unexpected "
                 f"{self.unexpected} (read with {self.scheme.name}'s keys); strict=False "
                 f"loads what it holds of the model and leaves the rest")
         stages: Dict[int, torch.Tensor] = {}
@@ -156,8 +139,7 @@ class StagedLoad:
             if key not in present:  # not strict
                 continue
             self._check_shape(key, f"buffer '{name}'", buf.shape)
-            stage = self._want_whole(key)
-            self.copies.append(functools.partial(_copy, buf, stage))
+            self.copies.append(functools.partial(_copy, buf, self._want_whole(key)))
         for name, module in holders:  # see [Note: modules' extra state] in live_model
             key = self.scheme.model(name)[0]
             if key not in present:  # not strict
@@ -192,8 +174,7 @@ class StagedLoad:
         return stage
 
     # -- the optimizer -----------------------------------------------------------------------
-    def _optimizer(self, model: ShardedModel, optimizer: torch.optim.Optimizer,
-                   slots: List[ParamSlot]) -> None:
+    def _optimizer(self, optimizer: torch.optim.Optimizer, slots: List[ParamSlot]) -> None:
         if not any(k.startswith(OPTIMIZER + ".") for k in self.stored):
             raise CheckpointError(f"{self.where} holds no optimizer state")
         settings_of = self._saved_settings()
@@ -234,7 +215,9 @@ class StagedLoad:
                     state[index] = entry
                 held.update(s.name for s in by_shard[id(p)])
                 index += 1
-        stray = sorted(n for n in self._state_names() if n not in held)
+        prefix = f"{OPTIMIZER}.state."
+        stray = sorted({k[len(prefix):].rsplit(".", 1)[0] for k in self.stored
+                        if k.startswith(prefix)} - held)
         if stray:
             raise CheckpointError(f"{self.where} holds optimizer state for parameters this "
                                   f"optimizer does not hold: {stray[:10]}")
@@ -265,10 +248,6 @@ class StagedLoad:
         if not out:
             raise CheckpointError(f"{self.where}: its optimizer state has no param_groups")
         return out
-
-    def _state_names(self) -> Set[str]:
-        prefix = f"{OPTIMIZER}.state."
-        return {k[len(prefix):].rsplit(".", 1)[0] for k in self.stored if k.startswith(prefix)}
 
     def _param_state(self, shard: torch.Tensor, slots: List[ParamSlot]
                      ) -> Dict[str, Callable[[], Any]]:
@@ -377,38 +356,43 @@ def load_staged(open_source: Callable[[], Source], model: ShardedModel,
     import torch_xla
     wait_for_pending(model)  # a save of this model in flight is published first
     torch_xla.sync()
-    staged = None
     with every_rank_agrees(f"{tag}.read"):
-        source = open_source()
-        try:
+        with contextlib.closing(open_source()) as source:
             staged = StagedLoad(source, model, optimizer, with_model, strict)
-        finally:
-            source.close()
-    commit_on_every_rank(tag, staged.where, staged.refusable, staged.copies)
+    commit_on_every_rank(tag, staged.where, staged.refusables, staged.copies)
     torch_xla.sync()
     return staged
 
 
 def commit_on_every_rank(tag: str, where: str,
-                         refusable: Optional[Callable[[], Callable[[], None]]],
+                         refusables: List[Callable[[], Callable[[], None]]],
                          copies: List[Callable[[], None]]) -> None:
-    """Every rank runs ``refusable`` (the optimizer's load and the modules' extra state,
-    which change nothing if they raise and return their undo) and the ranks agree: when one
-    refused, every rank undoes it and raises, naming the failing rank and ``where``. Then
-    every rank runs the ``copies`` and the ranks agree again (see [Note: nothing changes
-    unless everything was read])."""
+    """Every rank runs the ``refusables`` in turn (the optimizer's load and the modules' extra
+    state, which change nothing if they raise and return their undo) and the ranks agree:
+    when one refused, every rank undoes the ones it ran and raises, naming the failing rank
+    and ``where``. Then every rank runs the ``copies`` and the ranks agree again (see [Note:
+    nothing changes unless everything was read])."""
     error: Optional[BaseException] = None
-    undo = None
+    undos: List[Callable[[], None]] = []
+
+    def undo() -> None:
+        for each in reversed(undos):
+            each()
     try:
-        undo = refusable() if refusable is not None else None
+        for refusable in refusables:
+            undos.append(refusable())
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
+    except BaseException:
+        undo()
+        raise
     try:
         agree_or_undo(f"{tag}.commit", error, undo)
     finally:
         # see [Note: no frame keeps the exception it raises]; and the optimizer's old state
         # goes before the shards are written
-        error = undo = None
+        error = None
+        undos.clear()
     with every_rank_agrees(f"{tag}.copied", naming(where)), torch.no_grad():
         for copy in copies:
             copy()

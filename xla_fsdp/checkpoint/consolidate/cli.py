@@ -25,11 +25,11 @@ from ..per_rank_format import MODEL, RANK_FILES, sharded_checkpoint_path
 from ..writers.formats import FORMATS, OutputOptions, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from ..per_rank.optimizer import optimizer_param_keys
-from ..per_rank.plan import ModelPlan, plan_model
+from ..per_rank.plan import plan_model
 from ..per_rank.unwrapped import unwrapped_state
 from .library import output_paths
 from .redistribute import redistribute
-from ..per_rank.shard_set import ShardSet, find_shard_set, prefix_in_directory
+from ..per_rank.shard_set import find_shard_set, prefix_in_directory
 
 DEFAULT_SUFFIX = RANK_FILES
 
@@ -100,11 +100,6 @@ class Progress:
         sys.stderr.write("\n")
 
 
-def _total_elements(plan: ModelPlan, shards: ShardSet) -> int:
-    model = shards.files[0].tree[MODEL]
-    return sum(g.numel for g in plan.shard_groups) + sum(model[k].numel for k in plan.buffers)
-
-
 def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
     """Consolidates or redistributes as ``args`` say; returns the paths written. An output that
     matches the input pattern is refused, or with ``skip_outputs`` left out of the inputs."""
@@ -131,7 +126,9 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         with_optimizer = not args.no_optimizer and reason is None
         if reason and "no optimizer" not in reason:
             print(f"optimizer state not included: {reason}")
-        progress = Progress(_total_elements(plan, shards),
+        model = shards.files[0].tree[MODEL]
+        progress = Progress(sum(g.numel for g in plan.shard_groups)
+                            + sum(model[k].numel for k in plan.buffers),
                             "resharding" if args.reshard else "consolidating")
         if args.reshard:
             with atomic_paths(outputs) as staged, contextlib.ExitStack() as stack:

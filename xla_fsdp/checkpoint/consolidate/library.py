@@ -80,8 +80,7 @@ def output_paths(fmt: str, save_path: str, prefix: str) -> List[str]:
     model's), unless ``save_path`` names it."""
     if fmt in ("dcp", "hf"):
         return [save_path or f"{prefix}_{fmt}"]
-    path = save_path or prefix + "_consolidated" + (".safetensors" if fmt == "safetensors"
-                                                    else ".pth")
     if fmt == "safetensors":
+        path = save_path or f"{prefix}_consolidated.safetensors"
         return [path, optimizer_companion(path)]
-    return [path]
+    return [save_path or f"{prefix}_consolidated.pth"]

@@ -19,7 +19,7 @@ import torch
 
 from ..._sharding.chunks import TensorPieces, run_chunks
 from ..._sharding.layout import Layout
-from ..dcp_format.layout import GET_STATE_DICT, extra_key
+from ..dcp_format.layout import GET_STATE_DICT
 from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
@@ -75,7 +75,7 @@ def redistribute(shards: ShardSet, plan: ModelPlan, world_size: int, paths: List
             models[r][spec.key] = writer.add(read_shard(source, keys, spec, layout, r, dtype))
         progress(spec.numel)
     optimizers = _optimizer_states(shards, plan, source, writers) if with_optimizer else None
-    extra = _extra(source) if EXTRA in head else None
+    extra = materialized(head[EXTRA]) if EXTRA in head else None  # as the source reads it
     for r, writer in enumerate(writers):
         metadata = shards.metadata.for_rank(world_size, r)
         ours = dataclasses.replace(
@@ -111,10 +111,3 @@ def _optimizer_states(shards: ShardSet, plan: ModelPlan, source: Source,
                 out[r].setdefault(s.index, {})[s.name] = (
                     writer.add(value) if isinstance(value, torch.Tensor) else value)
     return out
-
-
-def _extra(source: Source) -> Any:
-    key = extra_key()[0]
-    into: Dict[str, Any] = {}
-    source.read({}, {key: None}, into)
-    return into[key]

@@ -42,7 +42,7 @@ class FirstRankSource:
 
     def __init__(self, open_source: Callable[[], Source], rank: int, pin_layout: bool,
                  tag: str) -> None:
-        self._rank, self._pin_layout, self._tag = rank, pin_layout, tag
+        self._pin_layout, self._tag = pin_layout, tag
         self._inner: Optional[Source] = None
         described = None
         with every_rank_agrees(f"{tag}.open"):
