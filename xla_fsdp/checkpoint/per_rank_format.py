@@ -209,14 +209,11 @@ class ShardMetadata:
 
     def __init__(self, raw: Dict[str, Any]) -> None:
         self.raw = raw
-
-    @property
-    def world_size(self) -> int:
-        return self.raw["world_size"]
-
-    @property
-    def rank(self) -> int:
-        return self.raw["rank"]
+        self.world_size: int = raw["world_size"]
+        self.rank: int = raw["rank"]
+        self.update_count: Optional[int] = raw.get("update_count")
+        # whether the writer recorded how each shard is laid out (xla_fsdp did)
+        self.has_layouts = bool(raw.get("layout_info"))
 
     @property
     def sharding_group(self) -> Optional[Tuple[int, bool]]:
@@ -224,15 +221,6 @@ class ShardMetadata:
         if "sharding_group" not in self.raw:
             return None
         return self.raw["sharding_group"], bool(self.raw["replica"])
-
-    @property
-    def update_count(self) -> Optional[int]:
-        return self.raw.get("update_count")
-
-    @property
-    def has_layouts(self) -> bool:
-        """Whether the writer recorded how each shard is laid out (xla_fsdp did)."""
-        return bool(self.raw.get("layout_info"))
 
     def entries(self) -> List[ShardEntry]:
         raw = self.raw

@@ -128,7 +128,7 @@ def _load_through_source(prefix: str, model: ShardedModel,
 
     def open_source() -> Any:
         source, shards = open_per_rank_files(prefix, RANK_FILES, optimizer is not None,
-                                                share=(model.rank, model.world_size))
+                                             share=(model.rank, model.world_size))
         records.append(RankRecord.of(shards.files[0].tree))
         return source
     extra = load_staged(open_source, model, optimizer, "xla_fsdp.load_sharded").extra

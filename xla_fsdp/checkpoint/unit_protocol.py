@@ -50,9 +50,6 @@ class ShardedModel(ShardedUnit, Protocol):
     def named_modules(self, memo: Any = None, prefix: str = "",
                       remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]: ...
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Parameter]]: ...
-
     def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,

@@ -56,10 +56,9 @@ class FirstRankSource:
         wanted = exchange(f"{self._tag}.want", (sorted(tensors), sorted(objects)))
         object_keys = sorted({k for _, keys in wanted for k in keys})
         if object_keys:
-            values = None
+            values: Dict[str, Any] = {}
             with every_rank_agrees(f"{self._tag}.objects.read"):
                 if self._inner is not None:
-                    values = {}
                     self._inner.read({}, {k: None for k in object_keys}, values)
             values = exchange(f"{self._tag}.objects", values)[0]
             into.update((k, values[k]) for k in objects)

@@ -74,10 +74,10 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         objects.update(more_objects)
     if EXTRA in head:
         objects[EXTRA] = head[EXTRA]
-        if len(shards.files) > 1:   # each rank's own (see [Note: each rank's extra])
-            for rank, f in enumerate(shards.files):
-                objects[rank_extra_key(rank)[0]] = f.tree.get(EXTRA)
-    for rank, f in enumerate(shards.files):   # see [Note: each replica's extra]
+    for rank, f in enumerate(shards.files):
+        # see [Note: each rank's extra]; for the replicas', see [Note: each replica's extra]
+        if EXTRA in head and len(shards.files) > 1:
+            objects[rank_extra_key(rank)[0]] = f.tree.get(EXTRA)
         for replica, extra in f.tree.get(REPLICA_EXTRAS, {}).items():
             objects[replica_extra_key(rank, replica)[0]] = extra
     return EntrySource(shards.pattern, tensors, objects, closers)
