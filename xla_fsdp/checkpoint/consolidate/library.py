@@ -37,8 +37,7 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
     (the optimizer when its parameter mapping is known), written atomically and verified.
     A file matching the pattern that is the output itself is not read as an input."""
     out = output_paths("pt", save_path, ckpt_prefix)[0] if save_model else None
-    shards = wait_for_shard_set(ckpt_prefix, ckpt_suffix, [out] if out else [], wait_seconds,
-                                skip_outputs=True)
+    shards = wait_for_shard_set(ckpt_prefix, ckpt_suffix, [out] if out else [], wait_seconds)
     try:
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         if out is None:

@@ -103,22 +103,22 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
     return ShardSet(by_rank, ShardMetadata(by_rank[0].tree[SHARD_METADATA]), pattern)
 
 
-def wait_for_shard_set(prefix: str, suffix: str, outputs: Sequence[str], timeout: float,
-                       verify: bool = True, skip_outputs: bool = False,
-                       poll: float = 0.2) -> ShardSet:
-    """``find_shard_set``, retried while the set looks incomplete, for up to ``timeout``
-    seconds: for consolidation called from training code while other ranks may still be
-    writing (``xm.save`` does not wait for the other ranks since torch_xla 2.9)."""
+def wait_for_shard_set(prefix: str, suffix: str, outputs: Sequence[str], timeout: float
+                       ) -> ShardSet:
+    """``find_shard_set`` (with ``skip_outputs``), retried every 0.2 s while the set looks
+    incomplete, for up to ``timeout`` seconds: for consolidation called from training code
+    while other ranks may still be writing (``xm.save`` does not wait for the other ranks
+    since torch_xla 2.9)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return find_shard_set(prefix, suffix, outputs, verify, skip_outputs)
+            return find_shard_set(prefix, suffix, outputs, skip_outputs=True)
         except IncompleteCheckpoint as exc:
             if time.monotonic() >= deadline:
                 raise IncompleteCheckpoint(
                     f"waited {timeout:g} s for the checkpoint to be complete, but: {exc}"
                 ) from None
-        time.sleep(poll)
+        time.sleep(0.2)
 
 
 def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[CheckpointFile]:
