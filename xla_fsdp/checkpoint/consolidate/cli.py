@@ -120,13 +120,13 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
                             skip_outputs=skip_outputs)
     print(f"found {shards.world_size} rank files matching {shards.pattern!r}"
           + ("" if args.no_verify else ", every record's CRC-32 checked"))
-    try:
-        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+    with contextlib.closing(shards):
+        model = shards.files[0].tree[MODEL]
+        plan = plan_model(shards.metadata, model)
         reason = None if args.no_optimizer else optimizer_param_keys(shards, plan)[1]
         with_optimizer = not args.no_optimizer and reason is None
         if reason and "no optimizer" not in reason:
             print(f"optimizer state not included: {reason}")
-        model = shards.files[0].tree[MODEL]
         progress = Progress(sum(g.numel for g in plan.shard_groups)
                             + sum(model[k].numel for k in plan.buffers),
                             "resharding" if args.reshard else "consolidating")
@@ -151,8 +151,6 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
         print(f"verified {written[0]}: {summary}; names, shapes and dtypes as the shard "
               f"metadata describes")
         return written
-    finally:
-        shards.close()
 
 
 def main(argv: Optional[Sequence[str]] = None, torch_xla_defaults: bool = False) -> int:

@@ -8,6 +8,7 @@ files waits, up to a timeout, until the set is complete and from one save.
 """
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -38,15 +39,13 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
     A file matching the pattern that is the output itself is not read as an input."""
     out = output_paths("pt", save_path, ckpt_prefix)[0] if save_model else None
     shards = wait_for_shard_set(ckpt_prefix, ckpt_suffix, [out] if out else [], wait_seconds)
-    try:
+    with contextlib.closing(shards):
         plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
         if out is None:
             return _state_dict(plan, shards), None
         with_optimizer = optimizer_param_keys(shards, plan)[1] is None
         write_output(unwrapped_state(shards, plan, with_optimizer), "pt", out, OutputOptions(),
                      lambda _: None)
-    finally:
-        shards.close()
     saved = torch.load(out, map_location="cpu", mmap=True, weights_only=True)
     print(f"saved consolidated model to {out}")
     return OrderedDict(saved[MODEL]), out
