@@ -9,10 +9,10 @@ import json
 import math
 import re
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .._xla.hlo_text import Instruction, array_bytes, arrays, tuple_elements
-from .tpu_schedule import COLLECTIVE_OPS
+from .tpu_schedule import COLLECTIVE_PIECES
 
 _PASSES = {"default": 1, "high": 3, "highest": 6}
 HOST_SPACE = 5            # the memory space of host memory in libtpu's layouts
@@ -23,9 +23,13 @@ def hbm_bytes(shape: str, spaces: Tuple[int, ...] = (0,)) -> float:
     return array_bytes(shape, spaces)
 
 
+def _first_array(shape: str) -> Tuple[str, List[int], int]:
+    """(dtype, dims, memory space) of the first array of ``shape``; ("", [], 0) if none."""
+    return next(arrays(shape), ("", [], 0))
+
+
 def _dims(shape: str) -> List[int]:
-    found = list(arrays(shape))
-    return found[0][1] if found else []
+    return _first_array(shape)[1]
 
 
 # -- what one instruction costs ---------------------------------------------------------------
@@ -35,7 +39,7 @@ class Work:
     mxu_flops: float = 0.0
     multipass_flops: float = 0.0
     hbm_bytes: float = 0.0
-    unknown_kernels: int = 0
+    kernels_without_cost: int = 0     # Pallas kernels whose FLOPs are unknown
 
 
 _SLICING = ("dynamic-slice", "slice", "gather")
@@ -44,10 +48,7 @@ _FREE = frozenset(("parameter", "constant", "get-tuple-element", "tuple", "bitca
                    "copy-start", "copy-done", "send", "send-done", "recv", "recv-done",
                    "dynamic-slice-start", "dynamic-slice-done", "dynamic-update-slice-start",
                    "dynamic-update-slice-done", "slice-done",
-                   "async-start", "async-update", "async-done")
-                  + tuple(COLLECTIVE_OPS)
-                  + tuple(op + "-start" for op in COLLECTIVE_OPS)
-                  + tuple(op + "-done" for op in COLLECTIVE_OPS))
+                   "async-start", "async-update", "async-done")) | COLLECTIVE_PIECES
 
 
 class Costs:
@@ -82,11 +83,7 @@ class Costs:
             work.dot_flops, work.mxu_flops, work.multipass_flops = _dot_flops(ins, shapes)
             work.hbm_bytes = self._plain_bytes(ins, shapes)
         elif ins.opcode == "fusion":
-            for callee in ins.callees:
-                d, m, p = self._fused_flops(callee)
-                work.dot_flops += d
-                work.mxu_flops += m
-                work.multipass_flops += p
+            work.dot_flops, work.mxu_flops, work.multipass_flops = self._callees_flops(ins.callees)
             work.hbm_bytes = self._fusion_bytes(ins, shapes)
         elif ins.opcode == "slice-start":
             work.hbm_bytes = _async_slice_bytes(ins)
@@ -114,27 +111,22 @@ class Costs:
         if estimate_:
             work.dot_flops = work.mxu_flops = float(estimate_.get("flops", 0))
         else:
-            work.unknown_kernels = 1
+            work.kernels_without_cost = 1
         return work
 
+    def _callees_flops(self, callees: List[str]) -> Tuple[float, float, float]:
+        """The ``_dot_flops`` triples of the computations ``callees``, summed."""
+        return _summed(self._fused_flops(callee) for callee in callees)
+
     def _fused_flops(self, computation: str) -> Tuple[float, float, float]:
-        if computation in self._flops:
-            return self._flops[computation]
-        self._flops[computation] = (0.0, 0.0, 0.0)
-        dot = mxu = multipass = 0.0
-        shapes = self.shapes(computation)
-        for ins in self.computations.get(computation, []):
-            if ins.opcode in ("dot", "convolution"):
-                d, m, p = _dot_flops(ins, shapes)
-            elif ins.opcode in ("fusion", "call"):
-                d = m = p = 0.0
-                for callee in ins.callees:
-                    cd, cm, cp = self._fused_flops(callee)
-                    d, m, p = d + cd, m + cm, p + cp
-            else:
-                continue
-            dot, mxu, multipass = dot + d, mxu + m, multipass + p
-        self._flops[computation] = (dot, mxu, multipass)
+        if computation not in self._flops:
+            self._flops[computation] = (0.0, 0.0, 0.0)   # while it is summed
+            shapes = self.shapes(computation)
+            self._flops[computation] = _summed(
+                _dot_flops(ins, shapes) if ins.opcode in ("dot", "convolution")
+                else self._callees_flops(ins.callees)
+                for ins in self.computations.get(computation, [])
+                if ins.opcode in ("dot", "convolution", "fusion", "call"))
         return self._flops[computation]
 
     def _fusion_bytes(self, ins: Instruction, shapes: Dict[str, str]) -> float:
@@ -161,7 +153,7 @@ class Costs:
             param = params.get(number)
             used = users.get(param.name, []) if param is not None else []
             if used and all(u.opcode in _SLICING and u.operands[0] == param.name for u in used):
-                total += sum(hbm_bytes(u.shape, (0, _any_space(outer))) for u in used)
+                total += sum(hbm_bytes(u.shape, (0, _first_array(outer)[2])) for u in used)
             elif used and all(u.opcode == "dynamic-update-slice" and u.operands[0] == param.name
                               for u in used):
                 in_place.add(number)
@@ -172,6 +164,11 @@ class Costs:
         if in_place:
             return total  # the in-place result is counted as its update
         return total + hbm_bytes(ins.shape)
+
+
+def _summed(triples: Iterable[Tuple[float, float, float]]) -> Tuple[float, float, float]:
+    dot, mxu, multipass = map(sum, zip(*triples, (0.0, 0.0, 0.0)))
+    return dot, mxu, multipass
 
 
 def operand_shapes(ins: Instruction, shapes: Dict[str, str]) -> List[str]:
@@ -226,12 +223,6 @@ def attention_kernel_cost(name: str, operands: Sequence[Tuple[str, Sequence[int]
             "transcendentals": int(rows * k[-2] * share)}
 
 
-def _any_space(shape: str) -> int:
-    for _, _, space in arrays(shape):
-        return space
-    return 0
-
-
 def _passes(ins: Instruction, shapes: Dict[str, str]) -> int:
     """bf16 passes a dot runs on the MXU: 1 unless a float32 operand asks for more."""
     precision = re.search(r"operand_precision=\{([a-z]+)", ins.text)
@@ -240,21 +231,19 @@ def _passes(ins: Instruction, shapes: Dict[str, str]) -> int:
         return int(algorithm.group(1))
     if precision is None:
         return 1
-    operands = operand_shapes(ins, shapes)[:2]
-    if not any(list(arrays(s))[:1] and list(arrays(s))[0][0] == "f32" for s in operands):
+    if not any(_first_array(s)[0] == "f32" for s in operand_shapes(ins, shapes)[:2]):
         return 1
     return _PASSES.get(precision.group(1), 1)
 
 
 def _dot_flops(ins: Instruction, shapes: Dict[str, str]) -> Tuple[float, float, float]:
     """(FLOPs, FLOPs with every pass, FLOPs run in several passes) of a dot or convolution."""
-    out = math.prod(_dims(ins.shape)) if _dims(ins.shape) else 1
+    out = math.prod(_dims(ins.shape))
     if ins.opcode == "dot":
         operands = operand_shapes(ins, shapes)
         lhs = _dims(operands[0]) if operands else []
         contracting = [int(d) for d in re.findall(r"\d+", ins.attr("lhs_contracting_dims") or "")]
-        k = math.prod(lhs[d] for d in contracting if d < len(lhs)) if lhs else 1
-        flops = 2.0 * out * k
+        flops = 2.0 * out * math.prod(lhs[d] for d in contracting if d < len(lhs))
     else:
         flops = 2.0 * out * _convolution_macs_per_output(ins, shapes)
     passes = _passes(ins, shapes)
@@ -305,14 +294,8 @@ def _valid_window_positions(size_in: int, k: int, size_out: int, stride: int, pa
     extent = (size_in - 1) * lhs_dilate + 1
     if size_out * k > 2_000_000:   # large windows: the density of real elements
         return size_out * k * min(1.0, size_in / max(extent, 1))
-    count = 0
-    for o in range(size_out):
-        base = o * stride - pad_lo
-        for j in range(k):
-            pos = base + j * rhs_dilate
-            if 0 <= pos < extent and pos % lhs_dilate == 0:
-                count += 1
-    return float(count)
+    positions = (o * stride - pad_lo + j * rhs_dilate for o in range(size_out) for j in range(k))
+    return float(sum(1 for pos in positions if 0 <= pos < extent and pos % lhs_dilate == 0))
 
 
 def _async_slice_bytes(ins: Instruction) -> float:

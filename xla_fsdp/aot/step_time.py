@@ -185,21 +185,16 @@ class _Replay:
 
     def __init__(self, schedule: Schedule, efficiency: Efficiency) -> None:
         self.schedule = schedule
-        self.computations = schedule.computations
-        self.topology = schedule.topology
         self.efficiency = efficiency
-        self.costs = schedule.costs
-        self.clock = 0.0
-        self.ici_free = 0.0
-        self.host_free = 0.0
-        chip = self.topology.chip
+        self.clock = self.ici_free = self.host_free = 0.0
+        chip = schedule.topology.chip
         self.matmul_rate = chip.peak_bf16_flops * efficiency.matmul
         self.memory_rate = chip.hbm_bytes_per_s * efficiency.memory
         self.host_rate = HOST_LINK_BYTES_PER_S.get(chip.generation, 1.6e10)
 
     def run(self, computation: str) -> StepTime:
         """Replays ``computation`` from the current clock; returns what it added."""
-        steps = self.computations.get(computation, [])
+        steps = self.schedule.computations.get(computation, [])
         starts: Dict[int, List[Tuple[Scheduled, List[Tuple[int, ...]]]]] = {}
         ends: Dict[int, List[Scheduled]] = {}
         for c, rank_group in self.schedule.collectives(computation):
@@ -211,17 +206,15 @@ class _Replay:
         for i, ins in enumerate(steps):
             for c, rank_group in starts.get(i, []):
                 opcode, result = moved_bytes(c.piece)
-                seconds = collective_seconds(opcode, result, rank_group, self.topology,
+                seconds = collective_seconds(opcode, result, rank_group, self.schedule.topology,
                                              self.efficiency)
-                begin = max(self.clock, self.ici_free)
-                self.ici_free = begin + seconds
+                self.ici_free = max(self.clock, self.ici_free) + seconds
                 finishes[c.key] = self.ici_free
                 added.collective_seconds += seconds
             moved = host_transfer_bytes(ins)
             if moved:
                 seconds = moved / self.host_rate
-                begin = max(self.clock, self.host_free)
-                self.host_free = begin + seconds
+                self.host_free = max(self.clock, self.host_free) + seconds
                 host[ins.name] = self.host_free
                 added.host_transfer_seconds += seconds
             elif ins.opcode.endswith("-done") and ins.operands and ins.operands[0] in host:
@@ -229,7 +222,7 @@ class _Replay:
                 self.clock += wait
                 added.exposed_host_seconds += wait
             if ins.opcode == "while":
-                added.add(self._loop(ins, trip_count(ins, self.computations, steps)))
+                added.add(self._loop(ins, trip_count(ins, self.schedule.computations, steps)))
             elif ins.opcode == "conditional":
                 added.add(self._slowest_branch(ins))
             elif ins.opcode == "call":
@@ -244,7 +237,7 @@ class _Replay:
         return added
 
     def _compute(self, ins: Instruction, computation: str, added: StepTime) -> None:
-        work = self.costs.of(ins, computation)
+        work = self.schedule.costs.of(ins, computation)
         matmul = work.mxu_flops / self.matmul_rate
         memory = work.hbm_bytes / self.memory_rate
         seconds = max(matmul, memory)
@@ -252,11 +245,8 @@ class _Replay:
         added.busy_seconds += seconds
         added.matmul_seconds += matmul
         added.memory_seconds += memory
-        added.dot_flops += work.dot_flops
-        added.mxu_flops += work.mxu_flops
-        added.multipass_flops += work.multipass_flops
-        added.hbm_bytes += work.hbm_bytes
-        added.kernels_without_cost += work.unknown_kernels
+        for f in fields(work):
+            setattr(added, f.name, getattr(added, f.name) + getattr(work, f.name))
 
     def _loop(self, ins: Instruction, trips: int) -> StepTime:
         body = (ins.attr("body") or "").lstrip("%")

@@ -27,10 +27,15 @@ from .._xla.hlo_text import Instruction, array_bytes, parse_module
 
 COLLECTIVE_OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
                   "collective-permute", "collective-broadcast", "ragged-all-to-all")
+# the instructions a collective is scheduled as: itself, or its start and its done
+COLLECTIVE_PIECES = frozenset(op + piece for op in COLLECTIVE_OPS for piece in ("", "-start",
+                                                                                "-done"))
 _NOT_COMPUTE = frozenset((
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "copy-start", "copy-done",
     "copy", "replica-id", "partition-id", "after-all", "opt-barrier", "add-dependency",
     "reshape", "broadcast", "iota", "slice", "send", "send-done", "recv", "recv-done"))
+
+
 def span(instruction: Instruction, participants: int) -> int:
     """How many chips one instance of the collective spans: its replica groups' size, or
     every participant when the groups are empty."""
@@ -45,16 +50,9 @@ def bytes_sent_per_chip(kind: str, result_bytes: float, size: int) -> float:
     operand; a collective permute its whole operand."""
     if size <= 1:
         return 0.0
-    share = (size - 1) / size
-    if kind == "all-gather":
-        return share * result_bytes
-    if kind == "reduce-scatter":
-        return share * result_bytes * size
-    if kind == "all-reduce":
-        return 2 * share * result_bytes
-    if kind in ("all-to-all", "ragged-all-to-all"):
-        return share * result_bytes
-    return result_bytes
+    times = {"all-gather": 1, "reduce-scatter": size, "all-reduce": 2, "all-to-all": 1,
+             "ragged-all-to-all": 1}.get(kind)
+    return result_bytes if times is None else (size - 1) / size * result_bytes * times
 
 
 @dataclass(frozen=True)
@@ -71,28 +69,30 @@ class Collective:
     compute_between: int      # compute instructions scheduled between start and done
 
 
-def _collectives_in(computations: Dict[str, List[Instruction]], name: str,
-                    memo: Dict[str, Tuple[List[Instruction], bool]], fused: bool
+def _collectives_in(computations: Dict[str, List[Instruction]], callees: Sequence[str],
+                    memo: Dict[str, Tuple[List[Instruction], bool]]
                     ) -> Tuple[List[Instruction], bool]:
-    """The collective ops a fused computation holds, and whether it holds compute too."""
-    if name in memo:
-        return memo[name]
-    memo[name] = ([], False)
+    """The collective ops the fused computations ``callees`` hold, and whether they hold
+    compute too."""
     found, compute = [], False
-    for ins in computations.get(name, []):
-        if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
-            if not ins.opcode.endswith("-done"):
-                found.append(ins)
-            continue
-        if ins.opcode == "fusion" or ins.opcode in ("call", "async-start"):
-            for callee in ins.callees:
-                inner, inner_compute = _collectives_in(computations, callee, memo, True)
-                found += inner
-                compute = compute or inner_compute
-        elif fused and _is_compute(ins):
-            compute = True
-    memo[name] = (found, compute)
-    return memo[name]
+    for name in callees:
+        if name not in memo:
+            memo[name] = ([], False)
+            ops, has_compute = [], False
+            for ins in computations.get(name, []):
+                if ins.opcode in COLLECTIVE_PIECES:
+                    if not ins.opcode.endswith("-done"):
+                        ops.append(ins)
+                elif ins.opcode in ("fusion", "call", "async-start"):
+                    inner, inner_compute = _collectives_in(computations, ins.callees, memo)
+                    ops += inner
+                    has_compute = has_compute or inner_compute
+                else:
+                    has_compute = has_compute or _is_compute(ins)
+            memo[name] = (ops, has_compute)
+        found += memo[name][0]
+        compute = compute or memo[name][1]
+    return found, compute
 
 
 def _is_compute(ins: Instruction) -> bool:
@@ -183,18 +183,14 @@ def scheduled_collectives(computations: Dict[str, List[Instruction]], schedule: 
     pieces: Dict[str, Instruction] = {}
     fused_compute: Dict[int, bool] = {}
     for i, ins in enumerate(steps):
-        if ins.opcode.replace("-start", "").replace("-done", "") in COLLECTIVE_OPS:
+        if ins.opcode in COLLECTIVE_PIECES:
             held, compute = ([ins], False)
             if ins.opcode.endswith("-done"):
                 start = _start_of(steps, ins) or ins
                 chains.setdefault(_chain_key(start, computations), []).append(i)
                 continue
         elif ins.opcode in ("fusion", "async-start", "async-update", "async-done"):
-            held, compute = [], False
-            for callee in ins.callees:
-                inner, inner_compute = _collectives_in(computations, callee, memo, True)
-                held += inner
-                compute = compute or inner_compute
+            held, compute = _collectives_in(computations, ins.callees, memo)
         else:
             continue
         fused_compute[i] = compute
@@ -264,11 +260,7 @@ def _chain_key(piece: Instruction, computations: Dict[str, List[Instruction]]) -
 
 def _start_of(steps: List[Instruction], done: Instruction) -> Optional[Instruction]:
     operand = re.match(r"[a-z\-]+\(%?([\w.\-]+)", done.text)
-    if operand:
-        for ins in steps:
-            if ins.name == operand.group(1):
-                return ins
-    return None
+    return next((ins for ins in steps if operand and ins.name == operand.group(1)), None)
 
 
 def _result_shape(piece: Instruction) -> str:
