@@ -119,7 +119,7 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     programs = [tpu_compiler.Program(g.hlo, replicas, partitions) for g in traced.graphs]
     compilation = tpu_compiler.compile_programs(slice_.name, programs)
     compiled = compilation.programs
-    refused = [i for i, c in enumerate(compiled) if c.status == "oom"]
+    refused = any(c.status == "oom" for c in compiled)
     failed = [c for c in compiled if c.status == "error"]
     if failed:
         raise CompileFailed(failed[0].message)

@@ -202,7 +202,8 @@ class TpuReport:
         if h is None:
             return []
         verdict = "fits" if h.fits else "DOES NOT FIT"
-        return ["", f"Host memory (offload_optimizer): {_gib(h.state_bytes)} of optimizer state, "
+        state = _bytes(h.state_bytes, _unit([h.state_bytes]))
+        return ["", f"Host memory (offload_optimizer): {state} of optimizer state, "
                     f"shards and gradients for the {h.chips} chip(s) of one {h.vm} VM, which "
                     f"has {h.memory_bytes / 1e9:.0f} GB: {verdict} ({h.source})"]
 
@@ -217,10 +218,6 @@ class TpuReport:
                 for a in self.alternatives]
         return ["", "What would fit (each compiled by libtpu):"] + _table(
             ["configuration", "slice", "fits", "peak per chip", "step (estimate)"], rows)
-
-
-def _gib(n: float) -> str:
-    return _bytes(n, _unit([n]))
 
 
 def _unit(values) -> str:

@@ -26,21 +26,17 @@ def _shape(t: Any) -> Sequence[int]:
     return tuple(t.shape) if isinstance(t, torch.Tensor) else ()
 
 
-def _matmul(a: Any, b: Any, out: Any) -> float:
-    """2 x output elements x the contracted length."""
-    return 2.0 * math.prod(_shape(out)) * (_shape(a)[-1] if _shape(a) else 1)
+def _matmul(a: Any, out: Any) -> float:
+    """2 x output elements x the contracted length (``a``'s last dimension)."""
+    return 2.0 * math.prod(_shape(out)) * (_shape(a) or (1,))[-1]
 
 
-def _linear(args: tuple, kwargs: dict, out: Any) -> float:
-    return _matmul(args[0], None, out)
-
-
-def _two(args: tuple, kwargs: dict, out: Any) -> float:
-    return _matmul(args[0], args[1], out)
+def _first(args: tuple, kwargs: dict, out: Any) -> float:   # linear(x, w), mm(a, b), ...
+    return _matmul(args[0], out)
 
 
 def _added(args: tuple, kwargs: dict, out: Any) -> float:   # addmm(input, a, b)
-    return _matmul(args[1], args[2], out)
+    return _matmul(args[1], out)
 
 
 def _einsum(args: tuple, kwargs: dict, out: Any) -> float:
@@ -70,9 +66,9 @@ def _attention(args: tuple, kwargs: dict, out: Any) -> float:
 
 
 _FORMULAS: Dict[Callable[..., Any], Callable[[tuple, dict, Any], float]] = {
-    F.linear: _linear, torch.matmul: _two, torch.Tensor.matmul: _two,
-    torch.Tensor.__matmul__: _two, torch.mm: _two, torch.Tensor.mm: _two, torch.bmm: _two,
-    torch.Tensor.bmm: _two, torch.addmm: _added, torch.Tensor.addmm: _added,
+    F.linear: _first, torch.matmul: _first, torch.Tensor.matmul: _first,
+    torch.Tensor.__matmul__: _first, torch.mm: _first, torch.Tensor.mm: _first, torch.bmm: _first,
+    torch.Tensor.bmm: _first, torch.addmm: _added, torch.Tensor.addmm: _added,
     torch.baddbmm: _added, torch.Tensor.baddbmm: _added, torch.einsum: _einsum,
     F.conv1d: _convolution, F.conv2d: _convolution, F.conv3d: _convolution,
     F.scaled_dot_product_attention: _attention}

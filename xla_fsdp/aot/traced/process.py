@@ -40,7 +40,7 @@ import os
 import pickle
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -130,7 +130,8 @@ class _ZeroReads(TorchFunctionMode):
                 swapped = _is_xla(args[0])
                 args = (_zeros(args[0]),) + tuple(args[1:]) if swapped else args
             else:
-                args, kwargs, swapped = _zeros_everywhere(args, kwargs)
+                swapped = any(_is_xla(a) for a in (*args, *kwargs.values()))
+                args, kwargs = tuple(map(_zeros, args)), {k: _zeros(v) for k, v in kwargs.items()}
             self.count += swapped
         return func(*args, **kwargs)
 
@@ -143,12 +144,6 @@ def _zeros(obj: Any) -> Any:
     return torch.zeros(obj.shape, dtype=obj.dtype) if _is_xla(obj) else obj
 
 
-def _zeros_everywhere(args: tuple, kwargs: dict):
-    found = any(_is_xla(a) for a in list(args) + list(kwargs.values()))
-    return (tuple(_zeros(a) for a in args), {k: _zeros(v) for k, v in kwargs.items()},
-            found)
-
-
 def _host_bytes(opt: torch.optim.Optimizer) -> int:
     """Bytes of the parameters, gradients and state ``opt`` keeps on the host (an offloaded
     optimizer's; in a plan they are meta tensors of the host's shapes), each counted once.
@@ -158,23 +153,12 @@ def _host_bytes(opt: torch.optim.Optimizer) -> int:
     Counted after the trace, the gradients are gone and the optimizer may be too: a search
     of live objects then finds it or not depending on when the garbage collector last ran.
     So it is counted by the step hook that counts optimizer steps, with what the step held."""
-    seen, total = set(), 0
-
-    def count(t: Any) -> None:
-        nonlocal total
-        if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta") and \
-                id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    for param_group in opt.param_groups:
-        for p in param_group["params"]:
-            if p.device.type not in ("cpu", "meta"):
-                continue
-            count(p)
-            count(p.grad)
-            for value in opt.state.get(p, {}).values():
-                count(value)
-    return total
+    held = [t for param_group in opt.param_groups for p in param_group["params"]
+            if p.device.type in ("cpu", "meta")
+            for t in (p, p.grad, *opt.state.get(p, {}).values())]
+    on_host = {id(t): t for t in held
+               if isinstance(t, torch.Tensor) and t.device.type in ("cpu", "meta")}
+    return sum(t.numel() * t.element_size() for t in on_host.values())
 
 
 def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -187,25 +171,21 @@ def _count_activity(graphs: StepGraphs, host_state: Dict[int, int]) -> ForwardFl
     state into ``host_state`` (see [Note: host state is measured when an optimizer steps]);
     returns the FLOP counter, a torch-function mode for the traced function to run under."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
-    backward, grad = torch.autograd.backward, torch.autograd.grad
     forward = ForwardFlops(lambda flops: graphs.activity.count_forward_flops(flops))
 
-    def in_backward(run: Any, *args: Any, **kwargs: Any) -> Any:
-        graphs.activity.count_backward()
-        with forward.in_backward():
-            return run(*args, **kwargs)
-
-    def counted_backward(*args: Any, **kwargs: Any) -> Any:
-        return in_backward(backward, *args, **kwargs)
-
-    def counted_grad(*args: Any, **kwargs: Any) -> Any:
-        return in_backward(grad, *args, **kwargs)
+    def counted(run: Callable[..., Any]) -> Callable[..., Any]:
+        def in_backward(*args: Any, **kwargs: Any) -> Any:
+            graphs.activity.count_backward()
+            with forward.in_backward():
+                return run(*args, **kwargs)
+        return in_backward
 
     def counted_step(opt: torch.optim.Optimizer, *_: Any) -> None:
         graphs.activity.count_optimizer_step()
         host_state[id(opt)] = max(host_state.get(id(opt), 0), _host_bytes(opt))
 
-    torch.autograd.backward, torch.autograd.grad = counted_backward, counted_grad
+    torch.autograd.backward = counted(torch.autograd.backward)
+    torch.autograd.grad = counted(torch.autograd.grad)
     register_optimizer_step_post_hook(counted_step)
     return forward
 
