@@ -22,6 +22,7 @@ import os
 import runpy
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from ..launch.runner import LaunchError, launch_instead
@@ -74,9 +75,7 @@ def _planning_launch(ns: argparse.Namespace) -> Callable[..., Any]:
 
 def report_dict(report: TpuReport) -> dict:
     """The report as plain data (``--json``), its estimate included."""
-    out = asdict(report)
-    for bulky in ("hlo", "optimized_hlo"):
-        del out[bulky]
+    out = {k: v for k, v in asdict(report).items() if k not in ("hlo", "optimized_hlo")}
     out["topology"] = {"name": report.topology.name, "cloud_name": report.topology.cloud_name,
                        "chips": report.topology.chips, "chip": asdict(report.topology.chip)}
     out["collective_summary"] = report.collective_summary()
@@ -88,8 +87,7 @@ def report_dict(report: TpuReport) -> dict:
 def _write_json(path: str, data: dict) -> None:
     """Written whole or not at all (the path was checked before tracing)."""
     partial = f"{path}.partial-{os.getpid()}"
-    with open(partial, "w") as f:
-        json.dump(data, f, indent=1)
+    Path(partial).write_text(json.dumps(data, indent=1))
     os.replace(partial, path)
 
 
@@ -120,7 +118,7 @@ def _launches_planned(replacement: Callable[..., Any]) -> Iterator[None]:
         torch_xla.launch, xmp.spawn = saved
 
 
-def _topologies() -> str:
+def _topologies(argv: List[str]) -> int:
     lines = []
     for gen in ("v5e", "v6e", "v5p"):
         names = [a for a in aliases(gen) if a != gen]
@@ -128,7 +126,8 @@ def _topologies() -> str:
         lines += ["  " + n for n in known_names(gen)]
     lines.append("v5p also takes any grid AxBxC of whole 4x4x4 cubes up to 6,144 chips "
                  "(e.g. v5p:4x8x12); v5p-N counts TensorCores, two per chip")
-    return "\n".join(lines)
+    print("\n".join(lines))
+    return 0
 
 
 def _install(argv: List[str]) -> int:
@@ -154,8 +153,7 @@ def _estimate(argv: List[str]) -> int:
     slice_ = _slice(ns.topology)
     if not os.path.isfile(ns.hlo):
         raise _Refused(f"{ns.hlo}: no such file")
-    with open(ns.hlo) as f:
-        estimate = step_time.estimate(f.read(), slice_)
+    estimate = step_time.estimate(Path(ns.hlo).read_text(), slice_)
     print(json.dumps(asdict(estimate), indent=1))
     return 0
 
@@ -209,15 +207,10 @@ def _plan(argv: List[str]) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = {"install": _install, "topologies": _topologies,
+               "estimate": _estimate}.get(argv[0] if argv else "")
     try:
-        if argv[:1] == ["install"]:
-            return _install(argv[1:])
-        if argv[:1] == ["topologies"]:
-            print(_topologies())
-            return 0
-        if argv[:1] == ["estimate"]:
-            return _estimate(argv[1:])
-        return _plan(argv)
+        return command(argv[1:]) if command else _plan(argv)
     except (_Refused, CompilerNotInstalled) as exc:
         print(f"xla_fsdp.aot: {exc}", file=sys.stderr)
         return getattr(exc, "code", USAGE)

@@ -58,13 +58,8 @@ class Costs:
         self.computations = computations
         self._flops: Dict[str, Tuple[float, float, float]] = {}
         self._work: Dict[Tuple[str, str], Work] = {}
-        self._shapes: Dict[str, Dict[str, str]] = {}
-
-    def shapes(self, computation: str) -> Dict[str, str]:
-        if computation not in self._shapes:
-            self._shapes[computation] = {i.name: i.shape
-                                         for i in self.computations.get(computation, [])}
-        return self._shapes[computation]
+        # per computation: its instructions' shapes by name
+        self.shapes = {name: {i.name: i.shape for i in body} for name, body in computations.items()}
 
     def of(self, ins: Instruction, computation: str) -> Work:
         key = (computation, ins.name)
@@ -75,7 +70,7 @@ class Costs:
     def _of(self, ins: Instruction, computation: str) -> Work:
         if ins.opcode in _FREE:
             return Work()
-        shapes = self.shapes(computation)
+        shapes = self.shapes.get(computation, {})
         if ins.opcode == "custom-call" and "tpu_custom_call" in ins.text:
             return self._kernel(ins, shapes)
         work = Work()
@@ -121,7 +116,7 @@ class Costs:
     def _fused_flops(self, computation: str) -> Tuple[float, float, float]:
         if computation not in self._flops:
             self._flops[computation] = (0.0, 0.0, 0.0)   # while it is summed
-            shapes = self.shapes(computation)
+            shapes = self.shapes.get(computation, {})
             self._flops[computation] = _summed(
                 _dot_flops(ins, shapes) if ins.opcode in ("dot", "convolution")
                 else self._callees_flops(ins.callees)
@@ -135,7 +130,7 @@ class Costs:
         place (a dynamic-update-slice into an operand)."""
         callee = ins.callees[0] if ins.callees else ""
         body = self.computations.get(callee, [])
-        inner = self.shapes(callee)
+        inner = self.shapes.get(callee, {})
         params: Dict[int, Instruction] = {}
         users: Dict[str, List[Instruction]] = {}
         for i in body:

@@ -147,11 +147,8 @@ class Topology:
         """The grid position of chip ``index`` when chips are numbered with the first
         axis fastest (what libtpu reports for a slice of one host; the estimate uses the
         compiler's own positions when it has them)."""
-        out = []
-        for size in self.grid:
-            out.append(index % size)
-            index //= size
-        return tuple(out)
+        return tuple(index // math.prod(self.grid[:axis]) % size
+                     for axis, size in enumerate(self.grid))
 
     def larger(self) -> Optional["Topology"]:
         """The next slice of this generation with more chips (None after the largest)."""
@@ -179,8 +176,7 @@ def known_names(generation: Optional[str] = None) -> List[str]:
     for gen, grids in GRIDS.items():
         if generation not in (None, gen):
             continue
-        counts = sorted({math.prod(g) for g in grids})
-        for count in counts:
+        for count in sorted({math.prod(g) for g in grids}):
             t = Topology(CHIPS[gen], _preferred([g for g in grids if math.prod(g) == count]))
             out.append(f"{t.cloud_name} / {t.name} ({count} chip{'s' * (count > 1)})")
     return out

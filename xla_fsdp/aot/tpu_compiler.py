@@ -89,9 +89,7 @@ def _python_version(python: str) -> Optional[tuple]:
                              capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return tuple(int(x) for x in out.stdout.split())
+    return tuple(int(x) for x in out.stdout.split()) if out.returncode == 0 else None
 
 
 def find_base_python() -> str:
@@ -194,15 +192,13 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
         request = {"topology": topology, "programs": []}
         for i, program in enumerate(programs):
             path = os.path.join(tmp, f"program_{i}.hlo.txt")
-            with open(path, "w") as f:
-                f.write(program.hlo_text)
+            Path(path).write_text(program.hlo_text)
             request["programs"].append({"hlo": path, "replicas": program.replicas,
                                         "partitions": program.partitions,
                                         "out_hlo": os.path.join(tmp, f"optimized_{i}.txt")})
         request_path = os.path.join(tmp, "request.json")
         response_path = os.path.join(tmp, "response.json")
-        with open(request_path, "w") as f:
-            json.dump(request, f)
+        Path(request_path).write_text(json.dumps(request))
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
         env.pop("XLA_FLAGS", None)   # XLA:CPU's flags; libtpu takes LIBTPU_INIT_ARGS
@@ -217,14 +213,11 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
         if done.returncode != 0 or not os.path.exists(response_path):
             raise RuntimeError(f"the TPU compiler process ({python}) failed with exit code "
                                f"{done.returncode}:\n{_tail(done.stderr)}")
-        with open(response_path) as f:
-            response = json.load(f)
+        response = json.loads(Path(response_path).read_text())
         compiled = []
         for entry, spec in zip(response["programs"], request["programs"]):
-            optimized = ""
-            if os.path.exists(spec["out_hlo"]):
-                with open(spec["out_hlo"]) as f:
-                    optimized = f.read()
+            out_hlo = Path(spec["out_hlo"])
+            optimized = out_hlo.read_text() if out_hlo.exists() else ""
             compiled.append(Compiled(entry["status"], entry.get("message", ""),
                                      entry.get("memory", {}), entry.get("cost", {}), optimized,
                                      entry.get("oom", {}), entry.get("compile_seconds", 0.0)))
