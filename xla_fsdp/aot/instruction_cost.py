@@ -131,13 +131,10 @@ class Costs:
         callee = ins.callees[0] if ins.callees else ""
         body = self.computations.get(callee, [])
         inner = self.shapes.get(callee, {})
-        params: Dict[int, Instruction] = {}
+        params = {int(m.group(1)): i for i in body
+                  if i.opcode == "parameter" and (m := re.match(r"parameter\((\d+)\)", i.text))}
         users: Dict[str, List[Instruction]] = {}
         for i in body:
-            if i.opcode == "parameter":
-                m = re.match(r"parameter\((\d+)\)", i.text)
-                if m:
-                    params[int(m.group(1))] = i
             for o in i.operands:
                 users.setdefault(o, []).append(i)
         total = 0.0

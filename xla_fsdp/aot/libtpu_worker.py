@@ -44,6 +44,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 
 _OOM = re.compile(r"required for (?P<what>[^(]*?) \((?P<need>[\d.]+)(?P<need_unit>[KMGT]?)\) "
                   r"exceeds available HBM \((?P<have>[\d.]+)(?P<have_unit>[KMGT]?)\)")
@@ -137,8 +138,7 @@ def main(request_path: str, response_path: str) -> None:
     from jax.experimental import topologies
     import jaxlib._hlo as hlo_api
 
-    with open(request_path) as f:
-        request = json.load(f)
+    request = json.loads(Path(request_path).read_text())
     devices = topologies.get_topology_desc(platform="tpu",
                                            topology_name=request["topology"]).devices
 
@@ -164,8 +164,7 @@ def main(request_path: str, response_path: str) -> None:
                 # replica (or partition) i runs on devices[i]: where each chip sits
                 "coords": [list(d.coords) for d in devices]}
     for program in request["programs"]:
-        with open(program["hlo"]) as f:
-            text = f.read()
+        text = Path(program["hlo"]).read_text()
         started = time.monotonic()
         entry = {"status": "ok", "message": ""}
         try:
@@ -179,16 +178,15 @@ def main(request_path: str, response_path: str) -> None:
             cost = cost[0] if isinstance(cost, list) else cost
             entry["cost"] = {k: float(cost.get(k, 0.0))
                              for k in ("flops", "bytes accessed", "transcendentals")}
-            with open(program["out_hlo"], "w") as f:
-                f.write("\n\n".join(m.to_string() for m in executable.hlo_modules()))
+            Path(program["out_hlo"]).write_text(
+                "\n\n".join(m.to_string() for m in executable.hlo_modules()))
         except Exception as exc:
             message = str(exc)
             entry = {"status": "oom" if "CompileTimeHbmOom" in message else "error",
                      "message": message, "oom": oom_figures(message)}
         entry["compile_seconds"] = time.monotonic() - started
         response["programs"].append(entry)
-    with open(response_path, "w") as f:
-        json.dump(response, f)
+    Path(response_path).write_text(json.dumps(response))
 
 
 if __name__ == "__main__":
