@@ -262,8 +262,7 @@ def _convolution_macs_per_output(ins: Instruction, shapes: Dict[str, str]) -> fl
         size_in = lhs[lhs_l.index(dim)]
         size_out = out[out_l.index(dim)]
         get = lambda key, default: window.get(key, [default] * len(spatial))[n]  # noqa: E731
-        pad_lo = get("pad_lo", 0)
-        valid = _valid_window_positions(size_in, k, size_out, get("stride", 1), pad_lo,
+        valid = _valid_window_positions(size_in, k, size_out, get("stride", 1), get("pad_lo", 0),
                                         get("lhs_dilate", 1), get("rhs_dilate", 1))
         macs *= valid / max(size_out, 1)
     return macs

@@ -124,7 +124,8 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     if failed:
         raise CompileFailed(failed[0].message)
     ok = [c for c in compiled if c.memory]
-    peak = max(ok, key=lambda c: c.memory["peak_memory_in_bytes"]) if ok else None
+    # the program with the highest peak
+    memory = max((c.memory for c in ok), key=lambda m: m["peak_memory_in_bytes"], default={})
     found = []
     for graph, c in zip(traced.graphs, compiled):
         if c.optimized_hlo:
@@ -134,7 +135,6 @@ def report_for(traced: TracedStep, slice_: Topology) -> TpuReport:
     estimate = None if refused else step_time.estimate_programs(optimized, slice_,
                                                                 coords=coords)
     oom = next((c for c in compiled if c.oom or c.status == "oom"), None)
-    memory = peak.memory if peak is not None else {}
     return TpuReport(
         topology=slice_, fits=not refused, hbm_bytes=slice_.chip.hbm_bytes,
         usable_hbm_bytes=compilation.usable_hbm_bytes or (

@@ -16,7 +16,7 @@ torchprime report them:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from .step_time import StepTime, describe
 from .topology import Topology
@@ -242,10 +242,8 @@ def _time(seconds: Optional[float]) -> str:
 
 def _table(header: List[str], rows: List[tuple]) -> List[str]:
     widths = [max(len(str(r[i])) for r in [tuple(header)] + rows) for i in range(len(header))]
-    out = []
-    if any(header):
-        out.append("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths)) + " |")
-        out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for r in rows:
-        out.append("| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |")
-    return out
+
+    def line(cells: Sequence[Any]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return ([line(header), rule] if any(header) else []) + [line(r) for r in rows]
