@@ -199,9 +199,9 @@ def compile_programs(topology: str, programs: Sequence[Program], *,
         request_path = os.path.join(tmp, "request.json")
         response_path = os.path.join(tmp, "response.json")
         Path(request_path).write_text(json.dumps(request))
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)  # this process's packages are not the compiler's
-        env.pop("XLA_FLAGS", None)   # XLA:CPU's flags; libtpu takes LIBTPU_INIT_ARGS
+        # not PYTHONPATH (this process's packages are not the compiler's) nor XLA_FLAGS
+        # (XLA:CPU's flags; libtpu takes LIBTPU_INIT_ARGS)
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
         env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server: not on a TPU VM
         # libtpu locks /tmp/libtpu_lockfile for the TPU device unless told it may share
         # the machine: a compile-only client uses no device, so it never takes the lock

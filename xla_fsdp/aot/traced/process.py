@@ -161,10 +161,6 @@ def _host_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in on_host.values())
 
 
-def _refuse_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-    trace_only.refuse_writes(str(f))
-
-
 def _count_activity(graphs: StepGraphs, host_state: Dict[int, int]) -> ForwardFlops:
     """Backward passes, optimizer steps and forward FLOPs are counted into
     ``graphs.activity`` (see [Note: a training step]), and each optimizer's largest host
@@ -205,7 +201,7 @@ def _patch(graphs: StepGraphs, world: int, host_state: Dict[int, int]) -> Forwar
     torch_xla._XLAC._xla_wait_device_ops = lambda *a, **k: None
     xm.rendezvous = lambda tag, payload=b"", replicas=None: [payload] * world
     xm.mesh_reduce = lambda tag, data, reduce_fn: reduce_fn([data] * world)
-    torch.save = _refuse_save
+    torch.save = lambda obj, f, *args, **kwargs: trace_only.refuse_writes(str(f))
     import torch_xla.runtime as xr
     use_spmd = xr.use_spmd
 
