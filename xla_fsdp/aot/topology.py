@@ -164,9 +164,7 @@ def _preferred(grids: List[Tuple[int, ...]]) -> Tuple[int, ...]:
     """Of several grids, the one with fewest chips, and of those the closest to a cube:
     what a Cloud name ``v5p-N`` stands for when several grids have N / 2 chips, as
     Cloud's and xpk's default topologies are."""
-    fewest = min(math.prod(g) for g in grids)
-    return min((g for g in grids if math.prod(g) == fewest), key=lambda g: (max(g) - min(g),
-                                                                          g))
+    return min(grids, key=lambda g: (math.prod(g), max(g) - min(g), g))
 
 
 def known_names(generation: Optional[str] = None) -> List[str]:
