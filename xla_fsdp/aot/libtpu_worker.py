@@ -92,9 +92,8 @@ def _stablehlo_with_donors(hlo_text: str, ir, mlir_api, hlo_api):
     for op in parsed.body.operations:
         if ir.StringAttr(op.attributes["sym_name"]).value != "main":
             continue
-        count = len(op.regions[0].blocks[0].arguments)
         old = list(ir.ArrayAttr(op.attributes["arg_attrs"])) if "arg_attrs" in op.attributes \
-            else [ir.DictAttr.get({}) for _ in range(count)]
+            else [ir.DictAttr.get({}) for _ in op.regions[0].blocks[0].arguments]
         new = []
         for i, attrs in enumerate(old):
             attrs = ir.DictAttr(attrs)
