@@ -12,7 +12,7 @@ import contextlib
 import errno
 import os
 import secrets
-from typing import Dict, Iterator, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, Optional, Sequence, Tuple
 
 from ..._xla.trace_only import refuse_writes
 from .reader import CheckpointError
@@ -95,6 +95,29 @@ def file_size(path: str) -> Optional[int]:
         return None
 
 
+def remove_if_there(*paths: str) -> None:
+    """Removes each of ``paths`` that is there."""
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+
+
+@contextlib.contextmanager
+def guarded(path: str, abort: Callable[[], None], writing: Optional[int] = None,
+            needed: Optional[int] = None) -> Iterator[None]:
+    """A failed write of ``path`` in the body aborts it (``abort``) and, for lack of space,
+    raises a ``CheckpointError`` naming the file ``path`` becomes."""
+    try:
+        yield
+    except BaseException as exc:
+        written = file_size(path)
+        final = _FINAL_NAMES.get(path, path)  # before ``abort``, which may forget it
+        abort()
+        if not is_out_of_space(exc):
+            raise
+        raise no_space_error(final, exc, needed, writing, written) from exc
+
+
 def _fsync(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -122,15 +145,9 @@ class StagedFile:
         """Yields the temporary path for the body to write, then flushes the file to disk.
         On error the file is removed, and a lack of space raises a ``CheckpointError``
         naming ``path``."""
-        try:
+        with guarded(self.tmp, self.discard, needed=self.needed):
             yield self.tmp
             _fsync(self.tmp)  # a filesystem may report the lack of space only here
-        except BaseException as exc:
-            written = file_size(self.tmp)
-            self.discard()
-            if not is_out_of_space(exc):
-                raise
-            raise no_space_error(self.path, exc, self.needed, written=written) from exc
 
     def put_in_place(self) -> None:
         """Renames the written file over ``path``."""
@@ -145,8 +162,7 @@ class StagedFile:
 
     def discard(self) -> None:
         """Removes the temporary file, if it is there."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.tmp)
+        remove_if_there(self.tmp)
         _FINAL_NAMES.pop(self.tmp, None)
 
 

@@ -27,13 +27,13 @@ import math
 import pickle
 import struct
 import zlib
-from typing import Any, BinaryIO, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
 from ..._sharding.tensor_tree import map_tensors
 from ..._xla.private_api import file_writer, rebuild_tensor, storage_type_names
-from .atomic import file_size, is_out_of_space, no_space_error
+from .atomic import guarded
 from .reader import contiguous_strides
 
 _STORAGE_TYPES = storage_type_names()
@@ -100,21 +100,6 @@ class _Sink:
                 file.close()
 
 
-@contextlib.contextmanager
-def _guarded(path: str, abort: Callable[[], None], writing: Optional[int] = None,
-             needed: Optional[int] = None) -> Iterator[None]:
-    """A failed write in the body aborts the writer and, for lack of space, raises a
-    ``CheckpointError`` naming ``path``."""
-    try:
-        yield
-    except BaseException as exc:
-        written = file_size(path)
-        abort()
-        if not is_out_of_space(exc):
-            raise
-        raise no_space_error(path, exc, needed, writing, written) from exc
-
-
 class TorchFileWriter:
     def __init__(self, path: str) -> None:
         self._path = path
@@ -132,7 +117,7 @@ class TorchFileWriter:
             tensor = tensor.clone()  # a view: the record holds the whole storage, from its start
         key = str(self._count)
         self._count += 1
-        with _guarded(self._path, self.abort, nbytes):
+        with guarded(self._path, self.abort, nbytes):
             self._writer.write_record(f"data/{key}", tensor.untyped_storage(), nbytes)
         return TensorStub(key, tensor.dtype, tuple(tensor.shape))
 
@@ -141,7 +126,7 @@ class TorchFileWriter:
         buffer = io.BytesIO()
         _StubPickler(buffer, protocol=2).dump(map_tensors(self.add, tree))
         data = buffer.getvalue()
-        with _guarded(self._path, self.abort, len(data)):
+        with guarded(self._path, self.abort, len(data)):
             self._writer.write_record("data.pkl", data, len(data))
             self._writer.write_record("byteorder", b"little", len("little"))
             self._writer.write_end_of_file()
@@ -209,7 +194,7 @@ class SafetensorsWriter:
         self._next = 0
 
     def _guard(self, writing: Optional[int]) -> ContextManager[None]:
-        return _guarded(self._path, self._sink.cut_off, writing, self._size)
+        return guarded(self._path, self._sink.cut_off, writing, self._size)
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         expected = self._order[self._next]

@@ -28,7 +28,7 @@ import re
 import shutil
 from typing import List, Optional
 
-from ..files import atomic_path
+from ..files import atomic_path, remove_if_there
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -95,8 +95,7 @@ class CheckpointDirectory:
         return old
 
     def remove(self, step: int) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.path(step), MARKER))
+        remove_if_there(os.path.join(self.path(step), MARKER))
         shutil.rmtree(self.path(step), ignore_errors=True)
 
     def remove_leftovers(self) -> List[str]:
@@ -110,7 +109,6 @@ class CheckpointDirectory:
         with contextlib.suppress(FileNotFoundError):
             for name in os.listdir(self.root):
                 if name.startswith(".") and ".tmp-" in name:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(os.path.join(self.root, name))
+                    remove_if_there(os.path.join(self.root, name))
                     removed.append(name)
         return removed

@@ -3,14 +3,13 @@ read one tensor at a time (``UnwrappedState``), streamed to a ``.pth`` or ``.saf
 file, and verified by ``formats.verify_written``."""
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any, Callable, Dict, List
 
 import torch
 
 from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
-from ..files import SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths
+from ..files import (SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths,
+                     remove_if_there)
 from ..per_rank_format import MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 
@@ -47,8 +46,7 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
                             state.optimizer.as_indexed_state_dict(writer.add)
                     writer.finish(dict(kept, **state.extra))
             else:  # an earlier save's optimizer file would be loaded with these weights
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(optimizer_companion(path))
+                remove_if_there(optimizer_companion(path))
         return written
     with atomic_path(path) as tmp:
         writer = TorchFileWriter(tmp)

@@ -20,13 +20,12 @@ fails the save with the file it wrote, and leaves nothing behind.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
 import pickle
 import secrets
-from typing import Any, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
@@ -38,7 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, dcp_stored_at
 from ..dcp_format.metadata_file import METADATA_FILE
 from ..dcp_format.planners import ChunkSavePlanner
-from ..files import StagedFile, is_out_of_space, no_space_error
+from ..files import StagedFile, is_out_of_space, no_space_error, remove_if_there
 
 SUFFIX = ".distcp"
 FILE_BYTES = 64 << 20
@@ -104,9 +103,7 @@ def _check_names(directory: str, prefix: str, results: List[WriteResult]) -> Non
     names = {dcp_stored_at(r.storage_data)[0] for r in results}
     other = sorted(n for n in names if not (n.startswith(prefix) and n.endswith(SUFFIX)))
     if other:
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(directory, name))
+        _remove(directory, names)
         raise RuntimeError(
             f"torch.distributed.checkpoint's FileSystemWriter (torch {torch.__version__}) "
             f"wrote {os.path.join(directory, other[0])}, where xla_fsdp expects "
@@ -133,11 +130,13 @@ def _names(directory: str, prefix: str) -> List[str]:
     return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
 
 
+def _remove(directory: str, names: Iterable[str]) -> None:
+    remove_if_there(*(os.path.join(directory, name) for name in names))
+
+
 def remove_files(directory: str, prefix: str) -> None:
     """Removes the files of a failed save: those whose names start with ``prefix``."""
-    for name in _names(directory, prefix):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(directory, name))
+    _remove(directory, _names(directory, prefix))
 
 
 def commit(directory: str, metadata: Metadata, results: List[List[Any]],
@@ -156,9 +155,7 @@ def commit(directory: str, metadata: Metadata, results: List[List[Any]],
         staged.put_in_place()
     except BaseException:
         if not staged.placed:  # the previous .metadata stands: this save's files go
-            for name in keep:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(directory, name))
+            _remove(directory, keep)
         raise
     for name in os.listdir(directory):
         if name.endswith(SUFFIX) and name not in keep:

@@ -31,8 +31,6 @@ rank's file is in place, or gone.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import secrets
 import weakref
 from typing import Any, Dict, Optional
@@ -42,7 +40,7 @@ import torch
 from ..._sharding.tensor_tree import collect_tensors
 from ..async_save import copy_of_extra, host_copy, run_save, wait_for_pending
 from ..coordination import agree, agree_or_undo, every_rank_agrees, exchange, naming
-from ..files import StagedFile
+from ..files import StagedFile, remove_if_there
 from ..live_model import (extras_of_replicas, require_root, sharding_group_path,
                           writes_sharding_group_copy)
 from ..optimizer_state import optimizer_shard_keys
@@ -145,9 +143,7 @@ class _RankFileSave:
         if staged is not None and self.rank == 0:
             # the files an earlier save at another world size left under this prefix: the
             # prefix is this save's now, and a load would not know which save it names
-            for stale in other_world_files(self.prefix, self.world_size):
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(stale)
+            remove_if_there(*other_world_files(self.prefix, self.world_size))
         return None if staged is None else self.path
 
 
