@@ -40,6 +40,7 @@ one copy per rank it serves.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import os
 import sys
@@ -158,10 +159,8 @@ def _yield_the_cpu() -> None:
     training step beside it keeps its pace. See [Note: a write beside training]."""
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError:
-        pass
 
 
 def wait_for_pending(owner: Any) -> None:

@@ -95,11 +95,6 @@ def _layout_named(name: Any) -> torch.layout:
     raise ValueError(f"no torch layout is named {name!r}")  # read_metadata_file names the file
 
 
-def _refused(where: str, module: str, name: str) -> CheckpointError:
-    return CheckpointError(f"{where}: refuses to load {module}.{name}: a DCP .metadata holds "
-                           f"only DCP's metadata classes")
-
-
 class _RestrictedUnpickler(pickle._Unpickler):
     """Pickle's Python unpickler, resolving only the admitted globals and building only
     instances of admitted classes (see [Note: building only instances])."""
@@ -129,7 +124,8 @@ class _RestrictedUnpickler(pickle._Unpickler):
             return OrderedDict
         if module in _PATH_MODULES and name in _PATHS:
             return _PATHS[name]
-        raise _refused(self._where, module, name)
+        raise CheckpointError(f"{self._where}: refuses to load {module}.{name}: a DCP .metadata "
+                              f"holds only DCP's metadata classes")
 
     def persistent_load(self, pid: Any) -> Any:
         raise CheckpointError(f"{self._where}: refuses a persistent id ({pid!r:.80}): a DCP "

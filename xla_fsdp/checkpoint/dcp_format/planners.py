@@ -51,15 +51,26 @@ class OnDemand:
 class ChunkSavePlanner(SavePlanner):
     """Writes ``tensors`` (this rank's chunks), and on the first rank ``wholes`` (tensors
     every rank has, or tensors read on demand) and ``objects`` (anything else, saved as DCP
-    saves objects)."""
+    saves objects), each key at its nest path (``paths``); given whole, or entry by entry
+    (``add``)."""
 
-    def __init__(self, tensors: Dict[str, TensorPieces],
-                 wholes: Dict[str, Union[torch.Tensor, OnDemand]], objects: Dict[str, Any],
-                 paths: Dict[str, Path]) -> None:
-        self.tensors, self.wholes, self.objects, self.paths = tensors, wholes, objects, paths
+    def __init__(self, tensors: Optional[Dict[str, TensorPieces]] = None,
+                 wholes: Optional[Dict[str, Union[torch.Tensor, OnDemand]]] = None,
+                 objects: Optional[Dict[str, Any]] = None,
+                 paths: Optional[Dict[str, Path]] = None) -> None:
+        self.tensors, self.wholes = tensors or {}, wholes or {}
+        self.objects, self.paths = objects or {}, paths or {}
         self.is_coordinator = False
         self._by_index: Dict[MetadataIndex, Any] = {}
         self._uncollected = 0
+
+    def add(self, key_path: Tuple[str, Path], value: Any) -> None:
+        """``value`` under the key and nest path ``key_path``: a ``TensorPieces`` as this
+        rank's chunks, an ``OnDemand`` whole, anything else as an object."""
+        key, self.paths[key] = key_path
+        entries = self.tensors if isinstance(value, TensorPieces) else \
+            self.wholes if isinstance(value, OnDemand) else self.objects
+        entries[key] = value
 
     def set_up_planner(self, state_dict: Dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:

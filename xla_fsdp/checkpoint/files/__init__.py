@@ -4,8 +4,8 @@ from .atomic import (StagedFile, atomic_path, atomic_paths, is_out_of_space, no_
                      remove_if_there)
 from .reader import CheckpointError, CheckpointFile, TensorRef
 from .safetensors_reader import SafetensorsFile
-from .writer import SafetensorsWriter, TensorStub, TorchFileWriter
+from .writer import SafetensorsWriter, TorchFileWriter
 
 __all__ = ["atomic_path", "atomic_paths", "StagedFile", "is_out_of_space", "no_space_error",
-           "remove_if_there", "CheckpointError",
-           "CheckpointFile", "TensorRef", "SafetensorsFile", "SafetensorsWriter", "TensorStub", "TorchFileWriter"]
+           "remove_if_there", "CheckpointError", "CheckpointFile", "TensorRef", "SafetensorsFile",
+           "SafetensorsWriter", "TorchFileWriter"]

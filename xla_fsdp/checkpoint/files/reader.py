@@ -124,15 +124,11 @@ class PreadFile:
 
     def crc32(self, at: int, size: int, what: str) -> int:
         """The CRC-32 of the file's ``size`` bytes from offset ``at`` (``what`` they are)."""
-        buffer = bytearray(min(_CHUNK, size))
-        crc, done = 0, 0
-        while done < size:
-            want = min(_CHUNK, size - done)
-            n = os.preadv(self._fd, [memoryview(buffer)[:want]], at + done)
-            if n <= 0:
-                raise CheckpointError(f"{self.path}: truncated inside {what}")
-            crc = zlib.crc32(memoryview(buffer)[:n], crc)
-            done += n
+        buffer, crc = memoryview(bytearray(min(_CHUNK, size))), 0
+        for done in range(0, size, _CHUNK):
+            view = buffer[:min(_CHUNK, size - done)]
+            pread_fully(self._fd, view, at + done, f"{self.path}: truncated inside {what}")
+            crc = zlib.crc32(view, crc)
         return crc
 
     def close(self) -> None:

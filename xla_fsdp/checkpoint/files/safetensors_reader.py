@@ -31,13 +31,13 @@ class SafetensorsFile(PreadFile):
         except FileNotFoundError:
             raise CheckpointError(f"{path}: no such file") from None
         try:
-            self._ranges, self.metadata, self.tensors = self._read_header()
+            self._read_header()
         except BaseException:
             self.close()
             raise
 
-    def _read_header(self) -> Tuple[Dict[str, Tuple[int, int]], Dict[str, str],
-                                    Dict[str, TensorRef]]:
+    def _read_header(self) -> None:
+        """Reads ``tensors``, ``metadata`` and where each tensor's bytes are (``_ranges``)."""
         size = os.fstat(self._fd).st_size
         head = os.pread(self._fd, 8, 0)
         if len(head) < 8:
@@ -52,8 +52,9 @@ class SafetensorsFile(PreadFile):
             raise CheckpointError(f"{self.path}: its safetensors header is not JSON ({exc})") \
                 from None
         start = 8 + length
-        metadata = header.pop("__metadata__", None) or {}
-        ranges, tensors = {}, {}
+        self.metadata: Dict[str, str] = header.pop("__metadata__", None) or {}
+        self._ranges: Dict[str, Tuple[int, int]] = {}
+        self.tensors: Dict[str, TensorRef] = {}
         for name, entry in header.items():
             dtype = _DTYPES.get(entry.get("dtype"))
             if dtype is None:
@@ -67,9 +68,8 @@ class SafetensorsFile(PreadFile):
             if start + end > size:
                 raise CheckpointError(f"{self.path}: truncated ({size} bytes; tensor {name!r} "
                                       f"ends at byte {start + end})")
-            ranges[name] = (start + begin, end - begin)
-            tensors[name] = TensorRef(self, name, dtype, 0, shape, contiguous_strides(shape))
-        return ranges, metadata, tensors
+            self._ranges[name] = (start + begin, end - begin)
+            self.tensors[name] = TensorRef(self, name, dtype, 0, shape, contiguous_strides(shape))
 
     def record_size(self, key: str) -> int:
         return self._ranges[key][1]

@@ -95,12 +95,10 @@ class CheckpointManager:
     def __init__(self, directory: str, every: Optional[int] = None,
                  keep_last: Optional[int] = None, format: str = "sharded",
                  async_save: bool = True, on_preemption: bool = True) -> None:
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"CheckpointManager: every must be a positive integer or None, "
-                             f"not {every!r}")
-        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-            raise ValueError(f"CheckpointManager: keep_last must be a positive integer or "
-                             f"None, not {keep_last!r}")
+        for name, value in (("every", every), ("keep_last", keep_last)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"CheckpointManager: {name} must be a positive integer or "
+                                 f"None, not {value!r}")
         if format not in FORMATS:
             raise ValueError(f"CheckpointManager: format must be one of {FORMATS}, not "
                              f"{format!r}")
@@ -310,11 +308,8 @@ class CheckpointManager:
         return not all(mine for mine, _ in views)
 
     def _preempted(self, step: int) -> bool:
-        if not self.on_preemption:
-            return False
-        if preemption.requested():
-            return True
-        return self.sync_point_unavailable is None and preemption.preemption_sync_point_reached(step)
+        return bool(self.on_preemption) and (preemption.requested() or (
+            self.sync_point_unavailable is None and preemption.preemption_sync_point_reached(step)))
 
     def _finish_pending(self) -> None:
         pending, step = self._pending, self._pending_step

@@ -28,6 +28,7 @@ a clean stop as it treats the preemption itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -120,10 +121,8 @@ class Forwarding:
 
     def _forward(self, signum: int, frame: Any) -> None:
         self.received = True
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(self._pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
 
     def end(self, exitcode: Optional[int]) -> None:
         if not self._active:

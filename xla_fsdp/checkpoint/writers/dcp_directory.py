@@ -7,61 +7,47 @@ tensors until it closes]). The directory becomes a checkpoint when its ``.metada
 written, last (see [Note: a DCP directory is complete or not a checkpoint])."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Tuple
+import functools
+from typing import Callable, List
 
 import torch
 
-from ..dcp_format.layout import KeyScheme, Path, extra_key
+from ..dcp_format.layout import KeyScheme, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from .dcp_files import write_alone
 from ..per_rank_format import EXTRA
 from ..optimizer_state import param_group_settings
-from ..unwrapped_state import NamedState, Readable, UnwrappedState
+from ..unwrapped_state import Readable, UnwrappedState
 
 
 def write_dcp(state: UnwrappedState, directory: str, scheme: KeyScheme,
               progress: Callable[[int], None]) -> List[str]:
     """Writes ``state`` (with the optimizer when it has it) as a DCP directory under
     ``scheme``'s keys; returns ``[directory]``."""
-    wholes: Dict[str, OnDemand] = {}
-    objects: Dict[str, Any] = {}
-    paths: Dict[str, Path] = {}
+    planner = ChunkSavePlanner()
 
-    def add(key_path: Tuple[str, Path], size: Any, dtype: torch.dtype,
-            read: Callable[[], torch.Tensor], counted: bool = False) -> None:
-        """``counted``: the progress bar counts the model's elements, each once."""
-        key, paths[key] = key_path
-
-        def read_counted() -> torch.Tensor:
-            tensor = read()
-            progress(tensor.numel())
-            return tensor
-        wholes[key] = OnDemand(torch.Size(size), dtype, read_counted if counted else read)
+    def read_counted(tensor: Readable) -> torch.Tensor:
+        """The progress bar counts the model's elements, each once."""
+        value = tensor.read()
+        progress(value.numel())
+        return value
 
     # tied: stored under both names, as state_dict has it, its elements counted once
     for name, tensor in state.with_aliases(dict(state.tensors)).items():
-        add(scheme.model(name), tensor.shape, tensor.dtype, tensor.read,
-            counted=name in state.tensors)
-    if state.optimizer is not None:
-        _optimizer(state.optimizer, scheme, add, objects, paths)
+        read = functools.partial(read_counted, tensor) if name in state.tensors else tensor.read
+        planner.add(scheme.model(name), OnDemand(torch.Size(tensor.shape), tensor.dtype, read))
+    named = state.optimizer
+    if named is not None:
+        # the optimizer state by parameter name, and param groups listing names
+        for param_name, name, value in named.in_read_order():  # DCP reads in the order added
+            if isinstance(value, Readable):
+                value = OnDemand(torch.Size(value.shape), value.dtype, value.read)
+            planner.add(scheme.state(param_name, name), value)
+        for i, (param_group, params) in enumerate(named.param_groups):
+            settings = param_group_settings(param_group)
+            for key, path, value in scheme.param_group(i, params, settings):
+                planner.add((key, path), value)
     if EXTRA in state.extra:
-        key, paths[key] = extra_key()
-        objects[key] = state.extra[EXTRA]
-    write_alone(directory, ChunkSavePlanner({}, wholes, objects, paths))
+        planner.add(extra_key(), state.extra[EXTRA])
+    write_alone(directory, planner)
     return [directory]
-
-
-def _optimizer(named: NamedState, scheme: KeyScheme, add: Callable[..., None],
-               objects: Dict[str, Any], paths: Dict[str, Path]) -> None:
-    """The optimizer state by parameter name, and param groups listing names."""
-    for param_name, name, value in named.in_read_order():  # DCP reads in the order added
-        key_path = scheme.state(param_name, name)
-        if isinstance(value, Readable):
-            add(key_path, value.shape, value.dtype, value.read)
-        else:
-            key, paths[key] = key_path
-            objects[key] = value
-    for i, (param_group, params) in enumerate(named.param_groups):
-        settings = param_group_settings(param_group)
-        for key, path, value in scheme.param_group(i, params, settings):
-            paths[key], objects[key] = path, value

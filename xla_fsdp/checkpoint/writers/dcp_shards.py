@@ -196,24 +196,19 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
     by_shard = slots_by_shard(slots)
     if optimizer is not None:
         refuse_foreign_params(optimizer, by_shard)
-    tensors: Dict[str, TensorPieces] = {}
-    wholes: Dict[str, OnDemand] = {}
-    objects: Dict[str, Any] = {}
-    paths: Dict[str, Path] = {}
+    planner = ChunkSavePlanner()
 
     def add_pieces(key_path: Tuple[str, Path], slot: ParamSlot, source: torch.Tensor) -> None:
         if slot.shape.numel() == 0:   # no rank holds a chunk of it: the first writes it whole
             if first:
                 add_whole(key_path, torch.empty(slot.shape, dtype=source.dtype), source.dtype)
             return
-        key, paths[key] = key_path
-        tensors[key] = TensorPieces(slot.shape, source.dtype, list(slot.pieces),
-                                    lambda at=host.add(source): host.whole(at).reshape(-1))
+        planner.add(key_path, TensorPieces(slot.shape, source.dtype, list(slot.pieces),
+                                           lambda at=host.add(source): host.whole(at).reshape(-1)))
 
     def add_whole(key_path: Tuple[str, Path], tensor: torch.Tensor, dtype: torch.dtype) -> None:
-        key, paths[key] = key_path
-        wholes[key] = OnDemand(tensor.shape, dtype,
-                               lambda at=host.add(tensor): host.whole(at).to(dtype))
+        planner.add(key_path, OnDemand(tensor.shape, dtype,
+                                       lambda at=host.add(tensor): host.whole(at).to(dtype)))
 
     for slot in slots:
         for name in slot.names:
@@ -228,13 +223,13 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
         for entry in walk_state(state, lambda i: params[i].shape,
                                 lambda i: f"DCP save of {by_shard[id(params[i])][0].name}"):
             for slot in by_shard[id(params[entry.index])]:
-                key, path = scheme.state(slot.name, entry.name)
+                key_path = scheme.state(slot.name, entry.name)
                 if entry.sharded:
-                    add_pieces((key, path), slot, entry.value)
+                    add_pieces(key_path, slot, entry.value)
                 elif first and torch.is_tensor(entry.value):
-                    add_whole((key, path), entry.value, entry.value.dtype)
+                    add_whole(key_path, entry.value, entry.value.dtype)
                 elif first:
-                    paths[key], objects[key] = path, entry.value
+                    planner.add(key_path, entry.value)
         if first:
             in_order = model_order(
                 parameter_order(model, units_by_saved_path(model, list(model.named_units()))))
@@ -243,14 +238,11 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                                key=in_order)
                 settings = param_group_settings(param_group)
                 for key, path, value in scheme.param_group(index, names, settings):
-                    paths[key], objects[key] = path, value
+                    planner.add((key, path), value)
     if first and extra is not None:
-        key, paths[key] = extra_key()
-        objects[key] = extra
+        planner.add(extra_key(), extra)
     if per_rank_extra:
-        key, paths[key] = rank_extra_key(rank)
-        objects[key] = extra
+        planner.add(rank_extra_key(rank), extra)
     for replica, replica_extra in replicas.items():   # see [Note: each replica's extra]
-        key, paths[key] = replica_extra_key(rank, replica)
-        objects[key] = replica_extra
-    return ChunkSavePlanner(tensors, wholes, objects, paths)
+        planner.add(replica_extra_key(rank, replica), replica_extra)
+    return planner
