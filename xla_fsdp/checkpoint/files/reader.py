@@ -99,11 +99,7 @@ def materialized(value: Any) -> Any:
 
 def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     """The strides of a contiguous (row-major) tensor of ``shape``, in elements."""
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.insert(0, acc)
-        acc *= d
-    return tuple(strides)
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 class PreadFile:

@@ -175,7 +175,7 @@ class SafetensorsWriter:
         for name, dtype, shape in specs:
             if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"safetensors cannot hold {name} of dtype {dtype}")
-            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [at, at + size]}
             self._order.append((name, dtype, tuple(shape)))

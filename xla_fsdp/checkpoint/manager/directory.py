@@ -63,8 +63,7 @@ class CheckpointDirectory:
         return os.path.exists(os.path.join(self.path(step), MARKER))
 
     def latest(self) -> Optional[int]:
-        steps = self.complete_steps()
-        return steps[-1] if steps else None
+        return max(self.complete_steps(), default=None)
 
     def prepare(self, step: int) -> str:
         """An empty directory for a new save of ``step`` (what an earlier, unfinished save
@@ -77,13 +76,11 @@ class CheckpointDirectory:
     def mark_complete(self, step: int) -> None:
         """Marks the save of ``step``, every file of which is in place, complete; names it
         in ``latest`` if it is the newest."""
-        with atomic_path(os.path.join(self.path(step), MARKER)) as tmp:
-            with open(tmp, "w") as f:
-                f.write(f"{step}\n")
+        with atomic_path(os.path.join(self.path(step), MARKER)) as tmp, open(tmp, "w") as f:
+            f.write(f"{step}\n")
         if self.latest() == step:
-            with atomic_path(os.path.join(self.root, LATEST)) as tmp:
-                with open(tmp, "w") as f:
-                    f.write(step_name(step) + "\n")
+            with atomic_path(os.path.join(self.root, LATEST)) as tmp, open(tmp, "w") as f:
+                f.write(step_name(step) + "\n")
 
     def keep_last(self, count: int) -> List[int]:
         """Removes complete checkpoints older than the newest ``count``; returns their

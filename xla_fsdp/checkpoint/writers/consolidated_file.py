@@ -39,12 +39,7 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
                 writer.finish()
             if companion:
                 with staged[written[1]].writing() as tmp:
-                    writer = TorchFileWriter(tmp)
-                    kept: Dict[str, Any] = {}
-                    if state.optimizer is not None:
-                        kept[OPTIMIZER], kept[OPTIMIZER_NAMES] = \
-                            state.optimizer.as_indexed_state_dict(writer.add)
-                    writer.finish(dict(kept, **state.extra))
+                    _finish(TorchFileWriter(tmp), {}, state)
             else:  # an earlier save's optimizer file would be loaded with these weights
                 remove_if_there(optimizer_companion(path))
         return written
@@ -55,10 +50,13 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
             model[name] = writer.add(tensor)
             progress(tensor.numel())
         # one record under both names: stays tied on load
-        tree: Dict[str, Any] = {MODEL: state.with_aliases(model)}
-        if state.optimizer is not None:
-            tree[OPTIMIZER], tree[OPTIMIZER_NAMES] = state.optimizer.as_indexed_state_dict(
-                writer.add)
-        tree.update(state.extra)
-        writer.finish(tree)
+        _finish(writer, {MODEL: state.with_aliases(model)}, state)
     return [path]
+
+
+def _finish(writer: TorchFileWriter, tree: Dict[str, Any], state: UnwrappedState) -> None:
+    """Finishes ``writer`` with ``tree``, the optimizer's state when ``state`` has it (by
+    index, with its parameters' names) and ``state``'s extra."""
+    if state.optimizer is not None:
+        tree[OPTIMIZER], tree[OPTIMIZER_NAMES] = state.optimizer.as_indexed_state_dict(writer.add)
+    writer.finish(dict(tree, **state.extra))

@@ -149,9 +149,8 @@ def commit(directory: str, metadata: Metadata, results: List[List[Any]],
     data = pickle.dumps(metadata)
     staged = StagedFile(os.path.join(directory, METADATA_FILE), needed=len(data))
     try:
-        with staged.writing() as tmp:
-            with open(tmp, "wb") as f:
-                f.write(data)
+        with staged.writing() as tmp, open(tmp, "wb") as f:
+            f.write(data)
         staged.put_in_place()
     except BaseException:
         if not staged.placed:  # the previous .metadata stands: this save's files go

@@ -82,13 +82,11 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     sharding_group = sharding_group_index(model)
     rank = model.rank
     host = HostCopies(all_at_once=async_save)
-    copied, extra_digest = None, ""
     # a value one rank cannot copy or pickle fails every rank, before any file is touched
     with every_rank_agrees("xla_fsdp.dcp.save.extra_copy",
                            naming(f"{checkpoint_dir}: the save's extra")):
-        copied = copy_of_extra(extra)
-        extra_digest = digest(copied)
-    extra = copied
+        extra = copy_of_extra(extra)
+        extra_digest = digest(extra)
     # see [Note: each rank's extra] in staging
     per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", extra_digest))) > 1
     replicas = extras_of_replicas(model, extra)

@@ -57,7 +57,7 @@ def parse_size(size: Any) -> int:
 
 
 def _nbytes(spec: Spec) -> int:
-    return math.prod(spec[2]) * torch.empty((), dtype=spec[1]).element_size()
+    return math.prod(spec[2]) * spec[1].itemsize
 
 
 def split_into_files(specs: Sequence[Spec], max_bytes: int) -> List[Tuple[str, List[Spec]]]:
@@ -183,9 +183,9 @@ def stored_order(specs: Sequence[Spec], aliases: Sequence[Tuple[str, str]],
 
 def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
                        entries: Iterator[Tuple[str, torch.Tensor]], configs: Dict[str, bytes],
-                       max_shard_size: Any, progress: Callable[[int], None]) -> List[str]:
+                       max_shard_size: Any, progress: Callable[[int], None]) -> None:
     """Writes the directory from ``entries`` (name, tensor), each stored as ``order``
-    (``stored_order``) says. Returns the paths written, index last."""
+    (``stored_order``) says, the index last."""
     for (name, dtype, _), _source in order:
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name} has dtype {dtype}, which safetensors cannot hold")
@@ -196,33 +196,28 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
     for (name, _, _), source in order:
         stored_as.setdefault(source, []).append(name)
     names = [f for f, _ in files] + list(configs) + ([HF_INDEX] if len(files) > 1 else [])
-
-    def stored_tensors() -> Iterator[Tuple[str, torch.Tensor]]:
-        for source, tensor in entries:
-            progress(tensor.numel())
-            for name in stored_as.get(source, []):
-                yield name, tensor
     # a file is a run of the writing order, except one holding a tensor over the limit alone,
     # which comes before the file still filling (as huggingface_hub splits): so each file is
     # opened at its first tensor and finished at its last, at most two open at once. The
     # index goes in place last: a reader never sees it name a file not yet in place
-    paths = [os.path.join(directory, f) for f in names]
-    with atomic_paths(paths) as by_path, contextlib.ExitStack() as open_files:
-        staged = {f: by_path[p] for f, p in zip(names, paths)}
-        writers: Dict[str, SafetensorsWriter] = {}
-        closers: Dict[str, contextlib.ExitStack] = {}
+    with atomic_paths([os.path.join(directory, f) for f in names]) as by_path, \
+            contextlib.ExitStack() as open_files:
+        staged = {os.path.basename(p): file for p, file in by_path.items()}
+        writers: Dict[str, Tuple[SafetensorsWriter, contextlib.ExitStack]] = {}
         left = {f: len(file_entries) for f, file_entries in files}
-        for name, tensor in stored_tensors():
-            f = file_of[name]
-            if f not in writers:
-                closers[f] = open_files.enter_context(contextlib.ExitStack())
-                tmp = closers[f].enter_context(staged[f].writing())
-                writers[f] = SafetensorsWriter(tmp, entries_of[f], {"format": "pt"})
-            writers[f].add(name, tensor)
-            left[f] -= 1
-            if not left[f]:
-                writers[f].finish()
-                closers[f].close()
+        for source, tensor in entries:
+            progress(tensor.numel())
+            for name in stored_as.get(source, []):
+                f = file_of[name]
+                if f not in writers:
+                    closer = open_files.enter_context(contextlib.ExitStack())
+                    tmp = closer.enter_context(staged[f].writing())
+                    writers[f] = SafetensorsWriter(tmp, entries_of[f], {"format": "pt"}), closer
+                writers[f][0].add(name, tensor)
+                left[f] -= 1
+                if not left[f]:
+                    writers[f][0].finish()
+                    writers[f][1].close()
         unfinished = [f for f, n in left.items() if n]
         if unfinished:
             raise CheckpointError(f"{directory}: the weights ended before {unfinished[0]} "
@@ -240,7 +235,6 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
     for f in os.listdir(directory):
         if (_SHARD_FILE.fullmatch(f) or f in (HF_WEIGHTS, HF_INDEX)) and f not in staged:
             os.remove(os.path.join(directory, f))  # an earlier save's, not in the new index
-    return paths
 
 
 def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[str, torch.Tensor]],

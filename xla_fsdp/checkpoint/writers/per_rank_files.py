@@ -58,13 +58,6 @@ def continue_count(model: ShardedModel, save_index: int) -> None:
     _SAVE_COUNT[model] = save_index
 
 
-def _sharding_group_prefix(prefix: str, model: ShardedModel) -> Optional[str]:
-    """Where this rank's sharding group writes, or None for a replica that does not write."""
-    if not writes_sharding_group_copy(model):
-        return None
-    return sharding_group_path(prefix, model, is_prefix=True)[0]
-
-
 def save_sharded(path_prefix: str, model: ShardedModel,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  extra: Any = None, async_save: bool = False) -> Any:
@@ -84,17 +77,25 @@ def save_sharded(path_prefix: str, model: ShardedModel,
     metadata = model.get_shard_metadata()
     _SAVE_COUNT[model] = _SAVE_COUNT.get(model, 0) + 1
     save_id = exchange("xla_fsdp.save_sharded.id", secrets.token_hex(8))[0]  # rank 0's
-    copied = None
     # a value one rank cannot copy or pickle fails every rank, before any file is touched
     with every_rank_agrees("xla_fsdp.save_sharded.extra_copy",
                            naming(f"{path_prefix}: the save's extra")):
         copied = copy_of_extra(extra) if extra is not None else None
     replicas = extras_of_replicas(model, copied)
-    path_prefix = _sharding_group_prefix(path_prefix, model)
+    # None on a replica that does not write
+    path_prefix = (sharding_group_path(path_prefix, model, is_prefix=True)[0]
+                   if writes_sharding_group_copy(model) else None)
     job = _RankFileSave(path_prefix, model.rank, model.world_size)
     if path_prefix is not None:
         try:
-            job.checkpoint = _checkpoint(model, metadata, optimizer, copied, save_id, replicas)
+            record = RankRecord(FORMAT_VERSION, model.world_size, model.rank,
+                                wrapping_fingerprint(metadata), _SAVE_COUNT[model],
+                                optimizer_shard_keys(model, optimizer) if optimizer is not None
+                                else None, save_id)
+            job.checkpoint = rank_file_tree(
+                host_copy(model.state_dict()), metadata, record,
+                host_copy(optimizer.state_dict()) if optimizer is not None else None, copied,
+                replicas)
         except Exception as exc:  # every rank must reach the agreement in publish
             job.error = exc
     return run_save(model, job, async_save, f"save_sharded {path_prefix}")
@@ -122,9 +123,9 @@ class _RankFileSave:
             return
         checkpoint, self.checkpoint = self.checkpoint, None  # dropped once written
         self.staged = StagedFile(self.path, needed=_tensor_bytes(checkpoint))
-        with self.staged.writing() as tmp:
-            with open(tmp, "wb") as f:  # through Python, so a full disk says ENOSPC
-                torch.save(checkpoint, f)
+        # through Python's file, so that a full disk says ENOSPC
+        with self.staged.writing() as tmp, open(tmp, "wb") as f:
+            torch.save(checkpoint, f)
 
     def publish(self, error: Optional[BaseException]) -> Optional[str]:
         self.checkpoint = None
@@ -145,18 +146,6 @@ class _RankFileSave:
             # prefix is this save's now, and a load would not know which save it names
             remove_if_there(*other_world_files(self.prefix, self.world_size))
         return None if staged is None else self.path
-
-
-def _checkpoint(model: ShardedModel, metadata: Dict[str, Any],
-                optimizer: Optional[torch.optim.Optimizer], extra: Any, save_id: str,
-                replicas: Dict[int, Any]) -> Dict[str, Any]:
-    record = RankRecord(FORMAT_VERSION, model.world_size, model.rank,
-                        wrapping_fingerprint(metadata), _SAVE_COUNT[model],
-                        optimizer_shard_keys(model, optimizer) if optimizer is not None
-                        else None, save_id)
-    return rank_file_tree(host_copy(model.state_dict()), metadata, record,
-                          host_copy(optimizer.state_dict()) if optimizer is not None else None,
-                          extra, replicas)
 
 
 def _tensor_bytes(tree: Any) -> int:
