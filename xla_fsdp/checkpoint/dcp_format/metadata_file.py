@@ -62,11 +62,6 @@ _CLASSES: FrozenSet[Tuple[str, str]] = frozenset(
     + [("torch.distributed.checkpoint.filesystem", "_StorageInfo")]
     + [(_LEGACY_PROPERTIES, "TensorProperties"), (_LEGACY_PROPERTIES, "MEM_FORMAT_ENCODING")])
 
-_PATHS = {"PosixPath": pathlib.PurePosixPath, "PurePosixPath": pathlib.PurePosixPath,
-          "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
-# Python 3.13 defines the path classes in pathlib._local, and its pickles may say so.
-_PATH_MODULES = ("pathlib", "pathlib._local")
-
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
 
@@ -95,6 +90,17 @@ def _layout_named(name: Any) -> torch.layout:
     raise ValueError(f"no torch layout is named {name!r}")  # read_metadata_file names the file
 
 
+_PATHS = {"PosixPath": pathlib.PurePosixPath, "PurePosixPath": pathlib.PurePosixPath,
+          "WindowsPath": pathlib.PureWindowsPath, "PureWindowsPath": pathlib.PureWindowsPath}
+# the other names admitted, each answered by an object of ours or torch's (see the module's
+# docstring); Python 3.13 defines the path classes in pathlib._local, and its pickles may
+# say so
+_ANSWERED = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): _layout_named,
+             ("collections", "OrderedDict"): OrderedDict,
+             **{(module, name): path for module in ("pathlib", "pathlib._local")
+                for name, path in _PATHS.items()}}
+
+
 class _RestrictedUnpickler(pickle._Unpickler):
     """Pickle's Python unpickler, resolving only the admitted globals and building only
     instances of admitted classes (see [Note: building only instances])."""
@@ -112,18 +118,12 @@ class _RestrictedUnpickler(pickle._Unpickler):
             if isinstance(found, type) and not issubclass(found, enum.Enum):
                 self._buildable[found] = None  # an enum's members are shared: never built
             return found
-        if module == "torch":
-            if name == "Size":
-                return torch.Size
-            value = vars(torch).get(name)  # not getattr: torch's __getattr__ imports modules
-            if isinstance(value, _TORCH_VALUES):
-                return value
-        if (module, name) == ("torch.serialization", "_get_layout"):
-            return _layout_named
-        if (module, name) == ("collections", "OrderedDict"):
-            return OrderedDict
-        if module in _PATH_MODULES and name in _PATHS:
-            return _PATHS[name]
+        if (module, name) in _ANSWERED:
+            return _ANSWERED[module, name]
+        # not getattr: torch's __getattr__ imports modules
+        value = vars(torch).get(name) if module == "torch" else None
+        if isinstance(value, _TORCH_VALUES):
+            return value
         raise CheckpointError(f"{self._where}: refuses to load {module}.{name}: a DCP .metadata "
                               f"holds only DCP's metadata classes")
 

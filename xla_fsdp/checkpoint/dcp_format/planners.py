@@ -16,11 +16,12 @@ writer (a few milliseconds each), so what such cycles hold stays under that.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -49,18 +50,19 @@ class OnDemand:
 
 
 class ChunkSavePlanner(SavePlanner):
-    """Writes ``tensors`` (this rank's chunks), and on the first rank ``wholes`` (tensors
-    every rank has, or tensors read on demand) and ``objects`` (anything else, saved as DCP
+    """Writes ``tensors`` (this rank's chunks), and on the first rank ``wholes`` (whole
+    tensors, each read when written) and ``objects`` (anything else, saved as DCP
     saves objects), each key at its nest path (``paths``); given whole, or entry by entry
     (``add``)."""
 
     def __init__(self, tensors: Optional[Dict[str, TensorPieces]] = None,
-                 wholes: Optional[Dict[str, Union[torch.Tensor, OnDemand]]] = None,
+                 wholes: Optional[Dict[str, OnDemand]] = None,
                  objects: Optional[Dict[str, Any]] = None,
                  paths: Optional[Dict[str, Path]] = None) -> None:
         self.tensors, self.wholes = tensors or {}, wholes or {}
         self.objects, self.paths = objects or {}, paths or {}
         self.is_coordinator = False
+        # each tensor item's reader, each object item's value
         self._by_index: Dict[MetadataIndex, Any] = {}
         self._uncollected = 0
 
@@ -82,18 +84,18 @@ class ChunkSavePlanner(SavePlanner):
             props = TensorProperties(dtype=pieces.dtype)
             for i, (chunk, _) in enumerate(pieces.chunks):
                 index = MetadataIndex(key, torch.Size(chunk.offsets))
-                self._by_index[index] = (pieces, i)
+                self._by_index[index] = functools.partial(pieces.view, i)
                 items.append(WriteItem(index, WriteItemType.SHARD, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(torch.Size(chunk.offsets), torch.Size(chunk.sizes)),
                     props, pieces.size)))
         if self.is_coordinator:
-            for key, tensor in self.wholes.items():
-                size = torch.Size(tensor.size if isinstance(tensor, OnDemand) else tensor.size())
+            for key, whole in self.wholes.items():
+                size = torch.Size(whole.size)
                 index = MetadataIndex(key, torch.Size([0] * len(size)))
-                self._by_index[index] = tensor
+                self._by_index[index] = whole.read
                 items.append(WriteItem(index, WriteItemType.TENSOR, tensor_data=TensorWriteData(
                     ChunkStorageMetadata(index.offset, size),
-                    TensorProperties(dtype=tensor.dtype), size)))
+                    TensorProperties(dtype=whole.dtype), size)))
         # the coordinator's objects, and any other rank's own (its extra)
         for key, value in self.objects.items():
             index = MetadataIndex(key)
@@ -118,11 +120,7 @@ class ChunkSavePlanner(SavePlanner):
             buffer = io.BytesIO()
             torch.save(value, buffer)
             return buffer
-        if isinstance(value, OnDemand):
-            value = value.read()
-        elif isinstance(value, tuple):
-            pieces, i = value
-            value = pieces.view(i)
+        value = value()
         self._uncollected += value.numel() * value.element_size()
         if self._uncollected > COLLECT_BYTES:  # see [Note: torch.save's reference cycles]
             gc.collect(1)

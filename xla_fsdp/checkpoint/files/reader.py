@@ -58,8 +58,7 @@ class TensorRef:
         if start < 0 or start + out.numel() > self.numel:
             raise IndexError(f"{self.file.path}: elements {start}..{start + out.numel()} out of "
                              f"range for a tensor of {self.numel}")
-        size = out.element_size()
-        self.file.pread_into(self.key, (self.storage_offset + start) * size,
+        self.file.pread_into(self.key, (self.storage_offset + start) * out.element_size(),
                              out.view(torch.uint8).numpy())
 
     def read(self) -> torch.Tensor:
@@ -227,14 +226,10 @@ def _rebuild_tensor(storage: Tuple[str, torch.dtype, "CheckpointFile"], storage_
     return TensorRef(file, key, dtype, int(storage_offset), tuple(size), tuple(stride))
 
 
-def _rebuild_parameter(data: TensorRef, *unused: Any) -> TensorRef:
-    return data
-
-
 _SAFE_GLOBALS = {
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter"): lambda data, *unused: data,  # its TensorRef
     ("torch", "Size"): torch.Size,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,

@@ -98,10 +98,8 @@ class SafetensorsFile(PreadFile):
                                   f"CRC-32 for each of its {len(order)} tensors (the header "
                                   f"is corrupted, or a tool changed the tensors and kept the "
                                   f"metadata we wrote)")
-        for i in range(share[0], len(order), share[1]):
-            name = order[i]
-            at, size = self._ranges[name]
-            if self.crc32(at, size, f"tensor {name!r}") != crcs[i]:
+        for name, crc in list(zip(order, crcs, strict=True))[share[0]::share[1]]:
+            if self.crc32(*self._ranges[name], f"tensor {name!r}") != crc:
                 raise CheckpointError(f"{self.path}: tensor {name!r} fails its CRC-32 check "
                                       f"(the file is corrupted, or a tool changed the tensor "
                                       f"and kept the metadata we wrote)")

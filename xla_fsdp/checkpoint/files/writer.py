@@ -171,14 +171,13 @@ class SafetensorsWriter:
         placeholder = "0" * 8 * len(specs)
         header: Dict[str, Any] = {"__metadata__": dict(metadata, **{CRC_KEY: placeholder})}
         at = 0
-        self._order = []
-        for name, dtype, shape in specs:
+        self._order = [(name, dtype, tuple(shape)) for name, dtype, shape in specs]
+        for name, dtype, shape in self._order:
             if dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"safetensors cannot hold {name} of dtype {dtype}")
             size = math.prod(shape) * dtype.itemsize
             header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
                             "data_offsets": [at, at + size]}
-            self._order.append((name, dtype, tuple(shape)))
             at += size
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)

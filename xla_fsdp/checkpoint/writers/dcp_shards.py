@@ -154,23 +154,20 @@ class HostCopies:
 
     def __init__(self, all_at_once: bool = False) -> None:
         self._all_at_once = all_at_once
-        self._sources: List[torch.Tensor] = []
-        self._keys: Dict[int, int] = {}   # id(source) -> key: a source is copied once
-        self._copies: List[torch.Tensor] = []
+        self._sources: Dict[int, torch.Tensor] = {}   # by id: a source is copied once
+        self._copies: Dict[int, torch.Tensor] = {}
         self._held: Optional[Tuple[int, torch.Tensor]] = None
 
     def add(self, source: torch.Tensor) -> int:
         """A tensor the save will read; returns its key."""
-        if id(source) not in self._keys:
-            self._keys[id(source)] = len(self._sources)
-            self._sources.append(source)
-        return self._keys[id(source)]
+        self._sources[id(source)] = source
+        return id(source)
 
     def copy_all(self) -> None:
         """With ``all_at_once``: copies every source now and lets go of the sources."""
         if self._all_at_once:
-            self._copies = host_copy([s.detach() for s in self._sources])
-            self._sources, self._keys = [], {}
+            copies = host_copy([s.detach() for s in self._sources.values()])
+            self._copies, self._sources = dict(zip(self._sources, copies)), {}
 
     def whole(self, key: int) -> torch.Tensor:
         if self._all_at_once:

@@ -150,8 +150,5 @@ class _RankFileSave:
 
 def _tensor_bytes(tree: Any) -> int:
     """What the tensors in ``tree`` take in a ``torch.save`` file: each storage once."""
-    storages = {}
-    for tensor in collect_tensors(tree):
-        storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    storages = (tensor.untyped_storage() for tensor in collect_tensors(tree))
+    return sum({s.data_ptr(): s.nbytes() for s in storages}.values())
