@@ -20,7 +20,7 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
     the paths written."""
     if fmt == "safetensors":
         specs = state.specs()
-        sources = dict(state.aliases)
+        tied = {source for _, source in state.aliases}
         # the optimizer file holds ``extra`` too: written for either
         companion = state.optimizer is not None or bool(state.extra)
         written = [path] + ([optimizer_companion(path)] if companion else [])
@@ -32,7 +32,7 @@ def write_consolidated(state: UnwrappedState, path: str, fmt: str,
                 for name, tensor in state.entries():
                     writer.add(name, tensor)
                     progress(tensor.numel())
-                    if name in sources.values():
+                    if name in tied:
                         held[name] = tensor  # a tied weight is written again under its alias
                 for alias, source in state.aliases:
                     writer.add(alias, held[source])

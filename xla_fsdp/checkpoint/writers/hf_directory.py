@@ -186,10 +186,11 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
                        max_shard_size: Any, progress: Callable[[int], None]) -> None:
     """Writes the directory from ``entries`` (name, tensor), each stored as ``order``
     (``stored_order``) says, the index last."""
-    for (name, dtype, _), _source in order:
+    stored = [spec for spec, _ in order]
+    for name, dtype, _ in stored:
         if dtype not in SAFETENSORS_DTYPES:
             raise CheckpointError(f"{name} has dtype {dtype}, which safetensors cannot hold")
-    files = split_into_files([spec for spec, _ in order], parse_size(max_shard_size))
+    files = split_into_files(stored, parse_size(max_shard_size))
     file_of = {spec[0]: f for f, file_entries in files for spec in file_entries}
     entries_of = dict(files)
     stored_as: Dict[str, List[str]] = {}
@@ -224,10 +225,9 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
                                   f"was complete")
         contents = dict(configs)
         if len(files) > 1:
-            stored = [spec for spec, _ in order]
             index = {"metadata": {"total_parameters": sum(math.prod(s) for _, _, s in stored),
                                   "total_size": sum(_nbytes(s) for s in stored)},
-                     "weight_map": {n: file_of[n] for n, _, _ in stored}}
+                     "weight_map": file_of}
             contents[HF_INDEX] = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         for name, data in contents.items():
             with staged[name].writing() as tmp, open(tmp, "wb") as out:
@@ -253,7 +253,7 @@ def hf_directory(directory: str, specs: Sequence[Spec], entries: Iterator[Tuple[
     where = hf_config
     if hf_config:
         configs = read_config_files(hf_config)
-    elif model is not None and hasattr(getattr(model, "config", None), "to_json_string"):
+    elif hasattr(getattr(model, "config", None), "to_json_string"):
         config = json.loads(model.config.to_json_string())
         if not config.get("architectures"):   # save_pretrained names the model's class too
             config["architectures"] = [type(model).__name__]
