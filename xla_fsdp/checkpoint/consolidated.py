@@ -45,12 +45,12 @@ def save_consolidated(path: str, model: ShardedModel,
         raise ValueError(f"save_consolidated: format {format!r} is not one of {FORMATS}")
     path, _ = sharding_group_path(path, model)
     writes = model.rank == 0 and writes_sharding_group_copy(model)
-    with_optimizer = optimizer is not None and format != "hf"
     written: Optional[List[str]] = None
     # on every rank: the states are alike, so all refuse together or none does
     with every_rank_agrees("xla_fsdp.save_consolidated.plan"):
         refuse_lost_writes(model)
-        state, gathers = gathered_state(model, optimizer if with_optimizer else None, extra)
+        # hf writes the model only
+        state, gathers = gathered_state(model, optimizer if format != "hf" else None, extra)
         reads = state.read_order(aliases_again=format == "dcp")
     gathers.follow(reads, keep=writes)   # raises on every rank alike
     error: Optional[BaseException] = None

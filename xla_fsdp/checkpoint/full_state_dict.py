@@ -31,9 +31,8 @@ def load_full_state_dict(root: ShardedModel, state_dict: Mapping[str, torch.Tens
     its shards' runs, and every rank loads or none does. Returns (missing, unexpected) keys;
     with ``strict`` either is a ``CheckpointError`` naming them. A tied parameter loads from
     any one of its names."""
-    where = "the state dict"
-    staged = load_staged(lambda: EntrySource(where, *model_entries(state_dict)), root, None,
-                         "xla_fsdp.load_full_state_dict", strict=strict)
+    staged = load_staged(lambda: EntrySource("the state dict", *model_entries(state_dict)),
+                         root, None, "xla_fsdp.load_full_state_dict", strict=strict)
     return staged.missing, staged.unexpected
 
 

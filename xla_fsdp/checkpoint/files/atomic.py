@@ -167,15 +167,13 @@ class StagedFile:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str, needed: Optional[int] = None) -> Iterator[str]:
+def atomic_path(path: str) -> Iterator[str]:
     """Yields a temporary path next to ``path``; once the body has written it, the file is
-    flushed to disk and renamed over ``path``. On error the temporary file is removed; a
-    lack of space raises a ``CheckpointError`` naming ``path``, what it needed (``needed``
-    bytes, if the caller knows) and what was free."""
-    staged = StagedFile(path, needed)
-    with staged.writing() as tmp:
+    flushed to disk and renamed over ``path`` (``atomic_paths`` of one path). On error the
+    temporary file is removed; a lack of space raises a ``CheckpointError`` naming ``path``
+    and what was free."""
+    with atomic_paths([path]) as staged, staged[path].writing() as tmp:
         yield tmp
-    staged.put_in_place()
 
 
 @contextlib.contextmanager

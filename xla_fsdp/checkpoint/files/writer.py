@@ -94,10 +94,8 @@ class _Sink:
 
     def cut_off(self) -> None:
         """Drops every later write, and the file's unwritten buffer with it."""
-        file, self._file = self._file, None
-        if file is not None:
-            with contextlib.suppress(OSError):  # the flush fails again on a full disk
-                file.close()
+        with contextlib.suppress(OSError):  # the flush fails again on a full disk
+            self.close()
 
 
 class TorchFileWriter:

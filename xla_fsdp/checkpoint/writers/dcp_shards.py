@@ -90,8 +90,8 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
     # see [Note: each rank's extra] in staging
     per_rank = len(set(exchange("xla_fsdp.dcp.save.extra", extra_digest))) > 1
     replicas = extras_of_replicas(model, extra)
-    planner = (_planner(model, optimizer, extra, extra_states, scheme, rank, host, per_rank,
-                        replicas) if writes else None)
+    planner = (_planner(model, optimizer, extra, extra_states, scheme, host, per_rank, replicas)
+               if writes else None)
     writer, local = local_plan(directory, planner, rank) if writes else (None, None)
     plans = exchange("xla_fsdp.dcp.save.plans", (sharding_group, rank, local))
     central = None
@@ -179,13 +179,13 @@ class HostCopies:
 
 
 def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], extra: Any,
-             extra_states: List[Tuple[str, torch.Tensor]], scheme: KeyScheme, rank: int,
-             host: HostCopies, per_rank_extra: bool, replicas: Dict[int, Any]
-             ) -> ChunkSavePlanner:
+             extra_states: List[Tuple[str, torch.Tensor]], scheme: KeyScheme, host: HostCopies,
+             per_rank_extra: bool, replicas: Dict[int, Any]) -> ChunkSavePlanner:
     """This rank's chunks of the model and the optimizer state sharded like it, and (on the
     first rank) the buffers, the modules' ``extra_states``, the replicated optimizer state and
     every other value, read through ``host``; with ``per_rank_extra`` also this rank's
     ``extra``."""
+    rank = model.rank
     first = rank == 0
     slots = param_slots(model)
     by_shard = slots_by_shard(slots)
