@@ -69,7 +69,7 @@ def full_values(shard_groups: Sequence[ShardGroup], world: int, options: FsdpOpt
     if not any(s.requires_grad for s in shards):
         return gather(x, *shards)
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-    policy = functools.partial(_save_all, keep_for_backward)
+    policy = functools.partial(_save_or_recompute, keep_for_backward)
     return checkpoint(gather, x, *shards, use_reentrant=False, context_fn=functools.partial(
         create_selective_checkpoint_contexts, policy))
 
@@ -84,8 +84,8 @@ def _gather_all(specs: list, world: int, fp32_reduce: bool, divide: tuple,
     return x, unshard_all([layout for layout, _ in specs], gathered)
 
 
-def _save_all(save: bool, _ctx: object, _op: object, *_args: object, **_kwargs: object
-              ) -> object:
+def _save_or_recompute(save: bool, _ctx: object, _op: object, *_args: object,
+                       **_kwargs: object) -> object:
     """Every op of the gather saved for backward, or (not ``save``) every one recomputed."""
     from torch.utils.checkpoint import CheckpointPolicy
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.MUST_RECOMPUTE

@@ -30,8 +30,13 @@ def _owner_kind(module: nn.Module, attr: str) -> str:
     """A table's module computes as torch's own class does: the vocabulary-parallel forward
     replaces its ``forward``, so a subclass's own (a scaled or offset lookup, extra
     arguments) would be lost. Such a module's weight stays an ordinary parameter."""
-    kinds = {"embedding": nn.Embedding, "projection": nn.Linear} if attr == "weight" else {}
-    return next((kind for kind, cls in kinds.items() if computes_as_torch(module, cls)), "")
+    if attr != "weight":
+        return ""
+    if computes_as_torch(module, nn.Embedding):
+        return "embedding"
+    if computes_as_torch(module, nn.Linear):
+        return "projection"
+    return ""
 
 
 def table_ids(found: List[Member]) -> Set[int]:

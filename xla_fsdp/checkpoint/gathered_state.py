@@ -70,8 +70,11 @@ class Gathers:
         # names and sizes: the sizes cut the runs, so every rank must see the same ones
         digest = hashlib.sha256(repr([(t, self._full_bytes(t)) for t in order]).encode()
                                 ).hexdigest()
-        listed = set(exchange("xla_fsdp.gathered.order", (self._sharding_group, digest)))
-        if len(listed) > len({sharding_group for sharding_group, _ in listed}):  # a group's two
+        listed: Dict[Optional[int], set] = {}
+        for sharding_group, listing in exchange("xla_fsdp.gathered.order",
+                                                (self._sharding_group, digest)):
+            listed.setdefault(sharding_group, set()).add(listing)
+        if any(len(listings) > 1 for listings in listed.values()):
             raise CheckpointError("the ranks of a sharding group would gather different tensors "
                                   "for the consolidated save; they must wrap the same model")
         self._runs = [list(dict.fromkeys(run)) for run in runs_by_size(order, self._full_bytes)]

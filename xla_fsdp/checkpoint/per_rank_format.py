@@ -209,11 +209,25 @@ class ShardMetadata:
 
     def __init__(self, raw: Dict[str, Any]) -> None:
         self.raw = raw
-        self.world_size: int = raw["world_size"]
-        self.rank: int = raw["rank"]
-        self.update_count: Optional[int] = raw.get("update_count")
-        # whether the writer recorded how each shard is laid out (xla_fsdp did)
-        self.has_layouts = bool(raw.get("layout_info"))
+
+    # read when asked, not at construction: ``consolidate_state_dicts`` takes metadata
+    # without a rank (it stamps each file's own)
+    @property
+    def world_size(self) -> int:
+        return self.raw["world_size"]
+
+    @property
+    def rank(self) -> int:
+        return self.raw["rank"]
+
+    @property
+    def update_count(self) -> Optional[int]:
+        return self.raw.get("update_count")
+
+    @property
+    def has_layouts(self) -> bool:
+        """Whether the writer recorded how each shard is laid out (xla_fsdp did)."""
+        return bool(self.raw.get("layout_info"))
 
     @property
     def sharding_group(self) -> Optional[Tuple[int, bool]]:

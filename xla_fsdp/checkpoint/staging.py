@@ -379,13 +379,17 @@ def commit_on_every_rank(tag: str, where: str,
         for each in reversed(undos):
             each()
     try:
-        for refusable in refusables:
-            undos.append(refusable())
+        try:
+            for refusable in refusables:
+                undos.append(refusable())
+        except BaseException:  # this rank's refusal is undone here, before the agreement
+            try:
+                undo()
+            finally:
+                undos.clear()
+            raise
     except Exception as exc:  # every rank must reach the agreement
         error = CheckpointError(f"{where}: {type(exc).__name__}: {exc}")
-    except BaseException:
-        undo()
-        raise
     try:
         agree_or_undo(f"{tag}.commit", error, undo)
     finally:

@@ -1,5 +1,8 @@
 """A consolidated ``torch.save`` file is read only after its records' CRC-32s are checked, as
 per-rank files are: the ranks that open it together check each record once. No XLA."""
+import gc
+import os
+
 import pytest
 import torch
 
@@ -34,3 +37,18 @@ def test_ranks_sharing_the_check_find_it_once(tmp_path):
             refused.append(True)
     assert sorted(refused) == [False, True]
     open_consolidated(path, crc_share=None).close()   # a caller that checked them itself
+
+
+def test_a_refused_optimizer_state_leaves_no_file_open(tmp_path):
+    # a refusal after the file was opened (here: an optimizer state without param_groups)
+    # closes it; it was left open before the sources closed what they open in one stack
+    path = str(tmp_path / "full.pth")
+    torch.save({"model": {"w": torch.ones(3)}, "optimizer": {"state": {}}}, path)
+    open_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(CheckpointError, match=r"full\.pth: the optimizer state is not an"):
+        open_consolidated(path)
+    gc.collect()
+    still_open = [os.readlink(f"/proc/self/fd/{fd}") for fd in
+                  set(os.listdir("/proc/self/fd")) - open_before
+                  if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert path not in still_open
