@@ -89,7 +89,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import (AbstractSet, ContextManager, List, Optional, Protocol,
+from typing import (AbstractSet, ContextManager, Dict, List, Optional, Protocol,
                     Sequence, Tuple)
 
 import torch
