@@ -1,6 +1,6 @@
 """What every rank of a consolidated save gathers (``gathered_state.Gathers``), decided
-before the first gather, and how often (no XLA: the ranks' listings and the gathered tensors
-are given)."""
+before the first gather, and how often, and the optimizer param groups it saves (no XLA: the
+ranks' listings and the gathered tensors are given)."""
 from types import SimpleNamespace
 
 import pytest
@@ -68,3 +68,19 @@ def test_entries_cut_from_one_tensor_are_read_from_one_gather(monkeypatch):
     assert gathered == [1, 1]   # one gather of a, one of b: not one per entry
     assert list(got) == list(cuts)   # in the model's order
     assert [v.tolist() for v in got.values()] == [[10, 11], [20, 21], [12, 13], [22, 23]]
+
+
+def test_the_optimizer_param_groups_are_saved_as_its_state_dict_gives_them(monkeypatch):
+    # as the per-rank files hold them (``optimizer.state_dict()``), so that a live save equals
+    # the files' consolidation: a state dict hook's change included, which the live
+    # ``param_groups`` lack
+    shard = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([shard], lr=0.1)
+    optimizer.register_state_dict_post_hook(
+        lambda opt, saved: saved["param_groups"][0].update(lr=0.5))
+    monkeypatch.setattr(gathered_state, "optimizer_shard_keys", lambda model, opt: ["w"])
+    slots = {"w": (FlatLayout([torch.Size([4])], 2, 1), ["w"], TWO)}
+    named = gathered_state._named_optimizer_state(None, optimizer, Gathers({}, None), {}, slots,
+                                                  ["w"])
+    assert [(group["lr"], names) for group, names in named.param_groups] == [(0.5, ["w"])]
+    assert optimizer.param_groups[0]["lr"] == 0.1

@@ -214,7 +214,9 @@ def _named_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer
                            gathers: Gathers, tensors: Dict[str, Tuple[torch.Tensor, Any]],
                            slots: Dict[str, _Slot], order: List[str]) -> Any:
     """The live optimizer's state by parameter name (``unwrapped_state.named_state``): each
-    value sharded like its shard a cut gathered as ``"<shard key>#<state name>"``."""
+    value sharded like its shard a cut gathered as ``"<shard key>#<state name>"``. Its param
+    groups are ``optimizer.state_dict()``'s, as the per-rank files hold them (a state dict
+    hook's or an override's changes included), not the live ``param_groups``."""
     keys = optimizer_shard_keys(model, optimizer)
     params, by_index = live_state(optimizer)
     values: Dict[int, Dict[str, Any]] = {i: {} for i in by_index}
