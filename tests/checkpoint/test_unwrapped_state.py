@@ -2,6 +2,7 @@
 optimizer's state (``named_state``), both producers' (per-rank files, a live model). No XLA."""
 import torch
 
+from xla_fsdp.checkpoint.dcp_format.layout import GET_STATE_DICT
 from xla_fsdp.checkpoint.unwrapped_state import UnwrappedState, holding, named_state
 
 
@@ -42,7 +43,10 @@ def test_state_is_named_in_the_unwrapped_order_and_read_a_shard_at_a_time():
     assert indexed["state"] == {0: {"exp_avg": 1, "exp_avg_sq": 3, "step": 3},
                                 1: {"exp_avg": 2, "exp_avg_sq": 4, "step": 3}}
     assert reads == ["a.exp_avg", "b.exp_avg", "a.exp_avg_sq", "b.exp_avg_sq"]
-    assert named.as_state_dict()["param_groups"] == [{"lr": 0.1, "params": ["a", "b", "c"]}]
+    assert list(named.param_group_entries(GET_STATE_DICT)) == [
+        ("optimizer.param_groups.0.lr", ("optimizer", "param_groups", 0, "lr"), 0.1),
+        ("optimizer.param_groups.0.params", ("optimizer", "param_groups", 0, "params"),
+         ["a", "b", "c"])]
 
 
 def test_the_read_order_is_what_the_writers_read():

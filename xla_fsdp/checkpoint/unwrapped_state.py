@@ -18,6 +18,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Seq
 
 import torch
 
+from .dcp_format.layout import KeyScheme, Path
 from .optimizer_state import param_group_settings
 
 
@@ -55,11 +56,12 @@ class NamedState:
                 for param, state in run:
                     yield param, name, state[name]
 
-    def as_state_dict(self) -> Dict[str, Any]:
-        """In ``get_state_dict``'s form: state and each param group's ``params`` by name."""
-        return {"state": self.state, "param_groups": [
-            dict(param_group_settings(g), params=names)
-            for g, names in self.param_groups]}
+    def param_group_entries(self, scheme: KeyScheme) -> Iterator[Tuple[str, Path, Any]]:
+        """(key, nest path, value) of each param group's settings and parameter names under
+        ``scheme``'s keys: how every DCP-layout output (a DCP directory, the loader's
+        entries) holds them."""
+        for i, (param_group, params) in enumerate(self.param_groups):
+            yield from scheme.param_group(i, params, param_group_settings(param_group))
 
     def as_indexed_state_dict(self, add: Callable[[torch.Tensor], Any]
                               ) -> Tuple[Dict[str, Any], List[str]]:

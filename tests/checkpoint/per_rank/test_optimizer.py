@@ -5,6 +5,7 @@ files' state by parameter name that every output of them takes (``named_state``)
 import pytest
 import torch
 
+from xla_fsdp.checkpoint.dcp_format.layout import GET_STATE_DICT
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.per_rank_format import MODEL, OPTIMIZER
 from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, walk_state
@@ -104,7 +105,8 @@ def test_the_named_walk_reads_a_shared_shard_state_by_state_and_both_forms_agree
         want = full[p] * 0.5 if n == "momentum_buffer" else torch.tensor(7.0)
         assert torch.equal(value, want), (p, n)
     assert named.shard == {n: shard_key("flat_param_0") for n in names}
-    assert named.as_state_dict()["param_groups"] == [{"lr": 0.1, "params": names}]
+    assert [(k, v) for k, _, v in named.param_group_entries(GET_STATE_DICT)] == [
+        ("optimizer.param_groups.0.lr", 0.1), ("optimizer.param_groups.0.params", names)]
     # the consolidated form: the same state by index, tensors added in the walk's order
     assert index_names == names and optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}]
     assert [t.shape for t in added] == [torch.Size(SHAPES[p]) if n == "momentum_buffer"

@@ -20,10 +20,10 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence, Tuple
 
-from ..dcp_format.layout import rank_extra_key, replica_extra_key
+from ..dcp_format.layout import GET_STATE_DICT, rank_extra_key, replica_extra_key
 from ..files import CheckpointError
 from ..per_rank_format import EXTRA, MODEL, REPLICA_EXTRAS
-from .entries import EntrySource, model_entries, optimizer_entries
+from .entries import EntrySource, is_tensor, model_entries
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
@@ -68,10 +68,13 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
     state = unwrapped_state(shards, plan, with_optimizer)
     tensors, objects = model_entries(state.with_aliases(dict(state.tensors)))
     if state.optimizer is not None:
-        more_tensors, more_objects = optimizer_entries(state.optimizer.as_state_dict(),
-                                                       shards.pattern)
-        tensors.update(more_tensors)
-        objects.update(more_objects)
+        # the optimizer state by parameter name, and param groups listing names
+        for key, _, value in state.optimizer.param_group_entries(GET_STATE_DICT):
+            objects[key] = value
+        for param_name, param_state in state.optimizer.state.items():
+            for name, value in param_state.items():
+                key = GET_STATE_DICT.state(param_name, name)[0]
+                (tensors if is_tensor(value) else objects)[key] = value
     if EXTRA in head:
         objects[EXTRA] = head[EXTRA]
     for rank, f in enumerate(shards.files):

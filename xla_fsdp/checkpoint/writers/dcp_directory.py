@@ -16,7 +16,6 @@ from ..dcp_format.layout import KeyScheme, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from .dcp_files import write_alone
 from ..per_rank_format import EXTRA
-from ..optimizer_state import param_group_settings
 from ..unwrapped_state import Readable, UnwrappedState
 
 
@@ -43,10 +42,8 @@ def write_dcp(state: UnwrappedState, directory: str, scheme: KeyScheme,
             if isinstance(value, Readable):
                 value = OnDemand(torch.Size(value.shape), value.dtype, value.read)
             planner.add(scheme.state(param_name, name), value)
-        for i, (param_group, params) in enumerate(named.param_groups):
-            settings = param_group_settings(param_group)
-            for key, path, value in scheme.param_group(i, params, settings):
-                planner.add((key, path), value)
+        for key, path, value in named.param_group_entries(scheme):
+            planner.add((key, path), value)
     if EXTRA in state.extra:
         planner.add(extra_key(), state.extra[EXTRA])
     write_alone(directory, planner)
