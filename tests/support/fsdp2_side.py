@@ -22,7 +22,6 @@ settings build it).
 """
 import json
 import os
-import socket
 import sys
 
 import torch
@@ -100,9 +99,8 @@ def _load(recipe, model, opt, directory):
     set_optimizer_state_dict(model, opt, state["optimizer"], options=flat)
 
 
-def _worker(rank, world, port, mode, a, b, targets, out):
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            init_method=f"tcp://127.0.0.1:{port}")
+def _worker(rank, world, store, mode, a, b, targets, out):
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"file://{store}")
     if mode == "continue":
         losses = {}
         for recipe, directory in targets:
@@ -127,10 +125,12 @@ def main(argv):
     mode, a, b, out, world = argv[0], int(argv[1]), int(argv[2]), argv[3], int(argv[4])
     targets = [tuple(t.split("=", 1)) for t in argv[5:]]
     assert every(r in ("get_state_dict", "torchtitan") for r, _ in targets), targets
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, mode, a, b, targets, out), nprocs=world, join=True)
+    # the ranks meet through a file beside the output, not a free port picked here and
+    # released: a test running beside this one could take that port before rank 0 binds it
+    store = out + ".rendezvous"
+    if os.path.exists(store):
+        os.remove(store)
+    mp.spawn(_worker, args=(world, store, mode, a, b, targets, out), nprocs=world, join=True)
 
 
 if __name__ == "__main__":
