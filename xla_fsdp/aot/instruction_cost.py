@@ -159,7 +159,9 @@ class Costs:
 
 
 def _summed(triples: Iterable[Tuple[float, float, float]]) -> Tuple[float, float, float]:
-    dot, mxu, multipass = map(sum, zip(*triples, (0.0, 0.0, 0.0)))
+    dot = mxu = multipass = 0.0
+    for d, m, p in triples:
+        dot, mxu, multipass = dot + d, mxu + m, multipass + p
     return dot, mxu, multipass
 
 

@@ -147,8 +147,11 @@ class Topology:
         """The grid position of chip ``index`` when chips are numbered with the first
         axis fastest (what libtpu reports for a slice of one host; the estimate uses the
         compiler's own positions when it has them)."""
-        return tuple(index // math.prod(self.grid[:axis]) % size
-                     for axis, size in enumerate(self.grid))
+        out = []
+        for size in self.grid:
+            out.append(index % size)
+            index //= size
+        return tuple(out)
 
     def larger(self) -> Optional["Topology"]:
         """The next slice of this generation with more chips (None after the largest)."""

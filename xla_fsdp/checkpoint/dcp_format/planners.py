@@ -70,9 +70,12 @@ class ChunkSavePlanner(SavePlanner):
         """``value`` under the key and nest path ``key_path``: a ``TensorPieces`` as this
         rank's chunks, an ``OnDemand`` whole, anything else as an object."""
         key, self.paths[key] = key_path
-        entries = self.tensors if isinstance(value, TensorPieces) else \
-            self.wholes if isinstance(value, OnDemand) else self.objects
-        entries[key] = value
+        if isinstance(value, TensorPieces):
+            self.tensors[key] = value
+        elif isinstance(value, OnDemand):
+            self.wholes[key] = value
+        else:
+            self.objects[key] = value
 
     def set_up_planner(self, state_dict: Dict[str, Any], storage_meta: Any = None,
                        is_coordinator: bool = False) -> None:

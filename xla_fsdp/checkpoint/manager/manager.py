@@ -308,8 +308,12 @@ class CheckpointManager:
         return not all(mine for mine, _ in views)
 
     def _preempted(self, step: int) -> bool:
-        return bool(self.on_preemption) and (preemption.requested() or (
-            self.sync_point_unavailable is None and preemption.preemption_sync_point_reached(step)))
+        if not self.on_preemption:
+            return False
+        if preemption.requested():
+            return True
+        return (self.sync_point_unavailable is None
+                and preemption.preemption_sync_point_reached(step))
 
     def _finish_pending(self) -> None:
         pending, step = self._pending, self._pending_step

@@ -214,11 +214,12 @@ def write_hf_directory(directory: str, order: Sequence[Tuple[Spec, str]],
                     closer = open_files.enter_context(contextlib.ExitStack())
                     tmp = closer.enter_context(staged[f].writing())
                     writers[f] = SafetensorsWriter(tmp, entries_of[f], {"format": "pt"}), closer
-                writers[f][0].add(name, tensor)
+                writer, closer = writers[f]
+                writer.add(name, tensor)
                 left[f] -= 1
                 if not left[f]:
-                    writers[f][0].finish()
-                    writers[f][1].close()
+                    writer.finish()
+                    closer.close()
         unfinished = [f for f, n in left.items() if n]
         if unfinished:
             raise CheckpointError(f"{directory}: the weights ended before {unfinished[0]} "
