@@ -118,6 +118,7 @@ def _worker(rank, world, store, mode, a, b, targets, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "imported": sorted(set(sum(imported, [])))}, f)
+    dist.barrier()   # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
 
