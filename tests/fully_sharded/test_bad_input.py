@@ -4,15 +4,7 @@ import torch.nn as nn
 
 from xla_fsdp import launch
 from ..support.checks import every, nonempty, pairs
-
-
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.lin(x)
+from ..support.optimizer_misuses import Tiny, error_of, full_optimizer_state
 
 
 class ReadsInnerGain(nn.Module):
@@ -61,36 +53,28 @@ class ClampsItsWeight(Tiny):
         return super().forward(x)
 
 
-def _error(fn):
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is tested
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
-
-
 def misuses(rank):
     import torch_xla
     import torch_xla.core.xla_model as xm
     from xla_fsdp import FSDP
     out = {}
-    out["double_wrap"] = _error(lambda: FSDP(FSDP(Tiny())))
-    out["module_list"] = _error(lambda: FSDP(nn.ModuleList([Tiny()])))
+    out["double_wrap"] = error_of(lambda: FSDP(FSDP(Tiny())))
+    out["module_list"] = error_of(lambda: FSDP(nn.ModuleList([Tiny()])))
     from xla_fsdp import ScannedLayers
-    out["scan_unknown_option"] = _error(
+    out["scan_unknown_option"] = error_of(
         lambda: ScannedLayers(nn.ModuleList([Tiny(), Tiny()]), reshard_after_fwd=False))
-    out["scan_twice"] = _error(lambda: ScannedLayers(ScannedLayers([Tiny(), Tiny()])))
+    out["scan_twice"] = error_of(lambda: ScannedLayers(ScannedLayers([Tiny(), Tiny()])))
     int_param = Tiny()
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
-    out["int_param"] = _error(lambda: FSDP(int_param))
-    out["dtype"] = _error(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
+    out["int_param"] = error_of(lambda: FSDP(int_param))
+    out["dtype"] = error_of(lambda: FSDP(Tiny(), compute_dtype=torch.int8))
     retried = Tiny().to(torch.bfloat16)   # refused, then wrapped once fixed
-    out["retried"] = [_error(lambda: FSDP(retried)), _error(lambda: FSDP(retried.float()))]
+    out["retried"] = [error_of(lambda: FSDP(retried)), error_of(lambda: FSDP(retried.float()))]
     # a parameter assigned to a wrapped module after the first forward: never sharded
     grown = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
     grown(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
     grown.module[1].lin.bias = nn.Parameter(torch.zeros(4, device=torch_xla.device()))
-    out["added_after_first_forward"] = _error(
+    out["added_after_first_forward"] = error_of(
         lambda: grown(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
     # unwrapped weights loaded below the root: torch's loader would skip the placeholders
@@ -98,55 +82,55 @@ def misuses(rank):
     weights = Tiny().state_dict()
     before = [t.clone() for t in nested.parameters()]
     out["load_below_root"] = [
-        _error(lambda: nested.module[0].load_state_dict(weights, strict=False)),
-        _error(lambda: nested.module[1].load_state_dict(weights, strict=False)),
-        _error(lambda: nested.module[1].lin.load_state_dict(Tiny().lin.state_dict())),
+        error_of(lambda: nested.module[0].load_state_dict(weights, strict=False)),
+        error_of(lambda: nested.module[1].load_state_dict(weights, strict=False)),
+        error_of(lambda: nested.module[1].lin.load_state_dict(Tiny().lin.state_dict())),
         every(torch.equal(a, b) for a, b in zip(before, nested.parameters(), strict=True))]
     # left out, the rank's place and the group size follow from the groups
     derived = FSDP(Tiny(), sharding_groups=[[1, 0]])
     out["groups_no_rank"] = [derived.rank, derived.world_size]
-    out["groups_cover"] = _error(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
+    out["groups_cover"] = error_of(lambda: FSDP(Tiny(), sharding_groups=[[0]], sharding_rank=0,
                                               sharding_world_size=1))
     # a unit sharded over other ranks than its root: the norm, loss scaling and checkpoints
     # reduce over the root's ranks
     hybrid = dict(sharding_groups=[[0], [1]], sharding_rank=0, sharding_world_size=1,
                   replicate_across_groups=True)
     # the same sharding written two ways (the default, and every rank named) is no mix
-    out["groups_same"] = _error(lambda: FSDP(nn.Sequential(
+    out["groups_same"] = error_of(lambda: FSDP(nn.Sequential(
         FSDP(Tiny(), sharding_groups=[[0, 1]], sharding_rank=rank, sharding_world_size=2),
         Tiny())))
-    out["groups_mixed"] = [_error(lambda: FSDP(nn.Sequential(FSDP(Tiny(), **hybrid), Tiny()))),
-                           _error(lambda: FSDP(nn.Sequential(FSDP(Tiny()), Tiny()), **hybrid))]
+    out["groups_mixed"] = [error_of(lambda: FSDP(nn.Sequential(FSDP(Tiny(), **hybrid), Tiny()))),
+                           error_of(lambda: FSDP(nn.Sequential(FSDP(Tiny()), Tiny()), **hybrid))]
     shared = nn.Sequential(Tiny(), Tiny())
     shared[1].lin.weight = shared[0].lin.weight
     shared[0] = FSDP(shared[0])
-    out["tied_across_units"] = _error(lambda: FSDP(shared))
+    out["tied_across_units"] = error_of(lambda: FSDP(shared))
     with torch.device("meta"):
         on_meta = Tiny()
-    out["init_fn_leaves_meta"] = _error(lambda: FSDP(on_meta, param_init_fn=lambda m: None))
+    out["init_fn_leaves_meta"] = error_of(lambda: FSDP(on_meta, param_init_fn=lambda m: None))
     # optimizer created before wrapping
     early = Tiny()
     stale_opt = torch.optim.SGD(early.parameters(), lr=0.1)
     FSDP(early)
-    out["optimizer_before_wrap"] = _error(stale_opt.step)
+    out["optimizer_before_wrap"] = error_of(stale_opt.step)
     group = FSDP(Tiny()).module.lin.parameters()   # a group of an inner module's: placeholders
-    out["inner_module_group"] = _error(torch.optim.SGD([{"params": group}], lr=0.1).step)
+    out["inner_module_group"] = error_of(torch.optim.SGD([{"params": group}], lr=0.1).step)
     # xm.optimizer_step on sharded gradients, and clip_grad_norm_ on a nested unit
     inner = FSDP(Tiny())
     model = FSDP(nn.Sequential(inner, Tiny()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    out["xm_optimizer_step"] = _error(lambda: xm.optimizer_step(opt))
-    out["clip_nested"] = _error(lambda: inner.clip_grad_norm_(1.0))
+    out["xm_optimizer_step"] = error_of(lambda: xm.optimizer_step(opt))
+    out["clip_nested"] = error_of(lambda: inner.clip_grad_norm_(1.0))
     torch_xla.sync()
     # after a sync the step's audit sees nothing pending: refused where they are called
     # ([Note: clipping and averaging refused where they are called]); other tensors pass
-    out["torch_clip_after_sync"] = _error(
+    out["torch_clip_after_sync"] = error_of(
         lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
-    out["reduce_gradients"] = _error(lambda: xm.reduce_gradients(opt))
+    out["reduce_gradients"] = error_of(lambda: xm.reduce_gradients(opt))
     # torch's two-call clipping: the norm of this rank's slices, then the clip
     local_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-    out["torch_clip_two_calls"] = _error(
+    out["torch_clip_two_calls"] = error_of(
         lambda: torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, local_norm))
     plain = torch.ones(3, requires_grad=True)
     plain.grad = torch.full((3,), 4.0)
@@ -154,12 +138,12 @@ def misuses(rank):
     # a weight clamped through its module's attribute between steps: a placeholder there,
     # which refuses it; a write no check saw (here, with the check off) is refused later
     with torch.no_grad():
-        out["placeholder_clamp"] = _error(lambda: inner.module.lin.weight.clamp_(-0.1, 0.1))
+        out["placeholder_clamp"] = error_of(lambda: inner.module.lin.weight.clamp_(-0.1, 0.1))
         with torch._C.DisableTorchFunctionSubclass():
             inner.module.lin.weight.clamp_(-0.1, 0.1)
     # nor saved without it, before that forward
-    out["placeholder_write_saved"] = [_error(model.state_dict), _error(model.full_state_dict)]
-    out["placeholder_write"] = _error(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
+    out["placeholder_write_saved"] = [error_of(model.state_dict), error_of(model.full_state_dict)]
+    out["placeholder_write"] = error_of(lambda: model(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
     # a parameter read outside its unit's forward: fails there, even where no gradient
     # would reach it (see [Note: a freed placeholder is empty])
@@ -167,17 +151,17 @@ def misuses(rank):
     reads.inner = FSDP(reads.inner)
     reads = FSDP(reads)
     with torch.no_grad():
-        out["read_outside_unit"] = _error(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
+        out["read_outside_unit"] = error_of(lambda: reads(torch.ones(2, 4).to(torch_xla.device())))
     torch_xla.sync()
     # a unit inside nn.MultiheadAttention, which reads out_proj's weight without calling it
     attention = Attends()
     attention.attn.out_proj = FSDP(attention.attn.out_proj)
     attention = FSDP(attention)
-    out["attention_out_proj"] = _error(lambda: attention(torch.ones(3, 1, 4).to(
+    out["attention_out_proj"] = error_of(lambda: attention(torch.ones(3, 1, 4).to(
         torch_xla.device())))
     # a forward writing its own weight, twice (see [Note: writes to a held full value])
     clamps = FSDP(ClampsItsWeight())
-    out["written_while_held"] = [_error(lambda: clamps(torch.ones(2, 4).to(
+    out["written_while_held"] = [error_of(lambda: clamps(torch.ones(2, 4).to(
         torch_xla.device())).sum().backward()) for _ in range(2)]
     torch_xla.sync()
     penalty = FSDP(Tiny())   # a gradient penalty: its graph would read freed parameters
@@ -186,77 +170,14 @@ def misuses(rank):
     def grad_penalty():
         gx, = torch.autograd.grad(penalty(x).square().sum(), x, create_graph=True)
         gx.square().sum().backward()
-    out["create_graph"] = _error(grad_penalty)
-    out["step_after_create_graph"] = _error(lambda: penalty(x).sum().backward())
+    out["create_graph"] = error_of(grad_penalty)
+    out["step_after_create_graph"] = error_of(lambda: penalty(x).sum().backward())
     torch_xla.sync()
-    _full_optimizer_state(out)
+    full_optimizer_state(out)
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
     _conversions(out)
     return out
-
-
-def _full_optimizer_state(out):
-    """A full optimizer state (of whole parameters) loaded with ``load_state_dict`` into an
-    optimizer that stepped already: refused at its next step, before any update."""
-    import torch_xla
-    from xla_fsdp import FSDP
-    model = FSDP(Tiny())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    opt.step()
-    state = opt.state_dict()
-    for index in nonempty(state["state"], "optimizer states"):
-        state["state"][index]["momentum_buffer"] = torch.zeros(4, 4)
-    opt.load_state_dict(state)
-    before = [p.detach().cpu().clone() for p in model.parameters()]
-    # a unit frozen between micro-batches of a no_sync accumulation
-    inner = FSDP(Tiny())
-    outer = FSDP(nn.Sequential(inner, Tiny()))
-    outer_opt = torch.optim.SGD(outer.parameters(), lr=0.1)
-    with outer.no_sync():
-        outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    inner.requires_grad_(False)
-    outer(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    out["frozen_mid_accumulation"] = _error(outer_opt.step)
-    # clipped between micro-batches: the shards hold nothing reduced yet
-    clipped = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
-    with clipped.no_sync():
-        clipped(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    out["clip_mid_accumulation"] = [_error(lambda: clipped.clip_grad_norm_(1.0))]
-    clipped(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    out["clip_mid_accumulation"].append(_error(lambda: clipped.clip_grad_norm_(1.0)))
-    torch_xla.sync()
-    # weight decay split by p.dim() (nanoGPT's recipe) over flat shards
-    split = FSDP(Tiny())
-    shards = list(split.parameters())
-    split_opt = torch.optim.AdamW([
-        {"params": [p for p in shards if p.dim() >= 2], "weight_decay": 0.1},
-        {"params": [p for p in shards if p.dim() < 2], "weight_decay": 0.0}])
-    split(torch.ones(2, 4).to(torch_xla.device())).sum().backward()
-    out["decay_by_dim"] = _error(split_opt.step)
-    out["full_optimizer_state"] = (_error(opt.step), every(
-        torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
-    # a parameter in no unit, stepped beside the shards: refused unless its gradient is
-    # all-reduced before the step
-    import torch_xla.core.xla_model as xm
-    free = []
-    for reduce in (False, True):
-        temperature = nn.Parameter(torch.ones(1, device=torch_xla.device()))
-        scaled = FSDP(Tiny())
-        free_opt = torch.optim.SGD(list(scaled.parameters()) + [temperature], lr=0.1)
-        (scaled(torch.ones(2, 4).to(torch_xla.device())) * temperature).sum().backward()
-        if reduce:
-            xm.all_reduce(xm.REDUCE_SUM, [temperature.grad], scale=0.5)
-        free.append(_error(free_opt.step))
-        torch_xla.sync()
-    out["free_parameter"] = free
-    # a state of another layout's shards (3 elements, not the shard's)
-    for index in state["state"]:
-        state["state"][index]["momentum_buffer"] = torch.zeros(3)
-    opt.load_state_dict(state)
-    out["other_layout_state"] = _error(opt.step)
-    torch_xla.sync()
 
 
 def _conversions(out):
@@ -279,19 +200,19 @@ def _conversions(out):
                               ("half", model.half), ("cpu", model.cpu),
                               ("double", model.double), ("to_bf16", lambda: model.to(
                                   torch.bfloat16))):
-            out[f"{name}_offload_{offload}"] = _error(convert)
+            out[f"{name}_offload_{offload}"] = error_of(convert)
             kept.append(list(model.parameters()) == before and
                         [(p.device, p.dtype) for p in model.parameters()] == places)
         out[f"conversions_keep_shards_offload_{offload}"] = every(kept)
         out[f"shard_devices_offload_{offload}"] = sorted({str(p.device) for p in before})
     # a nested unit is named by its path, its parameter as the unwrapped model names it
     nested = FSDP(nn.Sequential(FSDP(Tiny()), FSDP(Tiny())))
-    out["nested_half"] = _error(nested.half)
+    out["nested_half"] = error_of(nested.half)
     # a module inside a unit, converted alone: its placeholders stand for the shards
     inside = FSDP(nn.Sequential(FSDP(Tiny()), Tiny()))
-    out["inside_conversions"] = [_error(lambda: inside.module[1].to(torch.bfloat16)),
-                                 _error(inside.module[0].module.lin.half),
-                                 _error(inside.module[1].float)]
+    out["inside_conversions"] = [error_of(lambda: inside.module[1].to(torch.bfloat16)),
+                                 error_of(inside.module[0].module.lin.half),
+                                 error_of(inside.module[1].float)]
 
 
 def _reduced_gradient_misuses(out):
@@ -312,7 +233,7 @@ def _reduced_gradient_misuses(out):
         loss = model(torch.ones(2, 4).to(torch_xla.device())).sum()
         (scaler.scale(loss) if scaler else loss).backward()
         change(model, opt)
-        result = _error(lambda: scaler.step(opt) if scaler else opt.step())
+        result = error_of(lambda: scaler.step(opt) if scaler else opt.step())
         torch_xla.sync()
         return result
     params = lambda m: list(m.parameters())  # noqa: E731
@@ -353,24 +274,24 @@ def _grouping_misuses(out):
     from xla_fsdp import FSDP
     from xla_fsdp.wrap import always_wrap_policy
     x = torch.ones(2, 4).to(torch_xla.device())
-    out["group_empty"] = _error(lambda: FSDP([]))
+    out["group_empty"] = error_of(lambda: FSDP([]))
     twice = Tiny()
-    out["group_twice"] = _error(lambda: FSDP([twice.lin, twice.lin]))
-    out["group_policy"] = _error(lambda: FSDP([Tiny(), Tiny()],
+    out["group_twice"] = error_of(lambda: FSDP([twice.lin, twice.lin]))
+    out["group_policy"] = error_of(lambda: FSDP([Tiny(), Tiny()],
                                               auto_wrap_policy=always_wrap_policy))
     grouped = Tiny()
     FSDP([grouped.lin])
-    out["group_again"] = _error(lambda: FSDP([grouped.lin]))
+    out["group_again"] = error_of(lambda: FSDP([grouped.lin]))
     outer = Tiny()
     FSDP([outer, outer.lin])
-    out["group_nested"] = _error(lambda: FSDP(nn.Sequential(outer)))
+    out["group_nested"] = error_of(lambda: FSDP(nn.Sequential(outer)))
     a, b = Tiny(), Tiny()
     unplaced = FSDP([a.lin, b.lin])
-    out["group_unplaced"] = _error(lambda: a(x))
-    out["group_called"] = _error(lambda: unplaced(x))
+    out["group_unplaced"] = error_of(lambda: a(x))
+    out["group_called"] = error_of(lambda: unplaced(x))
     unit = FSDP(Tiny())
-    out["prefetch_plain_module"] = _error(lambda: unit.set_modules_to_forward_prefetch([Tiny()]))
-    out["prefetch_self"] = _error(lambda: unit.set_modules_to_backward_prefetch([unit]))
+    out["prefetch_plain_module"] = error_of(lambda: unit.set_modules_to_forward_prefetch([Tiny()]))
+    out["prefetch_self"] = error_of(lambda: unit.set_modules_to_backward_prefetch([unit]))
 
 
 class Lamb(torch.optim.Optimizer):
@@ -415,7 +336,7 @@ def whole_tensor_optimizers(rank, directory):
             opt = getattr(torch.optim, name)(params, lr=0.01)
             model(x).sum().backward()
             before = [p.detach().cpu().clone() for p in model.parameters()]
-            out[f"{name}_{dim0}"] = _error(opt.step)
+            out[f"{name}_{dim0}"] = error_of(opt.step)
             out[f"{name}_{dim0}_unchanged"] = every(torch.equal(a, p.detach().cpu()) for a, p in
                                                     zip(before, model.parameters(), strict=True))
             opt.zero_grad()
@@ -423,14 +344,14 @@ def whole_tensor_optimizers(rank, directory):
         opt = Lamb(model.parameters())
         model(x).sum().backward()
         before = [p.detach().cpu().clone() for p in model.parameters()]
-        out[f"Lamb_{dim0}"] = (_error(opt.step), every(
+        out[f"Lamb_{dim0}"] = (error_of(opt.step), every(
             torch.equal(a, p.detach().cpu()) for a, p in pairs(before, model.parameters())))
         opt.zero_grad()
     out["elementwise"] = []
     for name in ELEMENTWISE:
         opt = getattr(torch.optim, name)(model.parameters())
         model(x).sum().backward()
-        out["elementwise"].append(_error(opt.step))
+        out["elementwise"].append(error_of(opt.step))
         opt.zero_grad()
         torch_xla.sync()
     # one step: later ones trace rank-specific graphs here (docs/launcher.md, limits)
@@ -438,16 +359,16 @@ def whole_tensor_optimizers(rank, directory):
                  shard_param_on_dim_0=True)
     opt = allow_per_shard_statistics(torch.optim.Adafactor(model.parameters(), lr=0.01))
     model(x).sum().backward()
-    out["allowed"] = _error(opt.step)
+    out["allowed"] = error_of(opt.step)
     torch_xla.sync()
     prefix = os.path.join(directory, "ckpt")
     save_sharded(prefix, model, opt)
-    out["per_rank_load"] = _error(lambda: load_sharded(prefix, model, opt))
-    out["consolidated"] = _error(lambda: save_consolidated(
+    out["per_rank_load"] = error_of(lambda: load_sharded(prefix, model, opt))
+    out["consolidated"] = error_of(lambda: save_consolidated(
         os.path.join(directory, "full.pth"), model, opt))
-    out["dcp"] = _error(lambda: save_dcp(os.path.join(directory, "dcp"), model, opt))
+    out["dcp"] = error_of(lambda: save_dcp(os.path.join(directory, "dcp"), model, opt))
     if rank == 0:
-        out["offline"] = _error(lambda: consolidate_checkpoint_files(
+        out["offline"] = error_of(lambda: consolidate_checkpoint_files(
             prefix, "_rank-*-of-*.pth", save_path=os.path.join(directory, "offline.pth")))
     return out
 
@@ -518,7 +439,8 @@ def test_misuse_errors():
         out["clip_mid_accumulation"]
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
-    assert "has shape (3,), not its shard's" in out["other_layout_state"], \
+    three, one = out["other_layout_state"]
+    assert "has shape (3,), not its shard's" in three and "shape (1,), not its" in one, \
         out["other_layout_state"]
     alone, reduced = out["free_parameter"]
     assert "parameter 2 (shape (1,)) is in no FSDP unit" in alone and reduced == "no error", \

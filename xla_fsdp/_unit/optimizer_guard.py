@@ -24,8 +24,9 @@ any update; any other optimizer's first update is read from its graph (see [Note
 an optimizer's update]: LAMB, LARS, Shampoo, SOAP of other libraries) and, if it reads
 more than each element, put back and refused.
 ``allow_per_shard_statistics(optimizer)`` accepts the difference for one optimizer; its
-state that is not shaped like its shard then differs between ranks, and checkpoints that
-merge ranks refuse it (``checkpoint.optimizer_state.state_is_sharded``).
+state that is neither shaped like its shard nor a scalar then differs between ranks, and
+checkpoints that merge ranks refuse it (``_sharding.state_layout``, one rule for the step and
+every checkpoint).
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ from typing import Any, Callable, Dict, List, Set
 import torch
 
 from .._sharding.layout import Dim0Layout
+from .._sharding.state_layout import StateLayout, state_layout
 from .._xla import reduced_gradients
 from .._xla.private_api import graph_hash, graph_hlo, needs_computation
 from .param_record import taken_name
@@ -212,14 +214,16 @@ def _refuse_full_parameter_state(optimizer: torch.optim.Optimizer,
     state dict, or one of another world size or layout, loaded with
     ``optimizer.load_state_dict`` (Lightning's full checkpoint holds one). torch accepts it
     and the update then fails deep in the optimizer, or trains a mismatch. An optimizer
-    whose update is elementwise keeps every state of more than one element in its shard's
-    shape (those that do not are refused at their first update, or allowed per shard).
-    Refused before any update, naming the parameter and the loads that fit."""
+    whose update is elementwise keeps every state in its shard's shape or as a scalar
+    (``_sharding.state_layout``, the rule every checkpoint applies too; those that do not
+    are refused at their first update, or allowed per shard). Refused before any update,
+    naming the parameter and the loads that fit."""
     if optimizer in _PER_SHARD_ALLOWED:
         return
     for p in params:
         for key, value in optimizer.state.get(p, {}).items():
-            if torch.is_tensor(value) and value.numel() > 1 and value.shape != p.shape:
+            if torch.is_tensor(value) and \
+                    state_layout(key, value.shape, p.shape) is StateLayout.PER_SHARD:
                 whole = tuple(value.shape) in {tuple(s) for s in shard_group_of(p).layout.shapes}
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step(): the optimizer state {key!r} of "

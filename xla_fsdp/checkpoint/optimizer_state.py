@@ -1,11 +1,12 @@
-"""Optimizer state in every checkpoint: THE rule for what is sharded like its tensor
-(``state_is_sharded``) and THE walk that applies it to a state dict's ``state``
-(``walk_state``), for a live optimizer and a saved one alike, with what ties an optimizer's
-indices to the model's shards. The per-rank and DCP saves, the live model's gathered state
-(``gathered_state``), the per-rank files' named walk (``per_rank.optimizer.named_state``) and
-redistribution walk with ``walk_state``; the staging loader, which reads DCP-layout keys
-rather than a state dict, applies the rule to each shard's keys (``shard_state_is_sharded``).
-``sources.entries`` only renames a state dict's entries to those keys, judging nothing."""
+"""Optimizer state in every checkpoint: what is sharded like its tensor
+(``state_is_sharded``, by the step's own rule, ``_sharding.state_layout``) and THE walk that
+applies it to a state dict's ``state`` (``walk_state``), for a live optimizer and a saved one
+alike, with what ties an optimizer's indices to the model's shards. The per-rank and DCP
+saves, the live model's gathered state (``gathered_state``), the per-rank files' named walk
+(``per_rank.optimizer.named_state``) and redistribution walk with ``walk_state``; the staging
+loader, which reads DCP-layout keys rather than a state dict, applies the rule to each
+shard's keys (``shard_state_is_sharded``). ``sources.entries`` only renames a state dict's
+entries to those keys, judging nothing."""
 from __future__ import annotations
 
 import contextlib
@@ -18,6 +19,7 @@ from typing import (Any, Callable, Container, Dict, FrozenSet, Iterator, List, M
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from .._sharding.state_layout import StateLayout, state_layout
 from .files import CheckpointError, TensorRef
 from .live_model import shard_keys
 from .unit_protocol import ShardedModel
@@ -63,11 +65,6 @@ def _torch_settings() -> FrozenSet[str]:
     return frozenset(out)
 
 
-# the state torch's optimizers keep as one number per parameter whatever its shape: every
-# optimizer's step count, NAdam's momentum product, ASGD's eta and mu
-SCALAR_STATE = frozenset({"step", "mu_product", "eta", "mu"})
-
-
 def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
     """The shape of a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor; None for
     anything else."""
@@ -79,35 +76,26 @@ def _shape_of(value: Any) -> Optional[Tuple[int, ...]]:
 
 
 def state_is_sharded(where: str, name: str, value: Any, shape: Sequence[int]) -> bool:
-    """THE rule every reader and writer of optimizer state applies to one value: True if it
-    is cut, saved and read as its tensor of ``shape`` is, False if it is the same on every
-    rank (a step count, any non-tensor).
+    """True if optimizer state ``name`` = ``value`` is cut, saved and read as its tensor of
+    ``shape`` is (its shard in a live optimizer or a per-rank file, its full parameter in a
+    consolidated checkpoint), False if it is the same on every rank (a step count, any
+    non-tensor), by the one rule the step guard applies too (``_sharding.state_layout``).
+    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor.
 
-    Optimizer state ``name`` = ``value`` is sharded when it is laid out like the tensor it
-    belongs to: its shard (in a live optimizer or a per-rank file), or its full parameter
-    (in a consolidated checkpoint). Such state (Adam's moments, SGD's momentum) is cut, saved
-    and read as the tensor is; anything else (a step count) is the same on every rank.
-    ``value`` is a tensor, a ``TensorRef`` or DCP's metadata of a stored tensor. It is the
-    tensor's shape that tells, but for a 0-d parameter, whose every state is 0-d in a
-    checkpoint of the unwrapped model: then the names torch's optimizers give their scalars
-    (``SCALAR_STATE``) are the same on every rank, and the rest (the moments) sharded. A
-    shard is never 0-d, so live and per-rank state is told by shape alone.
-
-    A tensor that is neither laid out like its tensor nor a scalar is state computed over a
-    shard's own rows and columns (Adafactor's factored statistics, allowed by
-    ``allow_per_shard_statistics``): it differs between ranks, so a checkpoint that merges
-    ranks can neither cut it as the tensor nor keep one rank's copy for all, and only
-    per-rank files hold it: ``CheckpointError``. ``where`` names the parameter and the
-    file."""
+    State of any other shape is computed over a shard's own rows and columns (Adafactor's
+    factored statistics, allowed by ``allow_per_shard_statistics``): it differs between
+    ranks, so a checkpoint that merges ranks can neither cut it as the tensor nor keep one
+    rank's copy for all, and only per-rank files hold it: ``CheckpointError``. ``where``
+    names the parameter and the file."""
     value_shape = _shape_of(value)
-    sharded = value_shape == tuple(shape) and not (len(shape) == 0 and name in SCALAR_STATE)
-    if value_shape and not sharded:
+    layout = state_layout(name, value_shape, shape)
+    if layout is StateLayout.PER_SHARD:
         raise CheckpointError(
             f"{where}: optimizer state {name!r} has shape {list(value_shape)}, neither its "
             f"tensor's {list(shape)} nor a scalar: each rank holds its own (statistics over "
             f"its shard, e.g. Adafactor's), so it cannot go into a checkpoint that merges "
             f"ranks; per-rank files (save_sharded) keep every rank's.")
-    return sharded
+    return layout is StateLayout.SHARDED
 
 
 def shard_state_is_sharded(where: str, name: str,
