@@ -384,6 +384,13 @@ def _refusals(rank, good, bad):
     again = torch.optim.AdamW([{"params": [p for _, p in params]}, {"params": [], "lr": 0.25}])
     load_dcp(bad + "_empty_group", model, again)
     out["empty_group"] = {k: v for k, v in again.param_groups[1].items() if k != "params"}
+    # a state dict hook's change to a group is saved, as by the other formats
+    hooked = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hooked.register_state_dict_post_hook(lambda _, saved: saved["param_groups"][0].update(lr=0.5))
+    save_dcp(bad + "_hooked_group", model, hooked)
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    load_dcp(bad + "_hooked_group", model, fresh)
+    out["hooked_group"] = (fresh.param_groups[0]["lr"], hooked.param_groups[0]["lr"])
     _extra_state_refusals(rank, bad, good, out)
     out["code_ran"] = os.path.exists(bad + "_code_ran")
     out["unchanged"] = [same_state(a, b) for a, b in zip(before, snapshot(model, opt), strict=True)]

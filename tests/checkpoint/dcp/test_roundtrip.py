@@ -84,6 +84,7 @@ def test_bad_checkpoints_are_refused_and_change_nothing(trips):
     assert "saved in param groups of other settings (['lr', 'weight_decay'])" in \
         out["group_layout"], out["group_layout"]
     assert out["empty_group"]["lr"] == 0.25 and "betas" in out["empty_group"], out["empty_group"]
+    assert out["hooked_group"] == (0.5, 1e-3), out["hooked_group"]
     for label in ("full_state_dict", "save_dcp", "save_consolidated"):
         message = out[f"extra_state_{label}"]
         assert message.startswith(f"{label}: "), message

@@ -228,9 +228,11 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
         if first:
             in_order = model_order(
                 parameter_order(model, units_by_saved_path(model, list(model.named_units()))))
-            for index, param_group in enumerate(optimizer.param_groups):
-                names = sorted((t.name for p in param_group["params"] for t in by_shard[id(p)]),
-                               key=in_order)
+            # as the per-rank and consolidated saves hold them: optimizer.state_dict()'s
+            # groups, a state dict hook's or an override's changes included
+            for index, param_group in enumerate(optimizer.state_dict()["param_groups"]):
+                names = sorted((t.name for i in param_group["params"]
+                                for t in by_shard[id(params[i])]), key=in_order)
                 settings = param_group_settings(param_group)
                 for key, path, value in scheme.param_group(index, names, settings):
                     planner.add((key, path), value)
