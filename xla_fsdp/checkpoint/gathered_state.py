@@ -38,8 +38,8 @@ from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_si
 from .files import CheckpointError
 from .live_model import (extra_state_tensors, parameter_order, persistent_buffers,
                          sharding_group_index, tied_aliases, units_by_saved_path, unwrapped_name)
-from .per_rank_format import EXTRA
 from .optimizer_state import live_state, optimizer_shard_keys, walk_state
+from .state_keys import EXTRA
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, holding, named_state
 

@@ -44,11 +44,11 @@ from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLay
 from .._sharding.names import join_name
 from .._unit.buffers import original_dtype
 from .live_model import parameter_order, persistent_buffers, tied_aliases, units_by_saved_path
+from .state_keys import EXTRA, MODEL, OPTIMIZER
 from .unit_protocol import ShardedUnit
 
-# the keys of a per-rank file
-MODEL, SHARD_METADATA, OPTIMIZER, EXTRA, RECORD = (
-    "model", "shard_metadata", "optimizer", "extra", "xla_fsdp")
+# the keys of a per-rank file beside MODEL, OPTIMIZER and EXTRA (``state_keys``)
+SHARD_METADATA, RECORD = "shard_metadata", "xla_fsdp"
 REPLICA_EXTRAS = "replica_extras"   # {replica group: extra} (see [Note: each replica's extra])
 FORMAT_VERSION = 1
 LAYER_KINDS = ("flat", "interleaved", "dim0")  # how one layer (or an unstacked group) is cut

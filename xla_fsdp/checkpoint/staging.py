@@ -37,11 +37,11 @@ from .coordination import agree_or_undo, every_rank_agrees, naming
 from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key,
                                 rank_extras, replica_extra_key)
 from .files import CheckpointError
-from .per_rank_format import EXTRA, OPTIMIZER
 from .live_model import (ParamSlot, extra_state_holders, param_slots, persistent_buffers,
                          replica_index, slots_by_shard)
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, shard_state_is_sharded)
+from .state_keys import EXTRA, OPTIMIZER
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]

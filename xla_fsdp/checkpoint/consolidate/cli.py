@@ -21,7 +21,8 @@ from typing import List, Optional, Sequence
 
 from ..dcp_format.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_paths
-from ..per_rank_format import MODEL, RANK_FILES, sharded_checkpoint_path
+from ..per_rank_format import RANK_FILES, sharded_checkpoint_path
+from ..state_keys import MODEL
 from ..writers.formats import FORMATS, OutputOptions, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from ..per_rank.optimizer import optimizer_param_keys

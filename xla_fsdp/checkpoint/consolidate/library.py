@@ -17,7 +17,8 @@ import torch
 from ..consolidated_format import optimizer_companion
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
-from ..per_rank_format import MODEL, SHARD_METADATA, ShardMetadata
+from ..per_rank_format import SHARD_METADATA, ShardMetadata
+from ..state_keys import MODEL
 from ..writers.formats import OutputOptions, write_output
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model

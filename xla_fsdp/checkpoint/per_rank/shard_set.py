@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..files import CheckpointError, CheckpointFile
-from ..per_rank_format import MODEL, RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
+from ..per_rank_format import RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
+from ..state_keys import MODEL
 
 
 @dataclass

@@ -4,7 +4,7 @@ of the rank files that hold its elements when a writer asks for it."""
 from __future__ import annotations
 
 from ..files.reader import materialized
-from ..per_rank_format import EXTRA
+from ..state_keys import EXTRA
 from ..unwrapped_state import UnwrappedState
 from .optimizer import named_state
 from .plan import ModelPlan, unwrapped_tensors

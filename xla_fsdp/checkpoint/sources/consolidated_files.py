@@ -18,7 +18,7 @@ from ..staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
 from ..consolidated_format import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimizer_companion
 from ..live_model import is_extra_state_key
-from ..per_rank_format import EXTRA, MODEL, OPTIMIZER
+from ..state_keys import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
 _File = TypeVar("_File", bound=Union[CheckpointFile, SafetensorsFile])

@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from ..._sharding.chunks import TensorPieces
 from ..dcp_format.layout import GET_STATE_DICT
-from ..per_rank_format import OPTIMIZER
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
+from ..state_keys import OPTIMIZER
 
 
 @runtime_checkable

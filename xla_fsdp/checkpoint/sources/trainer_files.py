@@ -20,7 +20,8 @@ from typing import List, Sequence, Tuple
 from ..files import CheckpointError, CheckpointFile
 from ..per_rank.plan import plan_model
 from ..per_rank.shard_set import find_shard_set
-from ..per_rank_format import MODEL, OPTIMIZER, SHARD_METADATA
+from ..per_rank_format import SHARD_METADATA
+from ..state_keys import MODEL, OPTIMIZER
 from .entries import EntrySource
 from .per_rank_files import shard_set_source
 

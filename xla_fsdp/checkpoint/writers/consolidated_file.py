@@ -10,7 +10,7 @@ import torch
 from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
 from ..files import (SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths,
                      remove_if_there)
-from ..per_rank_format import MODEL, OPTIMIZER
+from ..state_keys import MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 
 

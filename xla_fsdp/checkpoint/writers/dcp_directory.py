@@ -15,7 +15,7 @@ import torch
 from ..dcp_format.layout import KeyScheme, extra_key
 from ..dcp_format.planners import ChunkSavePlanner, OnDemand
 from .dcp_files import write_alone
-from ..per_rank_format import EXTRA
+from ..state_keys import EXTRA
 from ..unwrapped_state import Readable, UnwrappedState
 
 
