@@ -20,6 +20,7 @@ directory) and which of torch_xla and xla_fsdp any process imported (none may). 
 data and optimizer are the suite's (``models.Net``, ``models.batch``, AdamW as the parity
 settings build it).
 """
+import gc
 import json
 import os
 import sys
@@ -27,6 +28,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+# imported before any process group exists: torch.distributed.fsdp imports
+# torch.distributed.nn.functional, whose functions take ``group=group.WORLD`` as a default
+# evaluated at import; imported after init_process_group, ten of them held the gloo group,
+# which destroy_process_group then never freed, and its threads ran on into interpreter exit
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from .checks import every
 from .models import GLOBAL_BATCH, Net, batch, loss_fn
@@ -35,8 +42,6 @@ LR, WEIGHT_DECAY = 1e-3, 0.01
 
 
 def _build():
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     model = Net()
@@ -118,6 +123,10 @@ def _worker(rank, world, store, mode, a, b, targets, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump({"losses": losses, "imported": sorted(set(sum(imported, [])))}, f)
+    # FSDP2's state (reference cycles) holds the group too: collected here, the group's last
+    # reference goes with destroy_process_group, which so joins gloo's threads before exit
+    del model, opt
+    gc.collect()
     dist.barrier()   # no rank tears its connections down while another still uses them
     dist.destroy_process_group()
 
