@@ -144,6 +144,7 @@ def commit_fails_on_one_rank(rank, world, directory):
     out["mixed"], out["mixed_kept_by"] = _files_of_two_runs(rank, world, directory,
                                                             paths["sharded"], model, opt)
     out["mixed_unchanged"] = same_snapshot(snapshot(model, opt), before)
+    out["bare_state_dicts"] = _bare_state_dicts(rank, world, directory, model, opt)
     # the saved optimizer's one param group, loaded into two: at the saving world size as
     # at any other (the own file is read as the source reads it), each group taking the
     # saved settings, as torch's load_state_dict gives them
@@ -183,3 +184,22 @@ def _files_of_two_runs(rank, world, directory, prefix, model, opt):
         return "no error", None
     except Exception as exc:  # noqa: BLE001 - the message is what is tested
         return f"{type(exc).__name__}: {exc}", frames_keeping(exc)
+
+
+def _bare_state_dicts(rank, world, directory, model, opt):
+    """Each rank's ``model.state_dict()`` saved with ``torch.save`` under the per-rank names
+    (its shards without the shard metadata): ``load_sharded`` names the file and says how
+    to save, as the consolidation tool does."""
+    import os
+    import torch_xla.core.xla_model as xm
+    from xla_fsdp.checkpoint import load_sharded
+    from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path
+    bare = os.path.join(directory, "bare")
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()},
+               sharded_checkpoint_path(bare, rank, world))
+    xm.rendezvous("bare saved")
+    try:
+        load_sharded(bare, model, opt)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"

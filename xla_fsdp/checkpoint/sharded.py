@@ -19,8 +19,8 @@ from .live_model import (is_extra_state_key, replica_index, require_root,
                          sharding_group_load_path)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .per_rank.shard_set import save_identity
-from .per_rank_format import (RANK_FILES, REPLICA_EXTRAS, RankRecord, other_world_files,
-                              sharded_checkpoint_path, wrapping_fingerprint)
+from .per_rank_format import (RANK_FILES, REPLICA_EXTRAS, SHARD_METADATA, RankRecord,
+                              other_world_files, sharded_checkpoint_path, wrapping_fingerprint)
 from .sources.per_rank_files import open_per_rank_files
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
 from .state_keys import EXTRA, MODEL, OPTIMIZER
@@ -69,7 +69,10 @@ def _own_file(prefix: str, model: ShardedModel, optimizer: Optional[torch.optim.
     try:
         with CheckpointFile(path) as f:
             f.verify()
-            ours, identity = RankRecord.of(f.tree), save_identity(f)
+            ours = RankRecord.of(f.tree)
+            if ours is None or SHARD_METADATA not in f.tree:
+                return None   # not one we wrote: the source says what it is
+            identity = save_identity(f)
             has_optimizer = isinstance(f.tree, dict) and OPTIMIZER in f.tree
             saved_groups = f.tree[OPTIMIZER].get("param_groups", []) if has_optimizer else []
     except CheckpointError:

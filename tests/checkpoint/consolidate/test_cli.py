@@ -126,6 +126,14 @@ def test_refusals_name_the_fault(tmp_path, capsys):
     torch.save({"model": {}}, prefix + "_rank-x-of-y.pth")
     err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
     assert "_rank-x-of-y.pth is not a per-rank FSDP checkpoint" in err
+    # a wrapped model's state_dict() alone, its shards without the metadata
+    torch.save({"_fsdp_shard_FSDP_SHARD_SEPARATOR_lin_FSDP_SHARD_SEPARATOR_weight": torch.zeros(2)},
+               prefix + "_rank-x-of-y.pth")
+    err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
+    assert "_rank-x-of-y.pth is not a per-rank FSDP checkpoint: it holds a wrapped model's " \
+        "shards ('_fsdp_shard_FSDP_SHARD_SEPARATOR_lin_FSDP_SHARD_SEPARATOR_weight') without the " \
+        "shard metadata" \
+        in err and "save_sharded(prefix, model, optimizer)" in err, err
     os.remove(prefix + "_rank-x-of-y.pth")
 
 

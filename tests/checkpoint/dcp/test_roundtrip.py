@@ -149,6 +149,9 @@ def test_per_rank_files_of_two_runs_are_not_loaded_together(failing_loads):
         assert "come from different saves" in out[rank]["mixed"], out[rank]["mixed"]
         assert out[rank]["mixed_unchanged"], rank
         assert out[rank]["mixed_kept_by"] == [], out[rank]["mixed_kept_by"]  # refused reading
+        bare = out[rank]["bare_state_dicts"]
+        assert bare.startswith("CheckpointError: ") and "bare_rank-00000000-of-00000002.pth is " \
+            "not a per-rank FSDP checkpoint: it holds a wrapped model's shards" in bare, bare
 
 
 def test_per_rank_files_load_into_param_groups_split_otherwise(failing_loads):

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..._sharding.names import SHARD_PREFIX
 from ..files import CheckpointError, CheckpointFile
 from ..per_rank_format import RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
 from ..state_keys import MODEL
@@ -126,11 +127,8 @@ def check_shard_set(files: List[CheckpointFile], pattern: str) -> List[Checkpoin
     for f in files:
         tree = f.tree
         if not isinstance(tree, dict) or SHARD_METADATA not in tree or MODEL not in tree:
-            keys = sorted(tree) if isinstance(tree, dict) else type(tree).__name__
-            raise CheckpointError(
-                f"{f.path} is not a per-rank FSDP checkpoint (it has {keys}, not 'model' and "
-                f"'shard_metadata'); if it is a consolidated checkpoint, narrow --ckpt_suffix "
-                f"so that {pattern!r} matches only the per-rank files")
+            raise CheckpointError(f"{f.path} is not a per-rank FSDP checkpoint: "
+                                  + _what_else(tree, pattern))
     worlds = {f.path: ShardMetadata(f.tree[SHARD_METADATA]).world_size for f in files}
     if len(set(worlds.values())) > 1:
         raise CheckpointError(f"{pattern!r} mixes checkpoints of different world sizes: "
@@ -180,6 +178,27 @@ def _independent_groups(a: CheckpointFile, b: CheckpointFile) -> str:
             f"replicate_across_groups), which one group's files cannot make whole. Save "
             f"with xla_fsdp.checkpoint.save_sharded or save_consolidated, which write every "
             f"group's part")
+
+
+def _what_else(tree: Any, pattern: str) -> str:
+    """What a file that is not a per-rank checkpoint holds, and what to do about it."""
+    if not isinstance(tree, dict):
+        return f"it holds a {type(tree).__name__}, not a dict with 'model' and 'shard_metadata'"
+    keys = sorted(map(str, tree))
+    shown = ", ".join(repr(k) for k in keys[:3]) + (f", ... ({len(keys)} keys)"
+                                                     if len(keys) > 3 else "")
+    if any(SHARD_PREFIX in k for k in keys):
+        # the wrapped model's state_dict() alone: each rank's shards, without the metadata
+        # that says how they were cut
+        return (f"it holds a wrapped model's shards ({shown}) without the shard metadata "
+                f"that says how they were cut, so they can be neither merged nor loaded at "
+                f"another world size. Save with xla_fsdp.checkpoint.save_sharded(prefix, "
+                f"model, optimizer), or as torch_xla's recipe does: {{'model': "
+                f"model.state_dict(), 'shard_metadata': model.get_shard_metadata(), "
+                f"'optimizer': optimizer.state_dict()}}")
+    return (f"it has {shown}, not 'model' and 'shard_metadata'; if it is a consolidated "
+            f"checkpoint, narrow --ckpt_suffix so that {pattern!r} matches only the per-rank "
+            f"files")
 
 
 def save_identity(f: CheckpointFile) -> tuple:
