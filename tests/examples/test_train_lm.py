@@ -48,16 +48,19 @@ def _complete(ckpt):
 def test_train_preempt_resume_elsewhere_consolidate(tmp_path):
     from xla_fsdp.checkpoint import PREEMPTED_EXIT_CODE
     ckpt = tmp_path / "ckpt"
-    # a long run on 4 devices, preempted once its second checkpoint is complete
+    # a long run on 4 devices, preempted once its second checkpoint is complete; SIGTERM
+    # goes to its whole process group, as `timeout` and schedulers send it
+    # (see [Note: the fork server ignores the job's SIGTERM])
     run = subprocess.Popen(_command(tmp_path, "--steps", "400", "--devices", "4",
                                     "--async-save", "--keep-last", "2"),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
     deadline = time.monotonic() + 300
     while not (ckpt / "step000008" / "COMPLETE").exists():
         assert run.poll() is None, run.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "no checkpoint at step 8 in 300 s"
         time.sleep(0.1)
-    run.send_signal(signal.SIGTERM)
+    os.killpg(run.pid, signal.SIGTERM)
     out, err = run.communicate(timeout=300)
     assert run.returncode == PREEMPTED_EXIT_CODE, err[-3000:]
     before = _complete(ckpt)

@@ -21,15 +21,29 @@ output is the parent's at launch too, not the server's, and the child runs its a
 handlers as a spawned one does (a forked one ends in ``os._exit``). Where fork is not
 available the process is spawned, and the accelerator path (torch_xla's own runner) never
 comes here.
+
+[Note: the fork server ignores the job's SIGTERM]
+``timeout``, a terminal's job control and schedulers that stop a process group send SIGTERM
+to every process in it, and the fork server is one: it died of it, and the parent, which
+learns a forked child's exit status through the server, reported the device process dead
+(code 255) while that process was still saving its preemption checkpoint. So the server is
+started with SIGTERM ignored (a disposition it keeps across its exec); it ends when its
+parent does, as it always did. A forked child takes SIGTERM's default back before anything
+runs, so it is preempted as a spawned one is, and it asks to be killed if the server goes
+(``PR_SET_PDEATHSIG``): killed with it, a device process no longer trains on as an orphan
+after its launch reported it dead.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Tuple
 
 from .environment import environment_for_child
 
@@ -43,6 +57,7 @@ _READ_AT_IMPORT = {"PT_XLA_DEBUG", "TF_CPP_MIN_LOG_LEVEL", "TF_CPP_MAX_VLOG_LEVE
                    "TF_CPP_VMODULE", "XLA_REGISTER_INSTALLED_PLUGINS",
                    "XLA_USE_EAGER_DEBUG_MODE", "XLA_USE_FP16", "XLA_DOWNCAST_FP16"}
 _READ_AT_START = ("LD_", "PYTHON", "OMP_", "MKL_", "KMP_")
+_PR_SET_PDEATHSIG = 1   # prctl's option (linux/prctl.h)
 _LOCK = threading.Lock()
 _server_environment: Optional[Dict[str, str]] = None
 
@@ -81,7 +96,9 @@ def _warm_context(env: Mapping[str, str]):
         if _server_environment is None:
             ctx = multiprocessing.get_context("forkserver")
             ctx.set_forkserver_preload(_PRELOAD)
-            with environment_for_child(env):  # what torch_xla's import sees in the server
+            with environment_for_child(env), _sigterm_ignored():
+                # what torch_xla's import sees in the server, and see [Note: the fork server
+                # ignores the job's SIGTERM]
                 from multiprocessing import forkserver
                 forkserver.ensure_running()
             _server_environment = now
@@ -89,6 +106,27 @@ def _warm_context(env: Mapping[str, str]):
         if now != _server_environment:
             return None
         return multiprocessing.get_context("forkserver")
+
+
+@contextlib.contextmanager
+def _sigterm_ignored() -> Iterator[None]:
+    """SIGTERM ignored in this process while it lasts, where a handler can be set (the
+    main thread); elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _die_with_the_server() -> None:
+    """Linux: this process is killed when its parent, the fork server, ends."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class _ParentStdout:
@@ -109,6 +147,9 @@ class _ReceivedFd:
 
 def _run_in_environment(environment: Dict[str, str], stdout: _ReceivedFd,
                         target: Callable[..., None], *args: Any) -> None:
+    # see [Note: the fork server ignores the job's SIGTERM]
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_the_server()
     os.environ.clear()
     os.environ.update(environment)
     os.dup2(stdout.fd, 1)
