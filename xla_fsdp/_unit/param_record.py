@@ -144,9 +144,11 @@ class FreedPlaceholder(torch.Tensor):
             f"where its module attribute is an empty placeholder, not the parameter: the "
             f"result would be of no elements, or 0 (see [Note: a freed placeholder is empty]). "
             f"Read it inside that unit's forward, after the unit's unshard(), or through "
-            f"full_state_dict(). (In a backward: a reentrant torch.utils.checkpoint run twice "
-            f"over the same modules of a unit recomputes after the unit's reduction; pass "
-            f"use_reentrant=False.)")
+            f"full_state_dict(); a method other than forward (generate()) runs inside "
+            f"root.unshard() ... root.reshard(), or, under Lightning Fabric, once marked with "
+            f"fabric.mark_forward_method. (In a backward: a reentrant torch.utils.checkpoint "
+            f"run twice over the same modules of a unit recomputes after the unit's "
+            f"reduction; pass use_reentrant=False.)")
 
 
 class TakenParameter(nn.Parameter):

@@ -217,3 +217,16 @@ def test_safetensors_without_the_optimizer_removes_an_earlier_optimizer_file(tmp
                 out, "--no_optimizer")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("m.")) == \
         ["m.safetensors"]
+
+
+def test_entries_a_consolidated_checkpoint_does_not_carry_are_named(tmp_path, capsys):
+    # Lightning Fabric's full save: its state's other keys beside the model in every rank file
+    prefix = str(tmp_path / "ck")
+    for path in write_set(prefix, 2, recipe=True):
+        tree = torch.load(path, weights_only=True)
+        torch.save(dict(tree, step=5, scheduler={"last_epoch": 5}), path)
+    with pytest.warns(UserWarning, match=r"_rank-00000000-of-00000002.pth holds \['scheduler', "
+                                         r"'step'\] beside the model, which a consolidated "
+                                         r"checkpoint does not carry"):
+        code, out = _run(capsys, "--ckpt_prefix", prefix)
+    assert code == 0, out.err

@@ -3,18 +3,32 @@ each entry of the unwrapped model, and each optimizer state sharded like it, rea
 of the rank files that hold its elements when a writer asks for it."""
 from __future__ import annotations
 
+import warnings
+
 from ..files.reader import materialized
-from ..state_keys import EXTRA
+from ..per_rank_format import RECORD, REPLICA_EXTRAS, SHARD_METADATA
+from ..state_keys import EXTRA, MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 from .optimizer import named_state
 from .plan import ModelPlan, unwrapped_tensors
 from .shard_set import ShardSet
+
+# a per-rank file's entries that a consolidated checkpoint holds, or that say how to read them
+_CARRIED = (MODEL, OPTIMIZER, EXTRA, SHARD_METADATA, RECORD, REPLICA_EXTRAS)
 
 
 def unwrapped_state(shards: ShardSet, plan: ModelPlan, with_optimizer: bool) -> UnwrappedState:
     """``shards`` (opened, checked and planned as ``plan``), the optimizer's state with them
     when ``with_optimizer`` (its parameter mapping known: ``optimizer_param_keys``)."""
     head = shards.files[0].tree
+    dropped = sorted(str(k) for k in head if k not in _CARRIED)
+    if dropped:
+        # the caller's own entries (Lightning Fabric's full save puts its state's other
+        # keys here, a step count, a scheduler): said, not lost silently
+        warnings.warn(f"{shards.files[0].path} holds {dropped} beside the model, which a "
+                      f"consolidated checkpoint does not carry: it keeps 'model', "
+                      f"'optimizer' and 'extra' only. Keep such values under 'extra' "
+                      f"(save_sharded(..., extra=...)) to have them consolidated")
     return UnwrappedState(unwrapped_tensors(plan, shards.files), list(plan.aliases),
                           named_state(shards, plan) if with_optimizer else None,
                           {EXTRA: materialized(head[EXTRA])} if EXTRA in head else {})
