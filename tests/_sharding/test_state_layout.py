@@ -18,6 +18,8 @@ CASES = [   # (name, value's shape or None, tensor's shape, layout)
     ("momentum_buffer", (1,), (8,), StateLayout.PER_SHARD),     # one element is not a scalar
     ("momentum_buffer", (4, 4), (8,), StateLayout.PER_SHARD),   # a whole parameter's state
     ("exp_avg", (1,), (1,), StateLayout.SHARDED),
+    ("step", (1,), (8,), StateLayout.SCALAR),                   # older torch's capturable step
+    ("max_exp_avg_sq", (0,), (8,), StateLayout.SCALAR),         # torch_xla's syncfree Adam
 ]
 
 

@@ -439,6 +439,7 @@ def test_misuse_errors():
         out["clip_mid_accumulation"]
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
+    assert out["own_scalars"] == "no error", out["own_scalars"]
     three, one = out["other_layout_state"]
     assert "has shape (3,), not its shard's" in three and "shape (1,), not its" in one, \
         out["other_layout_state"]

@@ -88,3 +88,12 @@ def full_optimizer_state(out):
         opt.load_state_dict(state)
         out["other_layout_state"].append(error_of(opt.step))
         torch_xla.sync()
+    # but scalars an optimizer keeps as one-element or empty tensors train on (a (1,) step:
+    # older torch's capturable Adam, Sophia; torch_xla's syncfree Adam's empty max_exp_avg_sq)
+    shards = list(model.parameters())
+    for index in state["state"]:
+        state["state"][index].update(momentum_buffer=torch.zeros(shards[index].shape),
+                                     step=torch.zeros(1), max_exp_avg_sq=torch.zeros(0))
+    opt.load_state_dict(state)
+    out["own_scalars"] = error_of(opt.step)
+    torch_xla.sync()

@@ -7,14 +7,16 @@ A value is one of three things:
 
 * ``StateLayout.SHARDED``: laid out like its tensor (Adam's moments, SGD's momentum), so it
   is cut, gathered, saved and read as the tensor is;
-* ``StateLayout.SCALAR``: a 0-d tensor or any non-tensor (a step count), the same on every
-  rank, so one rank's copy stands for all;
-* ``StateLayout.PER_SHARD``: any other shape, a one-element ``(1,)`` included. That is
-  state computed over a rank's own slice (Adafactor's factored statistics, an 8-bit
+* ``StateLayout.SCALAR``: the same on every rank, so one rank's copy stands for all: a 0-d
+  tensor or any non-tensor (a step count), an empty tensor (torch_xla's syncfree Adam keeps
+  ``max_exp_avg_sq`` as one without amsgrad), and a one-element tensor under a name torch's
+  optimizers give their scalars (a ``(1,)`` step: older torch's capturable Adam, Sophia);
+* ``StateLayout.PER_SHARD``: any other shape, another one-element ``(1,)`` included. That
+  is state computed over a rank's own slice (Adafactor's factored statistics, an 8-bit
   optimizer's block scales), or a state of another world size or layout loaded into this
   one. It differs between ranks and is none of the parameter's elements: the step refuses
-  it unless ``allow_per_shard_statistics`` accepted it, and a checkpoint that merges ranks
-  always does.
+  a loaded one unless ``allow_per_shard_statistics`` accepted it, and a checkpoint that
+  merges ranks always does.
 
 It is the shape that tells, but for a 0-d tensor, whose every state is 0-d in a checkpoint of
 the unwrapped model: then the names torch's optimizers give their scalars (``SCALAR_STATE``)
@@ -23,6 +25,7 @@ are scalars, and the rest (the moments) sharded. A shard is never 0-d.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Optional, Sequence
 
 # the state torch's optimizers keep as one number per parameter whatever its shape: every
@@ -44,6 +47,7 @@ def state_layout(name: str, value_shape: Optional[Sequence[int]],
         return StateLayout.SCALAR
     if tuple(value_shape) == tuple(shape) and not (len(shape) == 0 and name in SCALAR_STATE):
         return StateLayout.SHARDED
-    if len(value_shape) == 0:
+    elements = math.prod(value_shape)
+    if len(value_shape) == 0 or elements == 0 or (elements == 1 and name in SCALAR_STATE):
         return StateLayout.SCALAR
     return StateLayout.PER_SHARD

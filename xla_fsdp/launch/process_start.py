@@ -31,7 +31,12 @@ started with SIGTERM ignored (a disposition it keeps across its exec); it ends w
 parent does, as it always did. A forked child takes SIGTERM's default back before anything
 runs, so it is preempted as a spawned one is, and it asks to be killed if the server goes
 (``PR_SET_PDEATHSIG``): killed with it, a device process no longer trains on as an orphan
-after its launch reported it dead.
+after its launch reported it dead. Two gaps remain. A SIGTERM that reaches a forked child
+before it takes the default back (while it imports the script and unpickles its target) is
+ignored: a blocked signal would wait instead, but a signal mask does not outlive the
+server's exec. And a server started from another thread than the main one, where no
+handler can be set, still dies of the group's SIGTERM; its children then keep the old
+behaviour (not killed with it), so that they still save.
 """
 from __future__ import annotations
 
@@ -148,8 +153,9 @@ class _ReceivedFd:
 def _run_in_environment(environment: Dict[str, str], stdout: _ReceivedFd,
                         target: Callable[..., None], *args: Any) -> None:
     # see [Note: the fork server ignores the job's SIGTERM]
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _die_with_the_server()
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:   # a server that ignores it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _die_with_the_server()
     os.environ.clear()
     os.environ.update(environment)
     os.dup2(stdout.fd, 1)

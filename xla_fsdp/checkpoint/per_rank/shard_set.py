@@ -186,7 +186,7 @@ def _what_else(tree: Any, pattern: str) -> str:
         return f"it holds a {type(tree).__name__}, not a dict with 'model' and 'shard_metadata'"
     keys = sorted(map(str, tree))
     shown = ", ".join(repr(k) for k in keys[:3]) + (f", ... ({len(keys)} keys)"
-                                                     if len(keys) > 3 else "")
+                                                     if len(keys) > 3 else "") or "no keys"
     if any(SHARD_PREFIX in k for k in keys):
         # the wrapped model's state_dict() alone: each rank's shards, without the metadata
         # that says how they were cut
