@@ -58,6 +58,9 @@ def fabric_run(rank, ckpt_dir):
         losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
     full_path = os.path.join(ckpt_dir, "full.ckpt")
     fabric.save(full_path, {"model": model, "optimizer": optimizer})
+    # a filter keeps some of each rank's keys: the consolidation holds just those
+    weights_path = os.path.join(ckpt_dir, "weights.ckpt")
+    fabric.save(weights_path, {"model": model}, filter={"model": lambda k, _: "weight" in k})
     wrappers = {type(m).__module__ for m in model.modules()
                 if type(m).__name__ == "XlaFullyShardedDataParallel"}
     fabric.strategy._state_dict_type = "sharded"  # the same strategy's sharded format
@@ -66,8 +69,9 @@ def fabric_run(rank, ckpt_dir):
     state = {"model": model, "optimizer": optimizer, "step": 0}
     fabric.load(sharded_path, state)
     return {"losses": losses, "wrappers": wrappers, "step": state["step"],
-            "full_path": full_path, "units": sum(type(m).__name__ == "XlaFullyShardedDataParallel"
-                                                 for m in model.modules())}
+            "full_path": full_path, "weights_path": weights_path,
+            "units": sum(type(m).__name__ == "XlaFullyShardedDataParallel"
+                         for m in model.modules())}
 
 
 def unsharded(rank):
@@ -102,4 +106,8 @@ def test_fabric_xla_fsdp_strategy(tmp_path):
     plain.load_state_dict(saved["model"], strict=True)
     for key, value in nonempty(reference["params"].items(), "parameters"):
         assert (plain.state_dict()[key] - value).abs().max() <= 1e-5, key
+    weights = torch.load(ours["weights_path"], weights_only=True)["model"]
+    assert sorted(weights) == sorted(k for k in saved["model"] if k.endswith("weight"))
+    for key, value in nonempty(weights.items(), "filtered parameters"):
+        assert torch.equal(value, saved["model"][key]), key
     assert ours["step"] == STEPS

@@ -11,7 +11,7 @@ from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, wa
 from xla_fsdp.checkpoint.per_rank.optimizer import named_state, optimizer_param_keys
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
-from xla_fsdp.checkpoint.state_keys import MODEL, OPTIMIZER
+from xla_fsdp.checkpoint.state_keys import OPTIMIZER
 
 from ...support.checks import every, nonempty
 from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key, write_set
@@ -20,7 +20,7 @@ from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key, writ
 def _with_plan(prefix, fn):
     shards = find_shard_set(prefix, "_rank-*-of-*.pth", verify=False)
     try:
-        return fn(shards, plan_model(shards.metadata, shards.files[0].tree[MODEL]))
+        return fn(shards, plan_model(shards))
     finally:
         shards.close()
 
@@ -47,6 +47,21 @@ def test_torch_xla_recipe_files_are_read_in_parameter_order_unless_a_state_says_
     assert (f"{paths[1]}: optimizer index 0 (shard {shard_key('lin.weight')}): optimizer state "
             f"'momentum_buffer' has shape [3], neither its tensor's [8]") in reason, reason
 
+
+
+def test_an_optimizer_holding_a_shard_left_out_of_the_files_is_not_read(tmp_path):
+    """The model's shard left out of every rank file (a save's filter), the optimizer's
+    state for it kept: the optimizer cannot be consolidated, and says why (see [Note: shards
+    left out of every rank file])."""
+    prefix = str(tmp_path / "ckpt")
+    for path in write_set(prefix, 2):     # save_sharded's record of each index's shard
+        tree = torch.load(path, weights_only=False)
+        del tree["model"][shard_key("lin.bias")]
+        torch.save(tree, path)
+    keys, reason = _keys(prefix)
+    assert keys is None and reason.endswith(
+        f"the optimizer holds the state of shard {shard_key('lin.bias')}, which the rank "
+        f"files do not hold (left out when saving)"), reason
 
 def test_one_rule_for_state_sharded_like_its_tensor():
     shard = torch.zeros(8)

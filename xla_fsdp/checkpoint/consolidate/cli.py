@@ -123,7 +123,7 @@ def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
           + ("" if args.no_verify else ", every record's CRC-32 checked"))
     with contextlib.closing(shards):
         model = shards.files[0].tree[MODEL]
-        plan = plan_model(shards.metadata, model)
+        plan = plan_model(shards)
         reason = None if args.no_optimizer else optimizer_param_keys(shards, plan)[1]
         with_optimizer = not args.no_optimizer and reason is None
         if reason and "no optimizer" not in reason:

@@ -41,7 +41,7 @@ def consolidate_checkpoint_files(ckpt_prefix: str, ckpt_suffix: str = "*.pth",
     out = output_paths("pt", save_path, ckpt_prefix)[0] if save_model else None
     shards = wait_for_shard_set(ckpt_prefix, ckpt_suffix, [out] if out else [], wait_seconds)
     with contextlib.closing(shards):
-        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        plan = plan_model(shards)
         if out is None:
             return _state_dict(plan, shards), None
         with_optimizer = optimizer_param_keys(shards, plan)[1] is None
@@ -65,7 +65,7 @@ def consolidate_state_dicts(state_dict_list: List[Dict[str, Any]],
                                 f"<state dict of rank {r}>")
              for r, sd in enumerate(state_dict_list)]
     shards = ShardSet(check_shard_set(files, "the state dicts"), metadata, "")
-    plan = plan_model(metadata, files[0].tree[MODEL])
+    plan = plan_model(shards)
     return _state_dict(plan, shards)
 
 

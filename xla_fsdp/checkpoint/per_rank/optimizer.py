@@ -34,7 +34,13 @@ def optimizer_param_keys(shards: ShardSet, plan: ModelPlan
     record = RankRecord.of(tree)
     if record is not None and record.optimizer_param_keys:
         saved_key = saved_keys(tree[MODEL])
-        return [saved_key(k) for k in record.optimizer_param_keys], None
+        keys = [saved_key(k) for k in record.optimizer_param_keys]
+        left_out = [k for k in keys if k not in tree[MODEL]]
+        if left_out:   # see [Note: shards left out of every rank file]
+            return None, (f"{shards.files[0].path}: the optimizer holds the state of shard "
+                          f"{left_out[0]}, which the rank files do not hold (left out when "
+                          f"saving)")
+        return keys, None
     param_groups = tree[OPTIMIZER].get("param_groups", [])
     if param_groups and all("param_names" in g for g in param_groups):
         keys = [n for g in param_groups for n in g["param_names"]]

@@ -17,7 +17,7 @@ files' source (``sources.per_rank_files``) the runs a loading rank's shards hold
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -25,11 +25,12 @@ import torch
 
 from ..files import CheckpointError, TensorRef
 from ..live_model import EXTRA_STATE, is_extra_state_key
-from ..per_rank_format import LAYER_KINDS, ShardEntry, ShardMetadata
+from ..per_rank_format import LAYER_KINDS, ShardEntry
 from ..state_keys import MODEL
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
 from ..._sharding.names import SHARD_PREFIX, clean_name, join_name
+from .shard_set import ShardSet
 
 
 @dataclass(frozen=True)
@@ -85,44 +86,51 @@ class ModelPlan:
     buffer_dtypes: Dict[str, torch.dtype]  # state dict key -> dtype to restore
     aliases: List[Tuple[str, str]]        # (alias, source) unwrapped names of tied parameters
     param_order: List[str]                # unwrapped names in parameters() order
+    # unwrapped names of parameters whose shards no rank file holds (see [Note: shards
+    # left out of every rank file])
+    left_out: List[str] = field(default_factory=list)
 
     def spec_of(self) -> Dict[str, ShardGroupSpec]:
         """{shard key: its spec}."""
         return {g.key: g for g in self.shard_groups}
 
 
-def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan:
+def plan_model(shards: ShardSet) -> ModelPlan:
+    """The plan of ``shards``' rank files (opened and checked), by their shard metadata.
+
+    [Note: shards left out of every rank file]
+    A caller may save part of each rank's state dict: Lightning Fabric's ``save(...,
+    filter=)`` keeps the keys its filter accepts (only the adapters, only the weights), the
+    same on every rank, while the shard metadata still describes every shard. A shard no
+    rank file holds was left out on purpose: its parameters are left out of the plan and
+    named (``ModelPlan.left_out``), and a consolidation warns and writes the others. A shard
+    some rank files hold and others do not is a damaged checkpoint: refused, naming a file
+    without it."""
     specs: List[ShardGroupSpec] = []
+    left_out: List[str] = []
+    metadata, files = shards.metadata, shards.files
     world = metadata.world_size
+    trees = [f.tree[MODEL] for f in files]
+    model_tree = trees[0]
     _refuse_objects_as_extra_state(model_tree)
     saved_key = saved_keys(model_tree)
     for entry in metadata.entries():
         key = saved_key(entry.key)
-        if key not in model_tree:
-            raise CheckpointError(f"shard {key} is in the shard metadata but not in the "
-                                  f"model state dict")
-        if entry.kind == "stacked":
-            specs.append(_stacked_shard_group(entry, key, model_tree[key], world))
-            continue
-        # read as flat, an unknown layout would come out silently scrambled
-        if entry.kind not in (None,) + LAYER_KINDS:
+        holders = [key in t for t in trees]
+        if not all(holders) and any(holders):
             raise CheckpointError(
-                f"shard {key} has layout kind {entry.kind!r}, which this consolidation does "
-                f"not know (it reads {', '.join(LAYER_KINDS)} and stacked); use the "
-                f"consolidate_sharded_ckpts of the xla_fsdp version that wrote it")
-        if entry.has_stack_entry:
-            raise CheckpointError(f"shard {key} has a stack_info entry but layout kind "
-                                  f"{entry.kind!r}, not 'stacked': the shard metadata is "
-                                  f"inconsistent")
-        if entry.members is not None:
-            params = _numbered(clean_name(entry.unit_path), *entry.members[:2])
+                f"{files[holders.index(False)].path} holds no shard {key}, which "
+                f"{files[holders.index(True)].path} holds: a checkpoint's rank files hold "
+                f"the same shards")
+        shard = model_tree.get(key)
+        if entry.kind == "stacked":
+            spec = _stacked_shard_group(entry, key, shard, world)
         else:
-            params = [ParamSpec(clean_name(join_name(entry.unit_path, entry.orig_name)),
-                                entry.orig_size, 0)]
-        shard = model_tree[key]
-        multiple = entry.multiple if entry.kind else max(shard.numel, 1)
-        specs.append(_checked(ShardGroupSpec(key, tuple(params), entry.kind, multiple, world),
-                              shard))
+            spec = _layer_group(entry, key, shard, world)
+        if shard is None:
+            left_out += [p.name for p in spec.params]
+        else:
+            specs.append(spec)
     shard_keys = {g.key for g in specs}
     # a shard under a second key (its unit also kept as an attribute) is not a buffer
     buffers = {k: clean_name(k) for k, v in model_tree.items()
@@ -133,7 +141,32 @@ def plan_model(metadata: ShardMetadata, model_tree: Dict[str, Any]) -> ModelPlan
     restore = metadata.buffer_dtypes()
     buffer_dtypes = {k: restore[name] for k, name in buffers.items() if name in restore}
     order = metadata.parameter_order() or [p.name for g in specs for p in g.params]
-    return ModelPlan(specs, buffers, buffer_dtypes, metadata.tied_aliases(), list(order))
+    gone = set(left_out)
+    return ModelPlan(specs, buffers, buffer_dtypes,
+                     [(a, s) for a, s in metadata.tied_aliases() if s not in gone],
+                     [n for n in order if n not in gone], left_out)
+
+
+def _layer_group(entry: ShardEntry, key: str, shard: Optional[TensorRef], world: int
+                 ) -> ShardGroupSpec:
+    """The spec of a shard that is not stacked."""
+    # read as flat, an unknown layout would come out silently scrambled
+    if entry.kind not in (None,) + LAYER_KINDS:
+        raise CheckpointError(
+            f"shard {key} has layout kind {entry.kind!r}, which this consolidation does "
+            f"not know (it reads {', '.join(LAYER_KINDS)} and stacked); use the "
+            f"consolidate_sharded_ckpts of the xla_fsdp version that wrote it")
+    if entry.has_stack_entry:
+        raise CheckpointError(f"shard {key} has a stack_info entry but layout kind "
+                              f"{entry.kind!r}, not 'stacked': the shard metadata is "
+                              f"inconsistent")
+    if entry.members is not None:
+        params = _numbered(clean_name(entry.unit_path), *entry.members[:2])
+    else:
+        params = [ParamSpec(clean_name(join_name(entry.unit_path, entry.orig_name)),
+                            entry.orig_size, 0)]
+    multiple = entry.multiple if entry.kind or shard is None else max(shard.numel, 1)
+    return _checked(ShardGroupSpec(key, tuple(params), entry.kind, multiple, world), shard)
 
 
 def _refuse_objects_as_extra_state(model_tree: Dict[str, Any]) -> None:
@@ -174,11 +207,11 @@ def _numbered(prefix: str, names: Sequence[str], shapes: Sequence[Sequence[int]]
             for i, (n, s) in enumerate(zip(names, shapes))]
 
 
-def _checked(spec: ShardGroupSpec, shard: TensorRef) -> ShardGroupSpec:
-    """``spec``, once rank 0's shard has the shape its layout gives (a mismatch would
-    otherwise read the wrong elements without any error)."""
+def _checked(spec: ShardGroupSpec, shard: Optional[TensorRef]) -> ShardGroupSpec:
+    """``spec``, once rank 0's shard (if the files hold it) has the shape its layout gives (a
+    mismatch would otherwise read the wrong elements without any error)."""
     expected = tuple(spec.saved.shard_shape)
-    if spec.kind is not None and tuple(shard.shape) != expected:
+    if spec.kind is not None and shard is not None and tuple(shard.shape) != expected:
         what = f"{spec.layers} {spec.kind} layers" if spec.stacked else spec.kind
         raise CheckpointError(f"{shard.file.path}: {'stacked ' if spec.stacked else ''}shard "
                               f"{spec.key} has shape {list(shard.shape)}; its metadata ({what} "
@@ -186,8 +219,8 @@ def _checked(spec: ShardGroupSpec, shard: TensorRef) -> ShardGroupSpec:
     return spec
 
 
-def _stacked_shard_group(entry: ShardEntry, key: str, shard: TensorRef, world: int
-                         ) -> ShardGroupSpec:
+def _stacked_shard_group(entry: ShardEntry, key: str, shard: Optional[TensorRef],
+                         world: int) -> ShardGroupSpec:
     """The spec of a stacked shard; its metadata is checked against rank 0's shard, since
     a mismatch would otherwise read the wrong rows without any error."""
     layers, kind, multiple = entry.layers, entry.layer_kind, entry.multiple

@@ -29,6 +29,14 @@ def unwrapped_state(shards: ShardSet, plan: ModelPlan, with_optimizer: bool) -> 
                       f"consolidated checkpoint does not carry: it keeps 'model', "
                       f"'optimizer' and 'extra' only. Keep such values under 'extra' "
                       f"(save_sharded(..., extra=...)) to have them consolidated")
+    if plan.left_out:
+        # see [Note: shards left out of every rank file]
+        names = plan.left_out
+        warnings.warn(f"{shards.files[0].path} and the other rank files hold no shard of "
+                      f"{len(names)} parameters ({', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''}), which the shard metadata lists: "
+                      f"they were left out when saving (a filter), and only the others are "
+                      f"read")
     return UnwrappedState(unwrapped_tensors(plan, shards.files), list(plan.aliases),
                           named_state(shards, plan) if with_optimizer else None,
                           {EXTRA: materialized(head[EXTRA])} if EXTRA in head else {})

@@ -28,7 +28,7 @@ from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, find_shard_set
-from ..state_keys import EXTRA, MODEL
+from ..state_keys import EXTRA
 
 
 def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
@@ -50,7 +50,7 @@ def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,
         for f in shards.files[share[0]::share[1]]:
             f.verify()
         try:
-            plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+            plan = plan_model(shards)
         except CheckpointError as exc:  # the shard metadata, as rank 0's file holds it
             raise CheckpointError(f"{shards.files[0].path}: {exc}") from None
         return shard_set_source(shards, plan, with_optimizer, [to_close.pop_all().close]), shards

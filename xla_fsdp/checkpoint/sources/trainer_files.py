@@ -21,7 +21,7 @@ from ..files import CheckpointError, CheckpointFile
 from ..per_rank.plan import plan_model
 from ..per_rank.shard_set import find_shard_set
 from ..per_rank_format import SHARD_METADATA
-from ..state_keys import MODEL, OPTIMIZER
+from ..state_keys import OPTIMIZER
 from .entries import EntrySource
 from .per_rank_files import shard_set_source
 
@@ -61,5 +61,5 @@ def open_trainer_files(directory: str, world: int, weights_name: str, optimizer_
             f.tree[OPTIMIZER] = saved[OPTIMIZER]
         for f in shards.files[share[0]::share[1]] + opened[share[0]::share[1]]:
             f.verify()
-        plan = plan_model(shards.metadata, shards.files[0].tree[MODEL])
+        plan = plan_model(shards)
         return shard_set_source(shards, plan, True, [to_close.pop_all().close])
