@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from xla_fsdp.checkpoint.files import CheckpointError
-from xla_fsdp.checkpoint.optimizer_state import holds_settings_of, shard_state_is_sharded
+from xla_fsdp.checkpoint.optimizer_state import (holds_settings_of, saved_state_dict,
+                                                 shard_state_is_sharded)
 
 
 def test_a_group_of_the_same_class_holds_its_settings_after_a_load():
@@ -48,3 +49,19 @@ def test_a_saved_param_group_tells_another_optimizer_class_apart():
     assert not holds_settings_of(torch.optim.Adamax(p), adamw)
     rprop = torch.optim.Rprop([{"params": p, "weight_decay": 0.0}])
     assert holds_settings_of(rprop, rprop.state_dict()["param_groups"][0])
+
+
+def test_a_state_dict_hook_may_change_settings_but_not_renumber_the_tensors():
+    # every save ties an index to a shard by the live param_groups' order: a hook that
+    # renumbered them would give one tensor's state another's name
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (2, 3, 4))
+    sgd = torch.optim.SGD([{"params": [a, b]}, {"params": [c], "lr": 0.5}], lr=0.1)
+    sgd.register_state_dict_post_hook(
+        lambda _, saved: saved["param_groups"][1].update(lr=0.25))
+    assert [g["lr"] for g in saved_state_dict(sgd)["param_groups"]] == [0.1, 0.25]
+    sgd.register_state_dict_post_hook(
+        lambda _, saved: saved["param_groups"][0].update(params=[1, 0]))
+    with pytest.raises(CheckpointError, match=r"SGD.state_dict\(\) numbers the tensors .*"
+                                              r"group 0: \[1, 0\], where torch numbers "
+                                              r"\[0, 1\]"):
+        saved_state_dict(sgd)

@@ -318,7 +318,8 @@ def whole_tensor_optimizers(rank, directory):
     """Optimizers whose update reads the whole tensor on shards: refused at the first step
     before any update, on both layouts; accepted with allow_per_shard_statistics, whose
     per-rank state then saves as per-rank files only, refused on every rank elsewhere (see
-    [Note: optimizers that read the whole tensor])."""
+    [Note: optimizers that read the whole tensor]). An optimizer whose state dict hook
+    renumbers its tensors: refused by every save on every rank, before writing."""
     import os
     import torch_xla
     from xla_fsdp import FSDP, allow_per_shard_statistics
@@ -370,6 +371,15 @@ def whole_tensor_optimizers(rank, directory):
     if rank == 0:
         out["offline"] = error_of(lambda: consolidate_checkpoint_files(
             prefix, "_rank-*-of-*.pth", save_path=os.path.join(directory, "offline.pth")))
+    # a state dict hook that renumbers the tensors would give one's state another's name
+    hooked = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooked.register_state_dict_post_hook(lambda _, saved: saved["param_groups"][0].update(
+        params=saved["param_groups"][0]["params"][::-1]))
+    renumbered = os.path.join(directory, "renumbered")
+    out["renumbered"] = [error_of(lambda: save(renumbered + tail, model, hooked))
+                         for save, tail in ((save_sharded, ""), (save_consolidated, ".pth"),
+                                            (save_dcp, "_dcp"))]
+    out["renumbered_files"] = [n for n in os.listdir(directory) if n.startswith("renumbered")]
     return out
 
 
@@ -398,6 +408,11 @@ def test_optimizers_that_read_the_whole_tensor(tmp_path):
                 "has shape" in message and "per-rank files (save_sharded) keep" in message, message
     assert "optimizer state 'row_var' has shape" in out["offline"], out["offline"]
     assert "ckpt_rank-00000000-of-00000002.pth" in out["offline"], out["offline"]
+    for rank_out in (results[0], results[1]):
+        for message in nonempty(rank_out["renumbered"], "saves"):
+            assert message.startswith("CheckpointError: SGD.state_dict() numbers the tensors "
+                                      "of its param groups otherwise"), message
+    assert out["renumbered_files"] == [], out["renumbered_files"]
 
 
 def test_misuse_errors():

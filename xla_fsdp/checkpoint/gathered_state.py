@@ -38,7 +38,7 @@ from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_si
 from .files import CheckpointError
 from .live_model import (extra_state_tensors, parameter_order, persistent_buffers,
                          sharding_group_index, tied_aliases, units_by_saved_path, unwrapped_name)
-from .optimizer_state import live_state, optimizer_shard_keys, walk_state
+from .optimizer_state import live_state, optimizer_shard_keys, saved_state_dict, walk_state
 from .state_keys import EXTRA
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, holding, named_state
@@ -241,5 +241,5 @@ def _named_optimizer_state(model: ShardedModel, optimizer: torch.optim.Optimizer
                 for k, v in values[index].items()}
     param_groups = [(param_group, [(name, keys[i], i) for i in param_group["params"]
                                    for name in slots[keys[i]][1]])
-                    for param_group in optimizer.state_dict()["param_groups"]]
+                    for param_group in saved_state_dict(optimizer)["param_groups"]]
     return named_state(param_groups, order, state_of)

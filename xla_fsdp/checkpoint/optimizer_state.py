@@ -146,6 +146,33 @@ def live_state(optimizer: torch.optim.Optimizer
     return params, {i: optimizer.state[p] for i, p in enumerate(params) if p in optimizer.state}
 
 
+def saved_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """``optimizer.state_dict()``, whose param groups every save writes (a state dict hook's or
+    an override's changes to their settings included), once it numbers the tensors as torch
+    does, in the order of the live ``param_groups``: each save ties an index to a shard by
+    that order (``live_state``, ``optimizer_shard_keys``), so a hook or override that
+    renumbers them would give one tensor's state another's name. Refused (``CheckpointError``,
+    naming the optimizer) instead."""
+    saved = optimizer.state_dict()
+    expected, start = [], 0
+    for param_group in optimizer.param_groups:
+        expected.append(list(range(start, start + len(param_group["params"]))))
+        start += len(param_group["params"])
+    got = [list(g.get("params", ())) if isinstance(g, Mapping) else g
+           for g in saved.get("param_groups", ())]
+    if got != expected:
+        at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
+                  min(len(got), len(expected)))
+        raise CheckpointError(
+            f"{type(optimizer).__name__}.state_dict() numbers the tensors of its param groups "
+            f"otherwise than its param_groups hold them (group {at}: "
+            f"{got[at] if at < len(got) else 'missing'}, where torch numbers "
+            f"{expected[at] if at < len(expected) else 'no group'}): a state dict hook or "
+            f"override renumbers them, and a checkpoint would give one tensor's state "
+            f"another's name. Change a group's settings in such a hook, not its 'params'")
+    return saved
+
+
 def optimizer_shard_keys(model: ShardedModel, optimizer: torch.optim.Optimizer) -> List[str]:
     """The model state dict key of the shard each optimizer index holds, in index order
     (``RankRecord.optimizer_param_keys``)."""

@@ -46,7 +46,8 @@ from ..live_model import (ParamSlot, extra_state_tensors, extras_of_replicas, pa
                           parameter_order, persistent_buffers, refuse_lost_writes, require_root,
                           sharding_group_index, sharding_group_path, slots_by_shard,
                           units_by_saved_path, writes_sharding_group_copy)
-from ..optimizer_state import param_group_settings, live_state, refuse_foreign_params, walk_state
+from ..optimizer_state import (param_group_settings, live_state, refuse_foreign_params,
+                               saved_state_dict, walk_state)
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, every_rank_agrees, exchange, naming
 from .dcp_files import commit, local_plan, remove_files, write_in_files
@@ -214,6 +215,8 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
         for name, tensor in extra_states:
             add_whole(scheme.model(name), tensor, tensor.dtype)
     if optimizer is not None:
+        # checked on every rank, so that a refusal stops them all before any collective
+        param_groups = saved_state_dict(optimizer)["param_groups"]
         params, state = live_state(optimizer)
         for entry in walk_state(state, lambda i: params[i].shape,
                                 lambda i: f"DCP save of {by_shard[id(params[i])][0].name}"):
@@ -230,7 +233,7 @@ def _planner(model: ShardedModel, optimizer: Optional[torch.optim.Optimizer], ex
                 parameter_order(model, units_by_saved_path(model, list(model.named_units()))))
             # as the per-rank and consolidated saves hold them: optimizer.state_dict()'s
             # groups, a state dict hook's or an override's changes included
-            for index, param_group in enumerate(optimizer.state_dict()["param_groups"]):
+            for index, param_group in enumerate(param_groups):
                 names = sorted((t.name for i in param_group["params"]
                                 for t in by_shard[id(params[i])]), key=in_order)
                 settings = param_group_settings(param_group)

@@ -43,7 +43,7 @@ from ..coordination import agree, agree_or_undo, every_rank_agrees, exchange, na
 from ..files import StagedFile, remove_if_there
 from ..live_model import (extras_of_replicas, require_root, sharding_group_path,
                           writes_sharding_group_copy)
-from ..optimizer_state import optimizer_shard_keys
+from ..optimizer_state import optimizer_shard_keys, saved_state_dict
 from ..per_rank_format import (FORMAT_VERSION, RankRecord, other_world_files, rank_file_tree,
                                sharded_checkpoint_path, wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
@@ -94,7 +94,7 @@ def save_sharded(path_prefix: str, model: ShardedModel,
                                 else None, save_id)
             job.checkpoint = rank_file_tree(
                 host_copy(model.state_dict()), metadata, record,
-                host_copy(optimizer.state_dict()) if optimizer is not None else None, copied,
+                host_copy(saved_state_dict(optimizer)) if optimizer is not None else None, copied,
                 replicas)
         except Exception as exc:  # every rank must reach the agreement in publish
             job.error = exc
