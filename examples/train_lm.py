@@ -194,19 +194,22 @@ def train(rank: int, args: argparse.Namespace) -> dict:
                 rate = tokens / (time.monotonic() - began)
                 done = (step + 1) / args.steps
                 bar = "#" * int(24 * done)
-                sys.stderr.write(f"\rstep {step + 1:>5}/{args.steps} [{bar:<24}] loss {value:.3f} "
-                                 f"{rate:,.0f} tokens/s")
+                line = (f"step {step + 1:>5}/{args.steps} [{bar:<24}] loss {value:.3f} "
+                        f"{rate:,.0f} tokens/s")
+                # redrawn in place on a terminal, a line each in a log file
+                sys.stderr.write(f"\r{line}" if args.terminal else f"{line}\n")
                 sys.stderr.flush()
         manager.maybe_save(step + 1, model, opt, extra={"history": history, "resumes": resumes})
         if manager.stop_requested:  # SIGTERM: every rank saved this step; stop cleanly
             if shown:
-                print(f"\npreempted: saved step {step + 1}; run the same command to continue",
-                      file=sys.stderr)
+                past_bar = "\n" if args.terminal else ""
+                print(f"{past_bar}preempted: saved step {step + 1}; run the same command to "
+                      f"continue", file=sys.stderr)
             sys.exit(PREEMPTED_EXIT_CODE)
     # unless just saved
     manager.save(args.steps, model, opt, extra={"history": history, "resumes": resumes})
     manager.close()
-    if shown:
+    if shown and args.terminal:   # past the progress line
         sys.stderr.write("\n")
     return {"eval_loss": evaluate(model, eval_data, args, rank, world, device),
             "history": history, "resumed_from": start, "resumes": resumes}
@@ -310,7 +313,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="recompute each layer's activations in backward")
     p.add_argument("--offload-optimizer", action="store_true",
                    help="offload_optimizer=True: the optimizer steps on the host")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # asked here: a device process's stderr is the launcher's pipe, never a terminal
+    args.terminal = sys.stderr.isatty()
+    return args
 
 
 def main(argv=None) -> None:

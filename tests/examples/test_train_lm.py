@@ -29,6 +29,8 @@ def _run(out, *args):
                           env=env)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "Defaulting to PJRT_DEVICE" not in done.stderr, done.stderr[-3000:]
+    # not a terminal: progress comes a line at a time, not redrawn with carriage returns
+    assert "\r" not in done.stderr and "step " in done.stderr, done.stderr[-3000:]
     return done.stdout
 
 

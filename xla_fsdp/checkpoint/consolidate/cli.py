@@ -78,27 +78,32 @@ def parse_args(argv: Optional[Sequence[str]], default_suffix: str = DEFAULT_SUFF
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+    """A one-line progress bar on stderr, redrawn at most ten times a second; where stderr is
+    not a terminal (a log file, a pipe), a line of its own every ten seconds and at the end,
+    so that the log holds no carriage returns."""
 
     def __init__(self, total: int, label: str) -> None:
         self.total, self.done, self.label = max(total, 1), 0, label
         self._last = 0.0
         self._start = time.monotonic()
+        self._terminal = sys.stderr.isatty()
 
     def __call__(self, numel: int) -> None:
         finishing = self.done < self.total <= self.done + numel
         self.done += numel
         now = time.monotonic()
-        if now - self._last > 0.1 or finishing:
+        if now - self._last > (0.1 if self._terminal else 10.0) or finishing:
             self._last = now
             fraction = min(self.done / self.total, 1.0)
             bar = "#" * int(30 * fraction)
-            sys.stderr.write(f"\r{self.label} [{bar:<30}] {fraction:6.1%} "
-                             f"{self.done / 1e6:,.1f}M elements, {now - self._start:.1f}s")
+            line = (f"{self.label} [{bar:<30}] {fraction:6.1%} "
+                    f"{self.done / 1e6:,.1f}M elements, {now - self._start:.1f}s")
+            sys.stderr.write(f"\r{line}" if self._terminal else f"{line}\n")
             sys.stderr.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
+        if self._terminal:
+            sys.stderr.write("\n")
 
 
 def run(args: argparse.Namespace, skip_outputs: bool = False) -> List[str]:
