@@ -173,11 +173,32 @@ def misuses(rank):
     out["create_graph"] = error_of(grad_penalty)
     out["step_after_create_graph"] = error_of(lambda: penalty(x).sum().backward())
     torch_xla.sync()
+    _never_synced(out)
     full_optimizer_state(out)
     _grouping_misuses(out)
     _reduced_gradient_misuses(out)
     _conversions(out)
     return out
+
+
+def _never_synced(out):
+    """A loop without torch_xla.sync(): told once, at its third step (see [Note: a loop
+    without torch_xla.sync()]). Six steps: another rank's sync before its own loop may land
+    between two of this rank's, and restart the count once."""
+    import warnings
+    import torch_xla
+    from xla_fsdp import FSDP
+    model = FSDP(Tiny())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.ones(2, 4).to(torch_xla.device())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(6):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    out["never_synced"] = [str(w.message) for w in seen if "torch_xla.sync()" in str(w.message)]
+    torch_xla.sync()
 
 
 def _conversions(out):
@@ -455,6 +476,8 @@ def test_misuse_errors():
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
     assert out["own_scalars"] == "no error", out["own_scalars"]
+    told, = out["never_synced"]
+    assert told.startswith("SGD.step() ran 3 times without a torch_xla.sync()"), told
     three, one = out["other_layout_state"]
     assert "has shape (3,), not its shard's" in three and "shape (1,), not its" in one, \
         out["other_layout_state"]

@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Set
 
 import torch
+import torch_xla.debug.metrics as xla_metrics
 
 from .._sharding.layout import Dim0Layout
 from .._sharding.state_layout import StateLayout, state_layout
@@ -195,6 +196,8 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             "different ranks' shards together, because ACCELERATE_USE_FSDP is not set "
             "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
             "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
+    if sharded and sharded[0].device.type == "xla":
+        _warn_if_never_synced(optimizer, xla_metrics.counter_value("MarkStep") or 0)
     if sharded and optimizer not in _audited:
         _refuse_whole_tensor_update(optimizer, sharded)
         _refuse_full_parameter_state(optimizer, sharded)
@@ -206,6 +209,34 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             _reaudited_after_loads.add(optimizer)
             optimizer.register_load_state_dict_post_hook(_audited.discard)
         _audited.add(optimizer)
+
+
+# [Note: a loop without torch_xla.sync()]
+# On XLA a step runs when something ends it: ``torch_xla.sync()`` (``xm.mark_step()``, or
+# ``MpDeviceLoader`` after each batch) computes every live tensor. A loop that only reads
+# its loss (``loss.item()``) computes the loss alone: the parameters stay pending graphs, so
+# each step's graph holds every step before it, grows, compiles anew and runs them all again
+# (the example's loop about 15x slower on virtual devices, and no error anywhere; torch_xla's
+# FSDP is silent too). torch_xla counts its syncs (``MarkStep``): when an optimizer over
+# shards steps three times with none between, the user is told once. A loop that syncs every
+# few steps on purpose gets the same single warning.
+_UNSYNCED_STEPS_TOLD = 3
+_syncs_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, List[int]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _warn_if_never_synced(optimizer: torch.optim.Optimizer, syncs: int) -> None:
+    """See [Note: a loop without torch_xla.sync()]; ``syncs``: torch_xla's count so far."""
+    seen = _syncs_seen.setdefault(optimizer, [-1, 0])   # the count at the last step, steps
+    seen[1] = seen[1] + 1 if syncs == seen[0] else 0
+    seen[0] = syncs
+    if seen[1] == _UNSYNCED_STEPS_TOLD - 1:
+        warnings.warn(
+            f"{type(optimizer).__name__}.step() ran {_UNSYNCED_STEPS_TOLD} times without a "
+            f"torch_xla.sync() (xm.mark_step()) between the steps: the parameters stay pending "
+            f"graphs, so every step's graph holds all the steps before it, compiles anew and "
+            f"runs them again. Call torch_xla.sync() after optimizer.step() (MpDeviceLoader "
+            f"does it after each batch).", stacklevel=3)
 
 
 def _refuse_full_parameter_state(optimizer: torch.optim.Optimizer,
