@@ -125,7 +125,8 @@ def test_refusals_name_the_fault(tmp_path, capsys):
     # a consolidated checkpoint among the inputs
     torch.save({"model": {}}, prefix + "_rank-x-of-y.pth")
     err = _refusal(tmp_path, capsys, "--ckpt_prefix", prefix)
-    assert "_rank-x-of-y.pth is not a per-rank FSDP checkpoint" in err
+    assert "_rank-x-of-y.pth is not a per-rank FSDP checkpoint" in err and \
+        "load it with load_consolidated, or narrow the pattern" in err, err
     # a wrapped model's state_dict() alone, its shards without the metadata
     torch.save({"_fsdp_shard_FSDP_SHARD_SEPARATOR_lin_FSDP_SHARD_SEPARATOR_weight": torch.zeros(2)},
                prefix + "_rank-x-of-y.pth")

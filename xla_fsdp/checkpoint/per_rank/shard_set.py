@@ -197,8 +197,9 @@ def _what_else(tree: Any, pattern: str) -> str:
                 f"model.state_dict(), 'shard_metadata': model.get_shard_metadata(), "
                 f"'optimizer': optimizer.state_dict()}}")
     return (f"it has {shown}, not 'model' and 'shard_metadata'; if it is a consolidated "
-            f"checkpoint, narrow --ckpt_suffix so that {pattern!r} matches only the per-rank "
-            f"files")
+            f"checkpoint, load it with load_consolidated, or narrow the pattern (the "
+            f"consolidation tool's --ckpt_suffix) so that {pattern!r} matches only the "
+            f"per-rank files")
 
 
 def save_identity(f: CheckpointFile) -> tuple:
