@@ -20,6 +20,7 @@ does (``layers.3.mlp.fc1.weight``); the shards are ``StackedLayout`` groups.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -50,6 +51,12 @@ from .unit_module import UnitModule
 IGNORED_ATTRIBUTES = ("layer_idx",)
 
 
+# the options about a whole unit's schedule, which a stack's scan does not follow
+_WHOLE_UNIT_OPTIONS = ("reshard_after_forward", "optimization_barrier_in_forward",
+                       "optimization_barrier_in_backward", "reduce_scatter_bucket_size_mb",
+                       "zero_missing_gradients")
+
+
 class ScannedLayers(UnitModule):
     """Shards a stack of structurally identical layers as one unit and runs them as a scan.
 
@@ -58,13 +65,15 @@ class ScannedLayers(UnitModule):
     about a whole unit's schedule do not apply to a stack, whose scan gathers, frees and
     reduces one layer at a time: ``reshard_after_forward``, ``optimization_barrier_in_*``,
     ``reduce_scatter_bucket_size_mb`` and ``zero_missing_gradients`` (a parameter the
-    layer never uses gets no gradient, as unscanned without that option). Under ``no_sync`` the gradients are still reduce-scattered, one layer at a
-    time (the sum is the same; the communication is not saved). ``ignored_attributes`` names plain
-    attributes that may differ between layers; the others may change after wrapping on every
-    layer alike (dropout's ``p``), which traces the layer anew, and a change seen on the first
-    layer that the others do not share is refused. ``prefetch_next_layer=True`` gathers the next
-    layer beside the current layer's compute, at the cost of a second layer's full
-    parameters (see [Note: gathering the next layer ahead] in ``scan.loop``)."""
+    layer never uses gets no gradient, as unscanned without that option); set to other than
+    their defaults, they are ignored with a warning. Under ``no_sync`` the gradients are still
+    reduce-scattered, one layer at a time (the sum is the same; the communication is not
+    saved). ``ignored_attributes`` names plain attributes that may differ between layers; the
+    others may change after wrapping on every layer alike (dropout's ``p``), which traces the
+    layer anew, and a change seen on the first layer that the others do not share is
+    refused. ``prefetch_next_layer=True`` gathers the next layer beside the current layer's
+    compute, at the cost of a second layer's full parameters
+    (see [Note: gathering the next layer ahead] in ``scan.loop``)."""
 
     def __init__(self, layers: Union[nn.ModuleList, nn.Sequential, Sequence[nn.Module]],
                  ignored_attributes: Sequence[str] = IGNORED_ATTRIBUTES,
@@ -82,6 +91,14 @@ class ScannedLayers(UnitModule):
         ignored = tuple(ignored_attributes)
         check_identical(list(layers), ignored)
         options = options_from_keywords(kwargs, "ScannedLayers")
+        defaults = options_from_keywords({}, "ScannedLayers")
+        unused = [f"{k}={kwargs[k]!r}" for k in _WHOLE_UNIT_OPTIONS
+                  if k in kwargs and getattr(options, k) != getattr(defaults, k)]
+        if unused:
+            warnings.warn(f"ScannedLayers ({len(layers)} x {type(layers[0]).__name__}) ignores "
+                          f"{', '.join(unused)}: a stack's scan gathers, frees and reduces one "
+                          f"layer at a time, whatever a whole unit's schedule says",
+                          stacklevel=2)
         refuse_float32_modules(layers[0], options.compute_dtype)
         self.__dict__["_varying"] = varying_attributes(list(layers), ignored)
         self.__dict__["_ignored"] = ignored

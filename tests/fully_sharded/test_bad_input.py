@@ -64,6 +64,12 @@ def misuses(rank):
     out["scan_unknown_option"] = error_of(
         lambda: ScannedLayers(nn.ModuleList([Tiny(), Tiny()]), reshard_after_fwd=False))
     out["scan_twice"] = error_of(lambda: ScannedLayers(ScannedLayers([Tiny(), Tiny()])))
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:   # a whole unit's schedule: ignored
+        warnings.simplefilter("always")
+        ScannedLayers([Tiny(), Tiny()], reshard_after_forward=False, zero_missing_gradients=True,
+                      compute_dtype=torch.float32, reduce_scatter_bucket_size_mb=0)
+    out["scan_unit_options"] = [str(w.message) for w in seen if "ignores" in str(w.message)]
     int_param = Tiny()
     int_param.lin.steps = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
     out["int_param"] = error_of(lambda: FSDP(int_param))
@@ -443,6 +449,11 @@ def test_misuse_errors():
     assert out["scan_unknown_option"].startswith("TypeError: ScannedLayers") and \
         "['reshard_after_fwd']" in out["scan_unknown_option"]
     assert "already wrapped" in out["scan_twice"]
+    # named only when not the default; compute_dtype applies
+    assert out["scan_unit_options"] == [
+        "ScannedLayers (2 x Tiny) ignores reshard_after_forward=False, "
+        "zero_missing_gradients=True: a stack's scan gathers, frees and reduces one layer at a "
+        "time, whatever a whole unit's schedule says"], out["scan_unit_options"]
     assert "TypeError" in out["int_param"] and "'lin.steps'" in out["int_param"]
     assert "compute_dtype" in out["dtype"] and "int8" in out["dtype"]
     assert out["added_after_first_forward"].startswith(
