@@ -26,7 +26,7 @@ from ..dcp_format.layout import GET_STATE_DICT
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized
-from ..state_keys import OPTIMIZER
+from ..optimizer_state import param_group_settings
 
 
 @runtime_checkable
@@ -138,15 +138,24 @@ def optimizer_entries(state_dict: Mapping[str, Any], where: str,
                     f"{where}: the optimizer state numbers its parameters (param group {j}) "
                     f"without naming them; give it as get_state_dict does (state and params "
                     f"by name), or with the names in order (param_names)")
-        for setting, value in param_group.items():
-            if setting != "param_names":
-                objects[f"{OPTIMIZER}.param_groups.{j}.{setting}"] = (
-                    [name_of[p] for p in value] if setting == "params" else value)
-    for p, state in state_dict.get("state", {}).items():
+        for key, _, value in GET_STATE_DICT.param_group(
+                j, [name_of[p] for p in param_group["params"]],
+                param_group_settings(param_group)):
+            objects[key] = value
+    state = state_dict.get("state", {})
+    for p in state:
         if p not in name_of:
             raise CheckpointError(f"{where}: optimizer state for parameter {p!r}, which no "
                                   f"param group holds")
-        for setting, value in state.items():
-            key = GET_STATE_DICT.state(name_of[p], setting)[0]
-            (tensors if is_tensor(value) else objects)[key] = value
+    add_state_entries({name_of[p]: s for p, s in state.items()}, tensors, objects)
     return tensors, objects
+
+
+def add_state_entries(state: Mapping[str, Mapping[str, Any]], tensors: Dict[str, Tensorish],
+                      objects: Dict[str, Any]) -> None:
+    """Each parameter's optimizer ``state`` (by parameter name) under its key in the loader's
+    layout (``GET_STATE_DICT``): the tensors into ``tensors``, the rest into ``objects``."""
+    for param_name, param_state in state.items():
+        for name, value in param_state.items():
+            key = GET_STATE_DICT.state(param_name, name)[0]
+            (tensors if is_tensor(value) else objects)[key] = value

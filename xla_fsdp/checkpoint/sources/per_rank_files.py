@@ -23,7 +23,7 @@ from typing import Callable, Sequence, Tuple
 from ..dcp_format.layout import GET_STATE_DICT, rank_extra_key, replica_extra_key
 from ..files import CheckpointError
 from ..per_rank_format import REPLICA_EXTRAS
-from .entries import EntrySource, is_tensor, model_entries
+from .entries import EntrySource, add_state_entries, model_entries
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
@@ -72,10 +72,7 @@ def shard_set_source(shards: ShardSet, plan: ModelPlan, with_optimizer: bool,
         # the optimizer state by parameter name, and param groups listing names
         for key, _, value in state.optimizer.param_group_entries(GET_STATE_DICT):
             objects[key] = value
-        for param_name, param_state in state.optimizer.state.items():
-            for name, value in param_state.items():
-                key = GET_STATE_DICT.state(param_name, name)[0]
-                (tensors if is_tensor(value) else objects)[key] = value
+        add_state_entries(state.optimizer.state, tensors, objects)
     if EXTRA in head:
         objects[EXTRA] = head[EXTRA]
     for rank, f in enumerate(shards.files):
