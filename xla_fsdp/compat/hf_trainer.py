@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import os
-import re
 import sys
 import threading
 import warnings
@@ -230,26 +229,25 @@ def _loads_at_any_world_size(load: Callable, module: Any) -> Callable:
     state of another shape). A checkpoint holding files of several world sizes, or a model
     Trainer did not wrap with ours, is refused on every rank, naming the files."""
     optimizer_file = module.OPTIMIZER_NAME
-    pattern = re.compile(r"rank\d+-of-(\d+)-" + re.escape(optimizer_file) + "$")
 
     @functools.wraps(load)
     def load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or not getattr(self, "is_fsdp_xla_v1_enabled", False):
             return load(self, checkpoint)
         from ..checkpoint.coordination import exchange
+        from ..checkpoint.sources.trainer_files import trainer_file, trainer_file_worlds
         from ..unit_module import UnitModule
         # the wrapped model is Trainer's model on transformers 4, and model_wrapped on 5
         model = next((m for m in (self.model_wrapped, self.model) if isinstance(m, UnitModule)),
                      None)
         world = self.args.world_size
         scheduler = os.path.join(checkpoint, module.SCHEDULER_NAME)
-        own = os.path.join(checkpoint, f"rank{self.args.process_index}-of-{world}-"
-                                       f"{optimizer_file}")
+        own = trainer_file(checkpoint, self.args.process_index, world, optimizer_file)
         listed = os.listdir(checkpoint) if os.path.isdir(checkpoint) else []
         # every rank's view, so that all take the same way (the other one is collective)
-        views = exchange("xla_fsdp.trainer_resume.files", (sorted(
-            {int(m.group(1)) for m in map(pattern.match, listed) if m}),
-            os.path.isfile(scheduler), _shards_differ(own, model)))
+        views = exchange("xla_fsdp.trainer_resume.files", (
+            sorted(trainer_file_worlds(listed, optimizer_file)), os.path.isfile(scheduler),
+            _shards_differ(own, model)))
         saved = sorted({n for counts, _, _ in views for n in counts})
         # Trainer loads neither without the schedule's file
         if not saved or not all(found for _, found, _ in views):

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import List, Sequence, Tuple
+import re
+from typing import Iterable, List, Sequence, Set, Tuple
 
 from ..files import CheckpointError, CheckpointFile
 from ..per_rank.plan import plan_model
@@ -24,6 +25,17 @@ from ..per_rank_format import SHARD_METADATA
 from ..state_keys import OPTIMIZER
 from .entries import EntrySource
 from .per_rank_files import shard_set_source
+
+
+def trainer_file(directory: str, rank: int, world: int, name: str) -> str:
+    """Trainer's path for rank ``rank``'s file ``name`` of a save from ``world`` ranks."""
+    return os.path.join(directory, f"rank{rank}-of-{world}-{name}")
+
+
+def trainer_file_worlds(listed: Iterable[str], name: str) -> Set[int]:
+    """The world sizes of the saves whose rank files ``name`` are among ``listed``."""
+    pattern = re.compile(r"rank\d+-of-(\d+)-" + re.escape(name) + "$")
+    return {int(m.group(1)) for m in map(pattern.match, listed) if m}
 
 
 def open_trainer_files(directory: str, world: int, weights_name: str, optimizer_name: str,
@@ -39,7 +51,7 @@ def open_trainer_files(directory: str, world: int, weights_name: str, optimizer_
     with contextlib.ExitStack() as to_close:
         to_close.callback(shards.close)
         for rank, f in enumerate(shards.files):
-            path = os.path.join(directory, f"rank{rank}-of-{world}-{optimizer_name}")
+            path = trainer_file(directory, rank, world, optimizer_name)
             if not os.path.isfile(path):
                 raise CheckpointError(f"{path} is missing: {f.path} has no optimizer state "
                                       f"beside it")
