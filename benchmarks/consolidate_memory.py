@@ -21,7 +21,7 @@ from common import size_args, write_result
 
 from xla_fsdp.checkpoint import sharded_checkpoint_path
 from xla_fsdp.checkpoint.files import TorchFileWriter
-from xla_fsdp.checkpoint.per_rank_format import wrapping_fingerprint
+from xla_fsdp.checkpoint.formats.per_rank import wrapping_fingerprint
 
 SEP = "_FSDP_SHARD_SEPARATOR_"
 

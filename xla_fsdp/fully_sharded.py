@@ -90,7 +90,7 @@ class XlaFullyShardedDataParallel(UnitModule):
       parameter, so each parameter is all-gathered into a buffer of its own. torch_xla
       gathers one flat buffer per unit and slices the parameters out of it, and a backward
       fusion that reads a bias from that buffer keeps the whole unit alive until backward.
-      The checkpoint records these groups as ``interleaved`` (see ``checkpoint.per_rank_format``);
+      The checkpoint records these groups as ``interleaved`` (see ``checkpoint.formats.per_rank``);
     * the step updates the shards and the optimizer state in place: torch_xla 2.9 lets XLA
       pair donated buffers with outputs by size and order, which copies every shard and
       optimizer state tensor in and out of each step (see ``donation_order``);

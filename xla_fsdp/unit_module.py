@@ -43,7 +43,7 @@ from ._xla.private_api import CollectiveBindings, incompatible_keys
 from ._xla.trace_only import scalar_to_device
 from .checkpoint.full_state_dict import (full_state_dict, load_full_optim_state_dict,
                                          load_full_state_dict)
-from .checkpoint.per_rank_format import shard_metadata
+from .checkpoint.formats.per_rank import shard_metadata
 from .checkpoint.live_model import original_names_and_shards, sharding_group_index
 
 
@@ -422,7 +422,7 @@ class UnitModule(FallThrough):
         load_full_optim_state_dict(self, optimizer, optim_state_dict, param_names)
 
     def get_shard_metadata(self) -> Dict[str, Any]:
-        """What consolidation needs, in torch_xla's format (see ``checkpoint.per_rank_format``)."""
+        """What consolidation needs, in torch_xla's format (see ``checkpoint.formats.per_rank``)."""
         index = sharding_group_index(self)
         return shard_metadata(self, self.named_units(), self.world_size, self.rank,
                               None if index is None else

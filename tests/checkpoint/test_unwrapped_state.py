@@ -2,7 +2,7 @@
 optimizer's state (``named_state``), both producers' (per-rank files, a live model). No XLA."""
 import torch
 
-from xla_fsdp.checkpoint.dcp_format.layout import GET_STATE_DICT
+from xla_fsdp.checkpoint.formats.dcp.layout import GET_STATE_DICT
 from xla_fsdp.checkpoint.unwrapped_state import UnwrappedState, holding, named_state
 
 

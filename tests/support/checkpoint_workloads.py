@@ -167,7 +167,7 @@ def _files_of_two_runs(rank, world, directory, prefix, model, opt):
     import shutil
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import load_sharded, save_sharded
-    from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path
+    from xla_fsdp.checkpoint.formats.per_rank import sharded_checkpoint_path
     other = wrapped_net()
     other_opt = optimizer_for(other)
     train(other, other_opt, range(10, 12), rank, world)
@@ -193,7 +193,7 @@ def _bare_state_dicts(rank, world, directory, model, opt):
     import os
     import torch_xla.core.xla_model as xm
     from xla_fsdp.checkpoint import load_sharded
-    from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path
+    from xla_fsdp.checkpoint.formats.per_rank import sharded_checkpoint_path
     bare = os.path.join(directory, "bare")
     torch.save({k: v.cpu() for k, v in model.state_dict().items()},
                sharded_checkpoint_path(bare, rank, world))

@@ -5,7 +5,7 @@ import zipfile
 import torch
 
 from xla_fsdp._sharding.layout import Dim0Layout, FlatLayout, InterleavedLayout
-from xla_fsdp.checkpoint.per_rank_format import sharded_checkpoint_path, wrapping_fingerprint
+from xla_fsdp.checkpoint.formats.per_rank import sharded_checkpoint_path, wrapping_fingerprint
 
 SEP = "_FSDP_SHARD_SEPARATOR_"
 SHAPES = {"lin.weight": (5, 3), "lin.bias": (5,)}

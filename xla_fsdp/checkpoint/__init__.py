@@ -15,8 +15,8 @@ wrapping, where each rank loads its own per-rank file whole (``sharded``) and co
 the staging loader does. A save: the live model -> a writer (``writers``): each
 rank's own per-rank file or DCP chunks, or one consolidated output streamed from an
 ``unwrapped_state``, gathered from the live model (``gathered_state``) or read from per-rank
-files (``per_rank``). Under them: the formats (``per_rank_format``, ``consolidated_format``,
-``dcp_format``), the optimizer state's one rule and walk (``optimizer_state``), what they
+files (``per_rank``). Under them: the formats (``formats``: their keys, the per-rank
+shard metadata, consolidated names, DCP's layout), the optimizer state's one rule and walk (``optimizer_state``), what they
 need of a wrapped model (``unit_protocol``, ``live_model``), and the files' bytes
 (``files``). The offline ``consolidate_sharded_ckpts`` tool (``consolidate``) imports these;
 nothing here imports it."""
@@ -25,7 +25,7 @@ from .consolidated import load_consolidated, save_consolidated
 from .dcp import load_dcp, save_dcp
 from .files import CheckpointError
 from .manager import PREEMPTED_EXIT_CODE, CheckpointManager, watch_for_preemption
-from .per_rank_format import sharded_checkpoint_path
+from .formats.per_rank import sharded_checkpoint_path
 from .sharded import load_sharded, save_sharded
 
 __all__ = ["save_sharded", "load_sharded", "save_dcp", "load_dcp", "save_consolidated",

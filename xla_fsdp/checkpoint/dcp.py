@@ -1,5 +1,5 @@
 """DCP checkpoints that PyTorch FSDP2 and torchtitan read and write, in the layout of
-``dcp_format``: ``save_dcp``, each rank writing its own chunks (``writers.dcp_shards``), and
+``formats.dcp``: ``save_dcp``, each rank writing its own chunks (``writers.dcp_shards``), and
 ``load_dcp``, a DCP directory read at any world size, whoever wrote it (``save_dcp``, FSDP2's
 ``get_state_dict`` + ``dcp.save``, torchtitan, a plain single-process ``dcp.save``): each
 rank asks DCP for its own chunks and reads only the saved chunks that overlap them
@@ -13,7 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .._xla.trace_only import refuse_reads
-from .dcp_format.metadata_file import METADATA_FILE
+from .formats.dcp.metadata_file import METADATA_FILE
 from .sources.dcp_files import DcpSource
 from .staging import load_staged
 from .unit_protocol import ShardedModel

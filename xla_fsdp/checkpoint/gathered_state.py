@@ -39,7 +39,7 @@ from .files import CheckpointError
 from .live_model import (extra_state_tensors, parameter_order, persistent_buffers,
                          sharding_group_index, tied_aliases, units_by_saved_path, unwrapped_name)
 from .optimizer_state import live_state, optimizer_shard_keys, saved_state_dict, walk_state
-from .state_keys import EXTRA
+from .formats.keys import EXTRA
 from .unit_protocol import ShardedModel
 from .unwrapped_state import Member, UnwrappedState, holding, named_state
 

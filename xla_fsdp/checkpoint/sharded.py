@@ -19,11 +19,11 @@ from .live_model import (is_extra_state_key, replica_index, require_root,
                          sharding_group_load_path)
 from .optimizer_state import holds_settings_of, optimizer_shard_keys
 from .per_rank.shard_set import save_identity
-from .per_rank_format import (RANK_FILES, REPLICA_EXTRAS, SHARD_METADATA, RankRecord,
+from .formats.per_rank import (RANK_FILES, REPLICA_EXTRAS, SHARD_METADATA, RankRecord,
                               other_world_files, sharded_checkpoint_path, wrapping_fingerprint)
 from .sources.per_rank_files import open_per_rank_files
 from .staging import commit_on_every_rank, load_optimizer_state, load_staged
-from .state_keys import EXTRA, MODEL, OPTIMIZER
+from .formats.keys import EXTRA, MODEL, OPTIMIZER
 from .unit_protocol import ShardedModel
 from .writers.per_rank_files import continue_count, save_sharded
 

@@ -1,6 +1,6 @@
 """Loading the unwrapped model's checkpoint into a wrapped model (and its optimizer) at any
 world size, from whatever holds it: a ``Source`` describes what is stored, in the DCP
-layout's keys and DCP's metadata types (``dcp_format.layout``), and reads the pieces a rank asks
+layout's keys and DCP's metadata types (``formats.dcp.layout``), and reads the pieces a rank asks
 for. ``load_dcp`` reads DCP directories through one; ``load_consolidated`` reads
 ``.pth``, safetensors files and Hugging Face directories through others (``sources``).
 
@@ -34,14 +34,14 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, TensorS
 from .._sharding.chunks import Chunk, TensorPieces
 from .async_save import wait_for_pending
 from .coordination import agree_or_undo, every_rank_agrees, naming
-from .dcp_format.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key,
+from .formats.dcp.layout import (GET_STATE_DICT, KEY_SCHEMES, KeyScheme, rank_extra_key,
                                 rank_extras, replica_extra_key)
 from .files import CheckpointError
 from .live_model import (ParamSlot, extra_state_holders, param_slots, persistent_buffers,
                          replica_index, slots_by_shard)
 from .optimizer_state import (GROUP_MEMBERS, holds_settings_of, param_group_settings,
                               refuse_foreign_params, shard_state_is_sharded)
-from .state_keys import EXTRA, OPTIMIZER
+from .formats.keys import EXTRA, OPTIMIZER
 from .unit_protocol import ShardedModel
 
 Stored = Union[TensorStorageMetadata, BytesStorageMetadata]

@@ -18,7 +18,7 @@ from typing import (Any, Callable, Dict, Iterator, List, Optional, Protocol, Seq
 
 import torch
 
-from .dcp_format.layout import KeyScheme, Path
+from .formats.dcp.layout import KeyScheme, Path
 from .optimizer_state import param_group_settings
 
 

@@ -280,7 +280,7 @@ def _shards_differ(path: str, model: Any) -> bool:
     if model is None or not os.path.isfile(path):
         return False
     from ..checkpoint.files import CheckpointFile
-    from ..checkpoint.per_rank_format import SHARD_METADATA, wrapping_fingerprint
+    from ..checkpoint.formats.per_rank import SHARD_METADATA, wrapping_fingerprint
     with CheckpointFile(path) as f:
         saved = f.tree.get(SHARD_METADATA) if isinstance(f.tree, dict) else None
     return isinstance(saved, dict) and \

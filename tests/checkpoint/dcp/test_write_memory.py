@@ -1,6 +1,6 @@
 """What a DCP write holds at once: one file's worth, not the checkpoint. DCP's writer keeps
 every tensor of a file until the file closes, and each ``torch.save`` it makes holds its
-tensor in a reference cycle (see the Notes in ``writers.dcp_files`` and ``dcp_format.planners``); the
+tensor in a reference cycle (see the Notes in ``writers.dcp_files`` and ``formats.dcp.planners``); the
 checkpoint here is 8 tensors of 48 MiB written through ``write_alone`` (what the offline
 conversion does), each read only when the writer asks for it. Resident anonymous memory
 while writing must stay well under the 384 MiB that holding them all would take. And the
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from xla_fsdp.checkpoint.dcp_format.planners import ChunkSavePlanner, OnDemand
+from xla_fsdp.checkpoint.formats.dcp.planners import ChunkSavePlanner, OnDemand
 from xla_fsdp.checkpoint.writers.dcp_files import write_alone
 from ...support.checks import every
 

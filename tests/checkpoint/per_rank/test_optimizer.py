@@ -5,13 +5,13 @@ files' state by parameter name that every output of them takes (``named_state``)
 import pytest
 import torch
 
-from xla_fsdp.checkpoint.dcp_format.layout import GET_STATE_DICT
+from xla_fsdp.checkpoint.formats.dcp.layout import GET_STATE_DICT
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.optimizer_state import live_state, state_is_sharded, walk_state
 from xla_fsdp.checkpoint.per_rank.optimizer import named_state, optimizer_param_keys
 from xla_fsdp.checkpoint.per_rank.plan import plan_model
 from xla_fsdp.checkpoint.per_rank.shard_set import find_shard_set
-from xla_fsdp.checkpoint.state_keys import OPTIMIZER
+from xla_fsdp.checkpoint.formats.keys import OPTIMIZER
 
 from ...support.checks import every, nonempty
 from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key, write_set

@@ -7,7 +7,7 @@ import torch
 from xla_fsdp.checkpoint.consolidate import main
 from xla_fsdp.checkpoint.consolidate.library import output_paths
 from xla_fsdp.checkpoint.writers.formats import verify_written
-from xla_fsdp.checkpoint.dcp_format.layout import key_scheme
+from xla_fsdp.checkpoint.formats.dcp.layout import key_scheme
 from xla_fsdp.checkpoint.files import CheckpointError, CheckpointFile
 
 from ...support.checks import nonempty

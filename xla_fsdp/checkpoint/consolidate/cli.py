@@ -19,10 +19,10 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-from ..dcp_format.layout import KEY_SCHEMES
+from ..formats.dcp.layout import KEY_SCHEMES
 from ..files import CheckpointError, CheckpointFile, atomic_paths
-from ..per_rank_format import RANK_FILES, sharded_checkpoint_path
-from ..state_keys import MODEL
+from ..formats.per_rank import RANK_FILES, sharded_checkpoint_path
+from ..formats.keys import MODEL
 from ..writers.formats import FORMATS, OutputOptions, write_output
 from ..writers.hf_directory import DEFAULT_MAX_SHARD_SIZE
 from ..per_rank.optimizer import optimizer_param_keys

@@ -14,11 +14,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..consolidated_format import optimizer_companion
+from ..formats.consolidated import optimizer_companion
 from ..files import CheckpointError
 from ..files.memory import InMemoryCheckpoint
-from ..per_rank_format import SHARD_METADATA, ShardMetadata
-from ..state_keys import MODEL
+from ..formats.per_rank import SHARD_METADATA, ShardMetadata
+from ..formats.keys import MODEL
 from ..writers.formats import OutputOptions, write_output
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model

@@ -19,17 +19,17 @@ import torch
 
 from ..._sharding.chunks import TensorPieces, run_chunks
 from ..._sharding.layout import Layout
-from ..dcp_format.layout import GET_STATE_DICT
+from ..formats.dcp.layout import GET_STATE_DICT
 from ..staging import Source
 from ..files import CheckpointError, TorchFileWriter
 from ..files.reader import materialized
-from ..per_rank_format import RankRecord, rank_file_tree, wrapping_fingerprint
+from ..formats.per_rank import RankRecord, rank_file_tree, wrapping_fingerprint
 from ..optimizer_state import walk_state
 from ..per_rank.optimizer import optimizer_param_keys
 from ..sources.per_rank_files import shard_set_source
 from ..per_rank.plan import ModelPlan, ShardGroupSpec
 from ..per_rank.shard_set import ShardSet
-from ..state_keys import EXTRA, MODEL, OPTIMIZER
+from ..formats.keys import EXTRA, MODEL, OPTIMIZER
 
 
 def read_shard(source: Source, keys: Sequence[str], spec: ShardGroupSpec, layout: Layout,

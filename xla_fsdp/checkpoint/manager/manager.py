@@ -53,9 +53,9 @@ from ..._xla import trace_only
 from ..async_save import PendingSave
 from ..dcp import load_dcp, save_dcp
 from ..coordination import exchange
-from ..dcp_format.metadata_file import METADATA_FILE
+from ..formats.dcp.metadata_file import METADATA_FILE
 from ..files import CheckpointError
-from ..per_rank_format import RANK_FILES
+from ..formats.per_rank import RANK_FILES
 from ..sharded import load_sharded, save_sharded
 from ..unit_protocol import ShardedModel
 from ..live_model import sharding_group_path

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..files import CheckpointError, TensorRef
-from ..per_rank_format import RankRecord
+from ..formats.per_rank import RankRecord
 from ..optimizer_state import walk_state
-from ..state_keys import MODEL, OPTIMIZER
+from ..formats.keys import MODEL, OPTIMIZER
 from ..unwrapped_state import Member, NamedState, holding, named_state as name_state
 from .plan import ShardGroupSpec, ModelPlan, ParamSpec, SpreadTensor, saved_keys
 from .shard_set import ShardSet

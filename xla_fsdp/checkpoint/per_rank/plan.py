@@ -25,8 +25,8 @@ import torch
 
 from ..files import CheckpointError, TensorRef
 from ..live_model import EXTRA_STATE, is_extra_state_key
-from ..per_rank_format import LAYER_KINDS, ShardEntry
-from ..state_keys import MODEL
+from ..formats.per_rank import LAYER_KINDS, ShardEntry
+from ..formats.keys import MODEL
 from ..._sharding.layout import (Dim0Layout, FlatLayout, InterleavedLayout, Layout, Owned,
                                  StackedLayout, runs_by_param)
 from ..._sharding.names import SHARD_PREFIX, clean_name, join_name

@@ -12,8 +12,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..._sharding.names import SHARD_PREFIX
 from ..files import CheckpointError, CheckpointFile
-from ..per_rank_format import RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
-from ..state_keys import MODEL
+from ..formats.per_rank import RANK_TAIL, SHARD_METADATA, RankRecord, ShardMetadata
+from ..formats.keys import MODEL
 
 
 @dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 import warnings
 
 from ..files.reader import materialized
-from ..per_rank_format import RECORD, REPLICA_EXTRAS, SHARD_METADATA
-from ..state_keys import EXTRA, MODEL, OPTIMIZER
+from ..formats.per_rank import RECORD, REPLICA_EXTRAS, SHARD_METADATA
+from ..formats.keys import EXTRA, MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 from .optimizer import named_state
 from .plan import ModelPlan, unwrapped_tensors

@@ -13,12 +13,12 @@ import os
 from typing import Any, Dict, Optional, Tuple, TypeVar, Union
 
 from .dcp_files import DcpSource
-from ..dcp_format.metadata_file import METADATA_FILE
+from ..formats.dcp.metadata_file import METADATA_FILE
 from ..staging import Source
 from ..files import CheckpointError, CheckpointFile, SafetensorsFile
-from ..consolidated_format import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimizer_companion
+from ..formats.consolidated import HF_INDEX, HF_WEIGHTS, OPTIMIZER_NAMES, optimizer_companion
 from ..live_model import is_extra_state_key
-from ..state_keys import EXTRA, MODEL, OPTIMIZER
+from ..formats.keys import EXTRA, MODEL, OPTIMIZER
 from .entries import EntrySource, is_tensor, model_entries, optimizer_entries
 
 _File = TypeVar("_File", bound=Union[CheckpointFile, SafetensorsFile])

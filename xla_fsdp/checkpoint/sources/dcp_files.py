@@ -13,8 +13,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..._sharding.chunks import TensorPieces
 from ..._xla.private_api import dcp_stored_at
-from ..dcp_format.metadata_file import METADATA_FILE, read_metadata_file
-from ..dcp_format.planners import ChunkLoadPlanner
+from ..formats.dcp.metadata_file import METADATA_FILE, read_metadata_file
+from ..formats.dcp.planners import ChunkLoadPlanner
 from ..files import CheckpointError
 
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    TensorProperties, TensorStorageMetadata)
 
 from ..._sharding.chunks import TensorPieces
-from ..dcp_format.layout import GET_STATE_DICT
+from ..formats.dcp.layout import GET_STATE_DICT
 from ..staging import Stored
 from ..files import CheckpointError, TensorRef
 from ..files.reader import materialized

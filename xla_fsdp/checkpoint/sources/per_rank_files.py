@@ -20,15 +20,15 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Sequence, Tuple
 
-from ..dcp_format.layout import GET_STATE_DICT, rank_extra_key, replica_extra_key
+from ..formats.dcp.layout import GET_STATE_DICT, rank_extra_key, replica_extra_key
 from ..files import CheckpointError
-from ..per_rank_format import REPLICA_EXTRAS
+from ..formats.per_rank import REPLICA_EXTRAS
 from .entries import EntrySource, add_state_entries, model_entries
 from ..per_rank.optimizer import optimizer_param_keys
 from ..per_rank.plan import ModelPlan, plan_model
 from ..per_rank.unwrapped import unwrapped_state
 from ..per_rank.shard_set import ShardSet, find_shard_set
-from ..state_keys import EXTRA
+from ..formats.keys import EXTRA
 
 
 def open_per_rank_files(prefix: str, suffix: str, with_optimizer: bool,

@@ -21,8 +21,8 @@ from typing import Iterable, List, Sequence, Set, Tuple
 from ..files import CheckpointError, CheckpointFile
 from ..per_rank.plan import plan_model
 from ..per_rank.shard_set import find_shard_set
-from ..per_rank_format import SHARD_METADATA
-from ..state_keys import OPTIMIZER
+from ..formats.per_rank import SHARD_METADATA
+from ..formats.keys import OPTIMIZER
 from .entries import EntrySource
 from .per_rank_files import shard_set_source
 

@@ -7,10 +7,10 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from ..consolidated_format import OPTIMIZER_NAMES, optimizer_companion
+from ..formats.consolidated import OPTIMIZER_NAMES, optimizer_companion
 from ..files import (SafetensorsWriter, TorchFileWriter, atomic_path, atomic_paths,
                      remove_if_there)
-from ..state_keys import MODEL, OPTIMIZER
+from ..formats.keys import MODEL, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 
 

@@ -1,5 +1,5 @@
 """The consolidated checkpoint as a DCP directory (``--format dcp``), in the layout of
-``dcp_format.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and
+``formats.dcp.layout``: what ``get_state_dict`` + ``dcp.save`` of the unwrapped model and
 optimizer would write (or, with ``--dcp_keys torchtitan``, torchtitan's checkpointer), so that
 FSDP2 and torchtitan start from it. Every tensor is read when DCP's writer asks for it and
 written whole: memory stays near one file's worth (see [Note: DCP's writer keeps a file's
@@ -12,10 +12,10 @@ from typing import Callable, List
 
 import torch
 
-from ..dcp_format.layout import KeyScheme, extra_key
-from ..dcp_format.planners import ChunkSavePlanner, OnDemand
+from ..formats.dcp.layout import KeyScheme, extra_key
+from ..formats.dcp.planners import ChunkSavePlanner, OnDemand
 from .dcp_files import write_alone
-from ..state_keys import EXTRA
+from ..formats.keys import EXTRA
 from ..unwrapped_state import Readable, UnwrappedState
 
 

@@ -35,8 +35,8 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ..._xla.private_api import dcp_file_prefix, dcp_plan_prefix, dcp_stored_at
-from ..dcp_format.metadata_file import METADATA_FILE
-from ..dcp_format.planners import ChunkSavePlanner
+from ..formats.dcp.metadata_file import METADATA_FILE
+from ..formats.dcp.planners import ChunkSavePlanner
 from ..files import StagedFile, is_out_of_space, no_space_error, remove_if_there
 
 SUFFIX = ".distcp"

@@ -51,9 +51,9 @@ from ..optimizer_state import (param_group_settings, live_state, refuse_foreign_
 from ..unit_protocol import ShardedModel
 from ..coordination import agree, agree_or_undo, digest, every_rank_agrees, exchange, naming
 from .dcp_files import commit, local_plan, remove_files, write_in_files
-from ..dcp_format.layout import (KeyScheme, Path, extra_key, key_scheme, rank_extra_key,
+from ..formats.dcp.layout import (KeyScheme, Path, extra_key, key_scheme, rank_extra_key,
                                  replica_extra_key)
-from ..dcp_format.planners import ChunkSavePlanner, OnDemand
+from ..formats.dcp.planners import ChunkSavePlanner, OnDemand
 from ..unwrapped_state import model_order
 
 
@@ -61,7 +61,7 @@ def save_dcp(checkpoint_dir: str, model: ShardedModel,
              optimizer: Optional[torch.optim.Optimizer] = None, extra: Any = None,
              keys: str = "get_state_dict", async_save: bool = False) -> Any:
     """Saves ``model`` (and ``optimizer``, and ``extra``) as a DCP checkpoint in
-    ``checkpoint_dir``, in the layout of ``dcp_format.layout`` with the key scheme ``keys``
+    ``checkpoint_dir``, in the layout of ``formats.dcp.layout`` with the key scheme ``keys``
     (``"get_state_dict"``, what FSDP2's recipe loads, or ``"torchtitan"``). Every rank calls
     it; each writes only its own chunks, never a full parameter it does not hold. Returns
     the directory (None on a replica that does not write).

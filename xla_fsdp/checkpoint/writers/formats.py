@@ -18,13 +18,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from ..dcp_format.layout import GET_STATE_DICT, KeyScheme, key_scheme
+from ..formats.dcp.layout import GET_STATE_DICT, KeyScheme, key_scheme
 from ..files import CheckpointError, CheckpointFile
 from ..sources.consolidated_files import open_consolidated
 from .dcp_directory import write_dcp
 from .hf_directory import DEFAULT_MAX_SHARD_SIZE, hf_directory
 from .consolidated_file import write_consolidated
-from ..state_keys import EXTRA, OPTIMIZER
+from ..formats.keys import EXTRA, OPTIMIZER
 from ..unwrapped_state import UnwrappedState
 
 FORMATS = ("pt", "safetensors", "hf", "dcp")

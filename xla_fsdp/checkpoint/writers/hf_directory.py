@@ -36,7 +36,7 @@ import torch
 from ..._xla.private_api import tied_weights_patterns
 from ..files import CheckpointError, SafetensorsWriter, atomic_paths
 from ..files.writer import SAFETENSORS_DTYPES
-from ..consolidated_format import HF_INDEX, HF_WEIGHTS
+from ..formats.consolidated import HF_INDEX, HF_WEIGHTS
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")

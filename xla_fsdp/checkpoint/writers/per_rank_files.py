@@ -4,7 +4,7 @@ Each rank writes ``{prefix}_rank-{rank:08d}-of-{world:08d}.pth`` holding torch_x
 format, ``{'model', 'shard_metadata', 'optimizer'}``, plus an ``'xla_fsdp'`` record (world
 size, rank, a fingerprint of the wrapping, which optimizer index is which shard, and a save
 counter that ties the files of one save together) and the caller's ``'extra'``
-(``per_rank_format``). Every record carries the CRC-32 ``torch.save`` computes. A save is
+(``formats.per_rank``). Every record carries the CRC-32 ``torch.save`` computes. A save is
 every rank's or none (see the Note below): a crash or a full disk mid-save leaves the
 previous files whole, and no file of the failed save on any rank. Once a save is in place,
 the files an earlier save at another world size left under the same prefix are removed:
@@ -44,7 +44,7 @@ from ..files import StagedFile, remove_if_there
 from ..live_model import (extras_of_replicas, require_root, sharding_group_path,
                           writes_sharding_group_copy)
 from ..optimizer_state import optimizer_shard_keys, saved_state_dict
-from ..per_rank_format import (FORMAT_VERSION, RankRecord, other_world_files, rank_file_tree,
+from ..formats.per_rank import (FORMAT_VERSION, RankRecord, other_world_files, rank_file_tree,
                                sharded_checkpoint_path, wrapping_fingerprint)
 from ..unit_protocol import ShardedModel
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
 
-from ..state_keys import EXTRA, MODEL, OPTIMIZER
+from ..keys import EXTRA, MODEL, OPTIMIZER
 
 Path = Tuple[object, ...]
 

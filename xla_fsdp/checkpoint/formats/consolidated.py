@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 # a consolidated .pth holds a per-rank file's ``MODEL``, ``OPTIMIZER`` and ``EXTRA``
-# (``per_rank_format``: the unwrapped model's state dict, its optimizer's, what the training
+# (``formats.per_rank``: the unwrapped model's state dict, its optimizer's, what the training
 # code saved) and the optimizer's parameter names by index under this key
 OPTIMIZER_NAMES = "optimizer_param_names"
 # a Hugging Face directory's weights: one file, or shards listed by an index

@@ -1,5 +1,5 @@
 """A DCP directory's ``.metadata`` is read admitting only DCP's metadata classes
-(``dcp_format/metadata_file.py``), on every path that reads one: ``read_metadata``, ``DcpSource``
+(``formats/dcp/metadata_file.py``), on every path that reads one: ``read_metadata``, ``DcpSource``
 (``load_dcp``), ``open_consolidated`` (``load_consolidated``) and the CLI's verification of
 its ``--format dcp`` output. A crafted file runs nothing and is refused naming the file and
 the global; what ``dcp.save`` writes reads as DCP's own reader reads it. Objects saved beside
@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 
 from xla_fsdp.checkpoint.writers.formats import verify_written
-from xla_fsdp.checkpoint.dcp_format.layout import key_scheme
+from xla_fsdp.checkpoint.formats.dcp.layout import key_scheme
 from xla_fsdp.checkpoint.sources.dcp_files import DcpSource, read_metadata
-from xla_fsdp.checkpoint.dcp_format.metadata_file import read_metadata_file
+from xla_fsdp.checkpoint.formats.dcp.metadata_file import read_metadata_file
 from xla_fsdp.checkpoint.files import CheckpointError
 from xla_fsdp.checkpoint.sources.consolidated_files import open_consolidated
 

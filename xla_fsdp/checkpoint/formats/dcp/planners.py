@@ -2,7 +2,7 @@
 
 DCP's default planners take a state dict of whole tensors or DTensors. Our shards are
 neither: a rank holds runs of each parameter's elements, as one or a few chunks
-(``dcp_format.layout``). These planners take those chunks directly, through DCP's public planner
+(``formats.dcp.layout``). These planners take those chunks directly, through DCP's public planner
 interface, and leave everything else to DCP: the global metadata (``.metadata``), the file
 format, and which saved chunks overlap which requested ones.
 
@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..._sharding.chunks import TensorPieces
-from ..._xla.private_api import dcp_stored_at
-from ..files import CheckpointError
+from ...._sharding.chunks import TensorPieces
+from ...._xla.private_api import dcp_stored_at
+from ...files import CheckpointError
 from .layout import Path
 
 COLLECT_BYTES = 64 << 20

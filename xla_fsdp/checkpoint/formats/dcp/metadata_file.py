@@ -46,7 +46,7 @@ from typing import Any, Dict, FrozenSet, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..files import CheckpointError
+from ...files import CheckpointError
 
 METADATA_FILE = ".metadata"  # the name DCP gives it in every checkpoint directory
 

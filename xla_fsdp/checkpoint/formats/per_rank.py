@@ -40,14 +40,14 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
-from .._sharding.names import join_name
-from .._unit.buffers import original_dtype
-from .live_model import parameter_order, persistent_buffers, tied_aliases, units_by_saved_path
-from .state_keys import EXTRA, MODEL, OPTIMIZER
-from .unit_protocol import ShardedUnit
+from ..._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
+from ..._sharding.names import join_name
+from ..._unit.buffers import original_dtype
+from ..live_model import parameter_order, persistent_buffers, tied_aliases, units_by_saved_path
+from .keys import EXTRA, MODEL, OPTIMIZER
+from ..unit_protocol import ShardedUnit
 
-# the keys of a per-rank file beside MODEL, OPTIMIZER and EXTRA (``state_keys``)
+# the keys of a per-rank file beside MODEL, OPTIMIZER and EXTRA (``keys``)
 SHARD_METADATA, RECORD = "shard_metadata", "xla_fsdp"
 REPLICA_EXTRAS = "replica_extras"   # {replica group: extra} (see [Note: each replica's extra])
 FORMAT_VERSION = 1
