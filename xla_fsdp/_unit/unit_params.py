@@ -82,7 +82,8 @@ class UnitParams:
         self.options = options
         self.device = device
         self._gathered_records: List[ParamRecord] = []
-        self._gathered: Optional[List[torch.Tensor]] = None
+        # the all-gathers' results while a gather is in flight (``FullParams.GATHERING``)
+        self._in_flight: Optional[List[torch.Tensor]] = None
         self._gathered_generation: Tuple[tuple, ...] = ()
         self._dummies: Dict[torch.dtype, torch.Tensor] = {}
         self._queue: List[Tuple[ShardGroup, torch.Tensor]] = []
@@ -131,7 +132,7 @@ class UnitParams:
     def state(self) -> FullParams:
         """A gather in flight, else whether any placeholder holds its full value: the records
         are the one account of what is held."""
-        if self._gathered is not None:
+        if self._in_flight is not None:
             return FullParams.GATHERING
         if any(r.holds_full for r in self._gathered_records):
             return FullParams.UNSHARDED
@@ -156,7 +157,7 @@ class UnitParams:
             optimization_barrier([g.local() for u in issue for g in u.gathered] + list(deps))
         for unit in issue:
             unit._issue_gather()
-        installing = self._gathered is not None
+        installing = self._in_flight is not None
         if installing:
             self._install(list(deps) if self not in issue else [], barrier)
         return bool(issue) or installing
@@ -173,13 +174,13 @@ class UnitParams:
         return tuple(g.generation() for g in self.gathered)
 
     def _issue_gather(self) -> None:
-        self._gathered = gather_pieces(
+        self._in_flight = gather_pieces(
             self.collectives, [(g.layout, g.local(), g.compute_dtype) for g in self.gathered],
             self.options.coalesce_all_gather_ops, chained=in_backward())
         self._gathered_generation = self._generation()
 
     def _install(self, deps: List[torch.Tensor], barrier: bool) -> None:
-        gathered, self._gathered = self._gathered, None
+        gathered, self._in_flight = self._in_flight, None
         if barrier:
             optimization_barrier(gathered + deps)
         if self.immediate:
@@ -198,7 +199,7 @@ class UnitParams:
             dummies += [self._dummy(g.compute_dtype)] * len(g.records)
         freed = ParamRecord.free(records, dummies, writes_kept)
         if len(shard_groups) == len(self.gathered):
-            self._gathered = None
+            self._in_flight = None
         if barrier and (freed or deps):
             optimization_barrier([g.local() for g in shard_groups] + list(deps))
 
@@ -228,7 +229,7 @@ class UnitParams:
 
     def drop_prefetch(self) -> None:
         """Forgets a gather issued for a pass that never reached this unit."""
-        self._gathered = None
+        self._in_flight = None
 
     def abandon(self) -> None:
         """After a pass that raised: frees the full parameters and drops the gather in flight
