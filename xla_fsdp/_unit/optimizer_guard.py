@@ -216,8 +216,8 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 # ``MpDeviceLoader`` after each batch) computes every live tensor. A loop that only reads
 # its loss (``loss.item()``) computes the loss alone: the parameters stay pending graphs, so
 # each step's graph holds every step before it, grows, compiles anew and runs them all again
-# (the example's loop about 15x slower on virtual devices, and no error anywhere; torch_xla's
-# FSDP is silent too). torch_xla counts its syncs (``MarkStep``): when an optimizer over
+# (30 AdamW steps of a two-block model at N=2 on virtual devices: 4.3 s synced, 213 s not,
+# and no error anywhere; torch_xla's FSDP is silent too). torch_xla counts its syncs (``MarkStep``): when an optimizer over
 # shards steps three times with none between, the user is told once. A loop that syncs every
 # few steps on purpose gets the same single warning.
 _UNSYNCED_STEPS_TOLD = 3
