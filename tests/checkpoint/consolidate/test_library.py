@@ -11,6 +11,7 @@ import torch
 
 from xla_fsdp.checkpoint.consolidate.library import (consolidate_checkpoint_files,
                                                      consolidate_state_dicts)
+from xla_fsdp.checkpoint.per_rank import shard_set
 from xla_fsdp.checkpoint.per_rank.shard_set import IncompleteCheckpoint
 from xla_fsdp.checkpoint.files import CheckpointError
 
@@ -36,10 +37,14 @@ def test_waits_for_ranks_still_writing(tmp_path):
     assert every(torch.equal(state[n], full[n]) for n in SHAPES)
 
 
-def test_timeout_names_the_missing_ranks(tmp_path):
+def test_timeout_names_the_missing_ranks_and_a_long_wait_is_said(tmp_path, monkeypatch):
+    # offline, a missing file never comes: the wait (600 s by default) is said early on
+    monkeypatch.setattr(shard_set, "_SAY_WAITING_AFTER", 0.2)
     prefix = str(tmp_path / "ckpt")
     write_set(prefix, 4, ranks=[0, 2], recipe=True)
-    with pytest.raises(IncompleteCheckpoint, match=r"waited 0.5 s.*ranks \[1, 3\] are missing"):
+    with pytest.raises(IncompleteCheckpoint, match=r"waited 0.5 s.*ranks \[1, 3\] are missing"), \
+            pytest.warns(UserWarning, match=r"still waiting, up to 0.5 s in all, .*ranks "
+                                            r"\[1, 3\] are missing"):
         consolidate_checkpoint_files(prefix, "_rank-*-of-*.pth", save_model=False,
                                      wait_seconds=0.5)
 

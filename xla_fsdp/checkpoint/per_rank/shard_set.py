@@ -7,6 +7,7 @@ import glob
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -105,21 +106,31 @@ def find_shard_set(prefix: str, suffix: str, outputs: Sequence[str] = (),
     return ShardSet(by_rank, ShardMetadata(by_rank[0].tree[SHARD_METADATA]), pattern)
 
 
+# seconds a consolidation waits for rank files before it says so
+_SAY_WAITING_AFTER = 10.0
+
+
 def wait_for_shard_set(prefix: str, suffix: str, outputs: Sequence[str], timeout: float
                        ) -> ShardSet:
     """``find_shard_set`` (with ``skip_outputs``), retried every 0.2 s while the set looks
     incomplete, for up to ``timeout`` seconds: for consolidation called from training code
     while other ranks may still be writing (``xm.save`` does not wait for the other ranks
     since torch_xla 2.9)."""
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    told = False
     while True:
         try:
             return find_shard_set(prefix, suffix, outputs, skip_outputs=True)
         except IncompleteCheckpoint as exc:
-            if time.monotonic() >= deadline:
+            waited = time.monotonic() - start
+            if waited >= timeout:
                 raise IncompleteCheckpoint(
                     f"waited {timeout:g} s for the checkpoint to be complete, but: {exc}"
                 ) from None
+            if waited >= _SAY_WAITING_AFTER and not told:   # offline, it may never be
+                told = True
+                warnings.warn(f"still waiting, up to {timeout:g} s in all, for the checkpoint "
+                              f"to be complete (ranks still writing?): {exc}", stacklevel=3)
         time.sleep(0.2)
 
 
