@@ -68,7 +68,7 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
     ignored_modules = set(ignored_modules or ())
     ignored_ids = {id(p) for p in ignored_params or ()}
     return _wrap(module, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_ids,
-                 only_wrap_children, kwargs, _registrations(module))
+                 only_wrap_children, kwargs, _registrations(module), {})
 
 
 def _registrations(module: nn.Module) -> Counter:
@@ -99,7 +99,13 @@ def _unwrapped_numel(module: nn.Module, ignored_ids: Set[int]) -> int:
 
 def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
           ignored_modules: Set[nn.Module], ignored_ids: Set[int], only_children: bool,
-          kwargs: Dict[str, Any], registrations: Counter) -> Tuple[nn.Module, int]:
+          kwargs: Dict[str, Any], registrations: Counter,
+          done: Dict[int, nn.Module]) -> Tuple[nn.Module, int]:
+    # a module registered in several places (``nn.ModuleList([block] * 3)``) is wrapped once
+    # and that unit put in each place (see [Note: a unit under several paths] in
+    # ``checkpoint.live_model``); its parameters are counted once
+    if id(module) in done:
+        return done[id(module)], 0
     # an existing unit (e.g. ScannedLayers) has sharded its subtree already: wrapping inside
     # it would build units around its placeholders
     if module in ignored_modules or is_unit(module):
@@ -110,11 +116,14 @@ def _wrap(module: nn.Module, policy: Callable, wrapper_cls: Callable,
                   unwrapped_params=_unwrapped_numel(inner, ignored_ids)):
         return module, 0
     wrapped_total = 0
-    for name, child in inner.named_children():
+    # every place a child is registered at, a repeated one too (named_children gives one)
+    for name, child in [(n, m) for n, m in inner.named_modules(remove_duplicate=False)
+                        if n and "." not in n]:
         new_child, count = _wrap(child, policy, wrapper_cls, ignored_modules, ignored_ids,
-                                 False, kwargs, registrations)
+                                 False, kwargs, registrations, done)
         if new_child is not child:
             setattr(inner, name, new_child)
+            done[id(child)] = new_child
         wrapped_total += count
     remaining = _unwrapped_numel(inner, ignored_ids)
     if not only_children and policy(module=inner, recurse=False, unwrapped_params=remaining):

@@ -3,8 +3,8 @@
 not pass through the root's output, ``retain_graph``, nested units used before the root,
 dataclass outputs, freezing after wrapping, non-persistent buffers, grouped units whose
 members are skipped or called twice, no-grad evaluation, ``load_state_dict(assign=True)``,
-an abandoned ``no_sync`` micro-batch, one module registered under several names, a forward
-that lists its own parameters.
+an abandoned ``no_sync`` micro-batch, one module registered under several names, a unit
+registered in two places (shared layers), a forward that lists its own parameters.
 
 One launch at N = 2 runs them all (the suite's time budget allows no more); each rank trains
 the unsharded reference too. Bounds (fp32): losses within 1e-5 relative, parameters and
@@ -19,7 +19,7 @@ from xla_fsdp import launch
 from xla_fsdp.checkpoint.consolidate.library import (consolidate_checkpoint_files,
                                                      consolidate_state_dicts)
 
-from ..support.pattern_models import SharedEmbeddingLM
+from ..support.pattern_models import SharedEmbeddingLM, SharedLayerNet
 from ..support.pattern_scenarios import SCENARIOS, run
 from ..support.patterns import WORLD
 
@@ -43,10 +43,10 @@ def _problems(results, name):
     return found
 
 
-def _consolidation_problems(results):
+def _consolidation_problems(results, name, build):
     """The ranks' torch_xla-format state dicts consolidate into one that loads strict into
-    the unwrapped model and holds the values ``full_state_dict`` gave."""
-    saved = [results[r]["extra"].get("shared_module_names") for r in range(WORLD)]
+    the unwrapped model (``build()``) and holds the values ``full_state_dict`` gave."""
+    saved = [results[r]["extra"].get(name) for r in range(WORLD)]
     if any(s is None for s in saved):
         return ["consolidation: the scenario ended before the state dicts were taken"]
     try:
@@ -55,7 +55,7 @@ def _consolidation_problems(results):
         return [f"consolidation raised {type(exc).__name__}: {exc}"]
     problems = []
     try:
-        SharedEmbeddingLM().load_state_dict(merged, strict=True)
+        build().load_state_dict(merged, strict=True)
     except Exception as exc:
         problems.append(f"the consolidated state dict does not load strict into the unwrapped "
                         f"model: {type(exc).__name__}: {' '.join(str(exc).split())}")
@@ -95,11 +95,15 @@ def _group_problems(results):
     return problems
 
 
+# scenarios whose ranks' state dicts are consolidated here, with the unwrapped model
+CONSOLIDATED = {"shared_module_names": SharedEmbeddingLM, "shared_layer_unit": SharedLayerNet}
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_pattern(results, name):
     problems = _problems(results, name)
-    if name == "shared_module_names":
-        problems += _consolidation_problems(results)
+    if name in CONSOLIDATED:
+        problems += _consolidation_problems(results, name, CONSOLIDATED[name])
     if name == "independent_groups":
         problems += _group_problems(results)
     assert not problems, "\n".join(problems)

@@ -129,6 +129,22 @@ class SkipNet(nn.Module):
         return self.head(h)
 
 
+class SharedLayerNet(nn.Module):
+    """One block registered twice and run twice, as ALBERT shares its layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(DIM, DIM)
+        self.layers = nn.ModuleList([Block()] * 2)
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
 class SharedEmbeddingLM(nn.Module):
     """One embedding under three names and tied to the head, as T5 registers it."""
 

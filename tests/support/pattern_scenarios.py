@@ -23,9 +23,9 @@ from typing import Callable, Dict, List
 import torch
 
 from .checks import nonempty
-from .models import GLOBAL_BATCH, Net, batch, loss_fn
+from .models import GLOBAL_BATCH, Block, Net, batch, loss_fn
 from .pattern_models import (BufferNet, BuriedNet, DataclassNet, PenalisedNet, ScaledNet,
-                             SharedEmbeddingLM, SkipNet)
+                             SharedEmbeddingLM, SharedLayerNet, SkipNet)
 from .patterns import (TOL, WORLD, Context, Pair, check_strict_round_trip,
                               compare_values, describe, placeholder, seeded, sgd, wrap_blocks,
                               wrap_grouped)
@@ -447,6 +447,27 @@ def shared_module_names(ctx):
     check_strict_round_trip(ctx, p, full, SharedEmbeddingLM)
 
 
+def shared_layer_unit(ctx):
+    """A block registered in two places and auto-wrapped: one unit in both, which trains as
+    unsharded, and every checkpoint names its parameters under both places, as the unwrapped
+    model's state dict does (see [Note: a unit under several paths])."""
+    import functools
+    from xla_fsdp import FSDP
+    from xla_fsdp.wrap import transformer_auto_wrap_policy
+    p = Pair(ctx, SharedLayerNet, wrap=lambda m: FSDP(m, auto_wrap_policy=functools.partial(
+        transformer_auto_wrap_policy, transformer_layer_cls={Block})))
+    if p.model.layers[0] is not p.model.layers[1]:
+        ctx.problem("the block registered twice became two modules")
+    for step in range(2):
+        p.step(f"step {step}")
+    p.compare_params("after 2 steps")
+    full = p.model.full_state_dict(rank0_only=False)
+    ctx.extra["shared_layer_unit"] = {
+        "model": {k: v.detach().cpu() for k, v in p.model.state_dict().items()},
+        "shard_metadata": p.model.get_shard_metadata(), "full": full}
+    check_strict_round_trip(ctx, p, full, SharedLayerNet)
+
+
 def independent_groups(ctx):
     """``sharding_groups`` of one rank each, as for model parallelism: each group trains a
     model of its own (here each rank from another seed) on its own data, nothing is averaged
@@ -503,6 +524,7 @@ SCENARIOS: Dict[str, Callable[[Context], None]] = {
     "abandoned_no_sync": abandoned_no_sync,
     "optimizer_in_backward": optimizer_in_backward,
     "shared_module_names": shared_module_names,
+    "shared_layer_unit": shared_layer_unit,
     "independent_groups": independent_groups,
     "own_parameters_in_forward": own_parameters_in_forward,
     "frozen_for_a_reference_forward": frozen_for_a_reference_forward,

@@ -37,7 +37,8 @@ from .async_save import copy_of_extra
 from .coordination import exchange, gathered_bytes, gathered_on_host, runs_by_size
 from .files import CheckpointError
 from .live_model import (extra_state_tensors, parameter_order, persistent_buffers,
-                         sharding_group_index, tied_aliases, units_by_saved_path, unwrapped_name)
+                         sharding_group_index, tied_aliases, unit_aliases, units_by_saved_path,
+                         unwrapped_name)
 from .optimizer_state import live_state, optimizer_shard_keys, saved_state_dict, walk_state
 from .formats.keys import EXTRA
 from .unit_protocol import ShardedModel
@@ -202,7 +203,7 @@ def gathered_state(model: ShardedModel, optimizer: Optional[torch.optim.Optimize
     entries.update((n, _Own(b, original_dtype(b))) for n, b in persistent_buffers(model))
     entries.update((n, _Own(t, t.dtype))
                    for n, t in extra_state_tensors(model, what))
-    aliases = tied_aliases((path, unit.shared_params) for path, unit in units)
+    aliases = tied_aliases(unit_aliases(model, units).items())
     named = None if optimizer is None else _named_optimizer_state(
         model, optimizer, gathers, tensors, slots, order)
     # on the host, as every other save keeps it: DCP's writer stores no device tensor

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from .._sharding.chunks import Chunk, run_chunks
-from .._sharding.names import clean_name, join_name
+from .._sharding.names import GROUP_PREFIX, WRAPPER_PARTS, clean_name, join_name
 from .._unit.param_record import ParamRecord
 from .._unit.shard_group import ShardGroup
 from .._xla.private_api import is_persistent_buffer
@@ -41,15 +41,20 @@ def unwrapped_name(path: str, name: str = "") -> str:
     return clean_name(join_name(path, name))
 
 
+def _keys_by_tensor(root: nn.Module) -> Dict[int, List[str]]:
+    keys_of: Dict[int, List[str]] = {}
+    for k, v in root.state_dict(keep_vars=True).items():
+        keys_of.setdefault(id(v), []).append(k)
+    return keys_of
+
+
 def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
                         ) -> List[Tuple[str, ShardedUnit]]:
     """``units`` (path, unit) with each path as the prefix of its shards' keys in
     ``root.state_dict()`` (see [Note: names are the state dict's]). A unit kept under two
     paths has its shards in the state dict twice: the key under its own path (where
     ``named_units`` puts it) is the one, else the first."""
-    keys_of: Dict[int, List[str]] = {}
-    for k, v in root.state_dict(keep_vars=True).items():
-        keys_of.setdefault(id(v), []).append(k)
+    keys_of = _keys_by_tensor(root)
     out = []
     for path, unit in units:
         for g in unit.shard_groups:
@@ -60,6 +65,52 @@ def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]
                 path = key[:-len(g.shard_name)].rstrip(".")
                 break
         out.append((path, unit))
+    return out
+
+
+def other_paths(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
+                ) -> Dict[int, List[str]]:
+    """[Note: a unit under several paths]
+    A module registered at several places (``nn.ModuleList([block] * 3)``, ALBERT's shared
+    layers) is one unit, at the first of its paths (``named_units``), while the unwrapped
+    model's ``state_dict()`` names its parameters under every path, as it names a tied
+    parameter under each of its names. So every name a unit's parameters have is its own
+    path's and each other path's: the loader accepts them all (``param_slots``), and the
+    consolidated outputs and the per-rank files' ``shared_info`` hold them as aliases of the
+    first (``unit_aliases``). The other paths are read off ``root.state_dict()``, by where
+    the unit's first shard is saved again (see [Note: names are the state dict's]), inside
+    the root's wrapped module only: a unit kept as an attribute of the root wrapper (a
+    handle set after wrapping) is not in the unwrapped model, nor is a grouping unit, whose
+    parameters are named as its members are, wherever a handle on it is kept.
+
+    By id of the unit: its other paths, for the units of ``units`` that have some."""
+    keys_of = _keys_by_tensor(root)
+    out: Dict[int, List[str]] = {}
+    for path, unit in units_by_saved_path(root, units):
+        if not unit.shard_groups or path.rpartition(".")[2].startswith(GROUP_PREFIX):
+            continue
+        g = unit.shard_groups[0]
+        others = [k[:-len(g.shard_name)].rstrip(".") for k in keys_of.get(id(g.shard), [])
+                  if k != join_name(path, g.shard_name) and k.split(".")[0] in WRAPPER_PARTS]
+        if others:
+            out[id(unit)] = others
+    return out
+
+
+def unit_aliases(root: nn.Module, units: List[Tuple[str, ShardedUnit]]
+                 ) -> Dict[str, List[Tuple[str, str]]]:
+    """{unit path: its (alias, source) pairs, relative to that path} for the ``units`` with
+    tied parameters, the pairs of the units kept under several paths under "" by their full
+    names (see [Note: a unit under several paths]): what ``tied_aliases`` reads, of a live
+    model or as ``shared_info`` holds it."""
+    out: Dict[str, List[Tuple[str, str]]] = {
+        path: list(unit.shared_params) for path, unit in units if unit.shared_params}
+    others = other_paths(root, units)
+    elsewhere = [(unwrapped_name(q, n), unwrapped_name(path, r.names[0]))
+                 for path, unit in units for q in others.get(id(unit), [])
+                 for g in unit.shard_groups for r in g.records for n in r.names]
+    if elsewhere:
+        out[""] = out.get("", []) + elsewhere
     return out
 
 
@@ -275,14 +326,17 @@ class ParamSlot:
 def param_slots(root: ShardedModel) -> List[ParamSlot]:
     """Every parameter of the model, with this rank's chunks of it."""
     out = []
-    for path, unit in root.named_units():
+    units = list(root.named_units())
+    others = other_paths(root, units)   # see [Note: a unit under several paths]
+    for path, unit in units:
+        paths = [path] + others.get(id(unit), [])
         for g in unit.shard_groups:
             owned = {o.param: o for o in g.layout.owned(unit.rank)}
             for i, (record, shape) in enumerate(zip(g.records, g.layout.shapes)):
                 o = owned.get(i)
                 pieces = tuple(run_chunks(shape, o.start, o.end, o.shard_offset)) if o else ()
-                out.append(ParamSlot(tuple(unwrapped_name(path, n) for n in record.names),
-                                     torch.Size(shape), g, pieces))
+                names = tuple(unwrapped_name(p, n) for p in paths for n in record.names)
+                out.append(ParamSlot(names, torch.Size(shape), g, pieces))
     return out
 
 

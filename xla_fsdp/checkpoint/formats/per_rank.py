@@ -43,7 +43,8 @@ import torch.nn as nn
 from ..._sharding.layout import Dim0Layout, InterleavedLayout, Layout, StackedLayout
 from ..._sharding.names import join_name
 from ..._unit.buffers import original_dtype
-from ..live_model import parameter_order, persistent_buffers, tied_aliases, units_by_saved_path
+from ..live_model import (parameter_order, persistent_buffers, tied_aliases, unit_aliases,
+                          units_by_saved_path)
 from .keys import EXTRA, MODEL, OPTIMIZER
 from ..unit_protocol import ShardedUnit
 
@@ -85,7 +86,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
     index of this rank's group and whether the groups are replicas, under
     ``sharding_groups`` (see [Note: files of several sharding groups])."""
     units = units_by_saved_path(root, units)
-    shard_info, flatten_info, shared_info, layout_info = {}, {}, {}, {}
+    shard_info, flatten_info, layout_info = {}, {}, {}
     interleave_info, stack_info = {}, {}
     for path, unit in units:
         shard_groups = unit.shard_groups
@@ -102,8 +103,7 @@ def shard_metadata(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]], wo
             elif unit.flatten_parameters and not isinstance(g.layout, Dim0Layout):
                 info = interleave_info if isinstance(g.layout, InterleavedLayout) else flatten_info
                 info[key] = (list(g.names), list(g.layout.shapes), list(g.layout.numels))
-        if unit.shared_params:
-            shared_info[path] = unit.shared_params
+    shared_info = unit_aliases(root, units)
     buffer_info = {name: {"_orig_dtype": original_dtype(buf)}
                    for name, buf in persistent_buffers(root)
                    if original_dtype(buf) != buf.dtype}
