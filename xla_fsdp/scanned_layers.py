@@ -3,6 +3,9 @@
     model.layers = ScannedLayers(model.layers, **fsdp_options)   # an nn.ModuleList
     model = XlaFullyShardedDataParallel(model, **fsdp_options)
 
+(the options about a whole unit's schedule, such as ``reshard_after_forward``, do not apply
+to the stack: given other than their defaults, the stack says it ignores them).
+
 The step then compiles one layer's forward and one layer's backward, whatever the depth:
 the layers run as a while loop over stacked shards (``scan.loop``), one layer gathered at a
 time, forward and backward. The model's code does not change: iterating the stack yields

@@ -193,18 +193,27 @@ def _never_synced(out):
     between two of this rank's, and restart the count once."""
     import warnings
     import torch_xla
+    import torch_xla.debug.metrics as metrics
     from xla_fsdp import FSDP
-    model = FSDP(Tiny())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x = torch.ones(2, 4).to(torch_xla.device())
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for _ in range(6):
-            model(x).sum().backward()
-            opt.step()
-            opt.zero_grad()
-    out["never_synced"] = [str(w.message) for w in seen if "torch_xla.sync()" in str(w.message)]
-    torch_xla.sync()
+    out["never_synced"] = []
+    # told by the momentum still pending, then (no tensor state) by torch_xla's sync count;
+    # a loop that syncs each step, calling metrics.clear_all() too, is not told
+    for momentum, sync in ((0.9, False), (0.0, False), (0.9, True)):
+        model = FSDP(Tiny())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for _ in range(6):
+                model(x).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                if sync:
+                    torch_xla.sync()
+                    metrics.clear_all()
+        out["never_synced"].append([str(w.message) for w in seen
+                                    if "torch_xla.sync()" in str(w.message)])
+        torch_xla.sync()
 
 
 def _conversions(out):
@@ -487,8 +496,11 @@ def test_misuse_errors():
     assert "a param group with weight decay holds no matrix, while the group without it " \
         "holds flat shards of matrices (lin.weight)" in out["decay_by_dim"], out["decay_by_dim"]
     assert out["own_scalars"] == "no error", out["own_scalars"]
-    told, = out["never_synced"]
-    assert told.startswith("SGD.step() ran 3 times without a torch_xla.sync()"), told
+    momentum, plain, synced = out["never_synced"]
+    for told in (momentum, plain):
+        assert len(told) == 1 and told[0].startswith(
+            "SGD.step() ran 3 times without a torch_xla.sync()"), told
+    assert synced == [], synced
     three, one = out["other_layout_state"]
     assert "has shape (3,), not its shard's" in three and "shape (1,), not its" in one, \
         out["other_layout_state"]

@@ -197,7 +197,7 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             "(Hugging Face Trainer sets it only for non-XLA FSDP, and xla_fsdp sets it when a "
             "unit is built unless it is set already). Set ACCELERATE_USE_FSDP=true.")
     if sharded and sharded[0].device.type == "xla":
-        _warn_if_never_synced(optimizer, xla_metrics.counter_value("MarkStep") or 0)
+        _warn_if_never_synced(optimizer, sharded)
     if sharded and optimizer not in _audited:
         _refuse_whole_tensor_update(optimizer, sharded)
         _refuse_full_parameter_state(optimizer, sharded)
@@ -217,18 +217,27 @@ def check_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 # its loss (``loss.item()``) computes the loss alone: the parameters stay pending graphs, so
 # each step's graph holds every step before it, grows, compiles anew and runs them all again
 # (30 AdamW steps of a two-block model at N=2 on virtual devices: 4.3 s synced, 213 s not,
-# and no error anywhere; torch_xla's FSDP is silent too). torch_xla counts its syncs (``MarkStep``): when an optimizer over
-# shards steps three times with none between, the user is told once. A loop that syncs every
-# few steps on purpose gets the same single warning.
+# and no error anywhere; torch_xla's FSDP is silent too). When an optimizer over shards
+# steps three times with nothing synced between, the user is told once. What tells: the
+# optimizer's own state from its last update (momentum, moments), still a pending graph at
+# the next step unless a sync computed it (the shards themselves are rewritten by the
+# backward's barriers every step, synced or not); an optimizer without tensor state falls
+# back on torch_xla's count of its syncs (``MarkStep``, which ``metrics.clear_all()`` also
+# resets). A loop that syncs every few steps on purpose gets the same single warning.
 _UNSYNCED_STEPS_TOLD = 3
 _syncs_seen: "weakref.WeakKeyDictionary[torch.optim.Optimizer, List[int]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _warn_if_never_synced(optimizer: torch.optim.Optimizer, syncs: int) -> None:
-    """See [Note: a loop without torch_xla.sync()]; ``syncs``: torch_xla's count so far."""
+def _warn_if_never_synced(optimizer: torch.optim.Optimizer, sharded: List[torch.Tensor]
+                          ) -> None:
+    """See [Note: a loop without torch_xla.sync()]."""
+    state = next((v for p in sharded for v in optimizer.state.get(p, {}).values()
+                  if torch.is_tensor(v) and v.device.type == "xla" and v.dim() > 0), None)
+    syncs = xla_metrics.counter_value("MarkStep") or 0
     seen = _syncs_seen.setdefault(optimizer, [-1, 0])   # the count at the last step, steps
-    seen[1] = seen[1] + 1 if syncs == seen[0] else 0
+    unsynced = needs_computation([state])[0] if state is not None else syncs == seen[0]
+    seen[1] = seen[1] + 1 if unsynced else 0
     seen[0] = syncs
     if seen[1] == _UNSYNCED_STEPS_TOLD - 1:
         warnings.warn(

@@ -48,13 +48,15 @@ def _keys_by_tensor(root: nn.Module) -> Dict[int, List[str]]:
     return keys_of
 
 
-def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
+def units_by_saved_path(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]],
+                        keys_of: Optional[Dict[int, List[str]]] = None
                         ) -> List[Tuple[str, ShardedUnit]]:
     """``units`` (path, unit) with each path as the prefix of its shards' keys in
-    ``root.state_dict()`` (see [Note: names are the state dict's]). A unit kept under two
-    paths has its shards in the state dict twice: the key under its own path (where
-    ``named_units`` puts it) is the one, else the first."""
-    keys_of = _keys_by_tensor(root)
+    ``root.state_dict()`` (see [Note: names are the state dict's]; ``keys_of``: its keys by
+    tensor, if taken already). A unit kept under two paths has its shards in the state dict
+    twice: the key under its own path (where ``named_units`` puts it) is the one, else the
+    first."""
+    keys_of = _keys_by_tensor(root) if keys_of is None else keys_of
     out = []
     for path, unit in units:
         for g in unit.shard_groups:
@@ -86,7 +88,7 @@ def other_paths(root: nn.Module, units: Iterable[Tuple[str, ShardedUnit]]
     By id of the unit: its other paths, for the units of ``units`` that have some."""
     keys_of = _keys_by_tensor(root)
     out: Dict[int, List[str]] = {}
-    for path, unit in units_by_saved_path(root, units):
+    for path, unit in units_by_saved_path(root, units, keys_of):
         if not unit.shard_groups or path.rpartition(".")[2].startswith(GROUP_PREFIX):
             continue
         g = unit.shard_groups[0]

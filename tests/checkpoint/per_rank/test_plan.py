@@ -69,3 +69,13 @@ def test_a_shard_some_rank_files_hold_and_others_do_not_is_refused_naming_one():
                                               r".*lin_FSDP_SHARD_SEPARATOR_bias, which "
                                               r"<state dict of rank 0> holds"):
         consolidate_state_dicts(state_dicts, metadata)
+
+
+def test_state_dicts_holding_no_shard_of_the_metadata_are_refused():
+    # every key renamed (a torch.compile'd model's state dict adds '_orig_mod.'): not a
+    # filter, which leaves some in
+    _, state_dicts, metadata = _state_dicts_and_metadata(2)
+    renamed = [{f"_orig_mod.{k}": v for k, v in sd.items()} for sd in state_dicts]
+    with pytest.raises(CheckpointError, match=r"no shard in the shard metadata is in the model "
+                                              r"state dict .*'_orig_mod\.'"):
+        consolidate_state_dicts(renamed, metadata)

@@ -105,7 +105,7 @@ def plan_model(shards: ShardSet) -> ModelPlan:
     rank file holds was left out on purpose: its parameters are left out of the plan and
     named (``ModelPlan.left_out``), and a consolidation warns and writes the others. A shard
     some rank files hold and others do not is a damaged checkpoint: refused, naming a file
-    without it."""
+    without it; so are files that hold no shard at all, whose keys are not the model's."""
     specs: List[ShardGroupSpec] = []
     left_out: List[str] = []
     metadata, files = shards.metadata, shards.files
@@ -131,6 +131,12 @@ def plan_model(shards: ShardSet) -> ModelPlan:
             left_out += [p.name for p in spec.params]
         else:
             specs.append(spec)
+    if left_out and not specs:   # nothing left in: renamed keys, not a filter
+        raise CheckpointError(
+            f"no shard in the shard metadata is in the model state dict (the first: "
+            f"{saved_key(metadata.entries()[0].key)}): its keys are not the wrapped "
+            f"model's own (a torch.compile'd model's state dict adds '_orig_mod.'; save "
+            f"the FSDP model's state_dict())")
     shard_keys = {g.key for g in specs}
     # a shard under a second key (its unit also kept as an attribute) is not a buffer
     buffers = {k: clean_name(k) for k, v in model_tree.items()
