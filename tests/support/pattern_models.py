@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import CLASSES, DIM, VOCAB, Block, Carrier, Net
+from .models import CLASSES, DIM, VOCAB, Block, Carrier, Net, Stack
 
 
 # -- models ---------------------------------------------------------------------------------
@@ -129,20 +129,12 @@ class SkipNet(nn.Module):
         return self.head(h)
 
 
-class SharedLayerNet(nn.Module):
+class SharedLayerNet(Stack):
     """One block registered twice and run twice, as ALBERT shares its layers."""
 
     def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(DIM, DIM)
-        self.layers = nn.ModuleList([Block()] * 2)
-        self.head = nn.Linear(DIM, CLASSES)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
+        super().__init__(layers=1)
+        self.layers = nn.ModuleList([self.layers[0]] * 2)
 
 
 class SharedEmbeddingLM(nn.Module):

@@ -435,16 +435,7 @@ def optimizer_in_backward(ctx):
 
 
 def shared_module_names(ctx):
-    p = Pair(ctx, SharedEmbeddingLM, kind="tied")
-    for step in range(3):
-        p.step(f"step {step}")
-    p.compare_params("after 3 steps")
-    full = p.model.full_state_dict(rank0_only=False)
-    # consolidated in the test process, against this full state dict
-    ctx.extra["shared_module_names"] = {
-        "model": {k: v.detach().cpu() for k, v in p.model.state_dict().items()},
-        "shard_metadata": p.model.get_shard_metadata(), "full": full}
-    check_strict_round_trip(ctx, p, full, SharedEmbeddingLM)
+    _trained_and_kept(ctx, "shared_module_names", Pair(ctx, SharedEmbeddingLM, kind="tied"), 3)
 
 
 def shared_layer_unit(ctx):
@@ -458,14 +449,20 @@ def shared_layer_unit(ctx):
         transformer_auto_wrap_policy, transformer_layer_cls={Block})))
     if p.model.layers[0] is not p.model.layers[1]:
         ctx.problem("the block registered twice became two modules")
-    for step in range(2):
+    _trained_and_kept(ctx, "shared_layer_unit", p, 2)
+
+
+def _trained_and_kept(ctx, name, p, steps):
+    """``steps`` steps of ``p`` against unsharded; its full state dict round trips strict,
+    and its ranks' state dicts are kept for the test process to consolidate."""
+    for step in range(steps):
         p.step(f"step {step}")
-    p.compare_params("after 2 steps")
+    p.compare_params(f"after {steps} steps")
     full = p.model.full_state_dict(rank0_only=False)
-    ctx.extra["shared_layer_unit"] = {
+    ctx.extra[name] = {
         "model": {k: v.detach().cpu() for k, v in p.model.state_dict().items()},
         "shard_metadata": p.model.get_shard_metadata(), "full": full}
-    check_strict_round_trip(ctx, p, full, SharedLayerNet)
+    check_strict_round_trip(ctx, p, full, type(p.plain))
 
 
 def independent_groups(ctx):

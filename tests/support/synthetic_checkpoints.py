@@ -20,6 +20,18 @@ def full_model(seed=0):
     return {name: torch.randn(shape, generator=g) for name, shape in SHAPES.items()}
 
 
+def flat_metadata(world, update_count=0):
+    """Rank 0's shard metadata of ``SHAPES``, each parameter a flat group of its own."""
+    return {
+        "shard_info": {"": {shard_key(n): {"_orig_size": torch.Size(s),
+                                           "_orig_name": "_fsdp_wrapped_module." + n}
+                            for n, s in SHAPES.items()}},
+        "flatten_info": {}, "buffer_info": {}, "shared_info": {},
+        "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
+        "param_order": list(SHAPES), "update_count": update_count, "world_size": world,
+        "rank": 0}
+
+
 def write_set(prefix, world, full=None, save_index=1, flattened=False, recipe=False,
               update_count=0, ranks=None, param_groups=None, sharding_group=None):
     """Writes ``world`` rank files of ``full`` (a {name: tensor} dict); returns their paths.
@@ -31,14 +43,7 @@ def write_set(prefix, world, full=None, save_index=1, flattened=False, recipe=Fa
     full = full or full_model()
     if flattened:
         return _write_flattened(prefix, world, full, save_index)
-    metadata = {
-        "shard_info": {"": {shard_key(n): {"_orig_size": torch.Size(s),
-                                           "_orig_name": "_fsdp_wrapped_module." + n}
-                            for n, s in SHAPES.items()}},
-        "flatten_info": {}, "buffer_info": {}, "shared_info": {},
-        "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
-        "param_order": list(SHAPES), "update_count": update_count, "world_size": world,
-        "rank": 0}
+    metadata = flat_metadata(world, update_count)
     if sharding_group is not None:
         metadata["sharding_group"], metadata["replica"] = sharding_group
     groups = param_groups or [list(range(len(SHAPES)))]

@@ -6,7 +6,7 @@ from xla_fsdp._sharding.layout import FlatLayout
 from xla_fsdp.checkpoint.consolidate.library import consolidate_state_dicts
 from xla_fsdp.checkpoint.files import CheckpointError
 
-from ...support.synthetic_checkpoints import SHAPES, full_model, shard_key
+from ...support.synthetic_checkpoints import SHAPES, flat_metadata, full_model, shard_key
 
 
 def test_a_buffer_placed_in_another_dtype_is_consolidated_in_its_own():
@@ -35,16 +35,9 @@ def test_a_buffer_placed_in_another_dtype_is_consolidated_in_its_own():
 
 def _state_dicts_and_metadata(world):
     full = full_model()
-    metadata = {
-        "shard_info": {"": {shard_key(n): {"_orig_size": torch.Size(s),
-                                           "_orig_name": "_fsdp_wrapped_module." + n}
-                            for n, s in SHAPES.items()}},
-        "flatten_info": {}, "buffer_info": {}, "shared_info": {},
-        "layout_info": {"": {shard_key(n): {"kind": "flat", "multiple": 1} for n in SHAPES}},
-        "param_order": list(SHAPES), "update_count": 0, "world_size": world, "rank": 0}
     state_dicts = [{shard_key(n): FlatLayout((torch.Size(s),), world).shard([full[n]], rank)
                     for n, s in SHAPES.items()} for rank in range(world)]
-    return full, state_dicts, metadata
+    return full, state_dicts, flat_metadata(world)
 
 
 def test_a_shard_left_out_of_every_rank_file_is_left_out_and_named():
