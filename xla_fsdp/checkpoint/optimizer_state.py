@@ -158,8 +158,7 @@ def saved_state_dict(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     for param_group in optimizer.param_groups:
         expected.append(list(range(start, start + len(param_group["params"]))))
         start += len(param_group["params"])
-    got = [list(g.get("params", ())) if isinstance(g, Mapping) else g
-           for g in saved.get("param_groups", ())]
+    got = [list(g.get("params", ())) for g in saved.get("param_groups", ())]
     if got != expected:
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b),
                   min(len(got), len(expected)))
